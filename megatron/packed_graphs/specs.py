@@ -1,0 +1,147 @@
+"""Layer specs for packed-sequence GPT and hybrid Mamba-Transformer models.
+
+A spec is composed from a megatron-core backend provider (which linear / norm / attention
+classes to use) instead of boolean switches:
+
+* ``te``: megatron-core's `TESpecProvider` (fused norm+linear, TE THD attention);
+* ``torch`` / ``flash``: `VarlenSpecProvider` = megatron-core's `LocalSpecProvider`
+  (torch norms, Megatron column/row-parallel linears) with `VarlenAttention` as the core
+  attention. This is the path that runs where Transformer Engine is missing.
+
+Where the provider does not fuse the norm into the following linear, the spec places a
+separate norm module in front (``input_layernorm`` / ``pre_mlp_layernorm`` / Mamba ``norm``).
+"""
+
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+
+from megatron.packed_graphs.attention import PackedSelfAttention, VarlenAttention
+
+
+class VarlenSpecProvider(LocalSpecProvider):
+    """LocalSpecProvider whose core attention is the TE-free `VarlenAttention`."""
+
+    def __init__(self, attention_backend: str = "torch"):
+        self.attention_backend = attention_backend
+
+    def core_attention(self):
+        return ModuleSpec(module=VarlenAttention, params={"backend": self.attention_backend})
+
+
+def backend_provider(attention_backend: str) -> BackendSpecProvider:
+    """Provider for a resolved attention backend ('te', 'flash' or 'torch')."""
+    if attention_backend == "te":
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return VarlenSpecProvider(attention_backend)
+
+
+def _norm(provider: BackendSpecProvider, normalization: str):
+    return provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False)
+
+
+def _norm_and_linear(provider: BackendSpecProvider, normalization: str):
+    """(norm in front, column-parallel linear) — the norm is Identity when the linear fuses it."""
+    if provider.fuse_layernorm_and_linear():
+        return IdentityOp, provider.column_parallel_layer_norm_linear()
+    return _norm(provider, normalization), provider.column_parallel_linear()
+
+
+def attention_layer_spec(provider: BackendSpecProvider, normalization: str) -> ModuleSpec:
+    """A TransformerLayer holding only causal self-attention (the hybrid '*' layer)."""
+    norm, linear_qkv = _norm_and_linear(provider, normalization)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=PackedSelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=linear_qkv,
+                    core_attention=provider.core_attention(),
+                    linear_proj=provider.row_parallel_linear(),
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def _mlp_spec(provider: BackendSpecProvider, normalization: str):
+    norm, linear_fc1 = _norm_and_linear(provider, normalization)
+    mlp = ModuleSpec(
+        module=MLP,
+        submodules=MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=provider.row_parallel_linear()),
+    )
+    return norm, mlp
+
+
+def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm") -> ModuleSpec:
+    """GPT TransformerLayer (attention + MLP) for packed sequences."""
+    provider = backend_provider(attention_backend)
+    attention = attention_layer_spec(provider, normalization).submodules
+    pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=attention.input_layernorm,
+            self_attention=attention.self_attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm") -> ModuleSpec:
+    """HybridStack spec: Mamba ('M'), attention ('*') and MLP ('-') layers.
+
+    Imports the Mamba modules on call: megatron-core's MambaMixer needs triton and mamba-ssm.
+    """
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+
+    from megatron.packed_graphs.mamba import HybridStack, HybridStackSubmodules, PackedMambaMixer
+
+    provider = backend_provider(attention_backend)
+    mamba_norm, in_proj = _norm_and_linear(provider, normalization)
+    pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(
+            mamba_layer=ModuleSpec(
+                module=MambaLayer,
+                submodules=MambaLayerSubmodules(
+                    norm=mamba_norm,
+                    mixer=ModuleSpec(
+                        module=PackedMambaMixer,
+                        submodules=MambaMixerSubmodules(
+                            in_proj=in_proj, out_proj=provider.row_parallel_linear()
+                        ),
+                    ),
+                    mamba_bda=get_bias_dropout_add,
+                ),
+            ),
+            attention_layer=attention_layer_spec(provider, normalization),
+            mlp_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add
+                ),
+            ),
+            final_norm=_norm(provider, normalization),
+        ),
+    )

@@ -1,0 +1,338 @@
+"""The rules behind ``arguments.validate_args``: one function per flag group.
+
+Each function reads a parsed ``argparse.Namespace``, raises
+``ValueError("<what> is wrong: <value>. <what to do>.")`` on the first bad value and fills the
+derived values of its group in place. They run in the order ``validate_args`` calls them; a
+later group may rely on values an earlier one derived (e.g. ``num_layers`` from the hybrid
+pattern before the pipeline checks).
+"""
+
+import importlib.util
+
+from megatron.core.transformer.enums import CudaGraphScope
+
+# Layer symbols of --hybrid-override-pattern that this fork builds (megatron-core's Symbols
+# also has 'E', MoE, which this fork does not support).
+HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}
+
+# Scopes of CudaGraphScope this fork rejects, with the reason.
+UNSUPPORTED_SCOPES = {
+    "full_iteration": "A whole-iteration graph cannot take the varying packed metadata "
+                      "(cu_seqlens) of each micro-batch; use attn, mlp, mamba or omit the flag",
+    "moe": "MoE is not supported by this fork",
+    "moe_router": "MoE is not supported by this fork",
+    "moe_preprocess": "MoE is not supported by this fork",
+}
+
+SUPPORTED_SCOPES = [name for name in CudaGraphScope.__members__ if name not in UNSUPPORTED_SCOPES]
+
+_INSTALL_HINT = {
+    "transformer_engine": "install Transformer Engine (`pip install .[te]`)",
+    "flash_attn": "install flash-attn (`pip install .[flash]`)",
+}
+
+
+def fail(what: str, value, todo: str):
+    """Raise the one error shape every rule uses."""
+    raise ValueError(f"{what} is wrong: {value}. {todo}.")
+
+
+def is_importable(package: str) -> bool:
+    """Whether ``package`` can be imported, without importing it (tests monkeypatch this)."""
+    return importlib.util.find_spec(package) is not None
+
+
+def _require_package(package: str, what: str, value):
+    if not is_importable(package):
+        fail(what, value, f"It needs {package}, which is not importable: "
+                          f"{_INSTALL_HINT[package]}")
+
+
+def _at_least(args, flag: str, minimum):
+    """``flag``'s value (skipped when None) must be >= ``minimum``."""
+    value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if value is not None and value < minimum:
+        fail(flag, value, f"Use a value >= {minimum}")
+
+
+def check_model_name(model: str):
+    if model not in ("gpt", "hybrid"):
+        fail("model", repr(model), "Use 'gpt' or 'hybrid'")
+
+
+def check_hybrid(args, model: str):
+    """--hybrid-override-pattern: only for hybrid, required there; infers num_layers."""
+    pattern = args.hybrid_override_pattern
+    if model == "gpt":
+        if pattern is not None:
+            fail("--hybrid-override-pattern", repr(pattern),
+                 "It describes a hybrid Mamba model: run pretrain_mamba.py, or drop the flag")
+        return
+    if not pattern:
+        fail("--hybrid-override-pattern", repr(pattern),
+             "A hybrid model needs one character per layer, e.g. 'M-M*M-'")
+    allowed = "".join(HYBRID_SYMBOLS)
+    for char in pattern:
+        if char == "E":
+            fail("--hybrid-override-pattern", repr(pattern),
+                 "'E' (MoE) is not supported by this fork; use only the characters "
+                 f"{allowed!r}")
+        if char not in HYBRID_SYMBOLS:
+            fail("--hybrid-override-pattern", repr(pattern),
+                 f"Character {char!r} is not a layer symbol; use only {allowed!r} "
+                 "(M Mamba, * attention, - MLP)")
+    if args.num_layers is None:
+        args.num_layers = len(pattern)
+    elif args.num_layers != len(pattern):
+        fail("--num-layers", args.num_layers,
+             f"--hybrid-override-pattern has {len(pattern)} layers; make them equal or drop "
+             "--num-layers")
+
+
+def check_model(args, model: str):
+    """Sizes; fills ffn_hidden_size, num_query_groups, kv_channels, max_position_embeddings."""
+    if args.num_layers is None:
+        fail("--num-layers", None, "A gpt model needs --num-layers")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                 "--vocab-size", "--make-vocab-size-divisible-by", "--ffn-hidden-size",
+                 "--num-query-groups", "--kv-channels", "--max-position-embeddings"):
+        _at_least(args, flag, 1)
+    heads = args.num_attention_heads
+    if args.hidden_size % heads:
+        fail("--hidden-size", args.hidden_size,
+             f"It must be divisible by --num-attention-heads ({heads})")
+    if args.num_query_groups is None:
+        args.num_query_groups = heads
+    if heads % args.num_query_groups:
+        fail("--num-query-groups", args.num_query_groups,
+             f"It must divide --num-attention-heads ({heads})")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        fail("--seq-length", args.seq_length,
+             f"It exceeds --max-position-embeddings ({args.max_position_embeddings}); raise "
+             "that or shorten the sequence")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        fail("--rotary-percent", args.rotary_percent, "Use a value in (0, 1]")
+    if model == "hybrid":
+        _check_mamba(args)
+
+
+def _check_mamba(args):
+    """The divisibility MambaMixer asserts (expand = 2), reported before the model is built."""
+    for flag in ("--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups",
+                 "--mamba-num-heads"):
+        _at_least(args, flag, 1)
+    heads = args.mamba_num_heads
+    if heads is None:
+        inner = 2 * args.hidden_size
+        if inner % args.mamba_head_dim:
+            fail("--mamba-head-dim", args.mamba_head_dim,
+                 f"It must divide the Mamba inner width 2 * hidden size = {inner}, or set "
+                 "--mamba-num-heads")
+        heads = inner // args.mamba_head_dim
+    if heads % args.mamba_num_groups:
+        fail("--mamba-num-groups", args.mamba_num_groups,
+             f"It must divide the Mamba head count ({heads})")
+
+
+def check_parallelism(args, model: str, world_size: int):
+    """TP/PP/VPP/CP/SP; fills data_parallel_size and virtual_pipeline_model_parallel_size."""
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--context-parallel-size", "--virtual-pipeline-model-parallel-size",
+                 "--num-layers-per-virtual-pipeline-stage"):
+        _at_least(args, flag, 1)
+    tp = args.tensor_model_parallel_size
+    pp = args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
+    if world_size < 1 or world_size % (tp * pp * cp):
+        fail("world size", world_size,
+             f"It must be a multiple of tensor x pipeline x context parallel sizes "
+             f"({tp} x {pp} x {cp} = {tp * pp * cp}); change the sizes or the number of ranks")
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    if args.num_attention_heads % tp:
+        fail("--num-attention-heads", args.num_attention_heads,
+             f"It must be divisible by --tensor-model-parallel-size ({tp})")
+    if args.num_query_groups % tp:
+        fail("--num-query-groups", args.num_query_groups,
+             f"It must be divisible by --tensor-model-parallel-size ({tp})")
+    if model == "hybrid" and args.mamba_num_groups % tp:
+        fail("--mamba-num-groups", args.mamba_num_groups,
+             f"It must be divisible by --tensor-model-parallel-size ({tp})")
+    if args.num_layers % pp:
+        what = "--num-layers" if model == "gpt" else "--hybrid-override-pattern length"
+        fail(what, args.num_layers,
+             f"It must be divisible by --pipeline-model-parallel-size ({pp})")
+    _check_virtual_pipeline(args, model)
+    if args.sequence_parallel:
+        if tp == 1:
+            fail("--sequence-parallel", True,
+                 "It needs --tensor-model-parallel-size > 1; drop it or raise TP")
+        _require_package("transformer_engine", "--sequence-parallel", True)
+        if (args.seq_length // cp) % tp:
+            fail("--seq-length", args.seq_length,
+                 f"With --sequence-parallel each rank's {args.seq_length // cp} tokens must "
+                 f"split evenly over {tp} TP ranks")
+    if cp > 1:
+        _require_package("transformer_engine", "--context-parallel-size", cp)
+        if args.attention_backend not in ("te", "auto"):
+            fail("--context-parallel-size", cp,
+                 f"Packed context parallelism runs only on Transformer Engine attention, not "
+                 f"--attention-backend {args.attention_backend}; use te or auto")
+        if args.seq_length % (2 * cp):
+            fail("--seq-length", args.seq_length,
+                 f"With --context-parallel-size {cp} it must be a multiple of 2 * cp = "
+                 f"{2 * cp}")
+
+
+def _check_virtual_pipeline(args, model: str):
+    vpp = args.virtual_pipeline_model_parallel_size
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    if vpp is None and per_stage is None:
+        return
+    flag = ("--virtual-pipeline-model-parallel-size" if vpp is not None
+            else "--num-layers-per-virtual-pipeline-stage")
+    if vpp is not None and per_stage is not None:
+        fail(flag, vpp, "It and --num-layers-per-virtual-pipeline-stage are mutually "
+                        "exclusive; give one")
+    if model == "hybrid":
+        fail(flag, vpp if vpp is not None else per_stage,
+             "megatron-core 0.16.1's MambaStack does not support interleaved pipelines; drop it")
+    pp = args.pipeline_model_parallel_size
+    if pp == 1:
+        fail(flag, vpp if vpp is not None else per_stage,
+             "Interleaving needs --pipeline-model-parallel-size > 1")
+    if per_stage is not None:
+        layers_per_rank = args.num_layers // pp
+        if layers_per_rank % per_stage:
+            fail(flag, per_stage, f"It must divide the {layers_per_rank} layers of each "
+                                  "pipeline rank")
+        vpp = args.virtual_pipeline_model_parallel_size = layers_per_rank // per_stage
+    if vpp < 2:
+        fail(flag, vpp if per_stage is None else per_stage,
+             f"It gives {vpp} model chunk per pipeline rank; interleaving needs at least 2, "
+             "or drop the flag")
+    if args.num_layers % (pp * vpp):
+        fail("--num-layers", args.num_layers,
+             f"It must be divisible by pipeline x virtual pipeline size ({pp} x {vpp})")
+
+
+def check_training(args):
+    """Precision and batch sizes; fills global_batch_size and num_microbatches."""
+    if args.fp16:
+        if args.bf16:
+            fail("--fp16", True, "--bf16 and --fp16 are mutually exclusive; use --bf16")
+        fail("--fp16", True, "This fork trains in bf16 or fp32 only; use --bf16")
+    _at_least(args, "--micro-batch-size", 1)
+    _at_least(args, "--global-batch-size", 1)
+    _at_least(args, "--train-iters", 1)
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        fail("--global-batch-size", args.global_batch_size,
+             f"It must be a multiple of micro batch x data parallel size "
+             f"({args.micro_batch_size} x {args.data_parallel_size} = {per_step})")
+    args.num_microbatches = args.global_batch_size // per_step
+
+
+def check_learning_rate(args):
+    """Schedule lengths and bounds; fills lr_decay_iters."""
+    _at_least(args, "--lr-warmup-iters", 0)
+    _at_least(args, "--lr-decay-iters", 1)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        fail("--lr-warmup-iters", args.lr_warmup_iters,
+             f"It must not exceed --lr-decay-iters ({args.lr_decay_iters})")
+    if args.lr < args.min_lr:
+        fail("--lr", args.lr, f"It must be >= --min-lr ({args.min_lr})")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
+        fail("--lr-wsd-decay-iters", None, "--lr-decay-style WSD needs it")
+
+
+def check_checkpointing(args):
+    _at_least(args, "--save-interval", 1)
+    if args.save_interval is not None and args.save is None:
+        fail("--save-interval", args.save_interval, "It needs --save <dir>")
+
+
+def check_logging(args):
+    _at_least(args, "--log-interval", 1)
+    _at_least(args, "--eval-interval", 0)
+    if args.eval_interval > 0 and args.eval_iters < 1:
+        fail("--eval-iters", args.eval_iters,
+             "Evaluation (--eval-interval > 0) needs at least 1; or set --eval-interval 0")
+
+
+def check_data(args):
+    if (args.data_path is None) == (not args.mock_data):
+        given = "both" if args.mock_data else "neither"
+        fail("--data-path / --mock-data", f"{given} given",
+             "Give exactly one: --data-path <file.jsonl> or --mock-data")
+    _at_least(args, "--mock-doc-length-median", 1)
+    _at_least(args, "--mock-doc-length-sigma", 0)
+
+
+def check_attention(args):
+    if args.attention_backend == "te":
+        _require_package("transformer_engine", "--attention-backend", "te")
+    elif args.attention_backend == "flash":
+        _require_package("flash_attn", "--attention-backend", "flash")
+
+
+def normalise_cuda_graph_scope(values) -> list[str]:
+    """``["attn,mlp"]`` or ``["attn", "mlp"]`` -> ``["attn", "mlp"]``; checks every name."""
+    names = []
+    for value in values:
+        for name in (part.strip() for part in value.split(",")):
+            if not name:
+                continue
+            if name not in CudaGraphScope.__members__:
+                fail("--cuda-graph-scope", repr(name),
+                     f"Valid CudaGraphScope names are {', '.join(CudaGraphScope.__members__)} "
+                     f"(this fork supports {', '.join(SUPPORTED_SCOPES)}); omit the flag to "
+                     "capture whole layers")
+            if name in UNSUPPORTED_SCOPES:
+                fail("--cuda-graph-scope", repr(name), UNSUPPORTED_SCOPES[name])
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def check_cuda_graphs(args):
+    """Graph flags; fills cuda_graph_scope as a list of CudaGraphScope names ([] = whole layer)."""
+    impl = args.cuda_graph_impl
+    capacity = args.cuda_graph_max_packed_seqs
+    if capacity < 0:
+        fail("--cuda-graph-max-packed-seqs", capacity,
+             "Use 0 (graphs off) or a positive document capacity")
+    _at_least(args, "--cuda-graph-warmup-steps", 0)
+    scope = args.cuda_graph_scope
+    if impl == "none":
+        if capacity > 0:
+            fail("--cuda-graph-max-packed-seqs", capacity,
+                 "It would be silently ignored without graphs; add --cuda-graph-impl local")
+        if scope:  # None (flag absent) or [] (already normalised) are fine
+            fail("--cuda-graph-scope", " ".join(scope),
+                 "It would be silently ignored without graphs; add --cuda-graph-impl local")
+    else:
+        if capacity == 0:
+            fail("--cuda-graph-max-packed-seqs", capacity,
+                 f"--cuda-graph-impl {impl} on packed THD data needs a fixed document capacity "
+                 "per micro-batch, e.g. `--cuda-graph-max-packed-seqs 64`; choose it with "
+                 "tools/capacity_advisor.py")
+        if impl == "transformer_engine":
+            _require_package("transformer_engine", "--cuda-graph-impl", impl)
+    if args.cuda_graph_granularity == "chunk" and impl != "local":
+        fail("--cuda-graph-granularity", "chunk",
+             f"Chunk graphs are built by the local implementation, not --cuda-graph-impl {impl}; "
+             "add --cuda-graph-impl local")
+    args.cuda_graph_scope = normalise_cuda_graph_scope(scope or [])
+    if args.model == "gpt" and "mamba" in args.cuda_graph_scope:
+        fail("--cuda-graph-scope", "mamba",
+             "A gpt model has no Mamba layers; use attn and/or mlp")

@@ -1,0 +1,270 @@
+"""Megatron-style command line for packed-sequence (THD) GPT and hybrid Mamba training.
+
+``build_parser(model)`` declares the flags, grouped as Megatron-LM groups them and spelled as
+Megatron-LM spells them (the dest is argparse's default: ``--num-layers`` -> ``num_layers``).
+``validate_args`` is the one place that rejects bad combinations and fills derived values; the
+rules themselves live in ``argument_checks.py``, one small function per group. Every rejection
+is a ``ValueError("<what> is wrong: <value>. <what to do>.")``; ``parse_args`` turns it into an
+argparse usage error (exit code 2).
+
+Every flag, its default and its rule: docs/flags.md.
+"""
+
+import argparse
+import enum
+import os
+from pathlib import Path
+
+from megatron.training import argument_checks as checks
+
+MODELS = ("gpt", "hybrid")
+
+
+def build_parser(model: str) -> argparse.ArgumentParser:
+    """Parser for ``model`` ("gpt" or "hybrid"); parses without validating."""
+    checks.check_model_name(model)
+    script = "pretrain_gpt.py" if model == "gpt" else "pretrain_mamba.py"
+    parser = argparse.ArgumentParser(
+        prog=script,
+        description=f"Packed-sequence (THD) {model} training, optionally under CUDA graphs.",
+        allow_abbrev=False,
+    )
+    _add_model_args(parser, model)
+    _add_hybrid_args(parser)
+    _add_parallelism_args(parser)
+    _add_training_args(parser)
+    _add_learning_rate_args(parser)
+    _add_checkpointing_args(parser)
+    _add_logging_args(parser)
+    _add_data_args(parser)
+    _add_attention_args(parser)
+    _add_cuda_graph_args(parser)
+    _add_distributed_args(parser)
+    return parser
+
+
+def _add_model_args(parser, model):
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="Transformer layers. Required for gpt; for hybrid it defaults to the "
+                        "length of --hybrid-override-pattern.")
+    g.add_argument("--hidden-size", type=int, required=True, help="Model width.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP inner width (default: 4 * hidden size).")
+    g.add_argument("--num-attention-heads", type=int, required=True, help="Attention heads.")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="Key/value head groups for GQA (default: number of attention heads).")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Per-head projection width (default: hidden size / heads).")
+    g.add_argument("--seq-length", type=int, required=True,
+                   help="Tokens per packed sequence (per micro-batch sample).")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Longest position the model supports (default: --seq-length).")
+    g.add_argument("--vocab-size", type=int, default=32000, help="Tokenizer vocabulary size.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this times the TP size.")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="RMSNorm")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP activation.")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate input embedding and output projection weights.")
+    g.add_argument("--position-embedding-type", choices=["rope", "none"],
+                   default="rope" if model == "gpt" else "none")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period.")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Fraction of each head's channels that RoPE rotates.")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+
+
+def _add_hybrid_args(parser):
+    g = parser.add_argument_group("hybrid", "Hybrid Mamba-Transformer (pretrain_mamba.py only).")
+    g.add_argument("--hybrid-override-pattern", type=str, default=None,
+                   help="One character per layer: 'M' Mamba, '*' attention, '-' MLP.")
+    g.add_argument("--mamba-state-dim", type=int, default=128)
+    g.add_argument("--mamba-head-dim", type=int, default=64)
+    g.add_argument("--mamba-num-groups", type=int, default=8)
+    g.add_argument("--mamba-num-heads", type=int, default=None,
+                   help="Mamba heads (default: 2 * hidden size / --mamba-head-dim).")
+
+
+def _add_parallelism_args(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="Model chunks per pipeline rank (interleaved schedule).")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="Alternative to --virtual-pipeline-model-parallel-size: layers per "
+                        "model chunk.")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard optimizer state across data-parallel ranks.")
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per optimizer step (default: micro batch * data parallel).")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision.")
+    g.add_argument("--fp16", action="store_true", help="Not supported by this fork.")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient norm clip.")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Deterministic kernels, for bitwise comparisons.")
+    g.add_argument("--calculate-per-token-loss", action=argparse.BooleanOptionalAction,
+                   default=True, help="Average the loss over all tokens of the global batch.")
+
+
+def _add_learning_rate_args(parser):
+    g = parser.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, required=True, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "WSD"],
+                   default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="Default: --train-iters.")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: iterations of the final decay phase.")
+    g.add_argument("--lr-wsd-decay-style", default="linear",
+                   choices=["linear", "cosine", "exponential", "minus_sqrt"])
+
+
+def _add_checkpointing_args(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None, help="Checkpoint directory to write.")
+    g.add_argument("--load", type=str, default=None, help="Checkpoint directory to read.")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load weights only and start again at iteration 0.")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=0, help="0 = no evaluation.")
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--metrics-file", type=str, default=None,
+                   help="JSON-lines file, one record of metrics per step.")
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--sft", action="store_true",
+                   help="Packed SFT: honour the per-token loss_mask in the data.")
+    g.add_argument("--data-path", type=str, default=None,
+                   help="JSONL file of pre-tokenized documents.")
+    g.add_argument("--valid-data-path", type=str, default=None)
+    g.add_argument("--mock-data", action="store_true", help="Built-in synthetic packed data.")
+    g.add_argument("--mock-doc-length-median", type=float, default=512,
+                   help="Median mock document length in tokens.")
+    g.add_argument("--mock-doc-length-sigma", type=float, default=1.0,
+                   help="Log-normal sigma of mock document lengths.")
+    g.add_argument("--reject-long-documents", action="store_true",
+                   help="Error out on a document with more than --seq-length training "
+                        "positions instead of truncating it to --seq-length + 1 tokens.")
+
+
+def _add_attention_args(parser):
+    g = parser.add_argument_group("attention")
+    g.add_argument("--attention-backend", choices=["auto", "te", "flash", "torch"], default="auto",
+                   help="auto: Transformer Engine if importable, else flash-attn, else torch.")
+
+
+def _add_cuda_graph_args(parser):
+    g = parser.add_argument_group("cuda graphs", "See docs/flags.md, 'Graph flags'.")
+    g.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine"],
+                   default="none")
+    g.add_argument("--cuda-graph-scope", nargs="+", default=None,
+                   help="Parts of each layer to capture, space- or comma-separated "
+                        "(default: the whole layer).")
+    g.add_argument("--cuda-graph-max-packed-seqs", type=int, nargs="?", const=50, default=0,
+                   help="Graph capacity: packed documents per micro-batch (bare flag: 50; "
+                        "0: off). Choose with tools/capacity_advisor.py.")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="Eager steps before capture.")
+    g.add_argument("--cuda-graph-granularity", choices=["layer", "chunk"], default="layer")
+
+
+def _add_distributed_args(parser):
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default="nccl")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def validate_args(args: argparse.Namespace, model: str, world_size: int | None = None):
+    """Reject bad combinations (``ValueError``) and fill derived values, in place; returns args.
+
+    Derived: model, num_layers (hybrid), ffn_hidden_size, num_query_groups, kv_channels,
+    max_position_embeddings, data_parallel_size, virtual_pipeline_model_parallel_size,
+    global_batch_size, num_microbatches, lr_decay_iters, cuda_graph_scope (list of names),
+    padded_vocab_size. ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset).
+    """
+    checks.check_model_name(model)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+    args.model = model
+    checks.check_hybrid(args, model)
+    checks.check_model(args, model)
+    checks.check_parallelism(args, model, world_size)
+    checks.check_training(args)
+    checks.check_learning_rate(args)
+    checks.check_checkpointing(args)
+    checks.check_logging(args)
+    checks.check_data(args)
+    checks.check_attention(args)
+    checks.check_cuda_graphs(args)
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
+    return args
+
+
+def parse_args(argv=None, model: str = "gpt") -> argparse.Namespace:
+    """Parse and validate; a bad value exits with usage, the message and code 2."""
+    parser = build_parser(model)
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args, model)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def args_to_dict(args: argparse.Namespace) -> dict:
+    """JSON-safe copy of ``args``, for checkpoints and logs."""
+    return {name: _json_safe(value) for name, value in sorted(vars(args).items())}
+
+
+def _json_safe(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple, set)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    return str(value)
+
+
+def format_args(args: argparse.Namespace) -> str:
+    """Megatron-style listing: a header, then sorted ``  name ....... value`` lines."""
+    lines = ["------------------------ arguments ------------------------"]
+    for name in sorted(vars(args), key=str.lower):
+        lines.append(f"  {name} {'.' * max(48 - len(name), 3)} {getattr(args, name)}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""Datasets and micro-batch iterators built from the training CLI arguments."""
+
+import itertools
+from argparse import Namespace
+from typing import Iterator
+
+import torch
+
+from megatron.training.datasets.jsonl import read_jsonl_documents
+from megatron.training.datasets.mock import MockPackedDataset
+from megatron.training.datasets.packed_row_dataset import PackedRowDataset
+from megatron.training.datasets.packing import (
+    Document,
+    PackingStats,
+    collate_packed_rows,
+    pack_documents,
+)
+from megatron.training.datasets.sampler import MicroBatchSampler
+
+
+def _sample_counts(args: Namespace) -> tuple[int, int]:
+    """(train samples, valid samples) the run will read; valid is 0 when evaluation is off."""
+    if args.train_iters < 1:
+        raise ValueError(f"train_iters is wrong: {args.train_iters!r}. Set --train-iters >= 1.")
+    if args.global_batch_size < 1:
+        raise ValueError(
+            f"global_batch_size is wrong: {args.global_batch_size!r}. Set --global-batch-size >= 1."
+        )
+    train_samples = args.train_iters * args.global_batch_size
+    if args.eval_interval and args.eval_interval > 0 and args.eval_iters > 0:
+        # One evaluation every eval_interval steps plus the final one.
+        evaluations = args.train_iters // args.eval_interval + 1
+        return train_samples, args.eval_iters * args.global_batch_size * evaluations
+    return train_samples, 0
+
+
+def _pack_jsonl(path: str, args: Namespace, stats: PackingStats) -> list:
+    documents = read_jsonl_documents(path, args.vocab_size)
+    if not args.sft:
+        # Pretraining on packed documents: every real token is a target.
+        documents = (Document(d.input_ids, None, d.origin) for d in documents)
+    rows = list(
+        pack_documents(
+            documents,
+            args.seq_length,
+            reject_long_documents=args.reject_long_documents,
+            stats=stats,
+        )
+    )
+    if not rows:
+        raise ValueError(
+            f"JSONL data is wrong: {path} holds no document with at least 2 tokens "
+            f"({stats.skipped_empty} skipped). Point the data path at real data."
+        )
+    return rows
+
+
+def build_datasets(args: Namespace):
+    """Build ``(train_dataset, valid_dataset or None, PackingStats or None)``.
+
+    Reads ``args.``: seq_length, vocab_size, seed, data_path, valid_data_path, mock_data,
+    mock_doc_length_median, mock_doc_length_sigma, reject_long_documents, sft, train_iters,
+    global_batch_size, eval_iters, eval_interval.
+
+    Train holds ``train_iters * global_batch_size`` samples; valid holds
+    ``eval_iters * global_batch_size * (train_iters // eval_interval + 1)`` when
+    ``eval_interval > 0`` and ``eval_iters > 0``, else there is no valid dataset. With
+    ``--mock-data`` valid rows come from ``seed + 1`` and the stats are None; with JSONL the
+    valid set exists only if ``valid_data_path`` is given, and the stats are the training file's.
+    Datasets yield `PackedRow`; JSONL files are read and packed here, once.
+    """
+    if args.mock_data and args.data_path:
+        raise ValueError(
+            f"data source is wrong: both --mock-data and --data-path {args.data_path} are set. "
+            f"Pass one of them."
+        )
+    if not args.mock_data and not args.data_path:
+        raise ValueError("data source is wrong: none given. Pass --data-path FILE.jsonl or --mock-data.")
+    train_samples, valid_samples = _sample_counts(args)
+
+    if args.mock_data:
+        def mock(num_samples: int, seed: int) -> MockPackedDataset:
+            return MockPackedDataset(
+                num_samples,
+                args.seq_length,
+                args.vocab_size,
+                seed,
+                doc_length_median=args.mock_doc_length_median,
+                doc_length_sigma=args.mock_doc_length_sigma,
+            )
+
+        valid = mock(valid_samples, args.seed + 1) if valid_samples > 0 else None
+        return mock(train_samples, args.seed), valid, None
+
+    stats = PackingStats()
+    train = PackedRowDataset(_pack_jsonl(args.data_path, args, stats), train_samples, args.seed)
+    valid = None
+    if args.valid_data_path and valid_samples > 0:
+        valid_rows = _pack_jsonl(args.valid_data_path, args, PackingStats())
+        valid = PackedRowDataset(valid_rows, valid_samples, args.seed + 1)
+    return train, valid, stats
+
+
+def build_data_iterator(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    cycle: bool = False,
+) -> Iterator[dict]:
+    """Iterator of this rank's micro-batch dicts (see `collate_packed_rows` for the keys).
+
+    Starts at ``consumed_samples``. With ``cycle=True`` (validation) it restarts from sample 0
+    whenever it runs out, and never ends.
+    """
+
+    def loader(consumed: int) -> torch.utils.data.DataLoader:
+        sampler = MicroBatchSampler(
+            len(dataset), consumed, micro_batch_size, data_parallel_rank, data_parallel_size
+        )
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collate_packed_rows, num_workers=0
+        )
+
+    first = loader(consumed_samples)
+    if not cycle:
+        return iter(first)
+    if len(loader(0)) == 0:
+        raise ValueError(
+            f"dataset is wrong: {len(dataset)} samples, fewer than one micro-batch per rank "
+            f"({micro_batch_size} x {data_parallel_size} ranks), so it cannot be cycled. "
+            f"Raise --eval-iters or lower --micro-batch-size."
+        )
+    return itertools.chain(first, itertools.chain.from_iterable(loader(0) for _ in itertools.count()))
+
+
+def describe_packing(stats: PackingStats | None) -> str:
+    """One line for the start-up log."""
+    if stats is None:
+        return "packing: synthetic rows (--mock-data), no packing statistics"
+    slots = stats.tokens + stats.padding_tokens
+    padding = 100.0 * stats.padding_tokens / slots if slots else 0.0
+    return (
+        f"packing: {stats.documents} documents into {stats.rows} rows "
+        f"({stats.documents / max(stats.rows, 1):.1f} per row), skipped {stats.skipped_empty} empty, "
+        f"truncated {stats.truncated}, padding {padding:.1f}% of {slots} positions"
+    )

@@ -1,0 +1,123 @@
+"""Synthetic packed rows (``--mock-data``) that look like SFT packing and are learnable.
+
+Document lengths follow a log-normal law, so the number of documents per row, and with it
+``cu_seqlens``, changes from row to row the way it does with real data: that is what CUDA-graph
+capacity and the eager fallback have to cope with. Token content is an arithmetic walk over the
+non-pad ids (``next = 1 + (prev - 1 + stride) % (V - 1)``, stride in {1, 2, 3} per document):
+once a model has read two tokens of a document the rest is predictable, so the loss falls
+visibly within a few hundred steps.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from megatron.training.datasets.packing import (
+    PackedRow,
+    build_packed_row,
+    check_seq_length,
+    segment_position_ids,
+)
+
+STRIDES = (1, 2, 3)
+"""Per-document step of the token walk."""
+
+
+def draw_document_lengths(
+    rng: np.random.Generator, count: int, median: float, sigma: float, seq_length: int
+) -> np.ndarray:
+    """``count`` document lengths in tokens: int64, log-normal(median, sigma) rounded, clipped to
+    ``[2, seq_length + 1]`` (at least one training position, at most a full row)."""
+    lengths = np.rint(rng.lognormal(mean=math.log(median), sigma=sigma, size=count))
+    return np.clip(lengths, 2, seq_length + 1).astype(np.int64)
+
+
+class MockPackedDataset(torch.utils.data.Dataset):
+    """``num_samples`` synthetic `PackedRow` s of ``seq_length`` positions.
+
+    Row ``i`` depends on ``(seed, i)`` only (random access, identical on every rank and on
+    resume): documents are drawn until the next one does not fit, and the rest of the row is
+    padding (its own segment). Tokens are in ``[1, vocab_size)``; the pad id 0 never appears
+    as a real token.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        seq_length: int,
+        vocab_size: int,
+        seed: int,
+        doc_length_median: float = 512,
+        doc_length_sigma: float = 1.0,
+    ):
+        check_seq_length(seq_length)
+        if not isinstance(num_samples, int) or num_samples < 0:
+            raise ValueError(f"mock num_samples is wrong: {num_samples!r}. Pass an integer >= 0.")
+        if not isinstance(vocab_size, int) or vocab_size < 2:
+            raise ValueError(
+                f"vocab_size is wrong: {vocab_size!r}. Set --vocab-size to at least 2 "
+                f"(id 0 is padding, synthetic tokens use 1..vocab_size-1)."
+            )
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed is wrong: {seed!r}. Set --seed to an integer >= 0.")
+        if not doc_length_median >= 2:
+            raise ValueError(
+                f"mock document length median is wrong: {doc_length_median!r}. "
+                f"Set --mock-doc-length-median to at least 2 tokens."
+            )
+        if not doc_length_sigma >= 0:
+            raise ValueError(
+                f"mock document length sigma is wrong: {doc_length_sigma!r}. "
+                f"Set --mock-doc-length-sigma to a value >= 0."
+            )
+        self.num_samples = num_samples
+        self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.doc_length_median = float(doc_length_median)
+        self.doc_length_sigma = float(doc_length_sigma)
+        # Enough draws per batch that one batch nearly always overfills a row.
+        self._draw_batch = 2 * math.ceil(seq_length / (self.doc_length_median - 1)) + 8
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _rng(self, index: int) -> np.random.Generator:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"mock row index {index} out of range [0, {self.num_samples})")
+        return np.random.default_rng([self.seed, int(index)])
+
+    def _row_lengths(self, rng: np.random.Generator) -> np.ndarray:
+        """Lengths (tokens) of the documents that fit, drawn until one does not."""
+        lengths = np.empty(0, dtype=np.int64)
+        positions_drawn = 0
+        while positions_drawn <= self.seq_length:
+            batch = draw_document_lengths(
+                rng, self._draw_batch, self.doc_length_median, self.doc_length_sigma, self.seq_length
+            )
+            lengths = np.concatenate([lengths, batch])
+            positions_drawn += int(batch.sum()) - len(batch)
+        fitting = np.searchsorted(np.cumsum(lengths - 1), self.seq_length, side="right")
+        return lengths[:fitting]
+
+    def document_lengths(self, index: int) -> np.ndarray:
+        """Token lengths (int64) of the documents packed into row ``index``."""
+        return self._row_lengths(self._rng(index))
+
+    def __getitem__(self, index: int) -> PackedRow:
+        rng = self._rng(index)
+        lengths = self._row_lengths(rng)
+        num_documents = len(lengths)
+        starts = rng.integers(1, self.vocab_size, size=num_documents)
+        strides = rng.choice(np.array(STRIDES, dtype=np.int64), size=num_documents)
+
+        positions_per_document = lengths - 1
+        position = segment_position_ids(positions_per_document)
+        offset = np.repeat(starts - 1, positions_per_document)
+        stride = np.repeat(strides, positions_per_document)
+        cycle = self.vocab_size - 1
+        tokens = 1 + (offset + position * stride) % cycle
+        labels = 1 + (offset + (position + 1) * stride) % cycle
+        loss_mask = np.ones(len(tokens), dtype=np.float32)
+        return build_packed_row(tokens, labels, loss_mask, positions_per_document, self.seq_length)

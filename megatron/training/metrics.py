@@ -1,0 +1,100 @@
+"""Per-iteration reporting: Megatron's log line, a JSON-lines metrics file, TensorBoard.
+
+The JSON-lines file (``--metrics-file``) has one object per training iteration (and one per
+evaluation, with ``"split": "valid"``); tests, the functional-test runner and the plotting
+tool read it. Only the last rank writes (it holds the loss when pipelining).
+"""
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+METRIC_KEYS = (
+    "iteration",
+    "consumed_samples",
+    "lm_loss",
+    "grad_norm",
+    "num_zeros",
+    "learning_rate",
+    "iteration_time_ms",
+    "tokens_per_sec",
+    "mem_allocated_bytes",
+    "mem_max_allocated_bytes",
+)
+
+
+def is_reporting_rank() -> bool:
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+class MetricsLogger:
+    """Writes log lines, the metrics file and TensorBoard scalars on the reporting rank."""
+
+    def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str],
+                 train_iters: int):
+        self.train_iters = train_iters
+        self.enabled = is_reporting_rank()
+        self._file = None
+        self._tb = None
+        if not self.enabled:
+            return
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            self._file = open(metrics_file, "a", buffering=1)
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    def log_train(self, record: dict) -> None:
+        """Record one training iteration; prints Megatron's log line."""
+        if not self.enabled:
+            return
+        parts = [
+            f"iteration {record['iteration']:8d}/{self.train_iters:8d}",
+            f"consumed samples: {record['consumed_samples']:12d}",
+            f"elapsed time per iteration (ms): {record['iteration_time_ms']:.1f}",
+            f"learning rate: {record['learning_rate']:.6E}",
+            f"global batch size: {record['global_batch_size']:5d}",
+            f"lm loss: {record['lm_loss']:.6E}",
+            f"grad norm: {record['grad_norm']:.3f}",
+            f"num zeros: {record['num_zeros']}",
+            f"tokens/s: {record['tokens_per_sec']:.0f}",
+        ]
+        parts += [f"{name}: {value}" for name, value in record.get("extra_log", {}).items()]
+        print(" " + " | ".join(parts) + " |", flush=True)
+        self._write({k: v for k, v in record.items() if k != "extra_log"} | record.get("extra_log", {}))
+        if self._tb is not None:
+            step = record["iteration"]
+            for key in ("lm_loss", "grad_norm", "learning_rate", "iteration_time_ms",
+                        "tokens_per_sec", "mem_max_allocated_bytes"):
+                self._tb.add_scalar(key.replace("_", " ") if key == "lm_loss" else key,
+                                    record[key], step)
+
+    def log_valid(self, iteration: int, lm_loss: float) -> None:
+        if not self.enabled:
+            return
+        print(f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |",
+              flush=True)
+        self._write({"split": "valid", "iteration": iteration, "lm_loss": lm_loss})
+        if self._tb is not None:
+            self._tb.add_scalar("lm loss validation", lm_loss, iteration)
+
+    def _write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str, split: str = "train") -> list:
+    """Records of one split from a metrics file, in file order."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if r.get("split", "train") == split]

@@ -1,0 +1,218 @@
+"""The training loop: build model chunks, optimizer and data; train, evaluate, checkpoint.
+
+Composes megatron-core components (DDP, get_megatron_optimizer, OptimizerParamScheduler,
+the pipeline schedules from get_forward_backward_func, dist_checkpointing); it does not know
+about packing or CUDA graphs beyond the forward-step object it is given.
+"""
+
+import time
+from typing import Callable, List
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from megatron.training.arguments import args_to_dict, format_args
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.config import (
+    ddp_config_from_args,
+    optimizer_config_from_args,
+    transformer_config_from_args,
+)
+from megatron.training.datasets.builder import build_data_iterator, build_datasets, describe_packing
+from megatron.training.initialize import initialize_distributed, set_seeds
+from megatron.training.metrics import MetricsLogger
+
+
+def print_rank_0(*args) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def build_model(args, config, model_provider: Callable) -> List[torch.nn.Module]:
+    """One DDP-wrapped chunk per virtual pipeline stage (a list of one without VPP)."""
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = model_provider(
+            args, config,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        chunk.model_type = ModelType.encoder_or_decoder
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        chunk.cuda(torch.cuda.current_device())
+        if args.bf16:
+            chunk = Float16Module(config, chunk)
+        chunks.append(chunk)
+    num_params = sum(p.numel() for c in chunks for p in c.parameters())
+    print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+          f"({parallel_state.get_tensor_model_parallel_rank()}, "
+          f"{parallel_state.get_pipeline_model_parallel_rank()}): {num_params}", flush=True)
+    ddp_config = ddp_config_from_args(args)
+    return [
+        DistributedDataParallel(config, ddp_config, module=chunk,
+                                disable_bucketing=(i > 0))  # Megatron: bucket only chunk 0
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+    gbs = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+        wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if args.lr_wsd_decay_iters else None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+def _reduce_loss(losses_reduced: list) -> float:
+    """Token-weighted mean loss over micro-batches and data-parallel ranks (last stage)."""
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return float("nan")
+    total = torch.stack([x["lm loss"] for x in losses_reduced]).sum(dim=0)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def _run_schedule(args, forward_step, data_iterators, model, forward_only: bool):
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterators,
+        model=model,
+        num_microbatches=args.num_microbatches,
+        # THD: the micro-batch's rows travel between stages as one [mbs * seq, 1, h] stream.
+        seq_length=args.micro_batch_size * args.seq_length,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+
+
+def train_step(args, forward_step, data_iterators, model, optimizer, scheduler):
+    """One optimizer step over ``args.num_microbatches`` micro-batches.
+
+    Returns ``(lm_loss, grad_norm, num_zeros)``; lm_loss is NaN off the last stage.
+    """
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = _run_schedule(args, forward_step, data_iterators, model, forward_only=False)
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return _reduce_loss(losses_reduced), grad_norm, num_zeros
+
+
+@torch.no_grad()
+def evaluate(args, forward_step, data_iterators, model) -> float:
+    for chunk in model:
+        chunk.eval()
+    losses = []
+    for _ in range(args.eval_iters):
+        losses += _run_schedule(args, forward_step, data_iterators, model, forward_only=True)
+    for chunk in model:
+        chunk.train()
+    return _reduce_loss(losses)
+
+
+def _configure_schedule_hooks(config, model, optimizer) -> None:
+    """The hooks megatron-core's schedules call (gradient sync, loss scaling)."""
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    if len(model) == 1:
+        config.no_sync_func = config.no_sync_func[0]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+
+
+def pretrain(args, model_provider: Callable, forward_step) -> dict:
+    """Train ``args.train_iters`` iterations. Returns the last iteration's metrics record."""
+    initialize_distributed(args)
+    set_seeds(args.seed, args.deterministic_mode)
+    print_rank_0(format_args(args))
+    config = transformer_config_from_args(args)
+
+    model = build_model(args, config, model_provider)
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
+    scheduler = build_scheduler(args, optimizer)
+    _configure_schedule_hooks(config, model, optimizer)
+
+    iteration, consumed_samples = 0, 0
+    if args.load:
+        iteration, consumed_samples = load_checkpoint(
+            args.load, model, optimizer, scheduler, load_optim=not args.no_load_optim,
+            load_rng=not args.no_load_rng, finetune=args.finetune)
+
+    train_ds, valid_ds, stats = build_datasets(args)
+    if stats is not None:
+        print_rank_0(f" > packed training data: {describe_packing(stats)}")
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    num_chunks = len(model)
+    # Every pipeline stage and virtual chunk reads the same micro-batch sequence itself:
+    # the packed metadata (cu_seqlens) is needed on every stage.
+    train_iters = [build_data_iterator(train_ds, consumed_samples, args.micro_batch_size,
+                                       dp_rank, dp_size) for _ in range(num_chunks)]
+    valid_iters = None
+    if valid_ds is not None and args.eval_interval > 0:
+        valid_iters = [build_data_iterator(valid_ds, 0, args.micro_batch_size, dp_rank, dp_size,
+                                           cycle=True) for _ in range(num_chunks)]
+
+    logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters)
+    tokens_per_step = args.global_batch_size * args.seq_length
+    record = {}
+    print_rank_0(f" > training from iteration {iteration} to {args.train_iters}")
+    torch.cuda.reset_peak_memory_stats()
+    while iteration < args.train_iters:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        lm_loss, grad_norm, num_zeros = train_step(args, forward_step, train_iters, model,
+                                                   optimizer, scheduler)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        iteration += 1
+        consumed_samples += args.global_batch_size
+        record = {
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "global_batch_size": args.global_batch_size,
+            "lm_loss": lm_loss,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "num_zeros": int(num_zeros) if num_zeros is not None else 0,
+            "learning_rate": optimizer.param_groups[0]["lr"],
+            "iteration_time_ms": elapsed * 1000.0,
+            "tokens_per_sec": tokens_per_step / elapsed,
+            "mem_allocated_bytes": torch.cuda.memory_allocated(),
+            "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "extra_log": forward_step.pop_step_stats(),
+        }
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            logger.log_train(record)
+        if valid_iters and iteration % args.eval_interval == 0:
+            logger.log_valid(iteration, evaluate(args, forward_step, valid_iters, model))
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
+                            args_to_dict(args))
+    if args.save and (not args.save_interval or iteration % args.save_interval != 0):
+        save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
+                        args_to_dict(args))
+    logger.close()
+    return record

@@ -1,0 +1,49 @@
+"""Train a GPT model on packed (THD) sequences.
+
+    torchrun --nproc-per-node 8 pretrain_gpt.py --sft --data-path data.jsonl \
+        --num-layers 16 --hidden-size 1024 --num-attention-heads 16 --seq-length 4096 ...
+
+See docs/quickstart.md and docs/flags.md.
+"""
+
+import sys
+
+from megatron.training.initialize import require_cuda
+
+
+def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    """GPTModel with the packed-sequence layer spec of ``--attention-backend``."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron.packed_graphs.attention import resolve_attention_backend
+    from megatron.packed_graphs.specs import gpt_layer_spec
+
+    backend = resolve_attention_backend(args.attention_backend)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(backend, args.normalization),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+    )
+
+
+def main(argv=None):
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(argv, model="gpt")
+    require_cuda("pretrain_gpt.py")
+    from megatron.training.packed_step import PackedForwardStep
+    from megatron.training.training import pretrain
+
+    pretrain(args, model_provider, PackedForwardStep(with_seq_idx=False))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Train a hybrid Mamba-Transformer model on packed (THD) sequences.
+
+    torchrun --nproc-per-node 8 pretrain_mamba.py --sft --data-path data.jsonl \
+        --hybrid-override-pattern "M-M*-M*-" --hidden-size 1024 --num-attention-heads 16 ...
+
+The pattern has one character per layer: 'M' Mamba, '*' attention, '-' MLP.
+See docs/quickstart.md and docs/flags.md.
+"""
+
+import sys
+
+from megatron.training.initialize import require_cuda
+
+
+def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    """MambaModel built from the packed hybrid stack spec of ``--attention-backend``."""
+    from megatron.core.models.mamba.mamba_model import MambaModel
+
+    from megatron.packed_graphs.attention import resolve_attention_backend
+    from megatron.packed_graphs.specs import hybrid_stack_spec
+
+    backend = resolve_attention_backend(args.attention_backend)
+    return MambaModel(
+        config=config,
+        mamba_stack_spec=hybrid_stack_spec(backend, args.normalization),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        hybrid_override_pattern=args.hybrid_override_pattern,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+
+
+def main(argv=None):
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(argv, model="hybrid")
+    require_cuda("pretrain_mamba.py")
+    from megatron.training.packed_step import PackedForwardStep
+    from megatron.training.training import pretrain
+
+    pretrain(args, model_provider, PackedForwardStep(with_seq_idx=True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

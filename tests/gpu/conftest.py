@@ -1,0 +1,22 @@
+"""GPU tests: run on the GPU machine (see docs/testing.md). Skipped without CUDA."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "tests/gpu" not in str(item.fspath):
+            continue
+        if gpus == 0:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA: run tests/gpu on the GPU machine"))
+            continue
+        need = item.get_closest_marker("gpus")
+        if need and gpus < need.args[0]:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {need.args[0]} GPUs, {gpus} visible (use the x{need.args[0]} machine)"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpus(n): test needs at least n GPUs")

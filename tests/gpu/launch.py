@@ -1,0 +1,57 @@
+"""Run the real training scripts under torchrun and read back their metrics file."""
+
+import os
+import socket
+import subprocess
+import sys
+
+from megatron.training.metrics import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Small models that still exercise every layer type; shared by the GPU tests.
+TINY_GPT = [
+    "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+    "--num-query-groups", "4", "--swiglu", "--seq-length", "1024", "--vocab-size", "1024",
+]
+TINY_HYBRID = [
+    "--hybrid-override-pattern", "M*-M*-M-", "--hidden-size", "256",
+    "--num-attention-heads", "8", "--num-query-groups", "4", "--mamba-head-dim", "32",
+    "--mamba-num-groups", "2", "--mamba-state-dim", "64",
+    "--seq-length", "1024", "--vocab-size", "1024",
+]
+TRAIN = [
+    "--sft", "--mock-data", "--mock-doc-length-median", "128", "--bf16",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--seed", "1234",
+    "--micro-batch-size", "1", "--log-interval", "1",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str = "run",
+                 env: dict | None = None) -> list:
+    """Train with ``torchrun --nproc-per-node nproc script args``; return train records.
+
+    Raises with the run's output if it fails.
+    """
+    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(_free_port()), os.path.join(REPO, script), *args,
+           "--metrics-file", metrics]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=900)
+    log = os.path.join(str(tmp_path), f"{name}.log")
+    with open(log, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise AssertionError(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return read_metrics(metrics)
+
+
+def losses(records: list) -> list:
+    return [r["lm_loss"] for r in records]

@@ -1,0 +1,530 @@
+"""CLI of megatron/training/arguments.py: one test per rejection, derived values, frozen flags.
+
+CPU only; Transformer Engine and flash-attn are assumed absent unless a test patches
+``argument_checks.is_importable``.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron.training import argument_checks
+from megatron.training.arguments import (
+    args_to_dict,
+    build_parser,
+    format_args,
+    parse_args,
+    validate_args,
+)
+
+BASE = {
+    "gpt": ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "256", "--train-iters", "10", "--lr", "1e-3", "--mock-data"],
+    "hybrid": ["--hybrid-override-pattern", "M*M-", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--mamba-head-dim", "16", "--seq-length", "256",
+               "--train-iters", "10", "--lr", "1e-3", "--mock-data"],
+}
+
+
+def parse(*extra, model="gpt"):
+    """Base argv plus ``extra``, parsed but not validated."""
+    return build_parser(model).parse_args(BASE[model] + [str(x) for x in extra])
+
+
+def validate(*extra, model="gpt", world_size=1):
+    return validate_args(parse(*extra, model=model), model, world_size=world_size)
+
+
+@pytest.fixture
+def with_te(monkeypatch):
+    """Transformer Engine importable; flash-attn still not."""
+    monkeypatch.setattr(argument_checks, "is_importable",
+                        lambda package: package == "transformer_engine")
+
+
+@pytest.fixture(autouse=True)
+def no_optional_packages(monkeypatch):
+    """Pin "not installed" so the tests do not depend on the machine."""
+    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+
+
+# ---------------------------------------------------------------- valid base and derived values
+
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_base_argv_is_valid(model):
+    args = validate(model=model)
+    assert args.model == model
+    assert args.cuda_graph_scope == []
+
+
+def test_model_defaults_are_derived():
+    args = validate()
+    assert args.ffn_hidden_size == 256
+    assert args.num_query_groups == 4
+    assert args.kv_channels == 16
+    assert args.max_position_embeddings == 256
+    assert args.lr_decay_iters == 10
+    assert args.position_embedding_type == "rope"
+    assert args.calculate_per_token_loss is True
+
+
+def test_hybrid_defaults_to_no_position_embedding():
+    assert validate(model="hybrid").position_embedding_type == "none"
+
+
+def test_no_calculate_per_token_loss():
+    assert validate("--no-calculate-per-token-loss").calculate_per_token_loss is False
+
+
+def test_data_parallel_size_is_derived():
+    args = validate("--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+                    world_size=8)
+    assert args.data_parallel_size == 2
+
+
+def test_world_size_defaults_to_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert validate_args(parse(), "gpt").data_parallel_size == 4
+
+
+def test_num_microbatches_is_derived():
+    args = validate("--micro-batch-size", 2, "--global-batch-size", 16, world_size=2)
+    assert args.num_microbatches == 4
+
+
+def test_global_batch_defaults_to_one_microbatch_per_rank():
+    args = validate("--micro-batch-size", 2, world_size=4)
+    assert (args.global_batch_size, args.num_microbatches) == (8, 1)
+
+
+def test_padded_vocab_size():
+    args = validate("--vocab-size", 50257, "--tensor-model-parallel-size", 2, world_size=2)
+    assert args.padded_vocab_size == 50432  # next multiple of 128 * 2
+
+
+def test_num_layers_inferred_from_pattern():
+    assert validate(model="hybrid").num_layers == 4
+
+
+def test_vpp_from_layers_per_virtual_stage():
+    args = validate("--num-layers", 8, "--pipeline-model-parallel-size", 2,
+                    "--num-layers-per-virtual-pipeline-stage", 2, world_size=2)
+    assert args.virtual_pipeline_model_parallel_size == 2
+
+
+@pytest.mark.parametrize("scope", [["attn,mlp"], ["attn", "mlp"], ["attn,", "mlp", "attn"]])
+def test_cuda_graph_scope_is_normalised(scope):
+    args = validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
+                    "--cuda-graph-scope", *scope)
+    assert args.cuda_graph_scope == ["attn", "mlp"]
+
+
+def test_mamba_scope_on_hybrid():
+    args = validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+                    "--cuda-graph-scope", "mamba,attn", model="hybrid")
+    assert args.cuda_graph_scope == ["mamba", "attn"]
+
+
+def test_bare_max_packed_seqs_is_50():
+    assert parse("--cuda-graph-max-packed-seqs").cuda_graph_max_packed_seqs == 50
+    assert parse().cuda_graph_max_packed_seqs == 0
+
+
+def test_chunk_granularity_with_local_graphs():
+    args = validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
+                    "--cuda-graph-granularity", "chunk")
+    assert args.cuda_graph_granularity == "chunk"
+
+
+def test_te_options_accepted_when_te_importable(with_te):
+    args = validate("--attention-backend", "te", "--cuda-graph-impl", "transformer_engine",
+                    "--cuda-graph-max-packed-seqs", 64, "--context-parallel-size", 2,
+                    "--tensor-model-parallel-size", 2, "--sequence-parallel", world_size=4)
+    assert args.data_parallel_size == 1
+
+
+# ---------------------------------------------------------------- rejections: model and hybrid
+
+def test_rejects_unknown_model():
+    with pytest.raises(ValueError, match="model is wrong: 'bert'"):
+        build_parser("bert")
+
+
+def test_gpt_needs_num_layers():
+    args = build_parser("gpt").parse_args(BASE["gpt"][2:])
+    with pytest.raises(ValueError, match="--num-layers is wrong: None"):
+        validate_args(args, "gpt", world_size=1)
+
+
+def test_hidden_size_divisible_by_heads():
+    with pytest.raises(ValueError, match="--hidden-size is wrong: 66.*--num-attention-heads"):
+        validate("--hidden-size", 66)
+
+
+def test_query_groups_divide_heads():
+    with pytest.raises(ValueError, match="--num-query-groups is wrong: 3.*divide"):
+        validate("--num-query-groups", 3)
+
+
+def test_seq_length_within_max_position_embeddings():
+    with pytest.raises(ValueError, match="--seq-length is wrong: 256.*--max-position-embeddings"):
+        validate("--max-position-embeddings", 128)
+
+
+@pytest.mark.parametrize("flag", ["--hidden-size", "--micro-batch-size", "--train-iters",
+                                  "--vocab-size", "--tensor-model-parallel-size"])
+def test_sizes_must_be_positive(flag):
+    with pytest.raises(ValueError, match=f"{flag} is wrong: 0. Use a value >= 1"):
+        validate(flag, 0)
+
+
+def test_rotary_percent_range():
+    with pytest.raises(ValueError, match="--rotary-percent is wrong: 0.0"):
+        validate("--rotary-percent", 0)
+
+
+def test_gpt_rejects_hybrid_pattern():
+    with pytest.raises(ValueError, match="--hybrid-override-pattern.*pretrain_mamba.py"):
+        validate("--hybrid-override-pattern", "M*")
+
+
+def test_hybrid_needs_pattern():
+    args = build_parser("hybrid").parse_args(BASE["gpt"])
+    with pytest.raises(ValueError, match="--hybrid-override-pattern is wrong: None"):
+        validate_args(args, "hybrid", world_size=1)
+
+
+def test_pattern_rejects_unknown_char():
+    with pytest.raises(ValueError, match=r"Character 'X'.*'M\*-'"):
+        validate("--hybrid-override-pattern", "M*X-", model="hybrid")
+
+
+def test_pattern_rejects_moe():
+    with pytest.raises(ValueError, match="'E' \\(MoE\\) is not supported"):
+        validate("--hybrid-override-pattern", "M*E-", model="hybrid")
+
+
+def test_pattern_length_must_match_num_layers():
+    with pytest.raises(ValueError, match="--num-layers is wrong: 6.*4 layers"):
+        validate("--num-layers", 6, model="hybrid")
+
+
+def test_mamba_head_dim_divides_inner_width():
+    with pytest.raises(ValueError, match="--mamba-head-dim is wrong: 48"):
+        validate("--mamba-head-dim", 48, model="hybrid")
+
+
+def test_mamba_groups_divide_heads():
+    with pytest.raises(ValueError, match="--mamba-num-groups is wrong: 3.*head count"):
+        validate("--mamba-num-groups", 3, model="hybrid")
+
+
+def test_mamba_groups_divisible_by_tp():
+    with pytest.raises(ValueError, match="--mamba-num-groups is wrong: 2.*tensor-model"):
+        validate("--mamba-num-groups", 2, "--tensor-model-parallel-size", 4, world_size=4,
+                 model="hybrid")
+
+
+# ---------------------------------------------------------------- rejections: parallelism
+
+def test_world_size_divisible_by_model_parallel():
+    with pytest.raises(ValueError, match="world size is wrong: 6.*2 x 2 x 1 = 4"):
+        validate("--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+                 world_size=6)
+
+
+def test_heads_divisible_by_tp():
+    with pytest.raises(ValueError, match="--num-attention-heads is wrong: 6.*tensor-model"):
+        validate("--hidden-size", 96, "--num-attention-heads", 6,
+                 "--tensor-model-parallel-size", 4, world_size=4)
+
+
+def test_query_groups_divisible_by_tp():
+    with pytest.raises(ValueError, match="--num-query-groups is wrong: 2.*tensor-model"):
+        validate("--num-query-groups", 2, "--tensor-model-parallel-size", 4, world_size=4)
+
+
+def test_num_layers_divisible_by_pp():
+    with pytest.raises(ValueError, match="--num-layers is wrong: 5.*pipeline-model"):
+        validate("--num-layers", 5, "--pipeline-model-parallel-size", 2, world_size=2)
+
+
+def test_pattern_length_divisible_by_pp():
+    with pytest.raises(ValueError, match="--hybrid-override-pattern length is wrong: 3"):
+        validate("--hybrid-override-pattern", "M*M", "--pipeline-model-parallel-size", 2,
+                 world_size=2, model="hybrid")
+
+
+def test_vpp_needs_pp():
+    with pytest.raises(ValueError, match="--virtual-pipeline-model-parallel-size.*> 1"):
+        validate("--virtual-pipeline-model-parallel-size", 2)
+
+
+def test_vpp_layers_divisible():
+    with pytest.raises(ValueError, match="--num-layers is wrong: 6.*2 x 2"):
+        validate("--num-layers", 6, "--pipeline-model-parallel-size", 2,
+                 "--virtual-pipeline-model-parallel-size", 2, world_size=2)
+
+
+def test_vpp_flags_mutually_exclusive():
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        validate("--num-layers", 8, "--pipeline-model-parallel-size", 2,
+                 "--virtual-pipeline-model-parallel-size", 2,
+                 "--num-layers-per-virtual-pipeline-stage", 2, world_size=2)
+
+
+def test_layers_per_virtual_stage_divides_rank_layers():
+    with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage is wrong: 3"):
+        validate("--num-layers", 8, "--pipeline-model-parallel-size", 2,
+                 "--num-layers-per-virtual-pipeline-stage", 3, world_size=2)
+
+
+def test_vpp_needs_two_chunks():
+    with pytest.raises(ValueError, match="at least 2"):
+        validate("--num-layers", 8, "--pipeline-model-parallel-size", 2,
+                 "--num-layers-per-virtual-pipeline-stage", 4, world_size=2)
+
+
+def test_vpp_rejected_for_hybrid():
+    with pytest.raises(ValueError, match="MambaStack does not support interleaved"):
+        validate("--pipeline-model-parallel-size", 2, "--virtual-pipeline-model-parallel-size",
+                 2, world_size=2, model="hybrid")
+
+
+def test_sequence_parallel_needs_tp():
+    with pytest.raises(ValueError, match="--sequence-parallel.*--tensor-model-parallel-size > 1"):
+        validate("--sequence-parallel")
+
+
+def test_sequence_parallel_needs_te():
+    with pytest.raises(ValueError, match=r"--sequence-parallel.*pip install \.\[te\]"):
+        validate("--sequence-parallel", "--tensor-model-parallel-size", 2, world_size=2)
+
+
+def test_sequence_parallel_splits_tokens(with_te):
+    with pytest.raises(ValueError, match="--seq-length is wrong: 255"):
+        validate("--sequence-parallel", "--tensor-model-parallel-size", 2, "--seq-length", 255,
+                 world_size=2)
+
+
+def test_context_parallel_needs_te():
+    with pytest.raises(ValueError, match=r"--context-parallel-size is wrong: 2.*\.\[te\]"):
+        validate("--context-parallel-size", 2, world_size=2)
+
+
+def test_context_parallel_needs_te_backend(with_te):
+    with pytest.raises(ValueError, match="--attention-backend torch; use te or auto"):
+        validate("--context-parallel-size", 2, "--attention-backend", "torch", world_size=2)
+
+
+def test_context_parallel_seq_length_multiple(with_te):
+    with pytest.raises(ValueError, match="--seq-length is wrong: 250.*2 \\* cp = 4"):
+        validate("--context-parallel-size", 2, "--seq-length", 250, world_size=2)
+
+
+# ---------------------------------------------------------------- rejections: training, lr, data
+
+def test_global_batch_divisible():
+    with pytest.raises(ValueError, match="--global-batch-size is wrong: 6.*2 x 2 = 4"):
+        validate("--micro-batch-size", 2, "--global-batch-size", 6, world_size=2)
+
+
+def test_fp16_rejected():
+    with pytest.raises(ValueError, match="--fp16 is wrong: True.*use --bf16"):
+        validate("--fp16")
+
+
+def test_bf16_and_fp16_mutually_exclusive():
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        validate("--bf16", "--fp16")
+
+
+def test_warmup_within_decay():
+    with pytest.raises(ValueError, match="--lr-warmup-iters is wrong: 20.*--lr-decay-iters"):
+        validate("--lr-warmup-iters", 20)
+
+
+def test_lr_at_least_min_lr():
+    with pytest.raises(ValueError, match="--lr is wrong: 0.001.*--min-lr"):
+        validate("--min-lr", 0.01)
+
+
+def test_wsd_needs_decay_iters():
+    with pytest.raises(ValueError, match="--lr-wsd-decay-iters is wrong: None"):
+        validate("--lr-decay-style", "WSD")
+
+
+def test_save_interval_needs_save():
+    with pytest.raises(ValueError, match="--save-interval is wrong: 100.*--save"):
+        validate("--save-interval", 100)
+
+
+def test_log_interval_positive():
+    with pytest.raises(ValueError, match="--log-interval is wrong: 0"):
+        validate("--log-interval", 0)
+
+
+def test_eval_iters_positive_when_evaluating():
+    with pytest.raises(ValueError, match="--eval-iters is wrong: 0"):
+        validate("--eval-interval", 10, "--eval-iters", 0)
+
+
+def test_data_source_required():
+    args = build_parser("gpt").parse_args(BASE["gpt"][:-1])
+    with pytest.raises(ValueError, match="--data-path / --mock-data is wrong: neither"):
+        validate_args(args, "gpt", world_size=1)
+
+
+def test_data_sources_exclusive():
+    with pytest.raises(ValueError, match="--data-path / --mock-data is wrong: both"):
+        validate("--data-path", "docs.jsonl")
+
+
+# ---------------------------------------------------------------- rejections: attention, graphs
+
+def test_te_backend_needs_te():
+    with pytest.raises(ValueError, match=r"--attention-backend is wrong: te.*pip install \.\[te\]"):
+        validate("--attention-backend", "te")
+
+
+def test_flash_backend_needs_flash_attn():
+    with pytest.raises(ValueError, match=r"flash_attn.*pip install \.\[flash\]"):
+        validate("--attention-backend", "flash")
+
+
+def test_negative_capacity():
+    with pytest.raises(ValueError, match="--cuda-graph-max-packed-seqs is wrong: -1"):
+        validate("--cuda-graph-max-packed-seqs", -1)
+
+
+def test_graphs_need_capacity():
+    with pytest.raises(ValueError, match="--cuda-graph-max-packed-seqs is wrong: 0.*"
+                                         "--cuda-graph-max-packed-seqs 64.*capacity_advisor"):
+        validate("--cuda-graph-impl", "local")
+
+
+def test_capacity_without_graphs():
+    with pytest.raises(ValueError, match="--cuda-graph-max-packed-seqs is wrong: 50.*"
+                                         "add --cuda-graph-impl local"):
+        validate("--cuda-graph-max-packed-seqs")
+
+
+def test_scope_without_graphs():
+    with pytest.raises(ValueError, match="--cuda-graph-scope is wrong: attn.*--cuda-graph-impl"):
+        validate("--cuda-graph-scope", "attn")
+
+
+@pytest.mark.parametrize("impl", ["none", "transformer_engine"])
+def test_chunk_granularity_needs_local(impl, with_te):
+    extra = [] if impl == "none" else ["--cuda-graph-max-packed-seqs", 64]
+    with pytest.raises(ValueError, match="--cuda-graph-granularity is wrong: chunk"):
+        validate("--cuda-graph-impl", impl, "--cuda-graph-granularity", "chunk", *extra)
+
+
+def test_te_graphs_need_te():
+    with pytest.raises(ValueError, match=r"--cuda-graph-impl is wrong: transformer_engine.*\[te\]"):
+        validate("--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", 64)
+
+
+def test_warmup_steps_not_negative():
+    with pytest.raises(ValueError, match="--cuda-graph-warmup-steps is wrong: -1"):
+        validate("--cuda-graph-warmup-steps", -1)
+
+
+def test_unknown_scope_lists_valid_names():
+    with pytest.raises(ValueError, match="'layer'.*full_iteration, attn, mlp, moe"):
+        validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+                 "--cuda-graph-scope", "attn,layer")
+
+
+@pytest.mark.parametrize("scope, reason", [
+    ("full_iteration", "varying packed metadata"),
+    ("moe", "MoE is not supported"),
+    ("moe_router", "MoE is not supported"),
+    ("moe_preprocess", "MoE is not supported"),
+])
+def test_unsupported_scopes(scope, reason):
+    with pytest.raises(ValueError, match=f"'{scope}'.*{reason}"):
+        validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+                 "--cuda-graph-scope", scope, model="hybrid")
+
+
+def test_mamba_scope_rejected_for_gpt():
+    with pytest.raises(ValueError, match="--cuda-graph-scope is wrong: mamba.*no Mamba"):
+        validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+                 "--cuda-graph-scope", "mamba")
+
+
+# ---------------------------------------------------------------- CLI behaviour and output
+
+def test_parse_args_exits_2_with_message(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE["gpt"] + ["--fp16"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pretrain_gpt.py")
+    assert "--fp16 is wrong: True" in err
+
+
+def test_parse_args_returns_validated_args(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse_args(BASE["hybrid"], model="hybrid")
+    assert (args.num_layers, args.data_parallel_size) == (4, 2)
+
+
+def test_args_to_dict_is_json_safe():
+    data = args_to_dict(validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+                                 "--cuda-graph-scope", "attn"))
+    assert json.loads(json.dumps(data)) == data
+    assert data["cuda_graph_scope"] == ["attn"]
+    assert data["padded_vocab_size"] == 32000
+
+
+def test_format_args_is_megatron_style():
+    lines = format_args(validate()).splitlines()
+    assert lines[0] == "------------------------ arguments ------------------------"
+    body = lines[1:-1]
+    assert body == sorted(body, key=str.lower)
+    assert "  seq_length ...................................... 256" in body
+
+
+ALLOWED_OPTIONS = [
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--attention-backend", "--attention-dropout",
+    "--bf16", "--calculate-per-token-loss", "--clip-grad", "--context-parallel-size",
+    "--cuda-graph-granularity", "--cuda-graph-impl", "--cuda-graph-max-packed-seqs",
+    "--cuda-graph-scope", "--cuda-graph-warmup-steps", "--data-path", "--deterministic-mode",
+    "--distributed-backend", "--distributed-timeout-minutes", "--eval-interval", "--eval-iters",
+    "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--help",
+    "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern", "--init-method-std",
+    "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval", "--lr",
+    "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters", "--lr-wsd-decay-iters",
+    "--lr-wsd-decay-style", "--make-vocab-size-divisible-by", "--mamba-head-dim",
+    "--mamba-num-groups", "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings",
+    "--metrics-file", "--micro-batch-size", "--min-lr", "--mock-data", "--mock-doc-length-median",
+    "--mock-doc-length-sigma", "--no-calculate-per-token-loss", "--no-load-optim",
+    "--no-load-rng", "--normalization", "--num-attention-heads", "--num-layers",
+    "--num-layers-per-virtual-pipeline-stage", "--num-query-groups",
+    "--pipeline-model-parallel-size", "--position-embedding-type", "--reject-long-documents",
+    "--rotary-base", "--rotary-percent", "--save", "--save-interval", "--seed", "--seq-length",
+    "--sequence-parallel", "--sft", "--swiglu", "--tensor-model-parallel-size",
+    "--tensorboard-dir", "--train-iters", "--untie-embeddings-and-output-weights",
+    "--use-distributed-optimizer", "--valid-data-path", "--virtual-pipeline-model-parallel-size",
+    "--vocab-size", "--weight-decay", "-h",
+]
+
+
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_allowed_options_are_frozen(model):
+    """Adding or renaming a flag must be a conscious change: update this list and docs/flags.md."""
+    parser = build_parser(model)
+    options = sorted(s for action in parser._actions for s in action.option_strings)
+    assert options == ALLOWED_OPTIONS
+
+
+def test_every_flag_is_documented():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "flags.md").read_text()
+    missing = [o for o in ALLOWED_OPTIONS if o.startswith("--") and o != "--help"
+               and f"`{o}`" not in docs and f"`{o} " not in docs]
+    assert missing == []

@@ -1,0 +1,170 @@
+"""Row layout of `pack_documents` and the micro-batch dict of `collate_packed_rows`."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.training.datasets.packing import (
+    PAD_TOKEN_ID,
+    Document,
+    PackingStats,
+    collate_packed_rows,
+    pack_documents,
+)
+
+
+def doc(ids, mask=None, origin="t.jsonl:1"):
+    ids = np.asarray(ids, dtype=np.int64)
+    return Document(ids, None if mask is None else np.asarray(mask, dtype=np.float32), origin)
+
+
+def docs_of_lengths(*lengths):
+    """Documents whose ids encode (document, index): doc d token j is 100*(d+1) + j."""
+    return [doc(100 * (d + 1) + np.arange(n), origin=f"t.jsonl:{d + 1}") for d, n in enumerate(lengths)]
+
+
+def test_cu_seqlens_follow_document_lengths_with_padding_tail():
+    stats = PackingStats()
+    (row,) = pack_documents(docs_of_lengths(5, 3, 4), 10, stats=stats)
+    assert row.cu_seqlens.tolist() == [0, 4, 6, 9, 10]
+    assert row.cu_seqlens.dtype == np.int32
+    assert row.num_documents == 3 and row.num_segments == 4
+    assert (stats.documents, stats.rows, stats.padding_tokens, stats.tokens) == (3, 1, 1, 9)
+
+
+def test_exact_fit_has_no_padding_segment():
+    stats = PackingStats()
+    rows = list(pack_documents(docs_of_lengths(6, 6), 10, stats=stats))
+    assert len(rows) == 1
+    assert rows[0].cu_seqlens.tolist() == [0, 5, 10]
+    assert rows[0].num_documents == 2 and rows[0].num_segments == 2
+    assert rows[0].loss_mask.tolist() == [1.0] * 10
+    assert stats.padding_tokens == 0
+
+
+def test_greedy_sequential_closes_row_and_keeps_order():
+    # The third document (2 positions) would fit in row 1, but greedy packing never looks back.
+    rows = list(pack_documents(docs_of_lengths(8, 5, 3), 10))
+    assert [r.cu_seqlens.tolist() for r in rows] == [[0, 7, 10], [0, 4, 6, 10]]
+    assert [r.num_documents for r in rows] == [1, 2]
+    assert rows[1].tokens[:6].tolist() == [200, 201, 202, 203, 300, 301]
+
+
+def test_position_ids_restart_per_document_and_in_padding():
+    (row,) = pack_documents(docs_of_lengths(5, 3, 4), 12)
+    assert row.position_ids.dtype == np.int64
+    assert row.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 0, 1, 2, 0, 1, 2]
+
+
+def test_labels_are_next_token_within_the_document():
+    (row,) = pack_documents(docs_of_lengths(5, 3, 4), 10)
+    assert row.tokens.tolist() == [100, 101, 102, 103, 200, 201, 300, 301, 302, PAD_TOKEN_ID]
+    assert row.labels.tolist() == [101, 102, 103, 104, 201, 202, 301, 302, 303, PAD_TOKEN_ID]
+    real = row.loss_mask > 0
+    # Same hundreds digit: no label comes from another document.
+    assert np.array_equal(row.tokens[real] // 100, row.labels[real] // 100)
+
+
+def test_loss_mask_is_shifted_to_prediction_targets():
+    # Prompt tokens 0-1 are not targets, answer tokens 2-4 are.
+    (row,) = pack_documents([doc([1, 2, 3, 4, 5], mask=[0, 0, 1, 1, 1]), doc([7, 8, 9])], 8)
+    # Position j predicts token j+1: positions 0..3 predict tokens 1..4 -> mask [0, 1, 1, 1].
+    assert row.loss_mask.tolist() == [0, 1, 1, 1, 1, 1, 0, 0]
+    assert row.loss_mask.dtype == np.float32
+
+
+def test_padding_tail_is_pad_ids_without_loss():
+    (row,) = pack_documents(docs_of_lengths(4), 8)
+    assert row.tokens[3:].tolist() == [PAD_TOKEN_ID] * 5
+    assert row.labels[3:].tolist() == [PAD_TOKEN_ID] * 5
+    assert row.loss_mask[3:].tolist() == [0.0] * 5
+    assert row.position_ids[3:].tolist() == [0, 1, 2, 3, 4]
+    assert row.cu_seqlens.tolist() == [0, 3, 8]
+
+
+def test_long_document_is_truncated_by_default():
+    ids = np.arange(1, 16)
+    stats = PackingStats()
+    (row,) = pack_documents([doc(ids, mask=np.ones(15))], 10, stats=stats)
+    assert row.tokens.tolist() == ids[:10].tolist()
+    assert row.labels.tolist() == ids[1:11].tolist()
+    assert row.cu_seqlens.tolist() == [0, 10]
+    assert stats.truncated == 1 and stats.documents == 1
+
+
+def test_long_document_is_rejected_with_flag():
+    rows = pack_documents([doc(np.arange(1, 16), origin="train.jsonl:7")], 10, reject_long_documents=True)
+    with pytest.raises(ValueError, match=r"train\.jsonl:7 has 15 tokens.*--seq-length 10.*--reject-long-documents"):
+        list(rows)
+
+
+def test_document_of_exactly_seq_length_plus_one_tokens_is_kept_whole():
+    stats = PackingStats()
+    (row,) = pack_documents([doc(np.arange(1, 12))], 10, reject_long_documents=True, stats=stats)
+    assert row.labels[-1] == 11 and stats.truncated == 0
+
+
+def test_empty_and_one_token_documents_are_skipped_and_counted():
+    stats = PackingStats()
+    rows = list(pack_documents([doc([]), doc([5]), doc([1, 2, 3]), doc([9])], 4, stats=stats))
+    assert len(rows) == 1
+    assert rows[0].tokens.tolist() == [1, 2, 0, 0]
+    assert (stats.skipped_empty, stats.documents) == (3, 1)
+
+
+def test_only_empty_documents_give_no_rows():
+    assert list(pack_documents([doc([]), doc([3])], 4)) == []
+
+
+def test_stats_positions_add_up():
+    stats = PackingStats()
+    rows = list(pack_documents(docs_of_lengths(*np.random.default_rng(0).integers(2, 30, 200)), 64, stats=stats))
+    assert stats.rows == len(rows)
+    assert stats.tokens + stats.padding_tokens == 64 * len(rows)
+    assert stats.documents == sum(r.num_documents for r in rows) == 200
+    assert stats.padding_tokens == sum(int((r.loss_mask == 0).sum()) for r in rows)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_seq_length_is_rejected(bad):
+    with pytest.raises(ValueError, match="--seq-length"):
+        pack_documents(docs_of_lengths(3), bad)  # raises at call time, before iteration
+
+
+def test_document_mask_length_mismatch_is_rejected():
+    with pytest.raises(ValueError, match=r"x\.jsonl:3 has 2 mask values for 3 tokens"):
+        doc([1, 2, 3], mask=[1, 1], origin="x.jsonl:3")
+
+
+def test_collate_offsets_cu_seqlens_into_the_flat_stream():
+    rows = list(pack_documents(docs_of_lengths(5, 3, 4, 6, 6), 10))
+    assert [r.cu_seqlens.tolist() for r in rows] == [[0, 4, 6, 9, 10], [0, 5, 10]]
+    batch = collate_packed_rows(rows)
+    assert batch["cu_seqlens"].tolist() == [0, 4, 6, 9, 10, 15, 20]
+    assert batch["cu_seqlens"].dtype == torch.int32
+    assert batch["num_segments"] == 6 == len(batch["cu_seqlens"]) - 1
+    assert batch["num_documents"] == 5
+    assert batch["max_seqlen"] == 5
+    for key, dtype in [("tokens", torch.int64), ("labels", torch.int64),
+                       ("loss_mask", torch.float32), ("position_ids", torch.int64)]:
+        assert batch[key].shape == (2, 10) and batch[key].dtype == dtype, key
+    assert batch["tokens"][1].tolist() == rows[1].tokens.tolist()
+    # Flattened positions restart exactly at the cu_seqlens boundaries.
+    starts = batch["cu_seqlens"][:-1].long()
+    assert (batch["position_ids"].reshape(-1)[starts] == 0).all()
+
+
+def test_collate_single_row_keeps_its_cu_seqlens():
+    (row,) = pack_documents(docs_of_lengths(5, 3), 10)
+    batch = collate_packed_rows([row])
+    assert batch["cu_seqlens"].tolist() == row.cu_seqlens.tolist()
+    assert batch["num_segments"] == 3 and batch["num_documents"] == 2
+
+
+def test_collate_rejects_mixed_lengths_and_empty():
+    (short,) = pack_documents(docs_of_lengths(3), 4)
+    (long,) = pack_documents(docs_of_lengths(3), 8)
+    with pytest.raises(ValueError, match=r"lengths \[4, 8\] differ"):
+        collate_packed_rows([short, long])
+    with pytest.raises(ValueError, match="0 rows"):
+        collate_packed_rows([])

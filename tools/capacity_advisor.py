@@ -1,0 +1,178 @@
+"""Recommend ``--cuda-graph-max-packed-seqs`` from the data a run will read.
+
+Packs the data with the training code, counts ``cu_seqlens`` segments per micro-batch (the
+padding tail included: a graph capacity must hold every segment), and picks the smallest
+capacity whose predicted eager-fallback rate is at most the target. CPU only.
+
+    python tools/capacity_advisor.py --data-path train.jsonl --seq-length 4096 --vocab-size 32000
+    python tools/capacity_advisor.py --mock-data --seq-length 4096 --vocab-size 32000
+"""
+
+import argparse
+import math
+import os
+import sys
+from typing import Iterable, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from megatron.training.datasets import (  # noqa: E402
+    MockPackedDataset,
+    PackedRow,
+    PackedRowDataset,
+    PackingStats,
+    pack_documents,
+    read_jsonl_documents,
+)
+
+ROUND_CAPACITIES = (16, 32, 64, 128, 256, 512, 1024)
+"""Capacities whose fallback rate the report always shows."""
+
+PERCENTILES = (50, 90, 99)
+
+
+def micro_batch_counts(
+    rows: Iterable[PackedRow], micro_batch_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(segments, documents) per micro-batch: int64 arrays, one entry per ``micro_batch_size``
+    consecutive rows; an incomplete last group is dropped, as training drops it.
+
+    The segment count equals ``collate_packed_rows(group)["num_segments"]``: rows' segments
+    simply add up in the flattened stream.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size is wrong: {micro_batch_size}. Set --micro-batch-size >= 1.")
+    per_row = np.array([(row.num_segments, row.num_documents) for row in rows], dtype=np.int64)
+    segments, documents = per_row.reshape(-1, 2).T
+    groups = len(segments) // micro_batch_size
+    if groups == 0:
+        raise ValueError(
+            f"data is wrong: {len(segments)} packed rows, fewer than one micro-batch of "
+            f"{micro_batch_size}. Use more data or a smaller --micro-batch-size."
+        )
+    keep = groups * micro_batch_size
+    return (
+        segments[:keep].reshape(groups, micro_batch_size).sum(axis=1),
+        documents[:keep].reshape(groups, micro_batch_size).sum(axis=1),
+    )
+
+
+def fallback_rate(segment_counts: Sequence[int], capacity: int) -> float:
+    """Fraction of micro-batches with more segments than ``capacity`` (they would run eager)."""
+    counts = np.asarray(segment_counts)
+    return float(np.mean(counts > capacity))
+
+
+def recommend_capacity(segment_counts: Sequence[int], target_fallback_rate: float) -> tuple[int, float]:
+    """Smallest capacity whose fallback rate is ``<= target_fallback_rate``, and that rate.
+
+    With ``n`` micro-batches at most ``k = floor(target * n)`` may overflow, so the answer is
+    the ``(k+1)``-th largest count: any smaller capacity lets at least ``k + 1`` overflow.
+    """
+    counts = np.sort(np.asarray(segment_counts, dtype=np.int64))
+    if counts.size == 0:
+        raise ValueError("segment counts are wrong: empty. Pass at least one micro-batch.")
+    if not 0.0 <= target_fallback_rate < 1.0:
+        raise ValueError(
+            f"target fallback rate is wrong: {target_fallback_rate}. "
+            f"Set --target-fallback-rate in [0, 1), e.g. 0.01."
+        )
+    allowed = math.floor(target_fallback_rate * counts.size + 1e-9)
+    capacity = max(1, int(counts[counts.size - 1 - allowed]))
+    return capacity, fallback_rate(counts, capacity)
+
+
+def format_report(
+    segments: np.ndarray,
+    documents: np.ndarray,
+    micro_batch_size: int,
+    seq_length: int,
+    target_fallback_rate: float,
+) -> str:
+    """The printed report: percentile table, rates at round capacities, recommended flag."""
+    lines = [
+        f"{len(segments)} micro-batches of {micro_batch_size} row(s) x {seq_length} positions",
+        "",
+        f"{'per micro-batch':<16}" + "".join(f"{'P' + str(p):>8}" for p in PERCENTILES) + f"{'max':>8}",
+    ]
+    for name, values in (("documents", documents), ("segments", segments)):
+        cells = [int(np.percentile(values, p, method="higher")) for p in PERCENTILES]
+        cells.append(int(values.max()))
+        lines.append(f"{name:<16}" + "".join(f"{c:>8}" for c in cells))
+    lines += ["(segments = documents + padding tails: what the capacity must hold)", ""]
+    capacity, rate = recommend_capacity(segments, target_fallback_rate)
+    lines.append(f"{'capacity':>8}  predicted fallback rate")
+    for round_capacity in sorted(set(ROUND_CAPACITIES) | {capacity}):
+        marker = "  <- recommended" if round_capacity == capacity else ""
+        lines.append(f"{round_capacity:>8}  {100 * fallback_rate(segments, round_capacity):6.2f}%{marker}")
+    lines += [
+        "",
+        f"recommended: --cuda-graph-max-packed-seqs {capacity}   "
+        f"(predicted fallback rate {100 * rate:.2f}%, target {100 * target_fallback_rate:.2f}%)",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data-path", help="pre-tokenized JSONL file (see docs/data-format.md)")
+    source.add_argument("--mock-data", action="store_true", help="built-in synthetic packed rows")
+    parser.add_argument("--seq-length", type=int, required=True)
+    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--target-fallback-rate", type=float, default=0.01)
+    parser.add_argument("--reject-long-documents", action="store_true")
+    parser.add_argument("--mock-doc-length-median", type=float, default=512)
+    parser.add_argument("--mock-doc-length-sigma", type=float, default=1.0)
+    parser.add_argument("--num-samples", type=int, default=2000, help="mock rows to draw")
+    parser.add_argument("--seed", type=int, default=1234)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    recommend_capacity([1], args.target_fallback_rate)  # reject a bad target before packing
+    if args.mock_data:
+        dataset = MockPackedDataset(
+            args.num_samples,
+            args.seq_length,
+            args.vocab_size,
+            args.seed,
+            doc_length_median=args.mock_doc_length_median,
+            doc_length_sigma=args.mock_doc_length_sigma,
+        )
+        header = (
+            f"mock data: median {args.mock_doc_length_median:g} tokens, "
+            f"sigma {args.mock_doc_length_sigma:g}, seed {args.seed}"
+        )
+    else:
+        stats = PackingStats()
+        documents = read_jsonl_documents(args.data_path, args.vocab_size)
+        rows = list(
+            pack_documents(
+                documents, args.seq_length, reject_long_documents=args.reject_long_documents, stats=stats
+            )
+        )
+        # One epoch in the order training reads it (the row order is shuffled per epoch).
+        dataset = PackedRowDataset(rows, len(rows), args.seed)
+        header = (
+            f"{args.data_path}: {stats.documents} documents in {stats.rows} rows, "
+            f"{stats.skipped_empty} skipped empty, {stats.truncated} truncated"
+        )
+    segments, documents = micro_batch_counts(
+        (dataset[i] for i in range(len(dataset))), args.micro_batch_size
+    )
+    print(header)
+    print(format_report(segments, documents, args.micro_batch_size, args.seq_length, args.target_fallback_rate))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as error:  # user-input errors: the message says what to change
+        print(f"capacity_advisor: error: {error}", file=sys.stderr)
+        sys.exit(2)
