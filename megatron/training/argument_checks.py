@@ -264,6 +264,8 @@ def check_checkpointing(args):
 def check_logging(args):
     _at_least(args, "--log-interval", 1)
     _at_least(args, "--eval-interval", 0)
+    if args.exit_interval is not None:
+        _at_least(args, "--exit-interval", 1)
     if args.eval_interval > 0 and args.eval_iters < 1:
         fail("--eval-iters", args.eval_iters,
              "Evaluation (--eval-interval > 0) needs at least 1; or set --eval-interval 0")

@@ -155,6 +155,9 @@ def _add_logging_args(parser):
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=0, help="0 = no evaluation.")
     g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Stop after the iteration that is a multiple of this (checkpoint first "
+                        "when --save is set); the LR schedule still spans --train-iters.")
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--metrics-file", type=str, default=None,
                    help="JSON-lines file, one record of metrics per step.")

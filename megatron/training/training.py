@@ -178,7 +178,7 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
 
     logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters)
     tokens_per_step = args.global_batch_size * args.seq_length
-    record = {}
+    record, saved = {}, False
     print_rank_0(f" > training from iteration {iteration} to {args.train_iters}")
     torch.cuda.reset_peak_memory_stats()
     while iteration < args.train_iters:
@@ -208,10 +208,14 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
             logger.log_train(record)
         if valid_iters and iteration % args.eval_interval == 0:
             logger.log_valid(iteration, evaluate(args, forward_step, valid_iters, model))
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+        saved = args.save and args.save_interval and iteration % args.save_interval == 0
+        if saved:
             save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
                             args_to_dict(args))
-    if args.save and (not args.save_interval or iteration % args.save_interval != 0):
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            print_rank_0(f" exiting after iteration {iteration} (--exit-interval)")
+            break
+    if args.save and not saved:
         save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
                         args_to_dict(args))
     logger.close()

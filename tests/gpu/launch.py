@@ -22,7 +22,7 @@ TINY_HYBRID = [
 ]
 TRAIN = [
     "--sft", "--mock-data", "--mock-doc-length-median", "128", "--bf16",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--seed", "1234",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--seed", "1234",
     "--micro-batch-size", "1", "--log-interval", "1",
 ]
 

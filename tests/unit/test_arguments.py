@@ -370,6 +370,11 @@ def test_eval_iters_positive_when_evaluating():
         validate("--eval-interval", 10, "--eval-iters", 0)
 
 
+def test_exit_interval_positive():
+    with pytest.raises(ValueError, match="--exit-interval is wrong: 0"):
+        validate("--exit-interval", 0)
+
+
 def test_data_source_required():
     args = build_parser("gpt").parse_args(BASE["gpt"][:-1])
     with pytest.raises(ValueError, match="--data-path / --mock-data is wrong: neither"):
@@ -495,7 +500,7 @@ ALLOWED_OPTIONS = [
     "--bf16", "--calculate-per-token-loss", "--clip-grad", "--context-parallel-size",
     "--cuda-graph-granularity", "--cuda-graph-impl", "--cuda-graph-max-packed-seqs",
     "--cuda-graph-scope", "--cuda-graph-warmup-steps", "--data-path", "--deterministic-mode",
-    "--distributed-backend", "--distributed-timeout-minutes", "--eval-interval", "--eval-iters",
+    "--distributed-backend", "--distributed-timeout-minutes", "--eval-interval", "--eval-iters", "--exit-interval",
     "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--help",
     "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern", "--init-method-std",
     "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval", "--lr",

@@ -1,0 +1,149 @@
+"""Benchmark packed training: step time, tokens/s and peak memory, one table per run.
+
+Each (preset, variant) trains with the real script (torchrun pretrain_*.py) for --steps
+iterations; the first --warmup iterations (compilation, autotuning, graph capture) are left
+out of the medians. All rows of a table come from the same invocation on the same machine.
+
+    python tools/benchmark.py --presets hybrid-small gpt-small --steps 30
+    python tools/benchmark.py --presets sweep --variants eager
+
+Prints a Markdown table; --json FILE also writes the rows.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+HYBRID_PATTERN_16 = "M-M-M*-M-M-M*-M-"  # 7 Mamba, 2 attention, 7 MLP layers
+
+PRESETS = {
+    # The foundation's default small configs (the eager baseline of docs/benchmarks.md).
+    "hybrid-small": ("pretrain_mamba.py", [
+        "--hybrid-override-pattern", HYBRID_PATTERN_16, "--hidden-size", "1024",
+        "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "4096"]),
+    "gpt-small": ("pretrain_gpt.py", [
+        "--num-layers", "16", "--hidden-size", "1024", "--num-attention-heads", "16",
+        "--num-query-groups", "8", "--swiglu", "--seq-length", "4096"]),
+    # Size sweep from launch-bound to GPU-bound (layers x hidden x tokens).
+    "gpt-8x512x2048": ("pretrain_gpt.py", [
+        "--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
+        "--swiglu", "--seq-length", "2048"]),
+    "gpt-16x1024x4096": ("pretrain_gpt.py", [
+        "--num-layers", "16", "--hidden-size", "1024", "--num-attention-heads", "16",
+        "--swiglu", "--seq-length", "4096"]),
+    "gpt-24x2048x4096": ("pretrain_gpt.py", [
+        "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+        "--swiglu", "--seq-length", "4096"]),
+    "hybrid-8x512x2048": ("pretrain_mamba.py", [
+        "--hybrid-override-pattern", "M-M*M-M*", "--hidden-size", "512",
+        "--num-attention-heads", "8", "--seq-length", "2048"]),
+    "hybrid-16x1024x4096": ("pretrain_mamba.py", [
+        "--hybrid-override-pattern", HYBRID_PATTERN_16, "--hidden-size", "1024",
+        "--num-attention-heads", "16", "--seq-length", "4096"]),
+    "hybrid-24x2048x4096": ("pretrain_mamba.py", [
+        "--hybrid-override-pattern", "M-M-M*-M-M-M*-M-M-M-M*-M", "--hidden-size", "2048",
+        "--num-attention-heads", "16", "--seq-length", "4096"]),
+}
+PRESET_GROUPS = {
+    "sweep": ["gpt-8x512x2048", "gpt-16x1024x4096", "gpt-24x2048x4096",
+              "hybrid-8x512x2048", "hybrid-16x1024x4096", "hybrid-24x2048x4096"],
+}
+
+# Variants are extra flags on top of a preset; graph variants join in later issues.
+VARIANTS = {
+    "eager": [],
+}
+
+COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size", "1",
+          "--vocab-size", "32000", "--log-interval", "1", "--seed", "1234"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(preset: str, variant: str, args) -> dict:
+    """Train one configuration; return its summary row (raises with the log on failure)."""
+    script, model_flags = PRESETS[preset]
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+               "--master-port", str(_free_port()), os.path.join(REPO, script), *model_flags,
+               *COMMON, *VARIANTS[variant], "--train-iters", str(args.steps),
+               "--global-batch-size", str(args.global_batch_size),
+               "--mock-doc-length-median", str(args.doc_length_median),
+               "--metrics-file", metrics]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{preset}/{variant} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    timed = [r for r in records if r.get("split", "train") == "train"][args.warmup:]
+    step_ms = statistics.median(r["iteration_time_ms"] for r in timed)
+    return {
+        "preset": preset,
+        "variant": variant,
+        "step_ms": step_ms,
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+        "peak_mem_gib": max(r["mem_max_allocated_bytes"] for r in records) / 2**30,
+        "first_step_ms": records[0]["iteration_time_ms"],
+        "final_loss": records[-1]["lm_loss"],
+    }
+
+
+def format_table(rows: list) -> str:
+    """Markdown table; speedup is against the eager row of the same preset."""
+    eager = {r["preset"]: r["tokens_per_sec"] for r in rows if r["variant"] == "eager"}
+    lines = ["| preset | variant | step (ms) | tokens/s | speedup | peak mem (GiB) | first step (ms) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        base = eager.get(r["preset"])
+        speedup = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['preset']} | {r['variant']} | {r['step_ms']:.1f} | "
+                     f"{r['tokens_per_sec']:,.0f} | {speedup} | {r['peak_mem_gib']:.2f} | "
+                     f"{r['first_step_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["hybrid-small", "gpt-small"],
+                        help=f"names from {sorted(PRESETS)} or groups {sorted(PRESET_GROUPS)}")
+    parser.add_argument("--variants", nargs="+", default=["eager"], choices=sorted(VARIANTS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
+    parser.add_argument("--global-batch-size", type=int, default=4)
+    parser.add_argument("--doc-length-median", type=int, default=512)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    presets = [p for name in args.presets for p in PRESET_GROUPS.get(name, [name])]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        parser.error(f"--presets is wrong: {unknown}. Choose from {sorted(PRESETS)} "
+                     f"or {sorted(PRESET_GROUPS)}.")
+    if args.steps <= args.warmup:
+        parser.error(f"--steps is wrong: {args.steps}. It must exceed --warmup ({args.warmup}).")
+    rows = []
+    for preset in presets:
+        for variant in args.variants:
+            rows.append(run_one(preset, variant, args))
+            print(f"done: {preset}/{variant} {rows[-1]['step_ms']:.1f} ms/step", flush=True)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
