@@ -19,6 +19,7 @@ import torch
 
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.utils import unwrap_model
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -69,8 +70,9 @@ def _model_key(i: int, num_chunks: int) -> str:
 
 def _sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool,
                         with_rng: bool) -> dict:
+    # Keys of the bare model (no DDP / Float16Module prefixes), as Megatron stores them.
     state = {}
-    for i, chunk in enumerate(model):
+    for i, chunk in enumerate(unwrap_model(model)):
         state[_model_key(i, len(model))] = chunk.sharded_state_dict()
     if with_optimizer:
         model_state = {k: v for k, v in state.items()}
@@ -122,7 +124,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     state = _sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim,
                                 with_rng=load_rng)
     loaded = dist_checkpointing.load(state, path)
-    for i, chunk in enumerate(model):
+    for i, chunk in enumerate(unwrap_model(model)):
         chunk.load_state_dict(loaded[_model_key(i, len(model))])
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
