@@ -129,6 +129,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["scheduler"])
+    else:
+        # The mixed-precision optimizer copied the *initial* weights into its fp32 main
+        # params at construction; without this its first step would write them back.
+        optimizer.reload_model_params()
     if load_rng:
         _set_rng_state(loaded["rng_state"])
     if torch.distributed.get_rank() == 0:
