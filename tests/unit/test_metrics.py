@@ -1,0 +1,36 @@
+import json
+
+from megatron.training.checkpointing import latest_iteration
+from megatron.training.metrics import MetricsLogger, read_metrics
+
+import pytest
+
+
+def _record(i):
+    return {"iteration": i, "consumed_samples": 4 * i, "global_batch_size": 4, "lm_loss": 2.5,
+            "grad_norm": 1.0, "num_zeros": 0, "learning_rate": 1e-4, "iteration_time_ms": 10.0,
+            "tokens_per_sec": 1000.0, "mem_allocated_bytes": 1, "mem_max_allocated_bytes": 2,
+            "extra_log": {"graph fallbacks": 1}}
+
+
+def test_log_line_and_metrics_file(cpu_dist, tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    logger = MetricsLogger(str(path), None, train_iters=10)
+    logger.log_train(_record(1))
+    logger.log_valid(1, 2.25)
+    logger.close()
+    line = capsys.readouterr().out
+    assert "iteration        1/      10" in line and "lm loss: 2.500000E+00" in line
+    assert "graph fallbacks: 1" in line and "tokens/s: 1000" in line
+    train = read_metrics(str(path))
+    assert train[0]["lm_loss"] == 2.5 and train[0]["graph fallbacks"] == 1
+    assert read_metrics(str(path), split="valid") == [{"split": "valid", "iteration": 1, "lm_loss": 2.25}]
+
+
+def test_latest_iteration(tmp_path):
+    assert latest_iteration(str(tmp_path)) is None
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("120\n")
+    assert latest_iteration(str(tmp_path)) == 120
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    with pytest.raises(ValueError, match="is not an iteration number"):
+        latest_iteration(str(tmp_path))

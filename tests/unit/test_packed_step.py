@@ -1,0 +1,32 @@
+import torch
+
+from megatron.training.datasets.packing import Document, collate_packed_rows, pack_documents
+from megatron.training.packed_step import longest_segment, masked_lm_loss, to_device_micro_batch
+
+
+def _batch():
+    docs = [Document(torch.arange(1, n + 1).numpy(), None, f"doc{n}") for n in (5, 3, 7, 4)]
+    rows = list(pack_documents(docs, seq_length=8))
+    return collate_packed_rows(rows[:2])
+
+
+def test_micro_batch_is_one_thd_stream_with_host_side_metadata():
+    batch = _batch()
+    mb = to_device_micro_batch(batch, with_seq_idx=True, static_max_seqlen=False,
+                               device=torch.device("cpu"))
+    assert mb.tokens.shape == (1, 16) and mb.position_ids.shape == (1, 16)
+    assert mb.params.cu_seqlens_q.tolist() == batch["cu_seqlens"].tolist()
+    assert mb.params.max_seqlen_q == longest_segment(batch["cu_seqlens"])
+    assert mb.params.seq_idx.shape == (1, 16)
+    assert mb.num_segments == len(batch["cu_seqlens"]) - 1
+    static = to_device_micro_batch(batch, with_seq_idx=False, static_max_seqlen=True,
+                                   device=torch.device("cpu"))
+    assert static.params.max_seqlen_q == 16 and static.params.seq_idx is None
+
+
+def test_masked_loss_sums_masked_tokens_and_counts_them():
+    per_token = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    loss, num_tokens, report = masked_lm_loss(mask, per_token)
+    assert loss.item() == 4.0 and num_tokens.item() == 2
+    assert report["lm loss"].tolist() == [4.0, 2.0]
