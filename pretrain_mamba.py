@@ -43,7 +43,7 @@ def main(argv=None):
     from megatron.training.packed_step import PackedForwardStep
     from megatron.training.training import pretrain
 
-    pretrain(args, model_provider, PackedForwardStep(with_seq_idx=True))
+    pretrain(args, model_provider, PackedForwardStep.from_args(args, with_seq_idx=True))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
-    TransformerLayerSubmodules,
-)
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 
 from megatron.packed_graphs.attention import PackedSelfAttention, VarlenAttention
+from megatron.packed_graphs.layers import (
+    GraphSafeMambaLayer,
+    GraphSafeMLPLayer,
+    GraphSafeTransformerLayer,
+)
 
 
 class VarlenSpecProvider(LocalSpecProvider):
@@ -61,7 +63,7 @@ def attention_layer_spec(provider: BackendSpecProvider, normalization: str) -> M
     """A TransformerLayer holding only causal self-attention (the hybrid '*' layer)."""
     norm, linear_qkv = _norm_and_linear(provider, normalization)
     return ModuleSpec(
-        module=TransformerLayer,
+        module=GraphSafeTransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
@@ -93,7 +95,7 @@ def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm") -> Mo
     attention = attention_layer_spec(provider, normalization).submodules
     pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
     return ModuleSpec(
-        module=TransformerLayer,
+        module=GraphSafeTransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=attention.input_layernorm,
             self_attention=attention.self_attention,
@@ -110,9 +112,8 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm") ->
 
     Imports the Mamba modules on call: megatron-core's MambaMixer needs triton and mamba-ssm.
     """
-    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
 
     from megatron.packed_graphs.mamba import HybridStack, HybridStackSubmodules, PackedMambaMixer
 
@@ -123,7 +124,7 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm") ->
         module=HybridStack,
         submodules=HybridStackSubmodules(
             mamba_layer=ModuleSpec(
-                module=MambaLayer,
+                module=GraphSafeMambaLayer,
                 submodules=MambaLayerSubmodules(
                     norm=mamba_norm,
                     mixer=ModuleSpec(
@@ -137,7 +138,7 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm") ->
             ),
             attention_layer=attention_layer_spec(provider, normalization),
             mlp_layer=ModuleSpec(
-                module=MLPLayer,
+                module=GraphSafeMLPLayer,
                 submodules=TransformerLayerSubmodules(
                     pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add
                 ),

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.enums import CudaGraphScope
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -49,6 +50,12 @@ def transformer_config_from_args(args) -> TransformerConfig:
         apply_rope_fusion=False,
         calculate_per_token_loss=args.calculate_per_token_loss,
         deterministic_mode=args.deterministic_mode,
+        cuda_graph_impl=args.cuda_graph_impl,
+        # [] = the whole layer (megatron-core's deprecated "full").
+        cuda_graph_scope=[CudaGraphScope[name] for name in args.cuda_graph_scope],
+        # megatron-core's meaning: warm-up passes inside each capture. Our
+        # --cuda-graph-warmup-steps counts eager iterations before capture instead.
+        cuda_graph_warmup_steps=1,
     )
     if args.model == "hybrid":
         kwargs.update(

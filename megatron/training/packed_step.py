@@ -6,12 +6,23 @@ data loader, so everything decided here (segment count, longest segment) is read
 GPU->CPU sync.
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
+from megatron.packed_graphs import core_patches
+from megatron.packed_graphs.capacity import pad_cu_seqlens
+from megatron.packed_graphs.dispatch import (
+    GraphDecision,
+    GraphSettings,
+    Reason,
+    disable_cuda_graphs_this_step,
+    plan_iteration,
+)
 from megatron.packed_graphs.packed_seq import PackedBatchParams, build_packed_batch_params
 
 
@@ -34,17 +45,21 @@ def longest_segment(cu_seqlens_cpu: Tensor) -> int:
 
 
 def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen: bool,
-                          device=None) -> PackedMicroBatch:
+                          capacity: Optional[int] = None, device=None) -> PackedMicroBatch:
     """Move a collated micro-batch (see datasets.packing.collate_packed_rows) to the GPU.
 
     ``static_max_seqlen``: use the packed length T as ``max_seqlen`` (fixed across steps, as
     CUDA graphs need) instead of the true longest segment (tighter kernels in eager mode).
+    ``capacity``: pad ``cu_seqlens`` to ``capacity + 1`` entries (on the host, before the copy)
+    so the micro-batch matches a captured graph; the caller checked that it fits.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     move = lambda t: t.reshape(1, -1).to(device, non_blocking=True)
     tokens, labels, position_ids = move(batch["tokens"]), move(batch["labels"]), move(batch["position_ids"])
     loss_mask = move(batch["loss_mask"])
     cu_seqlens_cpu = batch["cu_seqlens"]
+    if capacity is not None:
+        cu_seqlens_cpu = pad_cu_seqlens(cu_seqlens_cpu, capacity)
     total_tokens = tokens.numel()
     max_seqlen = total_tokens if static_max_seqlen else longest_segment(cu_seqlens_cpu)
     params = build_packed_batch_params(
@@ -69,26 +84,77 @@ def masked_lm_loss(loss_mask: Tensor, output_tensor: Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-class PackedForwardStep:
-    """``forward_step_func`` for megatron-core's pipeline schedules, packed micro-batches."""
+def graph_settings_from_args(args) -> GraphSettings:
+    """Host-static CUDA-graph settings of a training run (validated CLI arguments)."""
+    if args.cuda_graph_impl == "transformer_engine":
+        raise NotImplementedError(
+            "--cuda-graph-impl transformer_engine is not available for packed sequences in "
+            "this build yet; use --cuda-graph-impl local."
+        )
+    return GraphSettings(
+        enabled=args.cuda_graph_impl == "local",
+        capacity=args.cuda_graph_max_packed_seqs,
+        warmup_iterations=args.cuda_graph_warmup_steps,
+        capture_needs_all_micro_batches=args.pipeline_model_parallel_size > 1,
+    )
 
-    def __init__(self, *, with_seq_idx: bool, static_max_seqlen: bool = False):
+
+class PackedForwardStep:
+    """``forward_step_func`` for megatron-core's pipeline schedules, packed micro-batches.
+
+    Per training iteration the loop calls `begin_iteration` with the iteration's micro-batches
+    (graph plan, host only), runs the schedule, then `end_iteration` (log counters).
+    Micro-batches that never went through `begin_iteration` (evaluation) run eager.
+    """
+
+    def __init__(self, *, with_seq_idx: bool, graphs: GraphSettings):
         self.with_seq_idx = with_seq_idx
-        self.static_max_seqlen = static_max_seqlen
+        self.graphs = graphs
+        self._iteration = 0
+        self._captured = False
+        self._decisions: List[GraphDecision] = []
         self._micro_batches = 0
         self._documents = 0
 
-    def pop_step_stats(self) -> dict:
-        """Counters since the last call, for the iteration's log line and metrics record."""
+    @classmethod
+    def from_args(cls, args, *, with_seq_idx: bool) -> "PackedForwardStep":
+        return cls(with_seq_idx=with_seq_idx, graphs=graph_settings_from_args(args))
+
+    def begin_iteration(self, micro_batches_per_chunk: List[List[dict]]) -> None:
+        """Plan graph replay for this iteration; every chunk's list holds the same micro-batches."""
+        counts = [batch["num_segments"] for batch in micro_batches_per_chunk[0]]
+        self._decisions = plan_iteration(self.graphs, self._iteration, self._captured, counts)
+        for batches in micro_batches_per_chunk:
+            for batch, decision in zip(batches, self._decisions):
+                batch["graph_decision"] = decision
+
+    def end_iteration(self) -> dict:
+        """Counters of the iteration just run, for its log line and metrics record."""
         stats = {"docs per micro-batch": round(self._documents / max(self._micro_batches, 1), 2)}
+        if self.graphs.enabled:
+            stats["graph fallbacks"] = sum(d.is_fallback for d in self._decisions)
+            if not self._captured and any(d.graphed for d in self._decisions):
+                self._captured = True  # the schedule captured at the end of this iteration
+                if core_patches.capture_log:
+                    capture = core_patches.capture_log[-1]
+                    stats["graph capture (s)"] = round(capture["time"], 2)
+                    stats["graph memory (MiB)"] = round(capture["reserved_bytes"] / 2**20, 1)
+            elif not self._captured:
+                stats["cuda graphs"] = self._decisions[0].reason.value if self._decisions else "-"
+        self._iteration += 1
         self._micro_batches = self._documents = 0
         return stats
 
     def __call__(self, data_iterator, model):
-        mb = to_device_micro_batch(next(data_iterator), with_seq_idx=self.with_seq_idx,
-                                   static_max_seqlen=self.static_max_seqlen)
+        batch = next(data_iterator)
+        decision = batch.get("graph_decision", GraphDecision(Reason.DISABLED))
+        mb = to_device_micro_batch(
+            batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.graphs.enabled,
+            capacity=self.graphs.capacity if decision.graphed else None)
         self._micro_batches += 1
         self._documents += mb.num_documents
-        output = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                       packed_seq_params=mb.params)
+        eager = self.graphs.enabled and not decision.graphed
+        with disable_cuda_graphs_this_step() if eager else nullcontext():
+            output = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                           packed_seq_params=mb.params)
         return output, partial(masked_lm_loss, mb.loss_mask)

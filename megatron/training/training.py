@@ -28,6 +28,7 @@ from megatron.training.config import (
 from megatron.training.datasets.builder import build_data_iterator, build_datasets, describe_packing
 from megatron.training.initialize import initialize_distributed, set_seeds
 from megatron.training.metrics import MetricsLogger
+from megatron.packed_graphs.core_patches import apply_core_patches
 
 
 def print_rank_0(*args) -> None:
@@ -115,7 +116,12 @@ def train_step(args, forward_step, data_iterators, model, optimizer, scheduler):
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses_reduced = _run_schedule(args, forward_step, data_iterators, model, forward_only=False)
+    # Read the iteration's micro-batches up front so the forward step can plan them all
+    # (e.g. CUDA-graph replay vs eager) before the schedule starts.
+    micro_batches = [[next(it) for _ in range(args.num_microbatches)] for it in data_iterators]
+    forward_step.begin_iteration(micro_batches)
+    losses_reduced = _run_schedule(args, forward_step, [iter(b) for b in micro_batches], model,
+                                   forward_only=False)
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
@@ -146,6 +152,7 @@ def _configure_schedule_hooks(config, model, optimizer) -> None:
 def pretrain(args, model_provider: Callable, forward_step) -> dict:
     """Train ``args.train_iters`` iterations. Returns the last iteration's metrics record."""
     initialize_distributed(args)
+    apply_core_patches()
     set_seeds(args.seed, args.deterministic_mode)
     print_rank_0(format_args(args))
     config = transformer_config_from_args(args)
@@ -202,7 +209,7 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
             "tokens_per_sec": tokens_per_step / elapsed,
             "mem_allocated_bytes": torch.cuda.memory_allocated(),
             "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "extra_log": forward_step.pop_step_stats(),
+            "extra_log": forward_step.end_iteration(),
         }
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             logger.log_train(record)

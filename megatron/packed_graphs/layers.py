@@ -1,0 +1,52 @@
+"""Graph-safe layer subclasses: honour the per-micro-batch eager fallback at the one dispatch site.
+
+megatron-core's ``GraphableMegatronModule.__call__`` asks ``_should_call_local_cudagraph``
+whether to go through the layer's CudaGraphManager. These subclasses answer "no" when the
+current micro-batch was planned eager (`dispatch.disable_cuda_graphs_this_step`) and in
+evaluation, where graphs are not used (a forward-only replay would also advance the runner
+rotation of pipeline-parallel runs out of step with the captured order).
+
+With pipeline parallelism the manager replays its runners round-robin, one per call, in the
+order they were captured. A bypassed micro-batch still takes its turn (`_skip_runner`), so
+every later micro-batch replays exactly the runner captured for its slot and the shared
+memory pool sees the captured order with gaps, never a reordering.
+"""
+
+from megatron.core.ssm.mamba_layer import MambaLayer
+from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
+
+
+class LocalGraphDispatch:
+    """Mixin for a GraphableMegatronModule layer; put it first in the bases."""
+
+    def _should_call_local_cudagraph(self, *args, **kwargs):
+        if not self.training:
+            return False
+        if cuda_graphs_bypassed():
+            self._skip_runner()
+            return False
+        return super()._should_call_local_cudagraph(*args, **kwargs)
+
+    def _skip_runner(self) -> None:
+        manager = getattr(self, "cudagraph_manager", None)
+        if manager is None or manager.reuse_cudagraphs:
+            return  # PP == 1: runners are matched by arguments, not by turn
+        if _CudagraphGlobalRecord.cudagraph_created and manager.cudagraph_runners:
+            runners = manager.cudagraph_runners
+            manager.cudagraph_runners = runners[1:] + runners[:1]
+
+
+class GraphSafeTransformerLayer(LocalGraphDispatch, TransformerLayer):
+    """TransformerLayer with the per-micro-batch eager fallback."""
+
+
+class GraphSafeMLPLayer(LocalGraphDispatch, MLPLayer):
+    """Hybrid MLP-only layer with the per-micro-batch eager fallback."""
+
+
+class GraphSafeMambaLayer(LocalGraphDispatch, MambaLayer):
+    """MambaLayer with the per-micro-batch eager fallback."""
