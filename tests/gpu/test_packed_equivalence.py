@@ -1,13 +1,10 @@
 """A packed THD forward equals running each document alone (GPT and hybrid, one GPU)."""
 
-import os
-
 import pytest
 import torch
 
 import pretrain_gpt
 import pretrain_mamba
-from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import Float16Module
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.training.arguments import parse_args
@@ -15,19 +12,6 @@ from megatron.training.config import transformer_config_from_args
 from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN
 
 DOC_LENGTHS = [37, 300, 1, 128, 64, 250]  # includes a 1-token document (no target)
-
-
-@pytest.fixture(scope="module")
-def dist():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    torch.cuda.set_device(0)
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
 
 
 def _build(model_kind, argv, module):
