@@ -12,6 +12,9 @@ from megatron.core.transformer import cuda_graphs
 
 PATCHED_VERSION = "0.16.1"
 
+# The upstream functions as imported, before any patch (tests check the bugs are still there).
+UPSTREAM_SET_WARMUP_END = cuda_graphs._set_warmup_end
+
 # Filled by the capture-statistics patch: one entry per graph capture.
 capture_log: list = []
 
