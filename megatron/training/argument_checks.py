@@ -334,6 +334,14 @@ def check_cuda_graphs(args):
         fail("--cuda-graph-granularity", "chunk",
              f"Chunk graphs are built by the local implementation, not --cuda-graph-impl {impl}; "
              "add --cuda-graph-impl local")
+    # Accepted by the parser so the flags read as they will, refused until they are built.
+    if impl == "transformer_engine":
+        fail("--cuda-graph-impl", impl,
+             "Packed-sequence graphs through Transformer Engine are not built yet in this fork; "
+             "use --cuda-graph-impl local")
+    if args.cuda_graph_granularity == "chunk":
+        fail("--cuda-graph-granularity", "chunk",
+             "Chunk graphs are not built yet in this fork; use --cuda-graph-granularity layer")
     args.cuda_graph_scope = normalise_cuda_graph_scope(scope or [])
     if args.model == "gpt" and "mamba" in args.cuda_graph_scope:
         fail("--cuda-graph-scope", "mamba",

@@ -86,11 +86,6 @@ def masked_lm_loss(loss_mask: Tensor, output_tensor: Tensor):
 
 def graph_settings_from_args(args) -> GraphSettings:
     """Host-static CUDA-graph settings of a training run (validated CLI arguments)."""
-    if args.cuda_graph_impl == "transformer_engine":
-        raise NotImplementedError(
-            "--cuda-graph-impl transformer_engine is not available for packed sequences in "
-            "this build yet; use --cuda-graph-impl local."
-        )
     return GraphSettings(
         enabled=args.cuda_graph_impl == "local",
         capacity=args.cuda_graph_max_packed_seqs,

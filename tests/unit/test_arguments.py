@@ -131,17 +131,21 @@ def test_bare_max_packed_seqs_is_50():
     assert parse().cuda_graph_max_packed_seqs == 0
 
 
-def test_chunk_granularity_with_local_graphs():
-    args = validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
-                    "--cuda-graph-granularity", "chunk")
-    assert args.cuda_graph_granularity == "chunk"
+def test_chunk_granularity_is_refused_until_built():
+    with pytest.raises(ValueError, match="--cuda-graph-granularity is wrong: chunk. Chunk graphs are not built yet"):
+        validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
+                 "--cuda-graph-granularity", "chunk")
 
 
 def test_te_options_accepted_when_te_importable(with_te):
-    args = validate("--attention-backend", "te", "--cuda-graph-impl", "transformer_engine",
-                    "--cuda-graph-max-packed-seqs", 64, "--context-parallel-size", 2,
+    args = validate("--attention-backend", "te", "--context-parallel-size", 2,
                     "--tensor-model-parallel-size", 2, "--sequence-parallel", world_size=4)
     assert args.data_parallel_size == 1
+
+
+def test_te_graph_impl_is_refused_until_built(with_te):
+    with pytest.raises(ValueError, match="--cuda-graph-impl is wrong: transformer_engine. Packed-sequence graphs through Transformer Engine are not built yet"):
+        validate("--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", 64)
 
 
 # ---------------------------------------------------------------- rejections: model and hybrid
