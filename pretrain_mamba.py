@@ -9,8 +9,6 @@ See docs/quickstart.md and docs/flags.md.
 
 import sys
 
-from megatron.training.initialize import require_cuda
-
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
     """MambaModel built from the packed hybrid stack spec of ``--attention-backend``."""
@@ -36,14 +34,9 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
 
 def main(argv=None):
-    from megatron.training.arguments import parse_args
+    from megatron.training.training import run_pretraining
 
-    args = parse_args(argv, model="hybrid")
-    require_cuda("pretrain_mamba.py")
-    from megatron.training.packed_step import PackedForwardStep
-    from megatron.training.training import pretrain
-
-    pretrain(args, model_provider, PackedForwardStep.from_args(args, with_seq_idx=True))
+    run_pretraining("hybrid", model_provider, "pretrain_mamba.py", argv)
 
 
 if __name__ == "__main__":

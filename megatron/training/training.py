@@ -26,7 +26,7 @@ from megatron.training.config import (
     transformer_config_from_args,
 )
 from megatron.training.datasets.builder import build_data_iterator, build_datasets, describe_packing
-from megatron.training.initialize import initialize_distributed, set_seeds
+from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
 from megatron.training.metrics import MetricsLogger
 from megatron.packed_graphs.core_patches import apply_core_patches
 
@@ -227,3 +227,17 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
                         args_to_dict(args))
     logger.close()
     return record
+
+
+def run_pretraining(model: str, model_provider: Callable, script: str, argv=None) -> None:
+    """Entry point of pretrain_gpt.py / pretrain_mamba.py: parse, check for CUDA, train.
+
+    ``model`` is 'gpt' or 'hybrid'; hybrid models carry Mamba's per-token ``seq_idx``.
+    """
+    from megatron.training.arguments import parse_args
+    from megatron.training.packed_step import PackedForwardStep
+
+    args = parse_args(argv, model=model)
+    require_cuda(script)
+    pretrain(args, model_provider,
+             PackedForwardStep.from_args(args, with_seq_idx=model == "hybrid"))

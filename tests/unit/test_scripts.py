@@ -1,0 +1,40 @@
+"""The entry points say clearly when there is no GPU, and reject bad flags like argparse."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VALID = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "128", "--train-iters", "1", "--lr", "1e-4", "--mock-data"]
+
+
+def _run(*cmd):
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.parametrize("script,extra", [("pretrain_gpt.py", []),
+                                          ("pretrain_mamba.py", ["--hybrid-override-pattern", "M*"])])
+def test_training_without_cuda_exits_1_and_says_why(script, extra):
+    argv = [a for a in VALID if a not in ("--num-layers", "2")] if extra else VALID
+    proc = _run(sys.executable, script, *argv, *extra)
+    assert proc.returncode == 1
+    assert "no CUDA device is visible" in proc.stderr
+
+
+def test_bad_flag_is_a_usage_error():
+    proc = _run(sys.executable, "pretrain_gpt.py", *VALID, "--cuda-graph-impl", "local")
+    assert proc.returncode == 2
+    assert "--cuda-graph-max-packed-seqs is wrong: 0" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_example_launcher_refuses_without_gpu():
+    script = os.path.join("examples", "local", "train_hybrid_synthetic.sh")
+    assert _run("bash", "-n", script).returncode == 0
+    proc = _run("bash", script)
+    assert proc.returncode == 1 and "no CUDA GPU is visible" in proc.stderr
