@@ -18,7 +18,7 @@ def _run(*cmd):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 @pytest.mark.parametrize("script,extra", [("pretrain_gpt.py", []),
-                                          ("pretrain_mamba.py", ["--hybrid-override-pattern", "M*"])])
+                                          ("pretrain_mamba.py", ["--hybrid-override-pattern", "M*", "--mamba-head-dim", "16", "--mamba-num-groups", "2"])])
 def test_training_without_cuda_exits_1_and_says_why(script, extra):
     argv = [a for a in VALID if a not in ("--num-layers", "2")] if extra else VALID
     proc = _run(sys.executable, script, *argv, *extra)
