@@ -266,6 +266,11 @@ def check_logging(args):
     _at_least(args, "--eval-interval", 0)
     if args.exit_interval is not None:
         _at_least(args, "--exit-interval", 1)
+    if args.profile:
+        _at_least(args, "--profile-step-start", 1)
+        if args.profile_step_end <= args.profile_step_start:
+            fail("--profile-step-end", args.profile_step_end,
+                 f"It must exceed --profile-step-start ({args.profile_step_start})")
     if args.eval_interval > 0 and args.eval_iters < 1:
         fail("--eval-iters", args.eval_iters,
              "Evaluation (--eval-interval > 0) needs at least 1; or set --eval-interval 0")

@@ -159,6 +159,11 @@ def _add_logging_args(parser):
                    help="Stop after the iteration that is a multiple of this (checkpoint first "
                         "when --save is set); the LR schedule still spans --train-iters.")
     g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--profile", action="store_true",
+                   help="Profile iterations [--profile-step-start, --profile-step-end): nsys "
+                        "capture range (cudaProfilerStart/Stop) and GPU-busy time per iteration.")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--metrics-file", type=str, default=None,
                    help="JSON-lines file, one record of metrics per step.")
 

@@ -28,6 +28,7 @@ from megatron.training.config import (
 from megatron.training.datasets.builder import build_data_iterator, build_datasets, describe_packing
 from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
 from megatron.training.metrics import MetricsLogger
+from megatron.training.profiling import StepProfiler
 from megatron.packed_graphs.core_patches import apply_core_patches
 
 
@@ -185,10 +186,12 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
 
     logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters)
     tokens_per_step = args.global_batch_size * args.seq_length
+    profiler = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end)
     record, saved = {}, False
     print_rank_0(f" > training from iteration {iteration} to {args.train_iters}")
     torch.cuda.reset_peak_memory_stats()
     while iteration < args.train_iters:
+        profiler.begin(iteration + 1)
         torch.cuda.synchronize()
         start = time.perf_counter()
         lm_loss, grad_norm, num_zeros = train_step(args, forward_step, train_iters, model,
@@ -196,6 +199,7 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         iteration += 1
+        profiled = profiler.finish(iteration)
         consumed_samples += args.global_batch_size
         record = {
             "iteration": iteration,
@@ -209,7 +213,7 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
             "tokens_per_sec": tokens_per_step / elapsed,
             "mem_allocated_bytes": torch.cuda.memory_allocated(),
             "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "extra_log": forward_step.end_iteration(),
+            "extra_log": forward_step.end_iteration() | profiled,
         }
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             logger.log_train(record)

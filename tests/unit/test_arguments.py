@@ -374,6 +374,11 @@ def test_eval_iters_positive_when_evaluating():
         validate("--eval-interval", 10, "--eval-iters", 0)
 
 
+def test_profile_range_must_be_nonempty():
+    with pytest.raises(ValueError, match=r"--profile-step-end is wrong: 5. It must exceed --profile-step-start \(5\)"):
+        validate("--profile", "--profile-step-start", 5, "--profile-step-end", 5)
+
+
 def test_exit_interval_positive():
     with pytest.raises(ValueError, match="--exit-interval is wrong: 0"):
         validate("--exit-interval", 0)
@@ -504,23 +509,24 @@ ALLOWED_OPTIONS = [
     "--bf16", "--calculate-per-token-loss", "--clip-grad", "--context-parallel-size",
     "--cuda-graph-granularity", "--cuda-graph-impl", "--cuda-graph-max-packed-seqs",
     "--cuda-graph-scope", "--cuda-graph-warmup-steps", "--data-path", "--deterministic-mode",
-    "--distributed-backend", "--distributed-timeout-minutes", "--eval-interval", "--eval-iters", "--exit-interval",
-    "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--help",
-    "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern", "--init-method-std",
-    "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval", "--lr",
-    "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters", "--lr-wsd-decay-iters",
+    "--distributed-backend", "--distributed-timeout-minutes", "--eval-interval", "--eval-iters",
+    "--exit-interval", "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size",
+    "--help", "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern",
+    "--init-method-std", "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval",
+    "--lr", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters", "--lr-wsd-decay-iters",
     "--lr-wsd-decay-style", "--make-vocab-size-divisible-by", "--mamba-head-dim",
     "--mamba-num-groups", "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings",
-    "--metrics-file", "--micro-batch-size", "--min-lr", "--mock-data", "--mock-doc-length-median",
-    "--mock-doc-length-sigma", "--no-calculate-per-token-loss", "--no-load-optim",
-    "--no-load-rng", "--normalization", "--num-attention-heads", "--num-layers",
-    "--num-layers-per-virtual-pipeline-stage", "--num-query-groups",
-    "--pipeline-model-parallel-size", "--position-embedding-type", "--reject-long-documents",
-    "--rotary-base", "--rotary-percent", "--save", "--save-interval", "--seed", "--seq-length",
+    "--metrics-file", "--micro-batch-size", "--min-lr", "--mock-data",
+    "--mock-doc-length-median", "--mock-doc-length-sigma", "--no-calculate-per-token-loss",
+    "--no-load-optim", "--no-load-rng", "--normalization", "--num-attention-heads",
+    "--num-layers", "--num-layers-per-virtual-pipeline-stage", "--num-query-groups",
+    "--pipeline-model-parallel-size", "--position-embedding-type", "--profile",
+    "--profile-step-end", "--profile-step-start", "--reject-long-documents", "--rotary-base",
+    "--rotary-percent", "--save", "--save-interval", "--seed", "--seq-length",
     "--sequence-parallel", "--sft", "--swiglu", "--tensor-model-parallel-size",
     "--tensorboard-dir", "--train-iters", "--untie-embeddings-and-output-weights",
-    "--use-distributed-optimizer", "--valid-data-path", "--virtual-pipeline-model-parallel-size",
-    "--vocab-size", "--weight-decay", "-h",
+    "--use-distributed-optimizer", "--valid-data-path",
+    "--virtual-pipeline-model-parallel-size", "--vocab-size", "--weight-decay", "-h",
 ]
 
 
