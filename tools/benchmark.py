@@ -5,7 +5,12 @@ iterations; the first --warmup iterations (compilation, autotuning, graph captur
 out of the medians. All rows of a table come from the same invocation on the same machine.
 
     python tools/benchmark.py --presets hybrid-small gpt-small --steps 30
-    python tools/benchmark.py --presets sweep --variants eager
+    python tools/benchmark.py --presets sweep --variants eager layer-graphs --profile
+    python tools/benchmark.py --presets hybrid-small --variants eager --capacities 16 64 256 1024
+
+--profile profiles the last two iterations of every run (excluded from the step-time median)
+and reports the GPU-busy time of a step (union of its kernel intervals) and the ratio
+step time / GPU-busy time: 1.0 is the physical limit, a launch-bound step is far above it.
 
 Prints a Markdown table; --json FILE also writes the rows.
 """
@@ -73,14 +78,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def variant_flags(variant: str) -> list:
+    """Flags of a variant name: a VARIANTS key, or 'layer-graphs-c<N>' for capacity N."""
+    if variant.startswith("layer-graphs-c"):
+        capacity = variant.removeprefix("layer-graphs-c")
+        flags = list(VARIANTS["layer-graphs"])
+        flags[flags.index("--cuda-graph-max-packed-seqs") + 1] = capacity
+        return flags
+    return VARIANTS[variant]
+
+
 def run_one(preset: str, variant: str, args) -> dict:
     """Train one configuration; return its summary row (raises with the log on failure)."""
     script, model_flags = PRESETS[preset]
+    profile = (["--profile", "--profile-step-start", str(args.steps - 1),
+                "--profile-step-end", str(args.steps + 1)] if args.profile else [])
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
                "--master-port", str(_free_port()), os.path.join(REPO, script), *model_flags,
-               *COMMON, *VARIANTS[variant], "--train-iters", str(args.steps),
+               *COMMON, *variant_flags(variant), *profile, "--train-iters", str(args.steps),
                "--global-batch-size", str(args.global_batch_size),
                "--mock-doc-length-median", str(args.doc_length_median),
                "--metrics-file", metrics]
@@ -89,7 +106,9 @@ def run_one(preset: str, variant: str, args) -> dict:
             raise RuntimeError(f"{preset}/{variant} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
         with open(metrics) as f:
             records = [json.loads(line) for line in f if line.strip()]
-    timed = [r for r in records if r.get("split", "train") == "train"][args.warmup:]
+    train = [r for r in records if r.get("split", "train") == "train"]
+    timed = [r for r in train[args.warmup:] if "gpu busy (ms)" not in r]
+    busy = [r["gpu busy (ms)"] for r in train if "gpu busy (ms)" in r]
     step_ms = statistics.median(r["iteration_time_ms"] for r in timed)
     micro_batches = args.global_batch_size // args.nproc
     capture = next((r for r in records if "graph capture (s)" in r), {})
@@ -104,6 +123,7 @@ def run_one(preset: str, variant: str, args) -> dict:
         "fallback_rate": sum(r.get("graph fallbacks", 0) for r in timed) / (len(timed) * micro_batches),
         "capture_s": capture.get("graph capture (s)", 0.0),
         "graph_mem_mib": capture.get("graph memory (MiB)", 0.0),
+        "gpu_busy_ms": statistics.median(busy) if busy else None,
     }
 
 
@@ -111,14 +131,16 @@ def format_table(rows: list) -> str:
     """Markdown table; speedup is against the eager row of the same preset."""
     eager = {r["preset"]: r["tokens_per_sec"] for r in rows if r["variant"] == "eager"}
     lines = ["| preset | variant | step (ms) | tokens/s | speedup | peak mem (GiB) | "
-             "fallback rate | capture (s) | graph mem (MiB) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "fallback rate | capture (s) | graph mem (MiB) | GPU busy (ms) | step / busy |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         base = eager.get(r["preset"])
         speedup = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['preset']} | {r['variant']} | {r['step_ms']:.1f} | "
                      f"{r['tokens_per_sec']:,.0f} | {speedup} | {r['peak_mem_gib']:.2f} | "
-                     f"{r['fallback_rate']:.1%} | {r['capture_s']:.2f} | {r['graph_mem_mib']:.0f} |")
+                     f"{r['fallback_rate']:.1%} | {r['capture_s']:.2f} | {r['graph_mem_mib']:.0f} | "
+                     + (f"{r['gpu_busy_ms']:.1f} | {r['step_ms'] / r['gpu_busy_ms']:.2f} |"
+                        if r.get("gpu_busy_ms") else "- | - |"))
     return "\n".join(lines)
 
 
@@ -127,6 +149,10 @@ def main(argv=None) -> int:
     parser.add_argument("--presets", nargs="+", default=["hybrid-small", "gpt-small"],
                         help=f"names from {sorted(PRESETS)} or groups {sorted(PRESET_GROUPS)}")
     parser.add_argument("--variants", nargs="+", default=["eager"], choices=sorted(VARIANTS))
+    parser.add_argument("--capacities", nargs="*", type=int, default=[],
+                        help="add a layer-graphs variant per capacity (capacity sweep)")
+    parser.add_argument("--profile", action="store_true",
+                        help="report GPU-busy time and step/busy from the last two iterations")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
     parser.add_argument("--global-batch-size", type=int, default=4)
@@ -141,9 +167,10 @@ def main(argv=None) -> int:
                      f"or {sorted(PRESET_GROUPS)}.")
     if args.steps <= args.warmup:
         parser.error(f"--steps is wrong: {args.steps}. It must exceed --warmup ({args.warmup}).")
+    variants = args.variants + [f"layer-graphs-c{c}" for c in args.capacities]
     rows = []
     for preset in presets:
-        for variant in args.variants:
+        for variant in variants:
             rows.append(run_one(preset, variant, args))
             print(f"done: {preset}/{variant} {rows[-1]['step_ms']:.1f} ms/step", flush=True)
     print(format_table(rows))
