@@ -1,0 +1,37 @@
+import os
+import sys
+import traceback
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import find_host_syncs as fhs  # noqa: E402
+
+
+def _stack(*frames):
+    return traceback.StackSummary.from_list([(f, line, "fn", "code") for f, line in frames])
+
+
+def test_syncs_grouped_by_call_site_and_split_model_vs_loop():
+    model_sync = _stack(("/x/megatron/training/training.py", 10),
+                        ("/x/site-packages/megatron/core/ssm/mamba_mixer.py", 700),
+                        ("/x/site-packages/torch/functional.py", 5))
+    loop_sync = _stack(("/x/megatron/training/training.py", 99),
+                       ("/x/site-packages/torch/_tensor.py", 3))
+    sites = fhs.group_syncs([model_sync, model_sync, loop_sync])
+    assert list(sites) == ["/x/site-packages/megatron/core/ssm/mamba_mixer.py:700",
+                           "/x/megatron/training/training.py:99"]
+    first, second = sites.values()
+    assert first["count"] == 2 and first["in_model"]
+    assert second["count"] == 1 and not second["in_model"]
+    report = fhs.format_report(sites, 5)
+    assert "host syncs in iteration 5: 3 calls at 2 sites (1 inside the model)" in report
+    assert "mamba_mixer.py:700  x2" in report
+
+
+def test_bad_arguments_are_usage_errors():
+    with pytest.raises(SystemExit) as err:
+        fhs.main(["pretrain_bert.py"])
+    assert err.value.code == 2
+    with pytest.raises(SystemExit):
+        fhs.main(["pretrain_gpt.py", "--iteration", "0"])

@@ -1,0 +1,140 @@
+"""Find every GPU->CPU synchronisation of one training iteration, with its Python stack.
+
+Runs the real training (one process, one GPU) up to ``--iteration`` and runs that iteration
+under ``torch.cuda.set_sync_debug_mode("warn")``. Each synchronising call is reported once
+per call site, with a count and the Python stack, split into syncs inside the model's
+forward/backward (these break CUDA graph capture) and syncs in the training loop around it
+(loss, grad norm, logging: expected, outside any graph).
+
+    python tools/find_host_syncs.py pretrain_mamba.py --iteration 5 -- \\
+        --sft --mock-data --hybrid-override-pattern "M*-M*-" --hidden-size 256 \\
+        --num-attention-heads 8 --seq-length 2048 --train-iters 5 --lr 1e-4 --bf16 \\
+        --cuda-graph-impl local --cuda-graph-max-packed-seqs 32 --cuda-graph-warmup-steps 2
+
+The training arguments after ``--`` are the script's own; ``--train-iters`` is raised to
+``--iteration`` if smaller.
+"""
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+import warnings
+from collections import OrderedDict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+SCRIPTS = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
+# A stack that passes through one of these ran inside the model (graph territory).
+MODEL_PATHS = ("megatron/packed_graphs/", "megatron/core/transformer/", "megatron/core/ssm/",
+               "megatron/core/models/", "megatron/core/tensor_parallel/layers",
+               "mamba_ssm/", "causal_conv1d/")
+SYNC_MESSAGE = "called a synchronizing CUDA operation"
+
+
+def call_site(stack: list) -> str:
+    """``file:line`` of the innermost frame outside torch itself (where the sync was asked for)."""
+    for frame in reversed(stack):
+        if "/torch/" not in frame.filename:
+            return f"{os.path.relpath(frame.filename, REPO) if frame.filename.startswith(REPO) else frame.filename}:{frame.lineno}"
+    return f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "?"
+
+
+def in_model(stack: list) -> bool:
+    return any(any(p in frame.filename for p in MODEL_PATHS) for frame in stack)
+
+
+def group_syncs(stacks: list) -> "OrderedDict[str, dict]":
+    """Group captured stacks by call site: ``{site: {"count", "in_model", "stack"}}``."""
+    sites: "OrderedDict[str, dict]" = OrderedDict()
+    for stack in stacks:
+        site = call_site(stack)
+        entry = sites.setdefault(site, {"count": 0, "in_model": in_model(stack), "stack": stack})
+        entry["count"] += 1
+    return sites
+
+
+def format_report(sites: "OrderedDict[str, dict]", iteration: int) -> str:
+    model = [(s, e) for s, e in sites.items() if e["in_model"]]
+    loop = [(s, e) for s, e in sites.items() if not e["in_model"]]
+    lines = [f"host syncs in iteration {iteration}: {sum(e['count'] for e in sites.values())} "
+             f"calls at {len(sites)} sites ({len(model)} inside the model)"]
+    for title, group in (("inside the model forward/backward (break graph capture)", model),
+                         ("in the training loop (outside graphs)", loop)):
+        lines.append(f"\n== {title}: {len(group)}")
+        for site, entry in group:
+            lines.append(f"-- {site}  x{entry['count']}")
+            lines += ["   " + line for line in
+                      "".join(traceback.format_list(entry["stack"][-12:])).rstrip().splitlines()]
+    return "\n".join(lines)
+
+
+class SyncWatch:
+    """Wraps a PackedForwardStep; runs one iteration under sync debug mode 'warn'."""
+
+    def __init__(self, inner, iteration: int, stacks: list):
+        self.inner, self.iteration, self.stacks = inner, iteration, stacks
+        self._current = 0
+
+    def begin_iteration(self, micro_batches):
+        import torch
+
+        self._current += 1
+        self.inner.begin_iteration(micro_batches)
+        if self._current == self.iteration:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def end_iteration(self):
+        import torch
+
+        if self._current == self.iteration:
+            torch.cuda.set_sync_debug_mode(0)
+        return self.inner.end_iteration()
+
+    def __call__(self, data_iterator, model):
+        return self.inner(data_iterator, model)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, train_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("script", choices=sorted(SCRIPTS))
+    parser.add_argument("--iteration", type=int, default=5, help="1-based iteration to check")
+    opts = parser.parse_args(own)
+    if opts.iteration < 1:
+        parser.error(f"--iteration is wrong: {opts.iteration}. It must be >= 1.")
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import require_cuda
+    from megatron.training.packed_step import PackedForwardStep
+    from megatron.training.training import pretrain
+
+    model_kind = SCRIPTS[opts.script]
+    args = parse_args(train_argv, model=model_kind)
+    require_cuda("find_host_syncs.py")
+    args.train_iters = max(args.train_iters, opts.iteration)
+    module = importlib.import_module(opts.script.removesuffix(".py"))
+
+    stacks: list = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if SYNC_MESSAGE in str(message):
+            stacks.append(traceback.extract_stack()[:-1])
+        else:
+            original(message, category, filename, lineno, file, line)
+
+    original = warnings.showwarning
+    warnings.showwarning = record
+    warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}.*")
+    step = PackedForwardStep.from_args(args, with_seq_idx=model_kind == "hybrid")
+    pretrain(args, module.model_provider, SyncWatch(step, opts.iteration, stacks))
+    print(format_report(group_syncs(stacks), opts.iteration))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
