@@ -35,3 +35,16 @@ def test_bad_arguments_are_usage_errors():
     assert err.value.code == 2
     with pytest.raises(SystemExit):
         fhs.main(["pretrain_gpt.py", "--iteration", "0"])
+
+
+def test_compare_graph_grads_relative_differences():
+    import torch
+
+    import compare_graph_grads as cgg
+
+    ref = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0, 0.0])}
+    got = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0, 1.0])}
+    total, rows = cgg.relative_differences(got, ref)
+    assert rows[0][1] == "b" and rows[0][0] == pytest.approx(1.0)
+    assert rows[1][0] == pytest.approx(0.0)
+    assert total == pytest.approx(1.0 / 26 ** 0.5)
