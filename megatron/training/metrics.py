@@ -25,6 +25,17 @@ METRIC_KEYS = (
 )
 
 
+# TensorBoard tag -> metrics key; the tags are Megatron's.
+TENSORBOARD_TAGS = {
+    "lm loss": "lm_loss",
+    "grad-norm": "grad_norm",
+    "learning-rate": "learning_rate",
+    "iteration-time": "iteration_time_ms",
+    "throughput/tokens-per-sec": "tokens_per_sec",
+    "mem-max-allocated-bytes": "mem_max_allocated_bytes",
+}
+
+
 def is_reporting_rank() -> bool:
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
@@ -67,11 +78,8 @@ class MetricsLogger:
         print(" " + " | ".join(parts) + " |", flush=True)
         self._write({k: v for k, v in record.items() if k != "extra_log"} | record.get("extra_log", {}))
         if self._tb is not None:
-            step = record["iteration"]
-            for key in ("lm_loss", "grad_norm", "learning_rate", "iteration_time_ms",
-                        "tokens_per_sec", "mem_max_allocated_bytes"):
-                self._tb.add_scalar(key.replace("_", " ") if key == "lm_loss" else key,
-                                    record[key], step)
+            for tag, key in TENSORBOARD_TAGS.items():
+                self._tb.add_scalar(tag, record[key], record["iteration"])
 
     def log_valid(self, iteration: int, lm_loss: float) -> None:
         if not self.enabled:

@@ -34,3 +34,17 @@ def test_latest_iteration(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     with pytest.raises(ValueError, match="is not an iteration number"):
         latest_iteration(str(tmp_path))
+
+
+def test_tensorboard_scalars_use_megatron_tags(cpu_dist, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(None, str(tmp_path), train_iters=10)
+    logger.log_train(_record(1))
+    logger.log_train(_record(2))
+    logger.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert {"lm loss", "grad-norm", "iteration-time"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2]
