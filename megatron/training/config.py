@@ -1,17 +1,32 @@
-"""Build megatron-core's config objects from parsed training arguments.
+"""Build megatron-core's config objects from parsed training arguments, and the library config.
 
 One place turns `args` into `TransformerConfig`, `OptimizerConfig` and
 `DistributedDataParallelConfig`, so the CLI and any programmatic driver produce the same
 configs.
+
+The library config is for frameworks that drive training without a command line:
+``load_training_config`` turns a YAML file or a dict keyed by the flags' dest names into the
+``argparse.Namespace`` the CLI would produce (same parser, same ``validate_args``), and
+``CudaGraphConfig`` / ``resolve_cuda_graph_config`` are its typed CUDA graph part. Every key,
+the mapping to the CLI flags and where the two differ: docs/config-api.md.
 """
+
+import argparse
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.enums import CudaGraphScope
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training import argument_checks as checks
+from megatron.training.arguments import build_parser, validate_args
 
 
 def params_dtype(args) -> torch.dtype:
@@ -89,3 +104,210 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=True,
     )
+
+
+# ------------------------------------------------------------------------- library config
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """CUDA graph keys of the library config. Every key is optional; all unset = graphs off.
+
+    Each key is the dest name of a CLI flag (``cuda_graph_impl`` = ``--cuda-graph-impl``) and
+    None means "the CLI default". ``resolve_cuda_graph_config`` validates it.
+    """
+
+    cuda_graph_impl: str | None = None
+    """'none' (default), 'local' (megatron-core CudaGraphManager) or 'transformer_engine'."""
+    cuda_graph_scope: str | list[str] | None = None
+    """CudaGraphScope names, comma- or space-separated or a list; unset = the whole layer."""
+    cuda_graph_max_packed_seqs: int | None = None
+    """Graph capacity: packed documents per micro-batch; > 0 exactly when graphs are on."""
+    cuda_graph_granularity: str | None = None
+    """'layer' (default): one graph per layer; 'chunk': one per model chunk (local only)."""
+    cuda_graph_warmup_steps: int | None = None
+    """Eager training steps before capture (default 3)."""
+    enable_cuda_graph: bool | None = None
+    """Deprecated: True means cuda_graph_impl 'local' and warns; prefer cuda_graph_impl."""
+
+
+GRAPH_KEYS = tuple(field.name for field in dataclasses.fields(CudaGraphConfig))
+
+
+@dataclass(frozen=True)
+class ResolvedCudaGraphConfig:
+    """Validated graph settings: the values ``validate_args`` leaves on ``args``, plus RNG."""
+
+    cuda_graph_impl: str
+    """'none', 'local' or 'transformer_engine'."""
+    cuda_graph_scope: tuple[str, ...]
+    """De-duplicated CudaGraphScope names; () = the whole layer."""
+    cuda_graph_max_packed_seqs: int
+    """Graph capacity; 0 exactly when graphs are off."""
+    cuda_graph_granularity: str
+    """'layer' or 'chunk'."""
+    cuda_graph_warmup_steps: int
+    """Eager training steps before capture."""
+    rng_tracker_for_graphs: bool
+    """True whenever graphs are on: the CUDA RNG tracker must be megatron-core's graph-safe
+    one. ``initialize.set_seeds`` installs it (``use_cudagraphable_rng=True``) on every run,
+    so this records the requirement rather than switching anything."""
+
+
+def cuda_graph_config_from_args(args) -> ResolvedCudaGraphConfig:
+    """The resolved graph config of validated CLI ``args`` (the same type the library gives)."""
+    return ResolvedCudaGraphConfig(
+        cuda_graph_impl=args.cuda_graph_impl,
+        cuda_graph_scope=tuple(args.cuda_graph_scope),
+        cuda_graph_max_packed_seqs=args.cuda_graph_max_packed_seqs,
+        cuda_graph_granularity=args.cuda_graph_granularity,
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+        rng_tracker_for_graphs=args.cuda_graph_impl != "none",
+    )
+
+
+def resolve_cuda_graph_config(raw: dict | CudaGraphConfig,
+                              model: str | None = None) -> ResolvedCudaGraphConfig:
+    """Validate library graph keys with the CLI's rules and fill the CLI's defaults.
+
+    Differences from the CLI: the deprecated ``enable_cuda_graph`` is accepted (True means
+    impl 'local', with a ``DeprecationWarning``; conflicting values are a ``ValueError``), and a
+    scope with impl 'none' warns (``UserWarning``) and is dropped instead of being an error.
+    ``model`` ('gpt' | 'hybrid') enables the model-specific scope check (no 'mamba' on gpt).
+    """
+    if isinstance(raw, CudaGraphConfig):
+        raw = dataclasses.asdict(raw)
+    _reject_unknown(raw, GRAPH_KEYS, "cuda graph config")
+    parser = build_parser(model or "gpt")
+    actions = _flag_actions(parser)
+    given = {key: value for key, value in raw.items() if value is not None}
+    for key in ("cuda_graph_impl", "cuda_graph_granularity"):
+        if key in given and given[key] not in actions[key].choices:
+            checks.fail(key, repr(given[key]), f"Use one of {', '.join(actions[key].choices)}")
+    for key in ("cuda_graph_max_packed_seqs", "cuda_graph_warmup_steps"):
+        if key in given and (isinstance(given[key], bool) or not isinstance(given[key], int)):
+            checks.fail(key, repr(given[key]), "Use an integer")
+    impl = _impl_from_deprecated(given.get("cuda_graph_impl"), given.get("enable_cuda_graph"))
+    impl = impl or parser.get_default("cuda_graph_impl")
+    scope = checks.normalise_cuda_graph_scope(_scope_values(given.get("cuda_graph_scope")))
+    if scope and impl == "none":
+        warnings.warn(f"cuda_graph_scope {','.join(scope)} is not applied: cuda_graph_impl is "
+                      "none. Set cuda_graph_impl: local to capture it, or drop cuda_graph_scope.",
+                      UserWarning, stacklevel=2)
+        scope = []
+    args = argparse.Namespace(model=model, cuda_graph_impl=impl, cuda_graph_scope=scope)
+    for key in ("cuda_graph_max_packed_seqs", "cuda_graph_granularity", "cuda_graph_warmup_steps"):
+        setattr(args, key, given.get(key, parser.get_default(key)))
+    checks.check_cuda_graphs(args)  # the CLI's rules: capacity, granularity, TE, mamba on gpt
+    return cuda_graph_config_from_args(args)
+
+
+def _impl_from_deprecated(impl: str | None, enable: bool | None) -> str | None:
+    """cuda_graph_impl after the deprecated enable_cuda_graph (None when neither is given)."""
+    if enable is None:
+        return impl
+    if not isinstance(enable, bool):
+        checks.fail("enable_cuda_graph", repr(enable), "Use true or false, or better drop it "
+                                                       "and set cuda_graph_impl")
+    warnings.warn("enable_cuda_graph is deprecated; set cuda_graph_impl: local (graphs on) or "
+                  "none (graphs off) instead.", DeprecationWarning, stacklevel=3)
+    if enable and impl not in (None, "local"):
+        checks.fail("enable_cuda_graph", True, f"It means cuda_graph_impl 'local' and conflicts "
+                                               f"with cuda_graph_impl {impl!r}; drop "
+                                               "enable_cuda_graph")
+    if not enable and impl == "local":
+        checks.fail("enable_cuda_graph", False, "It conflicts with cuda_graph_impl 'local'; "
+                                                "drop enable_cuda_graph")
+    return "local" if enable else impl
+
+
+def _scope_values(scope) -> list[str]:
+    """A scope string ('attn,mlp' or 'attn mlp') or list -> the words the CLI would receive."""
+    if scope is None:
+        return []
+    if isinstance(scope, str):
+        return scope.split()
+    if isinstance(scope, (list, tuple)) and all(isinstance(name, str) for name in scope):
+        return [word for name in scope for word in name.split()]
+    checks.fail("cuda_graph_scope", repr(scope), "Use a string such as 'attn,mlp' or a list of "
+                                                 "CudaGraphScope names")
+
+
+def load_training_config(source: str | os.PathLike | dict,
+                         world_size: int | None = None) -> argparse.Namespace:
+    """A YAML file or dict of training settings -> the validated ``args`` the CLI would give.
+
+    Keys are the flags' dest names (``num_layers`` for ``--num-layers``, docs/flags.md), the
+    graph keys of ``CudaGraphConfig`` and ``model`` ('gpt', the default, or 'hybrid'). Values
+    go through the CLI's own parser (types, choices, defaults of ``build_parser(model)``) and
+    ``validate_args``; ``world_size`` as there. Any bad key or value is a ``ValueError``.
+    """
+    raw = _read_mapping(source)
+    model = raw.pop("model", "gpt")
+    checks.check_model_name(model)
+    parser = build_parser(model)
+    actions = _flag_actions(parser)
+    _reject_unknown(raw, set(actions) | set(GRAPH_KEYS), "training config")
+    missing = [dest for dest, action in actions.items()
+               if action.required and raw.get(dest) is None]
+    if missing:
+        checks.fail("training config", f"no {', '.join(missing)}",
+                    f"Give every required key: {', '.join(missing)}")
+    graphs = resolve_cuda_graph_config({key: raw.pop(key) for key in GRAPH_KEYS if key in raw},
+                                       model=model)
+    settings = {**raw, **dataclasses.asdict(graphs)}
+    del settings["rng_tracker_for_graphs"]
+    argv = [token for dest, value in settings.items() for token in _argv(actions[dest], value)]
+
+    def _error(message):
+        checks.fail("training config", message, "Keys are the flags' dest names; see "
+                                                "docs/flags.md")
+
+    parser.error = _error  # argparse would exit; a library caller gets a ValueError
+    return validate_args(parser.parse_args(argv), model, world_size)
+
+
+def _read_mapping(source) -> dict:
+    if isinstance(source, dict):
+        return dict(source)
+    with open(source) as f:
+        raw = yaml.safe_load(f)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        checks.fail(os.fspath(source), type(raw).__name__,
+                    "A training config file holds one mapping of key: value")
+    return raw
+
+
+def _flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """dest -> argparse action of every flag (not --help)."""
+    return {action.dest: action for action in parser._actions
+            if action.option_strings and action.dest != "help"}
+
+
+def _reject_unknown(raw: dict, allowed, what: str):
+    unknown = sorted(str(key) for key in raw if key not in allowed)
+    if unknown:
+        checks.fail(f"{what} key", ", ".join(unknown),
+                    f"Allowed keys are {', '.join(sorted(allowed))}")
+
+
+def _argv(action: argparse.Action, value) -> list[str]:
+    """The CLI tokens that set ``action``'s dest to ``value`` (None: leave the default)."""
+    flag = action.option_strings[0]
+    if value is None:
+        return []
+    if action.nargs == 0:  # store_true or --x/--no-x
+        if not isinstance(value, bool):
+            checks.fail(action.dest, repr(value), "It is an on/off flag; use true or false")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else action.option_strings[1]]
+        return [flag] if value else []
+    if isinstance(value, bool) or isinstance(value, (dict, set)):
+        checks.fail(action.dest, repr(value), "It takes a value, not an on/off switch or mapping")
+    if isinstance(value, (list, tuple)):
+        if action.nargs != "+":
+            checks.fail(action.dest, repr(value), "It takes one value, not a list")
+        return [flag, *map(str, value)] if value else []
+    return [f"{flag}={value}"]  # '=' keeps a value such as '-M*M' from reading as a flag
