@@ -33,6 +33,19 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
+def _pipeline_peers_coincide(args) -> bool:
+    """PP=2 with interleaving: a rank's previous and next stage are the same rank.
+
+    megatron-core 0.16.1's batched p2p posts [send_prev, recv_prev, send_next, recv_next] in
+    one batch_isend_irecv; when both peers are one rank, the steady state of the interleaved
+    schedule sends a gradient and an activation of the same shape to it and they are received
+    swapped, silently (loss off from the third micro-batch). The unbatched path keeps the two
+    directions apart, so it is used there.
+    """
+    return (args.pipeline_model_parallel_size == 2
+            and args.virtual_pipeline_model_parallel_size is not None)
+
+
 def transformer_config_from_args(args) -> TransformerConfig:
     """TransformerConfig for a packed GPT or hybrid model (``args.model``: 'gpt' | 'hybrid')."""
     dtype = params_dtype(args)
@@ -65,6 +78,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         apply_rope_fusion=False,
         calculate_per_token_loss=args.calculate_per_token_loss,
         deterministic_mode=args.deterministic_mode,
+        batch_p2p_comm=not _pipeline_peers_coincide(args),
         cuda_graph_impl=args.cuda_graph_impl,
         # [] = the whole layer (megatron-core's deprecated "full").
         cuda_graph_scope=[CudaGraphScope[name] for name in args.cuda_graph_scope],

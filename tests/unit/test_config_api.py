@@ -393,3 +393,18 @@ def test_the_callers_dict_is_not_changed():
     settings = {**GPT, **LOCAL}
     load_training_config(settings)
     assert settings == {**GPT, **LOCAL}
+
+
+@pytest.mark.parametrize("pp,vpp,batched", [(1, None, True), (2, None, True), (2, 2, False),
+                                            (4, 2, True)])
+def test_batched_p2p_is_off_only_where_pipeline_peers_coincide(pp, vpp, batched):
+    """PP=2 x VPP: batched p2p swaps a gradient and an activation (see config.py)."""
+    from megatron.training.arguments import build_parser, validate_args
+
+    argv = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "128", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
+            "--pipeline-model-parallel-size", str(pp)]
+    if vpp:
+        argv += ["--virtual-pipeline-model-parallel-size", str(vpp)]
+    args = validate_args(build_parser("gpt").parse_args(argv), "gpt", world_size=pp)
+    assert transformer_config_from_args(args).batch_p2p_comm is batched
