@@ -153,6 +153,8 @@ def _add_checkpointing_args(parser):
 def _add_logging_args(parser):
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="Count zero gradient entries each step (the log's `num zeros`).")
     g.add_argument("--eval-interval", type=int, default=0, help="0 = no evaluation.")
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--exit-interval", type=int, default=None,

@@ -109,6 +109,7 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
         bf16=args.bf16,
         params_dtype=params_dtype(args),
         use_distributed_optimizer=args.use_distributed_optimizer,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
 
 
