@@ -39,11 +39,6 @@ class PackedMicroBatch:
     num_documents: int
 
 
-def longest_segment(cu_seqlens_cpu: Tensor) -> int:
-    """Longest segment of a host-side ``cu_seqlens``; no device involved."""
-    return int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max())
-
-
 def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen: bool,
                           capacity: Optional[int] = None, device=None) -> PackedMicroBatch:
     """Move a collated micro-batch (see datasets.packing.collate_packed_rows) to the GPU.
@@ -61,7 +56,8 @@ def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen:
     if capacity is not None:
         cu_seqlens_cpu = pad_cu_seqlens(cu_seqlens_cpu, capacity)
     total_tokens = tokens.numel()
-    max_seqlen = total_tokens if static_max_seqlen else longest_segment(cu_seqlens_cpu)
+    # The collate step measured the longest segment on the host already.
+    max_seqlen = total_tokens if static_max_seqlen else batch["max_seqlen"]
     params = build_packed_batch_params(
         cu_seqlens_cpu.to(device, non_blocking=True), position_ids, max_seqlen,
         with_seq_idx=with_seq_idx,

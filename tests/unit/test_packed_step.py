@@ -1,7 +1,7 @@
 import torch
 
 from megatron.training.datasets.packing import Document, collate_packed_rows, pack_documents
-from megatron.training.packed_step import longest_segment, masked_lm_loss, to_device_micro_batch
+from megatron.training.packed_step import masked_lm_loss, to_device_micro_batch
 
 
 def _batch():
@@ -16,7 +16,8 @@ def test_micro_batch_is_one_thd_stream_with_host_side_metadata():
                                device=torch.device("cpu"))
     assert mb.tokens.shape == (1, 16) and mb.position_ids.shape == (1, 16)
     assert mb.params.cu_seqlens_q.tolist() == batch["cu_seqlens"].tolist()
-    assert mb.params.max_seqlen_q == longest_segment(batch["cu_seqlens"])
+    cu = batch["cu_seqlens"]
+    assert mb.params.max_seqlen_q == int((cu[1:] - cu[:-1]).max()) == 6  # 7-token document
     assert mb.params.seq_idx.shape == (1, 16)
     assert mb.num_segments == len(batch["cu_seqlens"]) - 1
     static = to_device_micro_batch(batch, with_seq_idx=False, static_max_seqlen=True,
