@@ -5,7 +5,9 @@ through the real schedule (one eager warm-up iteration, one capture iteration), 
 the same micro-batch(es) forward + backward twice: replayed and eager (the per-micro-batch
 bypass). Prints the relative gradient difference, total and for the worst parameters, for:
 one micro-batch; the same one again (replay must be repeatable); two micro-batches
-accumulated. Eager vs eager is printed as the noise floor.
+accumulated; an eager then a replayed micro-batch. Eager vs eager is the noise floor. First it
+lists any backward-graph buffer that is memory a forward graph kept as its input (the
+aliasing behind the first bug this tool found, core_patches.py).
 
     python tools/compare_graph_grads.py --model gpt -- --num-layers 4 --hidden-size 256 \\
         --num-attention-heads 8 --num-query-groups 4 --swiglu --seq-length 1024 --vocab-size 1024
@@ -37,35 +39,34 @@ def relative_differences(grads, reference):
     return (num ** 0.5) / (den ** 0.5 + 1e-12), sorted(rows, reverse=True)
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    own, model_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["gpt", "hybrid"], default="gpt")
-    parser.add_argument("--capacity", type=int, default=32)
-    parser.add_argument("--micro-batches", type=int, default=2,
-                        help="micro-batches per iteration during capture")
-    parser.add_argument("--top", type=int, default=6, help="worst parameters to list")
-    opts = parser.parse_args(own)
+def captured_runners(model) -> list:
+    """The layer graph runners of a model, in module order."""
+    return [runner for module in model.modules()
+            for runner in getattr(getattr(module, "cudagraph_manager", None), "cudagraph_runners", [])]
 
+
+def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32,
+                              micro_batches: int = 2, no_buffer_reuse: bool = False):
+    """Capture layer graphs through the real schedule, then compare replayed and eager grads.
+
+    Needs an initialised one-GPU process group with megatron-core's parallel state and a
+    graph-safe RNG tracker. Returns ``(aliasing, results)``: the buffer clashes of
+    `forward_inputs_reused_as_grad_buffers` and an ordered ``{case: (total, rows)}`` of
+    `relative_differences` (replay vs eager; eager vs eager is the noise floor). Leaves the
+    captured graphs alive; callers that capture again call ``delete_cuda_graphs()``.
+    """
     import torch
 
-    from megatron.training.initialize import require_cuda
-
-    require_cuda("compare_graph_grads.py")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    torch.cuda.set_device(0)
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-
-    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
     import pretrain_gpt
     import pretrain_mamba
-    from megatron.packed_graphs.core_patches import apply_core_patches
+    from megatron.packed_graphs.core_patches import (
+        apply_core_patches,
+        forward_inputs_reused_as_grad_buffers,
+    )
     from megatron.packed_graphs.dispatch import disable_cuda_graphs_this_step
     from megatron.training.arguments import parse_args
     from megatron.training.config import ddp_config_from_args, transformer_config_from_args
@@ -77,61 +78,103 @@ def main(argv=None) -> int:
         to_device_micro_batch,
     )
 
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
     apply_core_patches()
+    if no_buffer_reuse:
+        from megatron.core.transformer import cuda_graphs
+        cuda_graphs.TensorReusePool.insert = lambda self, tensor: None
     args = parse_args(model_argv + [
         "--mock-data", "--sft", "--bf16", "--lr", "1e-4", "--train-iters", "4",
-        "--global-batch-size", str(opts.micro_batches), "--cuda-graph-impl", "local",
-        "--cuda-graph-max-packed-seqs", str(opts.capacity), "--cuda-graph-warmup-steps", "1"],
-        model=opts.model)
-    module = pretrain_gpt if opts.model == "gpt" else pretrain_mamba
+        "--global-batch-size", str(micro_batches), "--cuda-graph-impl", "local",
+        "--cuda-graph-max-packed-seqs", str(capacity), "--cuda-graph-warmup-steps", "1"],
+        model=kind)
+    module = pretrain_gpt if kind == "gpt" else pretrain_mamba
     config = transformer_config_from_args(args)
     model = DistributedDataParallel(
         config, ddp_config_from_args(args),
         Float16Module(config, module.model_provider(args, config).cuda()))
     config.no_sync_func = model.no_sync
-    with_seq_idx = opts.model == "hybrid"
+    with_seq_idx = kind == "hybrid"
     step = PackedForwardStep.from_args(args, with_seq_idx=with_seq_idx)
     data = MockPackedDataset(64, args.seq_length, args.vocab_size, seed=7, doc_length_median=128)
     batches = [collate_packed_rows([data[i]]) for i in range(64)]
 
     source = iter(batches)
     for _ in range(2):  # eager warm-up iteration, then the capture iteration
-        micro_batches = [[next(source) for _ in range(opts.micro_batches)]]
-        step.begin_iteration(micro_batches)
+        iteration = [[next(source) for _ in range(micro_batches)]]
+        step.begin_iteration(iteration)
         model.zero_grad_buffer()
         get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(micro_batches[0]), model=model,
-            num_microbatches=opts.micro_batches, seq_length=args.seq_length, micro_batch_size=1)
+            forward_step_func=step, data_iterator=iter(iteration[0]), model=model,
+            num_microbatches=micro_batches, seq_length=args.seq_length, micro_batch_size=1)
         step.end_iteration()
 
     def grads(sequence, graphed):
         model.zero_grad_buffer()
-        for batch in sequence:
+        if isinstance(graphed, bool):
+            graphed = [graphed] * len(sequence)
+        for batch, replay in zip(sequence, graphed):
             mb = to_device_micro_batch(dict(batch), with_seq_idx=with_seq_idx,
-                                       static_max_seqlen=True, capacity=opts.capacity)
-            with nullcontext() if graphed else disable_cuda_graphs_this_step():
+                                       static_max_seqlen=True, capacity=capacity)
+            with nullcontext() if replay else disable_cuda_graphs_this_step():
                 output = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
                                packed_seq_params=mb.params)
             loss, _, _ = masked_lm_loss(mb.loss_mask, output)
             loss.backward()
         return {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
 
-    def report(title, got, reference):
-        total, rows = relative_differences(got, reference)
+    first, second = batches[20], batches[21]
+    eager_one, eager_two = grads([first], False), grads([first, second], False)
+    replay_one = grads([first], True)
+    results = {
+        "eager again vs eager (noise floor)": relative_differences(grads([first], False), eager_one),
+        "replay vs eager, one micro-batch": relative_differences(replay_one, eager_one),
+        "replay again vs replay": relative_differences(grads([first], True), replay_one),
+        "replay vs eager, two micro-batches accumulated":
+            relative_differences(grads([first, second], True), eager_two),
+        "eager then replay vs eager, two micro-batches":
+            relative_differences(grads([first, second], [False, True]), eager_two),
+    }
+    torch.cuda.synchronize()
+    return forward_inputs_reused_as_grad_buffers(captured_runners(model)), results
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, model_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["gpt", "hybrid"], default="gpt")
+    parser.add_argument("--capacity", type=int, default=32)
+    parser.add_argument("--micro-batches", type=int, default=2,
+                        help="micro-batches per iteration during capture")
+    parser.add_argument("--top", type=int, default=6, help="worst parameters to list")
+    parser.add_argument("--no-buffer-reuse", action="store_true",
+                        help="diagnosis: stop megatron-core's capture from recycling any graph "
+                             "buffer between runners (isolates buffer-aliasing bugs)")
+    opts = parser.parse_args(own)
+
+    import torch
+
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.training.initialize import require_cuda
+
+    require_cuda("compare_graph_grads.py")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
+
+    aliasing, results = compare_replay_with_eager(
+        opts.model, model_argv, capacity=opts.capacity, micro_batches=opts.micro_batches,
+        no_buffer_reuse=opts.no_buffer_reuse)
+    print(f"forward-input buffers also used as grad buffers: {len(aliasing)}")
+    for line in aliasing[:20]:
+        print("    " + line)
+    for title, (total, rows) in results.items():
         print(f"{title}: total relative difference {total:.3e}")
         for rel, name, ref_norm, norm in rows[:opts.top]:
             print(f"    {rel:.3e}  {name}  |eager| {ref_norm:.3e}  |got| {norm:.3e}")
-
-    first, second = batches[20], batches[21]
-    eager = grads([first], graphed=False)
-    report("eager again vs eager (noise floor)", grads([first], graphed=False), eager)
-    replay = grads([first], graphed=True)
-    report("replay vs eager, one micro-batch", replay, eager)
-    report("replay again vs replay", grads([first], graphed=True), replay)
-    report("replay vs eager, two micro-batches accumulated",
-           grads([first, second], graphed=True), grads([first, second], graphed=False))
     return 0
 
 

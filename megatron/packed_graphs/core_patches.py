@@ -14,6 +14,8 @@ PATCHED_VERSION = "0.16.1"
 
 # The upstream functions as imported, before any patch (tests check the bugs are still there).
 UPSTREAM_SET_WARMUP_END = cuda_graphs._set_warmup_end
+UPSTREAM_CREATE_FWD_GRAPH = cuda_graphs._CudaGraphRunner.create_fwd_graph
+UPSTREAM_CREATE_BWD_GRAPH = cuda_graphs._CudaGraphRunner.create_bwd_graph
 
 # Filled by the capture-statistics patch: one entry per graph capture.
 capture_log: list = []
@@ -33,6 +35,66 @@ def fix_warmup_flag_never_cleared() -> None:
         cuda_graphs._IS_GRAPH_WARMUP = False
 
     cuda_graphs._set_warmup_end = _set_warmup_end
+
+
+def hold_forward_inputs_until_backward_captured() -> None:
+    """Keep a runner's forward-input buffers out of the reuse pool until its backward exists.
+
+    0.16.1's ``create_fwd_graph`` returns each copied-in input buffer (the first layer's
+    hidden states, per-layer metadata) to ``TensorReusePool`` right after the forward
+    capture. But the captured forward saved that buffer for its backward (a norm keeps its
+    input), and the next capture of the same shape takes it from the pool: at PP=1 the last
+    layer's grad-output buffer. On replay the last layer's backward writes its incoming
+    gradient over the first layer's saved input, and the first layer's backward reads it:
+    wrong first-norm and embedding gradients (H200: 0.3 to 2.8 relative error, exact with the
+    patch; tools/compare_graph_grads.py prints the aliasing). Released once the runner's
+    backward graph is captured, the buffer is reused only by graphs that replay after it.
+    """
+    pool = cuda_graphs._CudagraphGlobalRecord.tensor_reuse_pool
+
+    def create_fwd_graph(self, *args, **kwargs):
+        held = []
+        pool.insert = held.append  # the only pool.insert calls in a forward capture
+        try:
+            UPSTREAM_CREATE_FWD_GRAPH(self, *args, **kwargs)
+        finally:
+            del pool.insert
+        if self.grad_enabled and self.training:
+            self.held_input_buffers = held
+        else:  # forward-only graph: nothing is saved for a backward
+            for buf in held:
+                pool.insert(buf)
+
+    def create_bwd_graph(self):
+        UPSTREAM_CREATE_BWD_GRAPH(self)
+        for buf in getattr(self, "held_input_buffers", ()):
+            pool.insert(buf)
+        self.held_input_buffers = []
+
+    cuda_graphs._CudaGraphRunner.create_fwd_graph = create_fwd_graph
+    cuda_graphs._CudaGraphRunner.create_bwd_graph = create_bwd_graph
+
+
+def forward_inputs_reused_as_grad_buffers(runners) -> list:
+    """Check of the patch above on captured runners: ``["<runner> grad out == <runner> fwd in"]``.
+
+    Empty when no backward graph writes into memory a forward graph saved as its input.
+    """
+    def name(runner):
+        return f"{type(runner.base_module).__name__}#{runner.base_module.layer_number}"
+
+    inputs = {}
+    for runner in runners:
+        for buf in runner.fwd_graph_input_surface[:runner.num_dgrads]:
+            inputs.setdefault(buf.data_ptr(), []).append(name(runner))
+    clashes = []
+    for runner in runners:
+        for kind, bufs in (("grad out", runner.static_grad_outputs),
+                           ("grad in", runner.static_grad_inputs)):
+            for buf in bufs:
+                if buf is not None and buf.data_ptr() in inputs:
+                    clashes.append(f"{name(runner)} {kind} == {inputs[buf.data_ptr()]} fwd in")
+    return clashes
 
 
 def record_capture_statistics() -> None:
@@ -64,5 +126,6 @@ def apply_core_patches() -> None:
             f"found {megatron.core.__version__}. Re-check each patch against the new version."
         )
     fix_warmup_flag_never_cleared()
+    hold_forward_inputs_until_backward_captured()
     record_capture_statistics()
     _applied = True

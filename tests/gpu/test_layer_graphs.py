@@ -1,5 +1,6 @@
 """Layer-wise local CUDA graphs on packed sequences (one GPU).
 
+* Replayed layers give the eager gradients, per parameter, over accumulated micro-batches.
 * Training with graphs reproduces eager training while the document count changes every
   micro-batch; over-capacity micro-batches fall back to eager and the next ones replay.
 * A replayed forward + backward does not synchronise with the host.
@@ -13,7 +14,7 @@ import torch
 import pretrain_gpt
 import pretrain_mamba
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
 from megatron.core.transformer.module import Float16Module
 from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.dispatch import Reason
@@ -23,23 +24,30 @@ from megatron.training.datasets.mock import MockPackedDataset
 from megatron.training.datasets.packing import collate_packed_rows
 from megatron.training.packed_step import PackedForwardStep, masked_lm_loss, to_device_micro_batch
 from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training
+from tools.compare_graph_grads import compare_replay_with_eager
 
 STEPS = 50
 # Capacity 7 with median-128-token documents in 1024-token rows: most micro-batches fit,
 # some overflow, so both paths run inside one training run.
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "7",
           "--cuda-graph-warmup-steps", "2"]
-ACCUMULATION_BUG = (
-    "known bug (docs/cuda-graphs.md): with several micro-batches per iteration the replayed "
-    "backward inflates gradients (GPT with --swiglu: grad norm 16 vs 4.3 eager)")
 
 
-@pytest.mark.parametrize("kind,micro_batches", [
-    ("gpt", 1),
-    ("hybrid", 1),
-    pytest.param("gpt", 4, marks=pytest.mark.xfail(strict=True, reason=ACCUMULATION_BUG)),
-    pytest.param("hybrid", 4, marks=pytest.mark.xfail(strict=True, reason=ACCUMULATION_BUG)),
-])
+@pytest.mark.parametrize("kind", ["gpt", "hybrid"])
+def test_replayed_gradients_equal_eager(dist, kind):
+    """Per-parameter gradients of replayed layers equal eager ones on the same micro-batches."""
+    aliasing, results = compare_replay_with_eager(
+        kind, TINY_GPT if kind == "gpt" else TINY_HYBRID, capacity=32, micro_batches=2)
+    delete_cuda_graphs()
+    assert aliasing == []
+    for case, (total, rows) in results.items():
+        print(f"{kind}: {case}: {total:.3e}")
+        # Bitwise for GPT on the H200; the hybrid's conv1d bias gradient is summed with
+        # atomics (~1e-12 relative). The aliasing bug gave 0.3 to 2.8.
+        assert total < 1e-6, (case, rows[:3])
+
+
+@pytest.mark.parametrize("kind,micro_batches", [("gpt", 1), ("hybrid", 1), ("gpt", 4), ("hybrid", 4)])
 def test_graph_training_matches_eager(tmp_path, kind, micro_batches):
     script, model = ("pretrain_gpt.py", TINY_GPT) if kind == "gpt" else ("pretrain_mamba.py", TINY_HYBRID)
     common = model + TRAIN + ["--train-iters", str(STEPS), "--global-batch-size", str(micro_batches)]
@@ -53,13 +61,15 @@ def test_graph_training_matches_eager(tmp_path, kind, micro_batches):
     assert 0 < fallbacks < (STEPS - 3) * micro_batches // 2, fallbacks  # both paths run
     assert len({r["docs per micro-batch"] for r in graphs}) > 10  # document counts vary
 
-    # Same seed, same data: the curves agree. Not bitwise: FlashAttention-2's backward
-    # accumulates dQ with atomics, so two eager runs also differ in the last bits (~1e-4
-    # after 10 steps, docs/testing.md); a graph that read stale metadata or skipped a
-    # document would be off by >> 0.02.
-    for e, g in zip(eager, graphs):
-        assert abs(e["lm_loss"] - g["lm_loss"]) < 0.02, (e["iteration"], e["lm_loss"], g["lm_loss"])
-        assert abs(e["grad_norm"] - g["grad_norm"]) < 0.05 * e["grad_norm"] + 0.02, e["iteration"]
+    # Same seed, same data: the curves agree. Not asserted bitwise: the eager run uses each
+    # micro-batch's true longest document as max_seqlen and the graph run a static one, which
+    # may pick other kernel tilings, and fallbacks mix both; a graph that read stale
+    # metadata, skipped a document or aliased a buffer is off by >> 5e-3 (the fixed
+    # aliasing bug: grad norm 16 vs 4.3).
+    dloss = max(abs(e["lm_loss"] - g["lm_loss"]) for e, g in zip(eager, graphs))
+    dnorm = max(abs(e["grad_norm"] - g["grad_norm"]) / e["grad_norm"] for e, g in zip(eager, graphs))
+    print(f"{kind} x{micro_batches}: max |dloss| {dloss:.2e}, max rel |dgrad norm| {dnorm:.2e}")
+    assert dloss < 5e-3 and dnorm < 0.02, (dloss, dnorm, losses(eager), losses(graphs))
     assert statistics.mean(losses(graphs)[-5:]) < statistics.mean(losses(graphs)[:5]) - 1.0
 
 
@@ -97,5 +107,27 @@ def test_replay_forward_backward_has_no_host_sync(dist, kind):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(loss).item()
-    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
     delete_cuda_graphs()
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("kind", ["gpt", "hybrid"])
+def test_pipeline_parallel_graphs_with_fallbacks_match_eager(tmp_path, kind):
+    """PP=2: both stages make the same replay/fallback choice per micro-batch, runners stay aligned."""
+    script, model = ("pretrain_gpt.py", TINY_GPT) if kind == "gpt" else ("pretrain_mamba.py", TINY_HYBRID)
+    common = model + TRAIN + ["--train-iters", "30", "--global-batch-size", "4",
+                              "--pipeline-model-parallel-size", "2"]
+    # Capacity 9: ~15% of micro-batches overflow, and about every other iteration has none,
+    # so capture (which needs every micro-batch of its iteration graphed) comes early.
+    graph_flags = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "9",
+                   "--cuda-graph-warmup-steps", "2"]
+    eager = run_training(script, common, tmp_path, nproc=2, name="eager_pp2")
+    graphs = run_training(script, common + graph_flags, tmp_path, nproc=2, name="graphs_pp2")
+
+    captured = [i for i, r in enumerate(graphs) if r.get("graph capture (s)")]
+    assert len(captured) == 1, captured
+    after = graphs[captured[0] + 1:]
+    assert any(0 < r["graph fallbacks"] < 4 for r in after), "no mixed replay/fallback iteration"
+    dloss = max(abs(e["lm_loss"] - g["lm_loss"]) for e, g in zip(eager, graphs))
+    print(f"{kind} pp2: capture at iteration {captured[0] + 1}, max |dloss| {dloss:.2e}")
+    assert dloss < 5e-3, (losses(eager), losses(graphs))

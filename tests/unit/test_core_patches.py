@@ -28,3 +28,61 @@ def test_capture_statistics_are_kept(monkeypatch):
     before = len(core_patches.capture_log)
     schedules.create_cudagraphs()
     assert len(core_patches.capture_log) == before
+
+
+def test_upstream_still_releases_forward_inputs_at_forward_capture():
+    # When this fails, upstream changed when a forward capture returns its input buffers to
+    # the reuse pool: re-check hold_forward_inputs_until_backward_captured.
+    import inspect
+
+    source = inspect.getsource(core_patches.UPSTREAM_CREATE_FWD_GRAPH)
+    assert "tensor_reuse_pool.insert(buf)" in source
+
+
+class _Runner:
+    def __init__(self, grad_enabled):
+        self.grad_enabled, self.training = grad_enabled, True
+
+
+def test_forward_inputs_are_held_until_the_backward_capture(monkeypatch):
+    import torch
+
+    core_patches.apply_core_patches()
+    pool = cuda_graphs._CudagraphGlobalRecord.tensor_reuse_pool
+    released = []
+    monkeypatch.setattr(type(pool), "insert", lambda self, buf: released.append(buf))
+    # Stand-ins for the upstream captures, doing only their pool traffic: a forward capture
+    # returns its copied-in input buffer; the backward capture returns nothing of its own.
+    buf = torch.zeros(4)
+    monkeypatch.setattr(core_patches, "UPSTREAM_CREATE_FWD_GRAPH", lambda self: pool.insert(buf))
+    monkeypatch.setattr(core_patches, "UPSTREAM_CREATE_BWD_GRAPH", lambda self: None)
+
+    runner = _Runner(grad_enabled=True)
+    cuda_graphs._CudaGraphRunner.create_fwd_graph(runner)
+    assert released == [] and "insert" not in vars(pool)  # held, and the pool is itself again
+    cuda_graphs._CudaGraphRunner.create_bwd_graph(runner)
+    assert released == [buf] and runner.held_input_buffers == []
+
+    forward_only = _Runner(grad_enabled=False)
+    cuda_graphs._CudaGraphRunner.create_fwd_graph(forward_only)
+    assert released == [buf, buf]  # nothing saved for a backward: released at once
+
+
+def test_aliasing_check_names_the_clashing_runners():
+    from types import SimpleNamespace
+
+    import torch
+
+    def runner(layer, inputs, grad_out, grad_in):
+        return SimpleNamespace(base_module=SimpleNamespace(layer_number=layer), num_dgrads=len(inputs),
+                               fwd_graph_input_surface=list(inputs) + [torch.zeros(1)],
+                               static_grad_outputs=grad_out, static_grad_inputs=grad_in)
+
+    shared, other = torch.zeros(8), torch.zeros(8)
+    first = runner(1, [shared], [other], [None])
+    last = runner(4, [other], [shared], [None])
+    clashes = core_patches.forward_inputs_reused_as_grad_buffers([first, last])
+    assert clashes == ["SimpleNamespace#1 grad out == ['SimpleNamespace#4'] fwd in",
+                       "SimpleNamespace#4 grad out == ['SimpleNamespace#1'] fwd in"]
+    assert core_patches.forward_inputs_reused_as_grad_buffers(
+        [runner(1, [torch.zeros(8)], [torch.zeros(8)], [None])]) == []
