@@ -35,9 +35,12 @@ SYNC_MESSAGE = "called a synchronizing CUDA operation"
 
 
 def call_site(stack: list) -> str:
-    """``file:line`` of the innermost frame outside torch itself (where the sync was asked for)."""
+    """``file:line`` of the innermost frame outside torch and the warnings machinery.
+
+    That is where the sync was asked for (the stack is taken inside the warning's display).
+    """
     for frame in reversed(stack):
-        if "/torch/" not in frame.filename:
+        if "/torch/" not in frame.filename and not frame.filename.endswith("/warnings.py"):
             return f"{os.path.relpath(frame.filename, REPO) if frame.filename.startswith(REPO) else frame.filename}:{frame.lineno}"
     return f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "?"
 

@@ -6,6 +6,10 @@ loudly so that a wheel upgrade re-examines every patch (tests/unit/test_core_pat
 when upstream fixes a bug, telling us to drop its patch).
 """
 
+import gc
+
+import torch
+
 import megatron.core
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer import cuda_graphs
@@ -98,17 +102,27 @@ def forward_inputs_reused_as_grad_buffers(runners) -> list:
 
 
 def record_capture_statistics() -> None:
-    """Keep what the schedules' end-of-iteration ``create_cudagraphs()`` measures.
+    """Keep the capture time and measure graph memory at the end-of-iteration capture.
 
-    0.16.1's schedules call it and drop its return value (a dict of capture ``time`` in
-    seconds and ``allocated_bytes`` / ``reserved_bytes`` of graph memory, or None when
-    nothing was captured); we keep it for the log and the benchmark.
+    0.16.1's schedules call ``create_cudagraphs()`` and drop its return value (capture
+    ``time`` in seconds, memory-stat deltas). Its ``reserved_bytes`` delta is not the graph
+    memory: the capture empties the allocator cache first, so it can be negative (-150 MiB
+    on the H200 test hybrid). We measure reserved memory with the cache emptied before and
+    after the capture instead: what the graph pools and their static buffers hold.
     """
     upstream = schedules.create_cudagraphs
+    record = cuda_graphs._CudagraphGlobalRecord
 
     def create_cudagraphs():
+        if record.cudagraph_created or not record.cudagraph_record:
+            return upstream()  # nothing to capture: no cache flush on ordinary iterations
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
         stats = upstream()
         if stats:
+            torch.cuda.empty_cache()
+            stats = dict(stats, graph_reserved_bytes=torch.cuda.memory_reserved() - before)
             capture_log.append(stats)
         return stats
 
