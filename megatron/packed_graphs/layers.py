@@ -23,11 +23,16 @@ from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
 class LocalGraphDispatch:
     """Mixin for a GraphableMegatronModule layer; put it first in the bases."""
 
-    def _should_call_local_cudagraph(self, *args, **kwargs):
-        if not self.training:
-            return False
-        if cuda_graphs_bypassed():
+    def __call__(self, *args, **kwargs):
+        # The runner turn is taken here, once per call: upstream asks
+        # _should_call_local_cudagraph twice per TransformerLayer call (its own __call__ and
+        # GraphableMegatronModule's), so a side effect there would skip two turns.
+        if self.training and cuda_graphs_bypassed():
             self._skip_runner()
+        return super().__call__(*args, **kwargs)
+
+    def _should_call_local_cudagraph(self, *args, **kwargs):
+        if not self.training or cuda_graphs_bypassed():
             return False
         return super()._should_call_local_cudagraph(*args, **kwargs)
 
