@@ -12,7 +12,7 @@ core's single dispatch site (`GraphableMegatronModule.__call__`, see layers.py).
 import enum
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from megatron.packed_graphs.capacity import fits_capacity
 
@@ -28,6 +28,7 @@ class Reason(str, enum.Enum):
 @dataclass(frozen=True)
 class GraphDecision:
     reason: Reason
+    capacity: Optional[int] = None  # graphed: pad cu_seqlens to this many segments
 
     @property
     def graphed(self) -> bool:
@@ -49,24 +50,67 @@ class GraphSettings:
     # With pipeline parallelism megatron-core hands out graph runners round-robin in call
     # order; the capture iteration must record every micro-batch, so it may not overflow.
     capture_needs_all_micro_batches: bool
+    # Smaller capacities below `capacity`, ascending (--cuda-graph-capacity-ladder; PP=1).
+    ladder: Tuple[int, ...] = ()
+
+    @property
+    def capacities(self) -> Tuple[int, ...]:
+        """Every capacity a graph may be captured for, ascending; `capacity` is the last."""
+        return tuple(self.ladder) + (self.capacity,)
 
 
-def plan_iteration(settings: GraphSettings, iteration: int, captured: bool,
+def plan_iteration(settings: GraphSettings, iteration: int, captured: Sequence[int],
                    segment_counts: Sequence[int]) -> List[GraphDecision]:
     """Decisions for one training iteration's micro-batches (host only, no device work).
 
-    ``iteration`` counts training iterations of this process from 0; ``captured`` says
-    whether graphs exist already. Before capture, iterations below the warm-up count run
-    eager; the first later iteration records graphs for every micro-batch that fits.
+    ``iteration`` counts training iterations of this process from 0; ``captured`` holds the
+    capacities graphs exist for (empty before capture). Before capture, iterations below the
+    warm-up count run eager; the first later iteration records graphs for every micro-batch
+    that fits (see `capture_capacities`). After capture each micro-batch is padded to the
+    smallest captured capacity that fits it, or runs eager.
     """
+    n = len(segment_counts)
     if not settings.enabled:
-        return [GraphDecision(Reason.DISABLED)] * len(segment_counts)
-    if not captured and iteration < settings.warmup_iterations:
-        return [GraphDecision(Reason.WARMUP)] * len(segment_counts)
-    fits = [fits_capacity(n, settings.capacity) for n in segment_counts]
-    if not captured and settings.capture_needs_all_micro_batches and not all(fits):
-        return [GraphDecision(Reason.DEFERRED)] * len(segment_counts)
-    return [GraphDecision(Reason.GRAPHED if ok else Reason.OVERFLOW) for ok in fits]
+        return [GraphDecision(Reason.DISABLED)] * n
+    if captured:
+        return [_smallest_fit(count, captured) for count in segment_counts]
+    if iteration < settings.warmup_iterations:
+        return [GraphDecision(Reason.WARMUP)] * n
+    fits = [fits_capacity(count, settings.capacity) for count in segment_counts]
+    if settings.capture_needs_all_micro_batches and not all(fits):
+        return [GraphDecision(Reason.DEFERRED)] * n
+    return capture_capacities(settings.capacities, segment_counts)
+
+
+def capture_capacities(capacities: Sequence[int],
+                       segment_counts: Sequence[int]) -> List[GraphDecision]:
+    """Capacities for the capture iteration: record as many ladder capacities as possible.
+
+    A capacity is captured only if a micro-batch of this iteration is padded to it. The top
+    capacity comes first (it bounds the fallback rate), taking the fullest micro-batch that
+    fits; then each smaller capacity, ascending, takes the emptiest micro-batch left that fits
+    (greedy, which covers the most capacities). The rest go to the smallest capacity that fits.
+    """
+    decisions: List[Optional[GraphDecision]] = [None] * len(segment_counts)
+    left = sorted(range(len(segment_counts)), key=lambda i: segment_counts[i])
+    top = capacities[-1]
+    fullest = [i for i in left if fits_capacity(segment_counts[i], top)][-1:]
+    for rung, chosen in [(top, fullest)] + [(r, None) for r in capacities[:-1]]:
+        if chosen is None:
+            chosen = [i for i in left if fits_capacity(segment_counts[i], rung)][:1]
+        for i in chosen:
+            decisions[i] = GraphDecision(Reason.GRAPHED, rung)
+            left.remove(i)
+    for i in left:
+        decisions[i] = _smallest_fit(segment_counts[i], capacities)
+    return decisions
+
+
+def _smallest_fit(count: int, capacities: Sequence[int]) -> GraphDecision:
+    for capacity in sorted(capacities):
+        if fits_capacity(count, capacity):
+            return GraphDecision(Reason.GRAPHED, capacity)
+    return GraphDecision(Reason.OVERFLOW)
 
 
 _bypass_depth = 0

@@ -311,6 +311,25 @@ def normalise_cuda_graph_scope(values) -> list[str]:
     return names
 
 
+def _check_capacity_ladder(args, ladder, impl, capacity):
+    shown = " ".join(map(str, ladder))
+    if impl == "none":
+        fail("--cuda-graph-capacity-ladder", shown,
+             "It would be silently ignored without graphs; add --cuda-graph-impl local")
+    if any(n < 1 for n in ladder) or any(a >= b for a, b in zip(ladder, ladder[1:])):
+        fail("--cuda-graph-capacity-ladder", shown,
+             "Give positive capacities in strictly ascending order, e.g. 16 64 256")
+    if ladder[-1] >= capacity:
+        fail("--cuda-graph-capacity-ladder", shown,
+             f"Every rung must be below --cuda-graph-max-packed-seqs ({capacity}), which is "
+             "the top rung already")
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:  # the library API checks it later
+        fail("--cuda-graph-capacity-ladder", shown,
+             "With pipeline parallelism megatron-core replays graph runners by turn, not by "
+             "shape, so one micro-batch cannot pick its capacity; drop the ladder or use "
+             "--pipeline-model-parallel-size 1")
+
+
 def check_cuda_graphs(args):
     """Graph flags; fills cuda_graph_scope as a list of CudaGraphScope names ([] = whole layer)."""
     impl = args.cuda_graph_impl
@@ -335,6 +354,10 @@ def check_cuda_graphs(args):
                  "tools/capacity_advisor.py")
         if impl == "transformer_engine":
             _require_package("transformer_engine", "--cuda-graph-impl", impl)
+    ladder = args.cuda_graph_capacity_ladder
+    if ladder:
+        _check_capacity_ladder(args, ladder, impl, capacity)
+    args.cuda_graph_capacity_ladder = list(ladder or [])
     if args.cuda_graph_granularity == "chunk" and impl != "local":
         fail("--cuda-graph-granularity", "chunk",
              f"Chunk graphs are built by the local implementation, not --cuda-graph-impl {impl}; "

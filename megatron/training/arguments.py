@@ -203,6 +203,10 @@ def _add_cuda_graph_args(parser):
     g.add_argument("--cuda-graph-max-packed-seqs", type=int, nargs="?", const=50, default=0,
                    help="Graph capacity: packed documents per micro-batch (bare flag: 50; "
                         "0: off). Choose with tools/capacity_advisor.py.")
+    g.add_argument("--cuda-graph-capacity-ladder", type=int, nargs="+", default=None,
+                   metavar="N",
+                   help="Smaller capacities below --cuda-graph-max-packed-seqs, ascending: each "
+                        "micro-batch is padded to the smallest captured one that fits (PP=1).")
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
                    help="Eager steps before capture.")
     g.add_argument("--cuda-graph-granularity", choices=["layer", "chunk"], default="layer")

@@ -140,6 +140,8 @@ class CudaGraphConfig:
     """Graph capacity: packed documents per micro-batch; > 0 exactly when graphs are on."""
     cuda_graph_granularity: str | None = None
     """'layer' (default): one graph per layer; 'chunk': one per model chunk (local only)."""
+    cuda_graph_capacity_ladder: list[int] | None = None
+    """Smaller capacities below cuda_graph_max_packed_seqs, ascending (PP=1 only)."""
     cuda_graph_warmup_steps: int | None = None
     """Eager training steps before capture (default 3)."""
     enable_cuda_graph: bool | None = None
@@ -161,6 +163,8 @@ class ResolvedCudaGraphConfig:
     """Graph capacity; 0 exactly when graphs are off."""
     cuda_graph_granularity: str
     """'layer' or 'chunk'."""
+    cuda_graph_capacity_ladder: tuple[int, ...]
+    """Capacities below cuda_graph_max_packed_seqs, ascending; () = one capacity."""
     cuda_graph_warmup_steps: int
     """Eager training steps before capture."""
     rng_tracker_for_graphs: bool
@@ -176,6 +180,7 @@ def cuda_graph_config_from_args(args) -> ResolvedCudaGraphConfig:
         cuda_graph_scope=tuple(args.cuda_graph_scope),
         cuda_graph_max_packed_seqs=args.cuda_graph_max_packed_seqs,
         cuda_graph_granularity=args.cuda_graph_granularity,
+        cuda_graph_capacity_ladder=tuple(args.cuda_graph_capacity_ladder),
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         rng_tracker_for_graphs=args.cuda_graph_impl != "none",
     )
@@ -202,6 +207,11 @@ def resolve_cuda_graph_config(raw: dict | CudaGraphConfig,
     for key in ("cuda_graph_max_packed_seqs", "cuda_graph_warmup_steps"):
         if key in given and (isinstance(given[key], bool) or not isinstance(given[key], int)):
             checks.fail(key, repr(given[key]), "Use an integer")
+    ladder = given.get("cuda_graph_capacity_ladder")
+    if ladder is not None and (not isinstance(ladder, (list, tuple)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in ladder)):
+        checks.fail("cuda_graph_capacity_ladder", repr(ladder), "Use a list of integers, e.g. "
+                                                                "[16, 64, 256]")
     impl = _impl_from_deprecated(given.get("cuda_graph_impl"), given.get("enable_cuda_graph"))
     impl = impl or parser.get_default("cuda_graph_impl")
     scope = checks.normalise_cuda_graph_scope(_scope_values(given.get("cuda_graph_scope")))
@@ -211,7 +221,8 @@ def resolve_cuda_graph_config(raw: dict | CudaGraphConfig,
                       UserWarning, stacklevel=2)
         scope = []
     args = argparse.Namespace(model=model, cuda_graph_impl=impl, cuda_graph_scope=scope)
-    for key in ("cuda_graph_max_packed_seqs", "cuda_graph_granularity", "cuda_graph_warmup_steps"):
+    for key in ("cuda_graph_max_packed_seqs", "cuda_graph_granularity",
+                "cuda_graph_capacity_ladder", "cuda_graph_warmup_steps"):
         setattr(args, key, given.get(key, parser.get_default(key)))
     checks.check_cuda_graphs(args)  # the CLI's rules: capacity, granularity, TE, mamba on gpt
     return cuda_graph_config_from_args(args)

@@ -87,6 +87,7 @@ def graph_settings_from_args(args) -> GraphSettings:
         capacity=args.cuda_graph_max_packed_seqs,
         warmup_iterations=args.cuda_graph_warmup_steps,
         capture_needs_all_micro_batches=args.pipeline_model_parallel_size > 1,
+        ladder=tuple(args.cuda_graph_capacity_ladder),
     )
 
 
@@ -102,7 +103,7 @@ class PackedForwardStep:
         self.with_seq_idx = with_seq_idx
         self.graphs = graphs
         self._iteration = 0
-        self._captured = False
+        self._captured: tuple = ()  # capacities graphs were captured for
         self._decisions: List[GraphDecision] = []
         self._micro_batches = 0
         self._documents = 0
@@ -125,7 +126,10 @@ class PackedForwardStep:
         if self.graphs.enabled:
             stats["graph fallbacks"] = sum(d.is_fallback for d in self._decisions)
             if not self._captured and any(d.graphed for d in self._decisions):
-                self._captured = True  # the schedule captured at the end of this iteration
+                # The schedule captured at the end of this iteration, one set per capacity.
+                self._captured = tuple(sorted({d.capacity for d in self._decisions if d.graphed}))
+                if self.graphs.ladder:
+                    stats["graph capacities"] = ",".join(map(str, self._captured))
                 if core_patches.capture_log:
                     capture = core_patches.capture_log[-1]
                     stats["graph capture (s)"] = round(capture["time"], 2)
@@ -141,7 +145,7 @@ class PackedForwardStep:
         decision = batch.get("graph_decision", GraphDecision(Reason.DISABLED))
         mb = to_device_micro_batch(
             batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.graphs.enabled,
-            capacity=self.graphs.capacity if decision.graphed else None)
+            capacity=decision.capacity if decision.graphed else None)
         self._micro_batches += 1
         self._documents += mb.num_documents
         eager = self.graphs.enabled and not decision.graphed

@@ -507,7 +507,8 @@ def test_format_args_is_megatron_style():
 ALLOWED_OPTIONS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--attention-backend", "--attention-dropout",
     "--bf16", "--calculate-per-token-loss", "--clip-grad", "--context-parallel-size",
-    "--cuda-graph-granularity", "--cuda-graph-impl", "--cuda-graph-max-packed-seqs",
+    "--cuda-graph-capacity-ladder", "--cuda-graph-granularity", "--cuda-graph-impl",
+    "--cuda-graph-max-packed-seqs",
     "--cuda-graph-scope", "--cuda-graph-warmup-steps", "--data-path", "--deterministic-mode",
     "--distributed-backend", "--distributed-timeout-minutes", "--eval-interval", "--eval-iters",
     "--exit-interval", "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size",
@@ -544,3 +545,23 @@ def test_every_flag_is_documented():
     missing = [o for o in ALLOWED_OPTIONS if o.startswith("--") and o != "--help"
                and f"`{o}`" not in docs and f"`{o} " not in docs]
     assert missing == []
+
+
+def test_capacity_ladder_rules():
+    graphs = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "64"]
+    args = validate(*graphs, "--cuda-graph-capacity-ladder", "8", "16")
+    assert args.cuda_graph_capacity_ladder == [8, 16]
+    assert validate(*graphs).cuda_graph_capacity_ladder == []
+    for ladder, message in ((["16", "8"], "strictly ascending"), (["0", "8"], "strictly ascending"),
+                            (["8", "64"], "below --cuda-graph-max-packed-seqs")):
+        with pytest.raises(ValueError, match="--cuda-graph-capacity-ladder is wrong: .*" + message):
+            validate(*graphs, "--cuda-graph-capacity-ladder", *ladder)
+    with pytest.raises(ValueError, match="silently ignored without graphs"):
+        validate("--cuda-graph-capacity-ladder", "8")
+
+
+def test_capacity_ladder_is_refused_with_pipeline_parallelism():
+    with pytest.raises(ValueError, match="replays graph runners by turn"):
+        validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "64",
+                 "--cuda-graph-capacity-ladder", "8", "--pipeline-model-parallel-size", "2",
+                 "--global-batch-size", "4", world_size=2)

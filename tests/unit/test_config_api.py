@@ -98,8 +98,8 @@ def test_empty_graph_config_is_graphs_off(raw):
         resolved = resolve_cuda_graph_config(raw)
     assert resolved == ResolvedCudaGraphConfig(
         cuda_graph_impl="none", cuda_graph_scope=(), cuda_graph_max_packed_seqs=0,
-        cuda_graph_granularity="layer", cuda_graph_warmup_steps=3,
-        rng_tracker_for_graphs=False)
+        cuda_graph_granularity="layer", cuda_graph_capacity_ladder=(),
+        cuda_graph_warmup_steps=3, rng_tracker_for_graphs=False)
 
 
 def test_none_values_mean_the_cli_default():
@@ -120,8 +120,17 @@ def test_dataclass_and_dict_resolve_alike():
 def test_graph_config_fields_are_frozen():
     """A test that freezes the keys: a new key must be added to docs/config-api.md too."""
     assert GRAPH_KEYS == ("cuda_graph_impl", "cuda_graph_scope", "cuda_graph_max_packed_seqs",
-                          "cuda_graph_granularity", "cuda_graph_warmup_steps",
-                          "enable_cuda_graph")
+                          "cuda_graph_granularity", "cuda_graph_capacity_ladder",
+                          "cuda_graph_warmup_steps", "enable_cuda_graph")
+
+
+def test_capacity_ladder_key_follows_the_cli_rules():
+    assert resolve(cuda_graph_capacity_ladder=[8, 16], **LOCAL).cuda_graph_capacity_ladder == (8, 16)
+    for bad in ("8,16", [8, "16"], [True]):
+        with pytest.raises(ValueError, match="cuda_graph_capacity_ladder is wrong"):
+            resolve(cuda_graph_capacity_ladder=bad, **LOCAL)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        resolve(cuda_graph_capacity_ladder=[16, 8], **LOCAL)
 
 
 # ------------------------------------------------------------------- RNG tracker flag
