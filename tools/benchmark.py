@@ -66,6 +66,10 @@ VARIANTS = {
     "eager": [],
     "layer-graphs": ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32",
                      "--cuda-graph-warmup-steps", "2"],
+    # A large top capacity (few fallbacks) without paying for it on ordinary micro-batches.
+    "layer-graphs-ladder": ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "1024",
+                            "--cuda-graph-capacity-ladder", "16", "64", "256",
+                            "--cuda-graph-warmup-steps", "2"],
 }
 
 COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size", "1",

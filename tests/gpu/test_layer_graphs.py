@@ -73,6 +73,22 @@ def test_graph_training_matches_eager(tmp_path, kind, micro_batches):
     assert statistics.mean(losses(graphs)[-5:]) < statistics.mean(losses(graphs)[:5]) - 1.0
 
 
+def test_capacity_ladder_training_matches_eager(tmp_path):
+    """Graphs of several capacities in one pool; each micro-batch replays the smallest that fits."""
+    common = TINY_GPT + TRAIN + ["--train-iters", "20", "--global-batch-size", "4"]
+    eager = run_training("pretrain_gpt.py", common, tmp_path, name="eager")
+    ladder = run_training("pretrain_gpt.py", common + [
+        "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32",
+        "--cuda-graph-capacity-ladder", "6", "8", "12", "--cuda-graph-warmup-steps", "2"],
+        tmp_path, name="ladder")
+    captured = ladder[2]["graph capacities"].split(",")
+    assert len(captured) >= 3 and captured[-1] == "32", captured
+    assert sum(r["graph fallbacks"] for r in ladder) == 0  # the top capacity holds every row
+    dloss = max(abs(e["lm_loss"] - g["lm_loss"]) for e, g in zip(eager, ladder))
+    print(f"ladder: captured {captured}, max |dloss| {dloss:.2e}")
+    assert dloss < 5e-3, (losses(eager), losses(ladder))
+
+
 @pytest.mark.parametrize("kind", ["gpt", "hybrid"])
 def test_replay_forward_backward_has_no_host_sync(dist, kind):
     argv, module = (TINY_GPT, pretrain_gpt) if kind == "gpt" else (TINY_HYBRID, pretrain_mamba)
