@@ -74,9 +74,25 @@ def hold_forward_inputs_until_backward_captured() -> None:
         for buf in getattr(self, "held_input_buffers", ()):
             pool.insert(buf)
         self.held_input_buffers = []
+        detach_parameter_version_counters(self)
 
     cuda_graphs._CudaGraphRunner.create_fwd_graph = create_fwd_graph
     cuda_graphs._CudaGraphRunner.create_bwd_graph = create_bwd_graph
+
+
+def detach_parameter_version_counters(runner) -> None:
+    """Stop every replay from bumping the autograd version of the runner's parameters.
+
+    0.16.1's replay copies each entry of ``fwd_graph_input_surface`` into itself, the layer's
+    parameters included (``param.copy_(param)``: no kernel, but a version bump). An eager
+    micro-batch that saved a weight for its backward then fails if another micro-batch
+    replays the layer before that backward runs, which the 1F1B schedule does at PP > 1 with
+    a fallback micro-batch ("modified by an inplace operation", H200 x2). The surface keeps
+    ``param.data`` instead: same memory (the copy stays a no-op), own version counter.
+    """
+    surface, n = runner.fwd_graph_input_surface, runner.num_dgrads
+    runner.fwd_graph_input_surface = type(surface)(
+        list(surface[:n]) + [param.data for param in surface[n:]])
 
 
 def forward_inputs_reused_as_grad_buffers(runners) -> list:

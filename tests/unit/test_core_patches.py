@@ -42,6 +42,7 @@ def test_upstream_still_releases_forward_inputs_at_forward_capture():
 class _Runner:
     def __init__(self, grad_enabled):
         self.grad_enabled, self.training = grad_enabled, True
+        self.fwd_graph_input_surface, self.num_dgrads = (), 0
 
 
 def test_forward_inputs_are_held_until_the_backward_capture(monkeypatch):
@@ -86,3 +87,22 @@ def test_aliasing_check_names_the_clashing_runners():
                        "SimpleNamespace#4 grad out == ['SimpleNamespace#1'] fwd in"]
     assert core_patches.forward_inputs_reused_as_grad_buffers(
         [runner(1, [torch.zeros(8)], [torch.zeros(8)], [None])]) == []
+
+
+def test_replay_surface_parameters_keep_their_memory_but_not_their_version_counter():
+    import torch
+
+    param = torch.nn.Parameter(torch.ones(4, 2))
+    hidden = torch.zeros(3)
+    runner = _Runner(grad_enabled=True)
+    runner.fwd_graph_input_surface, runner.num_dgrads = (hidden, param), 1
+    core_patches.detach_parameter_version_counters(runner)
+    kept_hidden, alias = runner.fwd_graph_input_surface
+    assert kept_hidden is hidden and alias.data_ptr() == param.data_ptr()
+    saved_version = param._version
+    alias.copy_(param)  # what every replay does to each surface entry
+    assert param._version == saved_version
+    # Upstream's surface held the parameter itself: the same copy bumps its version.
+    with torch.no_grad():
+        param.copy_(param)
+    assert param._version == saved_version + 1
