@@ -29,12 +29,28 @@ class LocalGraphDispatch:
         # GraphableMegatronModule's), so a side effect there would skip two turns.
         if self.training and cuda_graphs_bypassed():
             self._skip_runner()
+        elif self.training:
+            self._try_this_capacity_first(kwargs.get("packed_seq_params"))
         return super().__call__(*args, **kwargs)
 
     def _should_call_local_cudagraph(self, *args, **kwargs):
         if not self.training or cuda_graphs_bypassed():
             return False
         return super()._should_call_local_cudagraph(*args, **kwargs)
+
+    def _try_this_capacity_first(self, params) -> None:
+        """PP == 1 with a capacity ladder: put the runners of this micro-batch's capacity first.
+
+        Upstream takes the first runner whose arguments match, checking each in turn (a
+        Python walk over every argument); sorted, the first check hits.
+        """
+        manager = getattr(self, "cudagraph_manager", None)
+        if (manager is None or not manager.reuse_cudagraphs or params is None
+                or len(manager.cudagraph_runners) < 2):
+            return
+        shape = params.cu_seqlens_q.shape
+        if recorded_cu_seqlens_shape(manager.cudagraph_runners[0]) != shape:
+            manager.cudagraph_runners.sort(key=lambda r: recorded_cu_seqlens_shape(r) != shape)
 
     def _skip_runner(self) -> None:
         manager = getattr(self, "cudagraph_manager", None)
@@ -43,6 +59,12 @@ class LocalGraphDispatch:
         if _CudagraphGlobalRecord.cudagraph_created and manager.cudagraph_runners:
             runners = manager.cudagraph_runners
             manager.cudagraph_runners = runners[1:] + runners[:1]
+
+
+def recorded_cu_seqlens_shape(runner):
+    """Shape of the ``cu_seqlens`` a runner was recorded with (its capacity + 1)."""
+    meta = runner.fwd_graph_input_kwarg_metas.get("packed_seq_params")
+    return None if meta is None else meta.value.cu_seqlens_q.shape
 
 
 class GraphSafeTransformerLayer(LocalGraphDispatch, TransformerLayer):

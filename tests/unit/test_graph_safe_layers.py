@@ -37,3 +37,27 @@ def test_bypassed_transformer_layer_takes_one_runner_turn(cpu_dist, monkeypatch)
     with disable_cuda_graphs_this_step():
         layer(hidden, attention_mask=None, packed_seq_params=params)  # eval never uses graphs
     assert turns == [1]
+
+
+def test_runners_of_the_micro_batch_capacity_are_tried_first():
+    from types import SimpleNamespace
+
+    from megatron.packed_graphs.layers import LocalGraphDispatch, recorded_cu_seqlens_shape
+
+    def runner(capacity):
+        params = SimpleNamespace(cu_seqlens_q=torch.zeros(capacity + 1, dtype=torch.int32))
+        return SimpleNamespace(fwd_graph_input_kwarg_metas={
+            "packed_seq_params": SimpleNamespace(value=params)})
+
+    runners = [runner(64), runner(16), runner(256)]
+    layer = SimpleNamespace(cudagraph_manager=SimpleNamespace(reuse_cudagraphs=True,
+                                                              cudagraph_runners=list(runners)))
+    micro_batch = SimpleNamespace(cu_seqlens_q=torch.zeros(17, dtype=torch.int32))
+    LocalGraphDispatch._try_this_capacity_first(layer, micro_batch)
+    order = layer.cudagraph_manager.cudagraph_runners
+    assert [recorded_cu_seqlens_shape(r)[0] - 1 for r in order] == [16, 64, 256]
+    # Pipeline parallel runners go by turn: never reordered.
+    layer.cudagraph_manager.reuse_cudagraphs = False
+    layer.cudagraph_manager.cudagraph_runners = list(runners)
+    LocalGraphDispatch._try_this_capacity_first(layer, micro_batch)
+    assert layer.cudagraph_manager.cudagraph_runners == runners
