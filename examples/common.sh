@@ -108,16 +108,8 @@ set_defaults() {
     die "TP x PP" "$TP x $PP" "It must divide NNODES x GPUS_PER_NODE = $world"
   fi
   DATA_PARALLEL=$((world / model_parallel))
-  # One micro-batch per iteration by default: graph training with gradient accumulation
-  # (several micro-batches per iteration) is a known open bug (docs/cuda-graphs.md).
-  GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-$((MICRO_BATCH_SIZE * DATA_PARALLEL))}
-  if [ "$CUDA_GRAPH_IMPL" != none ] \
-      && [ "$GLOBAL_BATCH_SIZE" -gt $((MICRO_BATCH_SIZE * DATA_PARALLEL)) ]; then
-    echo "warning: GLOBAL_BATCH_SIZE=$GLOBAL_BATCH_SIZE gives several micro-batches per" \
-         "iteration; under CUDA graphs that currently gives wrong gradients after capture" \
-         "(docs/cuda-graphs.md, known issues). Use $((MICRO_BATCH_SIZE * DATA_PARALLEL))" \
-         "or CUDA_GRAPH_IMPL=none." >&2
-  fi
+  # Four micro-batches per iteration by default (gradient accumulation).
+  GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-$((MICRO_BATCH_SIZE * DATA_PARALLEL * 4))}
   case "$LAUNCHER" in
     srun|torchrun) ;;
     *) die "LAUNCHER" "$LAUNCHER" "Use srun or torchrun" ;;
