@@ -117,6 +117,41 @@ def forward_inputs_reused_as_grad_buffers(runners) -> list:
     return clashes
 
 
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``amp_C.multi_tensor_l2norm`` contract with torch's foreach kernels: ``([norm], None)``."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    return torch.nn.utils.get_total_norm(tensors, 2.0).float().reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``amp_C.multi_tensor_scale`` contract: ``dst[i] = src[i] * scale``, foreach kernels."""
+    src, dst = tensor_lists
+    if src:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def sync_free_multi_tensor_fallbacks() -> None:
+    """Replace megatron-core's multi-tensor fallbacks used when neither TE nor apex is installed.
+
+    0.16.1's ``local_multi_tensor_l2_norm`` (gradient norm, clip_grads.py) builds a CPU
+    tensor from the per-tensor CUDA norms: one host sync per gradient tensor per step, after
+    which the GPU idles while Python walks the rest; ``local_multi_tensor_scale`` (clipping,
+    optimizer copies) launches one kernel per tensor. Torch's foreach kernels do both in a
+    few launches and no sync. Only the fallbacks are replaced; TE's or apex's stay.
+    """
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mixed_precision
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for module in (clip_grads, mixed_precision):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
+
+
 def record_capture_statistics() -> None:
     """Keep the capture time and measure graph memory at the end-of-iteration capture.
 
@@ -157,5 +192,6 @@ def apply_core_patches() -> None:
         )
     fix_warmup_flag_never_cleared()
     hold_forward_inputs_until_backward_captured()
+    sync_free_multi_tensor_fallbacks()
     record_capture_statistics()
     _applied = True

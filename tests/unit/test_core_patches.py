@@ -106,3 +106,30 @@ def test_replay_surface_parameters_keep_their_memory_but_not_their_version_count
     with torch.no_grad():
         param.copy_(param)
     assert param._version == saved_version + 1
+
+
+def test_multi_tensor_fallbacks_are_replaced_by_foreach_versions():
+    import torch
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mixed_precision
+
+    assert clip_grads.l2_norm_impl in (utils.local_multi_tensor_l2_norm,
+                                       core_patches.foreach_l2_norm)  # no TE/apex here
+    core_patches.apply_core_patches()
+    assert clip_grads.l2_norm_impl is core_patches.foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is core_patches.foreach_scale
+    assert mixed_precision.multi_tensor_scale_impl is core_patches.foreach_scale
+
+    grads = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, 2)]
+    flag = torch.zeros(1, dtype=torch.int)
+    norm, per_tensor = core_patches.foreach_l2_norm(2048, flag, [grads], False)
+    expected = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))
+    assert norm.shape == (1,) and per_tensor is None
+    torch.testing.assert_close(norm[0], expected)
+    assert core_patches.foreach_l2_norm(2048, flag, [[]], False)[0].tolist() == [0.0]
+
+    dst = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
+    core_patches.foreach_scale(2048, flag, [grads, dst], 0.5)
+    for g, d in zip(grads, dst):
+        torch.testing.assert_close(d, (g * 0.5).to(torch.bfloat16))
