@@ -152,18 +152,10 @@ def main(argv=None) -> int:
                              "buffer between runners (isolates buffer-aliasing bugs)")
     opts = parser.parse_args(own)
 
-    import torch
-
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.training.initialize import require_cuda
+    from megatron.training.initialize import initialize_single_gpu, require_cuda
 
     require_cuda("compare_graph_grads.py")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    torch.cuda.set_device(0)
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
+    initialize_single_gpu(port=29561)
 
     aliasing, results = compare_replay_with_eager(
         opts.model, model_argv, capacity=opts.capacity, micro_batches=opts.micro_batches,

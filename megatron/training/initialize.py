@@ -55,6 +55,20 @@ def initialize_distributed(args) -> None:
     )
 
 
+def initialize_single_gpu(seed: int = 1234, port: int = 29533) -> None:
+    """A one-GPU NCCL world with megatron-core's groups and a graph-safe RNG tracker.
+
+    For tools and tests that build a model in one process without torchrun; undo with
+    `destroy`.
+    """
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)
+
+
 def set_seeds(seed: int, deterministic: bool = False) -> None:
     """Seed Python, NumPy and torch; per-PP-stage offset like Megatron, TP-aware CUDA RNG."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()

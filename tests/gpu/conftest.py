@@ -25,16 +25,8 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def dist():
     """One-GPU NCCL world with megatron-core's parallel state and a graph-safe RNG tracker."""
-    import os
+    from megatron.training.initialize import destroy, initialize_single_gpu
 
-    from megatron.core import parallel_state, tensor_parallel
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    torch.cuda.set_device(0)
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
+    initialize_single_gpu()
     yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    destroy()
