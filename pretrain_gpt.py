@@ -14,10 +14,11 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron.packed_graphs.attention import resolve_attention_backend
+    from megatron.packed_graphs.chunk_graphs import use_chunk_graph_block
     from megatron.packed_graphs.specs import gpt_layer_spec
 
     backend = resolve_attention_backend(args.attention_backend)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(backend, args.normalization),
         vocab_size=args.padded_vocab_size,
@@ -30,6 +31,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
+    use_chunk_graph_block(model.decoder)
+    return model
 
 
 def main(argv=None):

@@ -66,6 +66,7 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     from megatron.packed_graphs.core_patches import (
         apply_core_patches,
         forward_inputs_reused_as_grad_buffers,
+        keep_graph_buffers_private,
     )
     from megatron.packed_graphs.dispatch import disable_cuda_graphs_this_step
     from megatron.training.arguments import parse_args
@@ -80,8 +81,7 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
 
     apply_core_patches()
     if no_buffer_reuse:
-        from megatron.core.transformer import cuda_graphs
-        cuda_graphs.TensorReusePool.insert = lambda self, tensor: None
+        keep_graph_buffers_private()
     args = parse_args(model_argv + [
         "--mock-data", "--sft", "--bf16", "--lr", "1e-4", "--train-iters", "4",
         "--global-batch-size", str(micro_batches), "--cuda-graph-impl", "local",

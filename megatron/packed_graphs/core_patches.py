@@ -95,6 +95,17 @@ def detach_parameter_version_counters(runner) -> None:
         list(surface[:n]) + [param.data for param in surface[n:]])
 
 
+def keep_graph_buffers_private() -> None:
+    """Never hand a graph's input or grad buffer to another runner (chunk graphs).
+
+    0.16.1 recycles graph buffers between runners through ``TensorReusePool``; that is safe
+    only when the graphs replay in capture order. Chunk graphs replay their slots in the
+    order the schedule needs, which changes with the micro-batch count. Chunks are few, so
+    private buffers cost little. Applied when the first chunk graph is recorded.
+    """
+    cuda_graphs.TensorReusePool.insert = lambda self, tensor: None
+
+
 def forward_inputs_reused_as_grad_buffers(runners) -> list:
     """Check of the patch above on captured runners: ``["<runner> grad out == <runner> fwd in"]``.
 
@@ -159,7 +170,8 @@ def record_capture_statistics() -> None:
     ``time`` in seconds, memory-stat deltas). Its ``reserved_bytes`` delta is not the graph
     memory: the capture empties the allocator cache first, so it can be negative (-150 MiB
     on the H200 test hybrid). We measure reserved memory with the cache emptied before and
-    after the capture instead: what the graph pools and their static buffers hold.
+    after the capture instead: what the graph pools and their static buffers hold. Also
+    counts the graphs captured (forward and backward each count one).
     """
     upstream = schedules.create_cudagraphs
     record = cuda_graphs._CudagraphGlobalRecord
@@ -167,13 +179,15 @@ def record_capture_statistics() -> None:
     def create_cudagraphs():
         if record.cudagraph_created or not record.cudagraph_record:
             return upstream()  # nothing to capture: no cache flush on ordinary iterations
+        graphs = len(record.cudagraph_record)  # one entry per forward or backward graph
         gc.collect()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         stats = upstream()
         if stats:
             torch.cuda.empty_cache()
-            stats = dict(stats, graph_reserved_bytes=torch.cuda.memory_reserved() - before)
+            stats = dict(stats, graphs=graphs,
+                         graph_reserved_bytes=torch.cuda.memory_reserved() - before)
             capture_log.append(stats)
         return stats
 

@@ -17,6 +17,7 @@ from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.packed_graphs.chunk_graphs import chunk_granularity
 from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
 
 
@@ -34,8 +35,8 @@ class LocalGraphDispatch:
         return super().__call__(*args, **kwargs)
 
     def _should_call_local_cudagraph(self, *args, **kwargs):
-        if not self.training or cuda_graphs_bypassed():
-            return False
+        if not self.training or cuda_graphs_bypassed() or chunk_granularity(self.config):
+            return False  # eval, an eager micro-batch, or the whole chunk is one graph
         return super()._should_call_local_cudagraph(*args, **kwargs)
 
     def _try_this_capacity_first(self, params) -> None:

@@ -4,7 +4,8 @@
   (built once per micro-batch, no host sync) instead of rebuilding it per layer with the
   upstream ``repeat_interleave`` that reads the lengths back to the host.
 * `HybridStack` is MambaStack with its final norm taken from the spec: 0.16.1 hard-codes
-  ``TENorm`` there, which makes the stack unbuildable without Transformer Engine.
+  ``TENorm`` there, which makes the stack unbuildable without Transformer Engine. It is
+  also the hybrid model's chunk for chunk graphs (chunk_graphs.py).
 """
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megatron.packed_graphs.chunk_graphs import ChunkGraphDispatch
 from megatron.packed_graphs.packed_seq import build_seq_idx
 
 
@@ -38,8 +40,8 @@ class HybridStackSubmodules(MambaStackSubmodules):
     final_norm: Union[ModuleSpec, type] = IdentityOp
 
 
-class HybridStack(MambaStack):
-    """MambaStack with a spec-provided final norm (TE-free capable)."""
+class HybridStack(ChunkGraphDispatch, MambaStack):
+    """MambaStack with a spec-provided final norm (TE-free capable) and chunk graphs."""
 
     def __init__(self, config, submodules: HybridStackSubmodules, *args, post_layer_norm=True,
                  **kwargs):

@@ -367,10 +367,17 @@ def check_cuda_graphs(args):
         fail("--cuda-graph-impl", impl,
              "Packed-sequence graphs through Transformer Engine are not built yet in this fork; "
              "use --cuda-graph-impl local")
-    if args.cuda_graph_granularity == "chunk":
-        fail("--cuda-graph-granularity", "chunk",
-             "Chunk graphs are not built yet in this fork; use --cuda-graph-granularity layer")
     args.cuda_graph_scope = normalise_cuda_graph_scope(scope or [])
+    if args.cuda_graph_granularity == "chunk":
+        if args.cuda_graph_scope:
+            fail("--cuda-graph-scope", " ".join(args.cuda_graph_scope),
+                 "Chunk graphs capture the whole model chunk; drop --cuda-graph-scope or use "
+                 "--cuda-graph-granularity layer")
+        if args.cuda_graph_capacity_ladder:
+            fail("--cuda-graph-capacity-ladder",
+                 " ".join(map(str, args.cuda_graph_capacity_ladder)),
+                 "The ladder is built for layer graphs; drop it or use "
+                 "--cuda-graph-granularity layer")
     if args.model == "gpt" and "mamba" in args.cuda_graph_scope:
         fail("--cuda-graph-scope", "mamba",
              "A gpt model has no Mamba layers; use attn and/or mlp")

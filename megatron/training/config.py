@@ -46,6 +46,14 @@ def _pipeline_peers_coincide(args) -> bool:
             and args.virtual_pipeline_model_parallel_size is not None)
 
 
+@dataclass
+class PackedTransformerConfig(TransformerConfig):
+    """megatron-core's TransformerConfig plus what only this fork's modules read."""
+
+    cuda_graph_granularity: str = "layer"
+    """'layer': one graph per layer; 'chunk': one per model chunk (packed_graphs/chunk_graphs.py)."""
+
+
 def transformer_config_from_args(args) -> TransformerConfig:
     """TransformerConfig for a packed GPT or hybrid model (``args.model``: 'gpt' | 'hybrid')."""
     dtype = params_dtype(args)
@@ -85,6 +93,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # megatron-core's meaning: warm-up passes inside each capture. Our
         # --cuda-graph-warmup-steps counts eager iterations before capture instead.
         cuda_graph_warmup_steps=1,
+        cuda_graph_granularity=args.cuda_graph_granularity,
     )
     if args.model == "hybrid":
         kwargs.update(
@@ -93,7 +102,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
             mamba_num_groups=args.mamba_num_groups,
             mamba_num_heads=args.mamba_num_heads,
         )
-    return TransformerConfig(**kwargs)
+    return PackedTransformerConfig(**kwargs)
 
 
 def optimizer_config_from_args(args) -> OptimizerConfig:

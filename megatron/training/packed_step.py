@@ -134,6 +134,7 @@ class PackedForwardStep:
                     capture = core_patches.capture_log[-1]
                     stats["graph capture (s)"] = round(capture["time"], 2)
                     stats["graph memory (MiB)"] = round(capture["graph_reserved_bytes"] / 2**20, 1)
+                    stats["graphs captured"] = capture["graphs"]
             elif not self._captured:
                 stats["cuda graphs"] = self._decisions[0].reason.value if self._decisions else "-"
         self._iteration += 1

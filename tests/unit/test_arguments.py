@@ -131,10 +131,14 @@ def test_bare_max_packed_seqs_is_50():
     assert parse().cuda_graph_max_packed_seqs == 0
 
 
-def test_chunk_granularity_is_refused_until_built():
-    with pytest.raises(ValueError, match="--cuda-graph-granularity is wrong: chunk. Chunk graphs are not built yet"):
-        validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
-                 "--cuda-graph-granularity", "chunk")
+def test_chunk_granularity_rules():
+    chunk = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
+             "--cuda-graph-granularity", "chunk"]
+    assert validate(*chunk).cuda_graph_granularity == "chunk"
+    with pytest.raises(ValueError, match="--cuda-graph-scope is wrong: attn. Chunk graphs capture"):
+        validate(*chunk, "--cuda-graph-scope", "attn")
+    with pytest.raises(ValueError, match="--cuda-graph-capacity-ladder is wrong: 8. The ladder"):
+        validate(*chunk, "--cuda-graph-capacity-ladder", 8)
 
 
 def test_te_options_accepted_when_te_importable(with_te):
