@@ -238,6 +238,30 @@ def check_training(args):
              f"It must be a multiple of micro batch x data parallel size "
              f"({args.micro_batch_size} x {args.data_parallel_size} = {per_step})")
     args.num_microbatches = args.global_batch_size // per_step
+    if args.rampup_batch_size is not None:
+        _check_rampup(args, per_step)
+
+
+def _check_rampup(args, per_step):
+    start, increment, samples = args.rampup_batch_size
+    shown, gbs = " ".join(map(str, args.rampup_batch_size)), args.global_batch_size
+    if min(start, increment, samples) < 1:
+        fail("--rampup-batch-size", shown,
+             "Give three positive integers: start batch, increment, ramp-up samples")
+    if start >= gbs or (gbs - start) % increment:
+        fail("--rampup-batch-size", shown,
+             f"START must be below --global-batch-size ({gbs}) and reach it in whole "
+             "INCREMENT steps")
+    if start % per_step or increment % per_step:
+        fail("--rampup-batch-size", shown,
+             f"START and INCREMENT must be multiples of micro batch x data parallel size "
+             f"({per_step}), so every step is whole micro-batches")
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size and ((start // per_step) % pp
+                                                      or (increment // per_step) % pp):
+        fail("--rampup-batch-size", shown,
+             f"The interleaved schedule needs micro-batch counts that are multiples of the "
+             f"pipeline size ({pp}); make START and INCREMENT multiples of {per_step * pp}")
 
 
 def check_learning_rate(args):
@@ -368,6 +392,13 @@ def check_cuda_graphs(args):
              "Packed-sequence graphs through Transformer Engine are not built yet in this fork; "
              "use --cuda-graph-impl local")
     args.cuda_graph_scope = normalise_cuda_graph_scope(scope or [])
+    if (impl == "local" and args.cuda_graph_granularity == "layer"
+            and getattr(args, "rampup_batch_size", None)
+            and getattr(args, "pipeline_model_parallel_size", 1) > 1):
+        fail("--rampup-batch-size", " ".join(map(str, args.rampup_batch_size)),
+             "With pipeline parallelism layer graphs replay megatron-core's runners by turn, "
+             "as many as the capture iteration's micro-batches, and the ramp-up changes that "
+             "count; use --cuda-graph-granularity chunk or drop the ramp-up")
     if args.cuda_graph_granularity == "chunk":
         if args.cuda_graph_scope:
             fail("--cuda-graph-scope", " ".join(args.cuda_graph_scope),

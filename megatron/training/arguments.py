@@ -109,6 +109,10 @@ def _add_training_args(parser):
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (default: micro batch * data parallel).")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Batch-size ramp-up as in Megatron: START samples per step, growing by "
+                        "INCREMENT up to --global-batch-size over SAMPLES samples.")
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--bf16", action="store_true", help="bf16 mixed precision.")
     g.add_argument("--fp16", action="store_true", help="Not supported by this fork.")

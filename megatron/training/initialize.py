@@ -50,7 +50,7 @@ def initialize_distributed(args) -> None:
         context_parallel_size=args.context_parallel_size,
     )
     init_num_microbatches_calculator(
-        rank, None, args.global_batch_size, args.micro_batch_size,
+        rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
         parallel_state.get_data_parallel_world_size(),
     )
 

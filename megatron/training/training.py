@@ -13,6 +13,11 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.enums import ModelType
+from megatron.core.num_microbatches_calculator import (
+    get_current_global_batch_size,
+    get_num_microbatches,
+    update_num_microbatches,
+)
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -96,12 +101,13 @@ def _reduce_loss(losses_reduced: list) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def _run_schedule(args, forward_step, data_iterators, model, forward_only: bool):
+def _run_schedule(args, forward_step, data_iterators, model, forward_only: bool,
+                  num_microbatches: int):
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterators,
         model=model,
-        num_microbatches=args.num_microbatches,
+        num_microbatches=num_microbatches,
         # THD: the micro-batch's rows travel between stages as one [mbs * seq, 1, h] stream.
         seq_length=args.micro_batch_size * args.seq_length,
         micro_batch_size=1,
@@ -109,8 +115,9 @@ def _run_schedule(args, forward_step, data_iterators, model, forward_only: bool)
     )
 
 
-def train_step(args, forward_step, data_iterators, model, optimizer, scheduler):
-    """One optimizer step over ``args.num_microbatches`` micro-batches.
+def train_step(args, forward_step, data_iterators, model, optimizer, scheduler,
+               num_microbatches: int, global_batch_size: int):
+    """One optimizer step over ``num_microbatches`` micro-batches (``global_batch_size`` samples).
 
     Returns ``(lm_loss, grad_norm, num_zeros)``; lm_loss is NaN off the last stage.
     """
@@ -119,13 +126,13 @@ def train_step(args, forward_step, data_iterators, model, optimizer, scheduler):
     optimizer.zero_grad()
     # Read the iteration's micro-batches up front so the forward step can plan them all
     # (e.g. CUDA-graph replay vs eager) before the schedule starts.
-    micro_batches = [[next(it) for _ in range(args.num_microbatches)] for it in data_iterators]
+    micro_batches = [[next(it) for _ in range(num_microbatches)] for it in data_iterators]
     forward_step.begin_iteration(micro_batches)
     losses_reduced = _run_schedule(args, forward_step, [iter(b) for b in micro_batches], model,
-                                   forward_only=False)
+                                   forward_only=False, num_microbatches=num_microbatches)
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=global_batch_size)
     return _reduce_loss(losses_reduced), grad_norm, num_zeros
 
 
@@ -135,7 +142,8 @@ def evaluate(args, forward_step, data_iterators, model) -> float:
         chunk.eval()
     losses = []
     for _ in range(args.eval_iters):
-        losses += _run_schedule(args, forward_step, data_iterators, model, forward_only=True)
+        losses += _run_schedule(args, forward_step, data_iterators, model, forward_only=True,
+                                num_microbatches=args.num_microbatches)
     for chunk in model:
         chunk.train()
     return _reduce_loss(losses)
@@ -185,32 +193,34 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
                                            cycle=True) for _ in range(num_chunks)]
 
     logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters)
-    tokens_per_step = args.global_batch_size * args.seq_length
     profiler = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end)
     record, saved = {}, False
     print_rank_0(f" > training from iteration {iteration} to {args.train_iters}")
     torch.cuda.reset_peak_memory_stats()
     while iteration < args.train_iters:
         profiler.begin(iteration + 1)
+        # --rampup-batch-size grows the batch with the samples consumed (megatron-core).
+        update_num_microbatches(consumed_samples, consistency_check=True)
+        num_microbatches, batch = get_num_microbatches(), get_current_global_batch_size()
         torch.cuda.synchronize()
         start = time.perf_counter()
         lm_loss, grad_norm, num_zeros = train_step(args, forward_step, train_iters, model,
-                                                   optimizer, scheduler)
+                                                   optimizer, scheduler, num_microbatches, batch)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         iteration += 1
         profiled = profiler.finish(iteration)
-        consumed_samples += args.global_batch_size
+        consumed_samples += batch
         record = {
             "iteration": iteration,
             "consumed_samples": consumed_samples,
-            "global_batch_size": args.global_batch_size,
+            "global_batch_size": batch,
             "lm_loss": lm_loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "num_zeros": int(num_zeros) if num_zeros is not None else 0,
             "learning_rate": optimizer.param_groups[0]["lr"],
             "iteration_time_ms": elapsed * 1000.0,
-            "tokens_per_sec": tokens_per_step / elapsed,
+            "tokens_per_sec": batch * args.seq_length / elapsed,
             "mem_allocated_bytes": torch.cuda.memory_allocated(),
             "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(),
             "extra_log": forward_step.end_iteration() | profiled,

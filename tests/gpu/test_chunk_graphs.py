@@ -15,11 +15,16 @@ CHUNK = ["--cuda-graph-impl", "local", "--cuda-graph-granularity", "chunk",
 
 
 def _compare(tmp_path, script, model, layout, nproc):
-    common = model + TRAIN + layout + ["--train-iters", str(STEPS), "--global-batch-size", "8"]
+    # The ramp-up changes the micro-batch count after capture: 4 (capture at iteration 3),
+    # then 6, then 8 per iteration; the same graphs replay for each.
+    common = model + TRAIN + layout + ["--train-iters", str(STEPS), "--global-batch-size", "8",
+                                       "--rampup-batch-size", "4", "2", "32"]
     eager = run_training(script, common, tmp_path, nproc=nproc, name="eager")
     graphs = run_training(script, common + CHUNK, tmp_path, nproc=nproc, name="chunk")
     captured = [r for r in graphs if r.get("graph capture (s)")]
     assert len(captured) == 1, "captured once, never again"
+    assert captured[0]["global_batch_size"] == 4
+    assert {r["global_batch_size"] for r in graphs} == {4, 6, 8}
     dloss = max(abs(e["lm_loss"] - g["lm_loss"]) for e, g in zip(eager, graphs))
     print(f"{script} {layout}: max |dloss| {dloss:.2e}, graphs {captured[0]['graphs captured']}")
     assert dloss < 5e-3, (losses(eager), losses(graphs))

@@ -512,12 +512,12 @@ ALLOWED_OPTIONS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--attention-backend", "--attention-dropout",
     "--bf16", "--calculate-per-token-loss", "--clip-grad", "--context-parallel-size",
     "--cuda-graph-capacity-ladder", "--cuda-graph-granularity", "--cuda-graph-impl",
-    "--cuda-graph-max-packed-seqs",
-    "--cuda-graph-scope", "--cuda-graph-warmup-steps", "--data-path", "--deterministic-mode",
-    "--distributed-backend", "--distributed-timeout-minutes", "--eval-interval", "--eval-iters",
-    "--exit-interval", "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size",
-    "--help", "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern",
-    "--init-method-std", "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval",
+    "--cuda-graph-max-packed-seqs", "--cuda-graph-scope", "--cuda-graph-warmup-steps",
+    "--data-path", "--deterministic-mode", "--distributed-backend",
+    "--distributed-timeout-minutes", "--eval-interval", "--eval-iters", "--exit-interval",
+    "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--help",
+    "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern", "--init-method-std",
+    "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval",
     "--log-num-zeros-in-grad", "--lr", "--lr-decay-iters", "--lr-decay-style",
     "--lr-warmup-iters", "--lr-wsd-decay-iters", "--lr-wsd-decay-style",
     "--make-vocab-size-divisible-by", "--mamba-head-dim", "--mamba-num-groups",
@@ -527,11 +527,11 @@ ALLOWED_OPTIONS = [
     "--no-load-rng", "--normalization", "--num-attention-heads", "--num-layers",
     "--num-layers-per-virtual-pipeline-stage", "--num-query-groups",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--profile",
-    "--profile-step-end", "--profile-step-start", "--reject-long-documents", "--rotary-base",
-    "--rotary-percent", "--save", "--save-interval", "--seed", "--seq-length",
-    "--sequence-parallel", "--sft", "--swiglu", "--tensor-model-parallel-size",
-    "--tensorboard-dir", "--train-iters", "--untie-embeddings-and-output-weights",
-    "--use-distributed-optimizer", "--valid-data-path",
+    "--profile-step-end", "--profile-step-start", "--rampup-batch-size",
+    "--reject-long-documents", "--rotary-base", "--rotary-percent", "--save", "--save-interval",
+    "--seed", "--seq-length", "--sequence-parallel", "--sft", "--swiglu",
+    "--tensor-model-parallel-size", "--tensorboard-dir", "--train-iters",
+    "--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--valid-data-path",
     "--virtual-pipeline-model-parallel-size", "--vocab-size", "--weight-decay", "-h",
 ]
 
@@ -569,3 +569,23 @@ def test_capacity_ladder_is_refused_with_pipeline_parallelism():
         validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "64",
                  "--cuda-graph-capacity-ladder", "8", "--pipeline-model-parallel-size", "2",
                  "--global-batch-size", "4", world_size=2)
+
+
+def test_rampup_batch_size_rules():
+    args = validate("--global-batch-size", 8, "--rampup-batch-size", 4, 2, 16)
+    assert args.rampup_batch_size == [4, 2, 16] and args.num_microbatches == 8
+    for bad, message in (((0, 2, 16), "three positive integers"), ((8, 2, 16), "below --global"),
+                         ((4, 3, 16), "whole INCREMENT steps")):
+        with pytest.raises(ValueError, match="--rampup-batch-size is wrong: .*" + message):
+            validate("--global-batch-size", 8, "--rampup-batch-size", *bad)
+    with pytest.raises(ValueError, match="multiples of micro batch x data parallel size \\(2\\)"):
+        validate("--global-batch-size", 8, "--micro-batch-size", 2, "--rampup-batch-size", 4, 1, 8)
+
+
+def test_rampup_with_pipeline_layer_graphs_is_refused_and_chunk_graphs_allowed():
+    layout = ["--pipeline-model-parallel-size", 2, "--global-batch-size", 8,
+              "--rampup-batch-size", 4, 2, 16, "--cuda-graph-impl", "local",
+              "--cuda-graph-max-packed-seqs", 16]
+    with pytest.raises(ValueError, match="use --cuda-graph-granularity chunk"):
+        validate(*layout, world_size=2)
+    assert validate(*layout, "--cuda-graph-granularity", "chunk", world_size=2).rampup_batch_size
