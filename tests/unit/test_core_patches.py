@@ -133,3 +133,14 @@ def test_multi_tensor_fallbacks_are_replaced_by_foreach_versions():
     core_patches.foreach_scale(2048, flag, [grads, dst], 0.5)
     for g, d in zip(grads, dst):
         torch.testing.assert_close(d, (g * 0.5).to(torch.bfloat16))
+
+
+def test_upstream_replay_still_copies_every_surface_entry():
+    # When this fails, upstream stopped copying parameters into themselves on replay:
+    # re-check detach_parameter_version_counters.
+    import inspect
+
+    source = inspect.getsource(cuda_graphs._CudagraphReplayNode.forward)
+    assert "cudagraph_input.copy_(user_input)" in source
+    assert "fwd_graph_input_surface + self.params_to_backprop" in inspect.getsource(
+        core_patches.UPSTREAM_CREATE_FWD_GRAPH)
