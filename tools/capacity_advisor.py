@@ -84,6 +84,30 @@ def recommend_capacity(segment_counts: Sequence[int], target_fallback_rate: floa
     return capacity, fallback_rate(counts, capacity)
 
 
+def suggest_ladder(segment_counts: Sequence[int], top: int) -> list[int]:
+    """Rungs for ``--cuda-graph-capacity-ladder`` below ``top``: P50 and P90 of the segment
+    counts rounded up to powers of two, when padding to ``top`` would at least double them.
+
+    Padding costs grow with the capacity (docs/benchmarks.md), so typical micro-batches
+    should replay a graph sized for them; ``top`` still catches the tail.
+    """
+    counts = np.asarray(segment_counts)
+    rungs = []
+    for p in (50, 90):
+        rung = 1 << max(0, int(np.percentile(counts, p, method="higher")) - 1).bit_length()
+        if 2 * rung <= top and rung not in rungs:
+            rungs.append(rung)
+    return rungs
+
+
+def mean_padded_capacity(segment_counts: Sequence[int], capacities: Sequence[int]) -> float:
+    """Mean capacity the graphed micro-batches are padded to (smallest that fits each)."""
+    ladder = np.sort(np.asarray(capacities))
+    counts = np.asarray(segment_counts)
+    fits = counts[counts <= ladder[-1]]
+    return float(ladder[np.searchsorted(ladder, fits)].mean()) if fits.size else float("nan")
+
+
 def format_report(
     segments: np.ndarray,
     documents: np.ndarray,
@@ -112,6 +136,12 @@ def format_report(
         f"recommended: --cuda-graph-max-packed-seqs {capacity}   "
         f"(predicted fallback rate {100 * rate:.2f}%, target {100 * target_fallback_rate:.2f}%)",
     ]
+    rungs = suggest_ladder(segments, capacity)
+    if rungs:
+        lines.append(
+            f"and (PP=1) --cuda-graph-capacity-ladder {' '.join(map(str, rungs))}   "
+            f"(mean padded capacity {mean_padded_capacity(segments, rungs + [capacity]):.1f} "
+            f"instead of {capacity})")
     return "\n".join(lines)
 
 

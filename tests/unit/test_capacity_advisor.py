@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from megatron.training.datasets import MockPackedDataset, collate_packed_rows
+import tools.capacity_advisor as ca
 from tools.capacity_advisor import fallback_rate, main, micro_batch_counts, recommend_capacity
 
 # 90 micro-batches with 1 segment, 9 with 5, one with 10.
@@ -93,3 +94,11 @@ def test_cli_on_jsonl(tmp_path, capsys):
     output = capsys.readouterr().out
     assert "4 documents in 2 rows" in output
     assert recommended_flag(output) == 4
+
+
+def test_ladder_suggested_only_when_the_top_capacity_is_far_above_typical_counts():
+    counts = [5] * 60 + [12] * 35 + [200] * 5
+    assert ca.suggest_ladder(counts, 256) == [8, 16]
+    assert ca.mean_padded_capacity(counts, [8, 16, 256]) == pytest.approx(0.6 * 8 + 0.35 * 16 + 0.05 * 256)
+    assert ca.suggest_ladder([10] * 10, 16) == []  # the top is the typical count already
+    assert ca.suggest_ladder(counts, 24) == [8]  # 16 is not worth it below a top of 24
