@@ -65,7 +65,8 @@ class LocalGraphDispatch:
 def recorded_cu_seqlens_shape(runner):
     """Shape of the ``cu_seqlens`` a runner was recorded with (its capacity + 1)."""
     meta = runner.fwd_graph_input_kwarg_metas.get("packed_seq_params")
-    return None if meta is None else meta.value.cu_seqlens_q.shape
+    params = None if meta is None else meta.value
+    return None if params is None or params.cu_seqlens_q is None else params.cu_seqlens_q.shape
 
 
 class GraphSafeTransformerLayer(LocalGraphDispatch, TransformerLayer):
