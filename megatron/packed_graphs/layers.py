@@ -47,7 +47,7 @@ class LocalGraphDispatch:
         """
         manager = getattr(self, "cudagraph_manager", None)
         if (manager is None or not manager.reuse_cudagraphs or params is None
-                or len(manager.cudagraph_runners) < 2):
+                or params.cu_seqlens_q is None or len(manager.cudagraph_runners) < 2):
             return
         shape = params.cu_seqlens_q.shape
         if recorded_cu_seqlens_shape(manager.cudagraph_runners[0]) != shape:
