@@ -13,8 +13,9 @@ What is ours (docs/cuda-graphs.md, "Chunk granularity"):
   forward of a chunk replays runner ``k mod S``: backward runs in forward order, so with at
   most S in flight that runner is free again. Eager micro-batches take no slot. Any
   micro-batch count per iteration replays the same S runners; nothing is re-captured.
-* **A memory pool per slot** (``runner.mempool``, set before the end-of-iteration capture). All runners of one pool must replay in capture order; one
-  slot's forward and backward always alternate, different slots interleave freely.
+* **A memory pool per slot** (``runner.mempool``, set before the end-of-iteration capture).
+  All runners of one pool must replay in capture order; one slot's forward and backward
+  always alternate, different slots interleave freely.
 * **Capture of exactly S runners.** In the capture iteration only the first S forwards of a
   chunk are recorded; later ones run eager.
 * **The received activation is a graph input** on later pipeline stages (upstream reads it
@@ -57,8 +58,12 @@ def chunk_slot_count(config, chunk: int) -> int:
 class ChunkGraphDispatch:
     """Mixin for a block (a GraphableMegatronModule); put it first in the bases."""
 
+    def _chunk_graphed_call(self) -> bool:
+        """Training, chunk granularity, and this micro-batch not planned eager."""
+        return self.training and chunk_granularity(self.config) and not cuda_graphs_bypassed()
+
     def __call__(self, *args, **kwargs):
-        if not (self.training and chunk_granularity(self.config)) or cuda_graphs_bypassed():
+        if not self._chunk_graphed_call():
             return super().__call__(*args, **kwargs)
         if not self.pre_process:
             # The schedule's received activation, made an argument so the graph copies it in.
@@ -78,8 +83,7 @@ class ChunkGraphDispatch:
         return MakeViewlessTensor.apply(output, True)
 
     def forward(self, hidden_states, *args, **kwargs):
-        if chunk_granularity(self.config) and self.training and not self.pre_process \
-                and not cuda_graphs_bypassed():
+        if self._chunk_graphed_call() and not self.pre_process:
             self.input_tensor = hidden_states  # upstream forward reads the input from here
         return super().forward(hidden_states, *args, **kwargs)
 

@@ -74,9 +74,19 @@ def hold_forward_inputs_until_backward_captured() -> None:
         for buf in getattr(self, "held_input_buffers", ()):
             pool.insert(buf)
         self.held_input_buffers = []
-        detach_parameter_version_counters(self)
 
     cuda_graphs._CudaGraphRunner.create_fwd_graph = create_fwd_graph
+    cuda_graphs._CudaGraphRunner.create_bwd_graph = create_bwd_graph
+
+
+def keep_parameter_versions_on_replay() -> None:
+    """After each backward capture, apply `detach_parameter_version_counters` to the runner."""
+    captured = cuda_graphs._CudaGraphRunner.create_bwd_graph
+
+    def create_bwd_graph(self):
+        captured(self)
+        detach_parameter_version_counters(self)
+
     cuda_graphs._CudaGraphRunner.create_bwd_graph = create_bwd_graph
 
 
@@ -206,6 +216,7 @@ def apply_core_patches() -> None:
         )
     fix_warmup_flag_never_cleared()
     hold_forward_inputs_until_backward_captured()
+    keep_parameter_versions_on_replay()
     sync_free_multi_tensor_fallbacks()
     record_capture_statistics()
     _applied = True

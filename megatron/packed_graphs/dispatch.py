@@ -92,15 +92,20 @@ def capture_capacities(capacities: Sequence[int],
     (greedy, which covers the most capacities). The rest go to the smallest capacity that fits.
     """
     decisions: List[Optional[GraphDecision]] = [None] * len(segment_counts)
-    left = sorted(range(len(segment_counts)), key=lambda i: segment_counts[i])
-    top = capacities[-1]
-    fullest = [i for i in left if fits_capacity(segment_counts[i], top)][-1:]
-    for rung, chosen in [(top, fullest)] + [(r, None) for r in capacities[:-1]]:
-        if chosen is None:
-            chosen = [i for i in left if fits_capacity(segment_counts[i], rung)][:1]
-        for i in chosen:
-            decisions[i] = GraphDecision(Reason.GRAPHED, rung)
-            left.remove(i)
+    left = sorted(range(len(segment_counts)), key=lambda i: segment_counts[i])  # emptiest first
+
+    def fitting(capacity):
+        return [i for i in left if fits_capacity(segment_counts[i], capacity)]
+
+    def take(i, capacity):
+        decisions[i] = GraphDecision(Reason.GRAPHED, capacity)
+        left.remove(i)
+
+    for i in fitting(capacities[-1])[-1:]:
+        take(i, capacities[-1])
+    for rung in capacities[:-1]:
+        for i in fitting(rung)[:1]:
+            take(i, rung)
     for i in left:
         decisions[i] = _smallest_fit(segment_counts[i], capacities)
     return decisions

@@ -242,9 +242,14 @@ def check_training(args):
         _check_rampup(args, per_step)
 
 
+def _as_typed(values) -> str:
+    """A list-valued flag as the user typed it (``16 64 256``), for error messages."""
+    return " ".join(map(str, values))
+
+
 def _check_rampup(args, per_step):
     start, increment, samples = args.rampup_batch_size
-    shown, gbs = " ".join(map(str, args.rampup_batch_size)), args.global_batch_size
+    shown, gbs = _as_typed(args.rampup_batch_size), args.global_batch_size
     if min(start, increment, samples) < 1:
         fail("--rampup-batch-size", shown,
              "Give three positive integers: start batch, increment, ramp-up samples")
@@ -336,7 +341,7 @@ def normalise_cuda_graph_scope(values) -> list[str]:
 
 
 def _check_capacity_ladder(args, ladder, impl, capacity):
-    shown = " ".join(map(str, ladder))
+    shown = _as_typed(ladder)
     if impl == "none":
         fail("--cuda-graph-capacity-ladder", shown,
              "It would be silently ignored without graphs; add --cuda-graph-impl local")
@@ -395,7 +400,7 @@ def check_cuda_graphs(args):
     if (impl == "local" and args.cuda_graph_granularity == "layer"
             and getattr(args, "rampup_batch_size", None)
             and getattr(args, "pipeline_model_parallel_size", 1) > 1):
-        fail("--rampup-batch-size", " ".join(map(str, args.rampup_batch_size)),
+        fail("--rampup-batch-size", _as_typed(args.rampup_batch_size),
              "With pipeline parallelism layer graphs replay megatron-core's runners by turn, "
              "as many as the capture iteration's micro-batches, and the ramp-up changes that "
              "count; use --cuda-graph-granularity chunk or drop the ramp-up")
@@ -405,8 +410,7 @@ def check_cuda_graphs(args):
                  "Chunk graphs capture the whole model chunk; drop --cuda-graph-scope or use "
                  "--cuda-graph-granularity layer")
         if args.cuda_graph_capacity_ladder:
-            fail("--cuda-graph-capacity-ladder",
-                 " ".join(map(str, args.cuda_graph_capacity_ladder)),
+            fail("--cuda-graph-capacity-ladder", _as_typed(args.cuda_graph_capacity_ladder),
                  "The ladder is built for layer graphs; drop it or use "
                  "--cuda-graph-granularity layer")
     if args.model == "gpt" and "mamba" in args.cuda_graph_scope:
