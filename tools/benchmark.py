@@ -7,6 +7,8 @@ out of the medians. All rows of a table come from the same invocation on the sam
     python tools/benchmark.py --presets hybrid-small gpt-small --steps 30
     python tools/benchmark.py --presets sweep --variants eager layer-graphs --profile
     python tools/benchmark.py --presets hybrid-small --variants eager --capacities 16 64 256 1024
+    python tools/benchmark.py --variants eager layer-graphs chunk-graphs --nproc 2 \
+        --pipeline-model-parallel-size 2
 
 --profile profiles the last two iterations of every run (excluded from the step-time median)
 and reports the GPU-busy time of a step (union of its kernel intervals) and the ratio
@@ -66,6 +68,8 @@ VARIANTS = {
     "eager": [],
     "layer-graphs": ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32",
                      "--cuda-graph-warmup-steps", "2"],
+    "chunk-graphs": ["--cuda-graph-impl", "local", "--cuda-graph-granularity", "chunk",
+                     "--cuda-graph-max-packed-seqs", "32", "--cuda-graph-warmup-steps", "2"],
     # A large top capacity (few fallbacks) without paying for it on ordinary micro-batches.
     "layer-graphs-ladder": ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "1024",
                             "--cuda-graph-capacity-ladder", "16", "64", "256",
@@ -104,6 +108,7 @@ def run_one(preset: str, variant: str, args) -> dict:
                *COMMON, *variant_flags(variant), *profile, "--train-iters", str(args.steps),
                "--global-batch-size", str(args.global_batch_size),
                "--mock-doc-length-median", str(args.doc_length_median),
+               "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
                "--metrics-file", metrics]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -114,7 +119,7 @@ def run_one(preset: str, variant: str, args) -> dict:
     timed = [r for r in train[args.warmup:] if "gpu busy (ms)" not in r]
     busy = [r["gpu busy (ms)"] for r in train if "gpu busy (ms)" in r]
     step_ms = statistics.median(r["iteration_time_ms"] for r in timed)
-    micro_batches = args.global_batch_size // args.nproc
+    micro_batches = args.global_batch_size // (args.nproc // args.pipeline_model_parallel_size)
     capture = next((r for r in records if "graph capture (s)" in r), {})
     return {
         "preset": preset,
@@ -162,6 +167,8 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch-size", type=int, default=4)
     parser.add_argument("--doc-length-median", type=int, default=512)
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                        help="pipeline stages (divides --nproc); metrics come from the last stage")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     presets = [p for name in args.presets for p in PRESET_GROUPS.get(name, [name])]
@@ -171,6 +178,9 @@ def main(argv=None) -> int:
                      f"or {sorted(PRESET_GROUPS)}.")
     if args.steps <= args.warmup:
         parser.error(f"--steps is wrong: {args.steps}. It must exceed --warmup ({args.warmup}).")
+    if args.nproc % args.pipeline_model_parallel_size:
+        parser.error(f"--pipeline-model-parallel-size is wrong: {args.pipeline_model_parallel_size}. "
+                     f"It must divide --nproc ({args.nproc}).")
     variants = args.variants + [f"layer-graphs-c{c}" for c in args.capacities]
     rows = []
     for preset in presets:

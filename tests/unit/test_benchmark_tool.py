@@ -30,4 +30,9 @@ def test_capacity_variants_override_the_capacity_only():
     assert flags[flags.index("--cuda-graph-max-packed-seqs") + 1] == "256"
     assert "--cuda-graph-impl" in flags and benchmark.variant_flags("eager") == []
     with pytest.raises(KeyError):
-        benchmark.variant_flags("chunk-graphs")
+        benchmark.variant_flags("tensor-graphs")
+
+
+def test_chunk_variant_asks_for_chunk_granularity():
+    flags = benchmark.variant_flags("chunk-graphs")
+    assert flags[flags.index("--cuda-graph-granularity") + 1] == "chunk"

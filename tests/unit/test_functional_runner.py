@@ -399,6 +399,7 @@ def test_runner_ckpt_resume_records_both_halves(cases_copy, tmp_path, monkeypatc
 
 
 def test_runner_without_golden_values_says_record(cases_copy, capsys):
+    (cases_copy / "hybrid" / "hybrid_eager" / "golden_values_h200.json").unlink()
     assert runner.main(["hybrid/hybrid_layer_graphs"], root=cases_copy) == 1
     assert "no golden values: run with --record on the H200" in capsys.readouterr().err
 
