@@ -300,6 +300,8 @@ def check_logging(args):
         if args.profile_step_end <= args.profile_step_start:
             fail("--profile-step-end", args.profile_step_end,
                  f"It must exceed --profile-step-start ({args.profile_step_start})")
+    elif args.profile_trace_dir is not None:
+        fail("--profile-trace-dir", args.profile_trace_dir, "It needs --profile")
     if args.eval_interval > 0 and args.eval_iters < 1:
         fail("--eval-iters", args.eval_iters,
              "Evaluation (--eval-interval > 0) needs at least 1; or set --eval-interval 0")

@@ -170,6 +170,10 @@ def _add_logging_args(parser):
                         "capture range (cudaProfilerStart/Stop) and GPU-busy time per iteration.")
     g.add_argument("--profile-step-start", type=int, default=10)
     g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-trace-dir", type=str, default=None,
+                   help="With --profile: also record host activity (Python frames, ops, CUDA "
+                        "runtime calls) and keep each profiled iteration's Chrome trace here as "
+                        "trace_iter<N>_rank<R>.json (read it with tools/step_gaps.py).")
     g.add_argument("--metrics-file", type=str, default=None,
                    help="JSON-lines file, one record of metrics per step.")
 

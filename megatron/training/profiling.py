@@ -5,6 +5,10 @@ With ``--profile``, iterations ``[--profile-step-start, --profile-step-end)`` ru
 records just them) and under ``torch.profiler``, from which each iteration's **GPU-busy time**
 is computed: the union of its kernel intervals, overlapping kernels counted once. The ratio
 step time / GPU-busy time is how close a step is to the GPU's own limit (1.0).
+
+With a trace directory (``--profile-trace-dir``) host activity is recorded too, with Python
+stacks, and each iteration's Chrome trace is kept: ``tools/step_gaps.py`` names the host code
+that runs while the GPU waits.
 """
 
 import json
@@ -39,8 +43,8 @@ def kernel_intervals_from_trace(trace: dict) -> List[Tuple[float, float]]:
 class StepProfiler:
     """Profiles iterations ``[start, end)`` of this process (1-based iteration numbers)."""
 
-    def __init__(self, enabled: bool, start: int, end: int):
-        self.enabled, self.start, self.end = enabled, start, end
+    def __init__(self, enabled: bool, start: int, end: int, trace_dir: Optional[str] = None):
+        self.enabled, self.start, self.end, self.trace_dir = enabled, start, end, trace_dir
         self._prof: Optional[torch.profiler.profile] = None
 
     def begin(self, iteration: int) -> None:
@@ -50,7 +54,10 @@ class StepProfiler:
         if iteration == self.start:
             torch.cuda.profiler.start()
         torch.cuda.synchronize()  # deliberate: profile exactly this iteration's kernels
-        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if self.trace_dir:
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        self._prof = torch.profiler.profile(activities=activities, with_stack=bool(self.trace_dir))
         self._prof.__enter__()
 
     def finish(self, iteration: int) -> dict:
@@ -61,6 +68,10 @@ class StepProfiler:
         self._prof.__exit__(None, None, None)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
+            if self.trace_dir:
+                os.makedirs(self.trace_dir, exist_ok=True)
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+                path = os.path.join(self.trace_dir, f"trace_iter{iteration}_rank{rank}.json")
             self._prof.export_chrome_trace(path)
             with open(path) as f:
                 busy_us = merged_busy_us(kernel_intervals_from_trace(json.load(f)))

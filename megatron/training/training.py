@@ -193,7 +193,8 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
                                            cycle=True) for _ in range(num_chunks)]
 
     logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters)
-    profiler = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end)
+    profiler = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end,
+                           args.profile_trace_dir)
     record, saved = {}, False
     print_rank_0(f" > training from iteration {iteration} to {args.train_iters}")
     torch.cuda.reset_peak_memory_stats()

@@ -383,6 +383,12 @@ def test_profile_range_must_be_nonempty():
         validate("--profile", "--profile-step-start", 5, "--profile-step-end", 5)
 
 
+def test_profile_trace_dir_needs_profile():
+    with pytest.raises(ValueError, match="--profile-trace-dir is wrong: /tmp/t. It needs --profile"):
+        validate("--profile-trace-dir", "/tmp/t")
+    assert validate("--profile", "--profile-trace-dir", "/tmp/t").profile_trace_dir == "/tmp/t"
+
+
 def test_exit_interval_positive():
     with pytest.raises(ValueError, match="--exit-interval is wrong: 0"):
         validate("--exit-interval", 0)
@@ -527,7 +533,7 @@ ALLOWED_OPTIONS = [
     "--no-load-rng", "--normalization", "--num-attention-heads", "--num-layers",
     "--num-layers-per-virtual-pipeline-stage", "--num-query-groups",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--profile",
-    "--profile-step-end", "--profile-step-start", "--rampup-batch-size",
+    "--profile-step-end", "--profile-step-start", "--profile-trace-dir", "--rampup-batch-size",
     "--reject-long-documents", "--rotary-base", "--rotary-percent", "--save", "--save-interval",
     "--seed", "--seq-length", "--sequence-parallel", "--sft", "--swiglu",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--train-iters",

@@ -1,0 +1,40 @@
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import step_gaps  # noqa: E402
+
+
+def _event(cat, name, ts, dur, tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+
+def test_idle_gaps_merge_overlapping_work_and_skip_short_gaps():
+    assert step_gaps.idle_gaps([(0, 10), (5, 20), (25, 30), (100, 110)], min_gap=10) == [(30, 100)]
+
+
+def test_idle_time_goes_to_the_innermost_host_frame():
+    # GPU: kernels at [0, 10) and [60, 70); idle 10..60 while the host sits in
+    # train_step -> clip_grads (10..50) -> item (20..50) and then train_step alone (50..60).
+    trace = {"traceEvents": [
+        _event("kernel", "gemm", 0, 10, tid=7), _event("kernel", "adam", 60, 10, tid=7),
+        _event("python_function", "train_step", 0, 70),
+        _event("python_function", "clip_grads", 10, 40),
+        _event("cpu_op", "aten::item", 20, 30),
+        _event("python_function", "other_thread", 0, 70, tid=2),
+    ]}
+    result = step_gaps.analyse(trace, min_gap_us=5)
+    assert result["idle_us"] == 50 and result["gaps"] == 1 and result["span_us"] == 70
+    assert result["self"] == {"train_step": 10, "clip_grads": 10, "aten::item": 30}
+    assert result["inclusive"] == {"train_step": 50, "clip_grads": 40, "aten::item": 30}
+
+
+def test_main_prints_the_tables(tmp_path, capsys):
+    import json
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [
+        _event("kernel", "k", 0, 10), _event("kernel", "k", 100, 10),
+        _event("cuda_runtime", "cudaStreamSynchronize", 10, 90)]}))
+    assert step_gaps.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "GPU idle 0.09 ms in 1 gaps" in out and "| `cudaStreamSynchronize` | 0.09 | 100% |" in out

@@ -1,0 +1,117 @@
+"""Where does a step wait for the host? GPU idle time of a profiled iteration, by host frame.
+
+Reads a Chrome trace written by ``--profile --profile-trace-dir DIR`` (torch.profiler with
+CPU activity and Python stacks) and prints:
+
+* the iteration's span, its GPU-busy time and its GPU-idle time (gaps of at least
+  ``--min-gap-us`` between kernels, copies and memsets);
+* the host frames (Python functions, aten ops, CUDA runtime calls) of the training thread that
+  were running during those gaps: **self** idle time (the innermost frame at each instant)
+  and **inclusive** idle time (the frame or anything it called).
+
+A step whose GPU-idle time is mostly under one frame is waiting on that code: a host sync
+(``cudaStreamSynchronize``, ``aten::item``) or eager work launched too slowly.
+
+    python tools/step_gaps.py /tmp/traces/trace_iter20_rank0.json --top 20
+"""
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+HOST_CATEGORIES = {"python_function", "cpu_op", "cuda_runtime", "cuda_driver", "user_annotation"}
+
+Interval = Tuple[float, float]
+
+
+def idle_gaps(busy: List[Interval], min_gap: float) -> List[Interval]:
+    """Gaps of at least ``min_gap`` between the union of ``busy`` intervals, first to last."""
+    gaps, end = [], None
+    for start, stop in sorted(busy):
+        if end is not None and start - end >= min_gap:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    return gaps
+
+
+def overlap(a: Interval, gaps: List[Interval]) -> float:
+    """Length of interval ``a`` that lies inside the (sorted, disjoint) ``gaps``."""
+    return sum(max(0.0, min(a[1], g[1]) - max(a[0], g[0])) for g in gaps
+               if g[0] < a[1] and g[1] > a[0])
+
+
+def idle_by_frame(frames: List[Tuple[str, float, float]], gaps: List[Interval]
+                  ) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """Self and inclusive idle time per frame name; ``frames`` are nested (one thread)."""
+    inclusive, self_time = defaultdict(float), defaultdict(float)
+    stack: List[list] = []  # [name, end, idle inside, idle of children]
+
+    def close(entry):
+        name, _, idle, children = entry
+        self_time[name] += idle - children
+        if stack:
+            stack[-1][3] += idle
+
+    for name, start, end in sorted(frames, key=lambda f: (f[1], -f[2])):
+        while stack and stack[-1][1] <= start:
+            close(stack.pop())
+        idle = overlap((start, end), gaps)
+        inclusive[name] += idle
+        stack.append([name, end, idle, 0.0])
+    while stack:
+        close(stack.pop())
+    return dict(self_time), dict(inclusive)
+
+
+def analyse(trace: dict, min_gap_us: float) -> dict:
+    """Busy/idle summary and idle time per host frame of the busiest host thread."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    busy = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES]
+    if not busy:
+        raise ValueError("no GPU kernels in the trace: was it recorded with CUDA activity?")
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
+    threads = defaultdict(list)
+    for e in host:
+        threads[(e.get("pid"), e.get("tid"))].append((e["name"], e["ts"], e["ts"] + e["dur"]))
+    frames = max(threads.values(), key=len) if threads else []
+    span = (min(b[0] for b in busy), max(b[1] for b in busy))
+    if frames:  # the step starts when its host thread does, often before the first kernel
+        span = (min(span[0], min(f[1] for f in frames)), span[1])
+    gaps = idle_gaps(busy + [(span[0], span[0])], min_gap_us)
+    self_time, inclusive = idle_by_frame(frames, gaps)
+    return {"span_us": span[1] - span[0], "idle_us": sum(g[1] - g[0] for g in gaps),
+            "gaps": len(gaps), "self": self_time, "inclusive": inclusive}
+
+
+def _table(title: str, times: Dict[str, float], idle_us: float, top: int) -> str:
+    lines = [f"| {title} | idle (ms) | share of idle |", "| --- | ---: | ---: |"]
+    for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
+        if us > 0:
+            lines.append(f"| `{name[:110]}` | {us / 1000:.2f} | {us / idle_us:.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", help="trace_iter<N>_rank<R>.json from --profile-trace-dir")
+    parser.add_argument("--min-gap-us", type=float, default=20.0,
+                        help="shorter gaps between GPU work are launch latency, not waiting")
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args(argv)
+    with open(args.trace) as f:
+        result = analyse(json.load(f), args.min_gap_us)
+    span, idle = result["span_us"], result["idle_us"]
+    print(f"iteration span {span / 1000:.2f} ms, GPU busy {(span - idle) / 1000:.2f} ms, "
+          f"GPU idle {idle / 1000:.2f} ms in {result['gaps']} gaps >= {args.min_gap_us:g} us")
+    if idle:
+        print(_table("host frame (self)", result["self"], idle, args.top))
+        print()
+        print(_table("host frame (inclusive)", result["inclusive"], idle, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
