@@ -59,7 +59,8 @@ def idle_by_frame(frames: List[Tuple[str, float, float]], gaps: List[Interval]
         while stack and stack[-1][1] <= start:
             close(stack.pop())
         idle = overlap((start, end), gaps)
-        inclusive[name] += idle
+        if all(entry[0] != name for entry in stack):  # a recursive frame counts once
+            inclusive[name] += idle
         stack.append([name, end, idle, 0.0])
     while stack:
         close(stack.pop())

@@ -314,6 +314,7 @@ def check_data(args):
              "Give exactly one: --data-path <file.jsonl> or --mock-data")
     _at_least(args, "--mock-doc-length-median", 1)
     _at_least(args, "--mock-doc-length-sigma", 0)
+    _at_least(args, "--num-workers", 0)
 
 
 def check_attention(args):

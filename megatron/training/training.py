@@ -186,7 +186,8 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
     # Every pipeline stage and virtual chunk reads the same micro-batch sequence itself:
     # the packed metadata (cu_seqlens) is needed on every stage.
     train_iters = [build_data_iterator(train_ds, consumed_samples, args.micro_batch_size,
-                                       dp_rank, dp_size) for _ in range(num_chunks)]
+                                       dp_rank, dp_size, num_workers=args.num_workers)
+                   for _ in range(num_chunks)]
     valid_iters = None
     if valid_ds is not None and args.eval_interval > 0:
         valid_iters = [build_data_iterator(valid_ds, 0, args.micro_batch_size, dp_rank, dp_size,

@@ -383,6 +383,12 @@ def test_profile_range_must_be_nonempty():
         validate("--profile", "--profile-step-start", 5, "--profile-step-end", 5)
 
 
+def test_num_workers_not_negative():
+    assert validate().num_workers == 2
+    with pytest.raises(ValueError, match="--num-workers is wrong: -1"):
+        validate("--num-workers", -1)
+
+
 def test_profile_trace_dir_needs_profile():
     with pytest.raises(ValueError, match="--profile-trace-dir is wrong: /tmp/t. It needs --profile"):
         validate("--profile-trace-dir", "/tmp/t")
@@ -531,7 +537,7 @@ ALLOWED_OPTIONS = [
     "--micro-batch-size", "--min-lr", "--mock-data", "--mock-doc-length-median",
     "--mock-doc-length-sigma", "--no-calculate-per-token-loss", "--no-load-optim",
     "--no-load-rng", "--normalization", "--num-attention-heads", "--num-layers",
-    "--num-layers-per-virtual-pipeline-stage", "--num-query-groups",
+    "--num-layers-per-virtual-pipeline-stage", "--num-query-groups", "--num-workers",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--profile",
     "--profile-step-end", "--profile-step-start", "--profile-trace-dir", "--rampup-batch-size",
     "--reject-long-documents", "--rotary-base", "--rotary-percent", "--save", "--save-interval",

@@ -4,6 +4,7 @@ import json
 from argparse import Namespace
 
 import pytest
+import torch
 
 from megatron.training.datasets.builder import build_data_iterator, build_datasets, describe_packing
 from megatron.training.datasets.mock import MockPackedDataset
@@ -97,6 +98,16 @@ def test_iterator_resumes_where_it_stopped():
     assert len(full) == 6 and len(resumed) == 4
     assert all((a == b).all() for a, b in zip(full[2:], resumed))
     assert full[0].tolist() == [dataset[2].tokens.tolist(), dataset[3].tokens.tolist()]
+
+
+def test_worker_processes_give_the_same_micro_batches():
+    dataset = MockPackedDataset(24, 16, 50, seed=0, doc_length_median=5)
+    inline = list(build_data_iterator(dataset, 4, 2, 1, 2))
+    workers = list(build_data_iterator(dataset, 4, 2, 1, 2, num_workers=2))
+    assert len(inline) == len(workers) == 5
+    for a, b in zip(inline, workers):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 
 
 def test_cycling_iterator_restarts_from_zero():

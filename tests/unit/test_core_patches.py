@@ -144,3 +144,38 @@ def test_upstream_replay_still_copies_every_surface_entry():
     assert "cudagraph_input.copy_(user_input)" in source
     assert "fwd_graph_input_surface + self.params_to_backprop" in inspect.getsource(
         core_patches.UPSTREAM_CREATE_FWD_GRAPH)
+
+
+def test_argument_type_check_accepts_and_refuses_what_upstream_does():
+    import dataclasses
+
+    import pytest
+    import torch
+
+    from megatron.packed_graphs.packed_seq import build_packed_batch_params
+
+    core_patches.apply_core_patches()
+    patched = cuda_graphs._check_supported_type
+    assert patched is not core_patches.UPSTREAM_CHECK_SUPPORTED_TYPE
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+
+    @dataclasses.dataclass
+    class Plain:
+        x: int = 1
+
+    accepted = [torch.zeros(2), None, True, 3, "thd", 1.5, Plain(),
+                build_packed_batch_params(cu, torch.arange(3), 3),
+                cuda_graphs.ArgMetadata(torch.zeros(1))]
+    refused = [[1, 2], {"a": 1}, (1,), object()]
+    for value in accepted:
+        meta = cuda_graphs.ArgMetadata(value)
+        core_patches.UPSTREAM_CHECK_SUPPORTED_TYPE(meta)
+        patched(meta)
+    for value in refused:
+        meta = cuda_graphs.ArgMetadata(value)
+        with pytest.raises(AssertionError):
+            core_patches.UPSTREAM_CHECK_SUPPORTED_TYPE(meta)
+        with pytest.raises(AssertionError, match="graphs do not support"):
+            patched(meta)
+    with pytest.raises(AssertionError):
+        patched(torch.zeros(1))  # not an ArgMetadata: refused by both

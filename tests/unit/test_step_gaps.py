@@ -21,11 +21,12 @@ def test_idle_time_goes_to_the_innermost_host_frame():
         _event("python_function", "train_step", 0, 70),
         _event("python_function", "clip_grads", 10, 40),
         _event("cpu_op", "aten::item", 20, 30),
+        _event("python_function", "clip_grads", 25, 5),  # recursion: inclusive counts once
         _event("python_function", "other_thread", 0, 70, tid=2),
     ]}
     result = step_gaps.analyse(trace, min_gap_us=5)
     assert result["idle_us"] == 50 and result["gaps"] == 1 and result["span_us"] == 70
-    assert result["self"] == {"train_step": 10, "clip_grads": 10, "aten::item": 30}
+    assert result["self"] == {"train_step": 10, "clip_grads": 15, "aten::item": 25}
     assert result["inclusive"] == {"train_step": 50, "clip_grads": 40, "aten::item": 30}
 
 

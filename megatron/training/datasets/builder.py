@@ -108,11 +108,14 @@ def build_data_iterator(
     data_parallel_rank: int,
     data_parallel_size: int,
     cycle: bool = False,
+    num_workers: int = 0,
 ) -> Iterator[dict]:
     """Iterator of this rank's micro-batch dicts (see `collate_packed_rows` for the keys).
 
     Starts at ``consumed_samples``. With ``cycle=True`` (validation) it restarts from sample 0
-    whenever it runs out, and never ends.
+    whenever it runs out, and never ends. ``num_workers > 0`` reads and collates rows in
+    worker processes, ahead of the training loop (same rows, same order): under CUDA graphs
+    the loop reads an iteration's micro-batches while the GPU waits (tools/step_gaps.py).
     """
 
     def loader(consumed: int) -> torch.utils.data.DataLoader:
@@ -120,7 +123,8 @@ def build_data_iterator(
             len(dataset), consumed, micro_batch_size, data_parallel_rank, data_parallel_size
         )
         return torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, collate_fn=collate_packed_rows, num_workers=0
+            dataset, batch_sampler=sampler, collate_fn=collate_packed_rows,
+            num_workers=num_workers,
         )
 
     first = loader(consumed_samples)
