@@ -190,9 +190,10 @@ def _add_data_args(parser):
                    help="Median mock document length in tokens.")
     g.add_argument("--mock-doc-length-sigma", type=float, default=1.0,
                    help="Log-normal sigma of mock document lengths.")
-    g.add_argument("--num-workers", type=int, default=2,
-                   help="Data-loader worker processes per data iterator; they read and collate "
-                        "micro-batches ahead of the training loop. 0 reads them in the loop.")
+    g.add_argument("--num-workers", type=int, default=0,
+                   help="Data-loader worker processes per data iterator, reading and collating "
+                        "micro-batches ahead of the loop; worth it when reading rows is slow. "
+                        "0 (default) reads them in the loop: cheaper for in-memory rows.")
     g.add_argument("--reject-long-documents", action="store_true",
                    help="Error out on a document with more than --seq-length training "
                         "positions instead of truncating it to --seq-length + 1 tokens.")

@@ -1,6 +1,6 @@
 """Chunk graphs (one graph pair per model chunk and slot) reproduce eager training.
 
-Written in session 2 with the runtime; first GPU run pending (docs/cuda-graphs.md).
+Results (H200, session 3): docs/cuda-graphs.md, "Chunk granularity".
 """
 
 import pytest

@@ -384,7 +384,7 @@ def test_profile_range_must_be_nonempty():
 
 
 def test_num_workers_not_negative():
-    assert validate().num_workers == 2
+    assert validate().num_workers == 0
     with pytest.raises(ValueError, match="--num-workers is wrong: -1"):
         validate("--num-workers", -1)
 
