@@ -168,3 +168,25 @@ def test_collate_rejects_mixed_lengths_and_empty():
         collate_packed_rows([short, long])
     with pytest.raises(ValueError, match="0 rows"):
         collate_packed_rows([])
+
+
+def test_segment_multiple_pads_every_document_for_context_parallelism():
+    # CP = 2: segments padded to multiples of 4. Positions: 4, 2 -> 4, 5 -> 8 (a new row).
+    stats = PackingStats()
+    rows = list(pack_documents(docs_of_lengths(5, 3, 6), 12, stats=stats, segment_multiple=4))
+    assert [r.cu_seqlens.tolist() for r in rows] == [[0, 4, 8, 12], [0, 8, 12]]
+    assert [r.cu_seqlens_actual.tolist() for r in rows] == [[0, 4, 6, 10], [0, 5, 9]]
+    first = rows[0]
+    assert first.tokens[4:8].tolist() == [200, 201, PAD_TOKEN_ID, PAD_TOKEN_ID]
+    assert first.labels[4:8].tolist() == [201, 202, PAD_TOKEN_ID, PAD_TOKEN_ID]
+    assert first.loss_mask[4:8].tolist() == [1, 1, 0, 0]
+    assert (stats.tokens, stats.padding_tokens) == (11, 13)
+    batch = collate_packed_rows(rows)
+    assert batch["cu_seqlens"].tolist() == [0, 4, 8, 12, 20, 24]
+    assert batch["cu_seqlens_actual"].tolist() == [0, 4, 6, 10, 15, 19]
+    assert "cu_seqlens_actual" not in collate_packed_rows(list(pack_documents(docs_of_lengths(5), 12)))
+
+
+def test_segment_multiple_must_divide_seq_length():
+    with pytest.raises(ValueError, match="segment multiple is wrong: 8 for seq_length 12"):
+        pack_documents(docs_of_lengths(5), 12, segment_multiple=8)

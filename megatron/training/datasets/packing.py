@@ -61,6 +61,10 @@ class PackedRow:
             every segment has at least one position.
         num_documents: real documents in the row. A padding tail adds one segment, so
             ``n_segments`` is ``num_documents`` (exact fit) or ``num_documents + 1``.
+        cu_seqlens_actual: int32 ``[n_segments + 1]`` when segments carry padding of their own
+            (packed with ``segment_multiple > 1``, for context parallelism): cumulative
+            unpadded lengths, Transformer Engine's ``cu_seqlens`` next to ``cu_seqlens`` as
+            its ``cu_seqlens_padded``. None when no segment has inner padding.
     """
 
     tokens: np.ndarray
@@ -69,6 +73,7 @@ class PackedRow:
     position_ids: np.ndarray
     cu_seqlens: np.ndarray
     num_documents: int
+    cu_seqlens_actual: np.ndarray | None = None
 
     @property
     def num_segments(self) -> int:
@@ -116,6 +121,7 @@ def build_packed_row(
     loss_mask: np.ndarray,
     segment_lengths: np.ndarray,
     seq_length: int,
+    actual_lengths: np.ndarray | None = None,
 ) -> PackedRow:
     """Pad already-shifted documents to ``seq_length`` and lay out one `PackedRow`.
 
@@ -124,6 +130,8 @@ def build_packed_row(
         loss_mask: float32 ``[n]``.
         segment_lengths: int ``[num_documents]``, each >= 1, summing to ``n <= seq_length``.
         seq_length: ``S``; a tail of ``S - n`` pad positions becomes its own segment.
+        actual_lengths: int ``[num_documents]``, the unpadded length of each segment when
+            segments end in padding of their own (then ``cu_seqlens_actual`` is filled).
     """
     segment_lengths = np.asarray(segment_lengths, dtype=np.int64)
     used = int(segment_lengths.sum())
@@ -142,6 +150,11 @@ def build_packed_row(
         segment_lengths = np.append(segment_lengths, pad)
     cu_seqlens = np.zeros(len(segment_lengths) + 1, dtype=np.int32)
     np.cumsum(segment_lengths, out=cu_seqlens[1:])
+    cu_seqlens_actual = None
+    if actual_lengths is not None:
+        actual = np.append(np.asarray(actual_lengths, dtype=np.int64), segment_lengths[num_documents:])
+        cu_seqlens_actual = np.zeros_like(cu_seqlens)
+        np.cumsum(actual, out=cu_seqlens_actual[1:])
     return PackedRow(
         tokens=tokens.astype(np.int64, copy=False),
         labels=labels.astype(np.int64, copy=False),
@@ -149,6 +162,7 @@ def build_packed_row(
         position_ids=segment_position_ids(segment_lengths),
         cu_seqlens=cu_seqlens,
         num_documents=num_documents,
+        cu_seqlens_actual=cu_seqlens_actual,
     )
 
 
@@ -169,6 +183,7 @@ def pack_documents(
     *,
     reject_long_documents: bool = False,
     stats: PackingStats | None = None,
+    segment_multiple: int = 1,
 ) -> Iterator[PackedRow]:
     """Greedily pack documents, in order, into rows of ``seq_length`` positions.
 
@@ -178,24 +193,46 @@ def pack_documents(
     (counted in ``stats.truncated``), or rejected with ValueError when
     ``reject_long_documents`` is set. ``stats`` is complete once the iterator is exhausted.
     A bad ``seq_length`` raises at call time; document errors raise while iterating.
+
+    ``segment_multiple`` (context parallelism: ``2 * cp``) pads every document's segment with
+    pad positions (loss 0) to a multiple of it; ``seq_length`` must be a multiple too. The
+    rows then carry ``cu_seqlens_actual`` (see `PackedRow`); padding counts in
+    ``stats.padding_tokens``.
     """
     check_seq_length(seq_length)
+    if segment_multiple < 1 or seq_length % segment_multiple:
+        raise ValueError(f"segment multiple is wrong: {segment_multiple} for seq_length "
+                         f"{seq_length}. It must be >= 1 and divide --seq-length.")
     stats = stats if stats is not None else PackingStats()
-    return _pack(iter(documents), seq_length, reject_long_documents, stats)
+    return _pack(iter(documents), seq_length, reject_long_documents, stats, segment_multiple)
+
+
+def _pad_segment(parts: tuple, length: int) -> tuple:
+    """(tokens, labels, loss_mask) of one document extended with pad positions to ``length``."""
+    pad = length - len(parts[0])
+    if pad == 0:
+        return parts
+    pad_ids = np.full(pad, PAD_TOKEN_ID, dtype=np.int64)
+    tokens, labels, mask = parts
+    return (np.concatenate([tokens, pad_ids]), np.concatenate([labels, pad_ids]),
+            np.concatenate([mask, np.zeros(pad, dtype=np.float32)]))
 
 
 def _pack(
-    documents: Iterator[Document], seq_length: int, reject_long_documents: bool, stats: PackingStats
+    documents: Iterator[Document], seq_length: int, reject_long_documents: bool,
+    stats: PackingStats, segment_multiple: int,
 ) -> Iterator[PackedRow]:
     pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    actual: list[int] = []
     used = 0
 
     def close_row() -> PackedRow:
         tokens, labels, mask = (np.concatenate(parts) for parts in zip(*pending))
-        row = build_packed_row(tokens, labels, mask, [len(p[0]) for p in pending], seq_length)
+        row = build_packed_row(tokens, labels, mask, [len(p[0]) for p in pending], seq_length,
+                               actual if segment_multiple > 1 else None)
         stats.rows += 1
-        stats.tokens += used
-        stats.padding_tokens += seq_length - used
+        stats.tokens += sum(actual)
+        stats.padding_tokens += seq_length - sum(actual)
         return row
 
     for document in documents:
@@ -213,16 +250,19 @@ def _pack(
                 )
             num_tokens = seq_length + 1
             stats.truncated += 1
-        if used + num_tokens - 1 > seq_length:
+        positions = num_tokens - 1
+        padded = -(-positions // segment_multiple) * segment_multiple
+        if used + padded > seq_length:
             yield close_row()
-            pending, used = [], 0
-        pending.append(_shift(document, num_tokens))
-        used += num_tokens - 1
+            pending, actual, used = [], [], 0
+        pending.append(_pad_segment(_shift(document, num_tokens), padded))
+        actual.append(positions)
+        used += padded
         stats.documents += 1
         if used == seq_length:
             # Exact fit: hand the row out now instead of holding it until the next document.
             yield close_row()
-            pending, used = [], 0
+            pending, actual, used = [], [], 0
     if pending:
         yield close_row()
 
@@ -243,6 +283,8 @@ def collate_packed_rows(rows: Sequence[PackedRow]) -> dict:
         ``num_documents``: host int, real documents in the micro-batch.
         ``max_seqlen``: host int, the longest segment (for eager attention; graphed runs use
             the fixed ``S`` instead).
+        ``cu_seqlens_actual``: only when the rows were packed with ``segment_multiple > 1``:
+            int32, ``cu_seqlens``' segments without their inner padding, cumulated across rows.
     """
     if len(rows) == 0:
         raise ValueError("micro-batch is wrong: 0 rows. Pass at least one PackedRow.")
@@ -255,7 +297,7 @@ def collate_packed_rows(rows: Sequence[PackedRow]) -> dict:
     boundaries = [np.zeros(1, dtype=np.int64)]
     boundaries += [row.cu_seqlens[1:].astype(np.int64) + i * seq_length for i, row in enumerate(rows)]
     cu_seqlens = np.concatenate(boundaries).astype(np.int32)
-    return {
+    batch = {
         "tokens": torch.from_numpy(np.stack([row.tokens for row in rows])),
         "labels": torch.from_numpy(np.stack([row.labels for row in rows])),
         "loss_mask": torch.from_numpy(np.stack([row.loss_mask for row in rows])),
@@ -265,3 +307,12 @@ def collate_packed_rows(rows: Sequence[PackedRow]) -> dict:
         "num_documents": sum(row.num_documents for row in rows),
         "max_seqlen": int(np.diff(cu_seqlens).max()),
     }
+    if rows[0].cu_seqlens_actual is not None:
+        if any(row.cu_seqlens_actual is None for row in rows):
+            raise ValueError("micro-batch rows are wrong: some carry cu_seqlens_actual, some do "
+                             "not. Pack every row with one segment_multiple.")
+        ends = np.cumsum([0] + [int(row.cu_seqlens_actual[-1]) for row in rows[:-1]])
+        actual = [np.zeros(1, dtype=np.int64)]
+        actual += [row.cu_seqlens_actual[1:].astype(np.int64) + end for row, end in zip(rows, ends)]
+        batch["cu_seqlens_actual"] = torch.from_numpy(np.concatenate(actual).astype(np.int32))
+    return batch
