@@ -114,8 +114,8 @@ def build_data_iterator(
 
     Starts at ``consumed_samples``. With ``cycle=True`` (validation) it restarts from sample 0
     whenever it runs out, and never ends. ``num_workers > 0`` reads and collates rows in
-    worker processes, ahead of the training loop (same rows, same order): under CUDA graphs
-    the loop reads an iteration's micro-batches while the GPU waits (tools/step_gaps.py).
+    worker processes, ahead of the training loop (same rows, same order); for in-memory rows
+    the hand-over from a worker costs more than the read (``--num-workers`` in docs/flags.md).
     """
 
     def loader(consumed: int) -> torch.utils.data.DataLoader:
