@@ -115,7 +115,7 @@ def build_data_iterator(
     Starts at ``consumed_samples``. With ``cycle=True`` (validation) it restarts from sample 0
     whenever it runs out, and never ends. ``num_workers > 0`` reads and collates rows in
     worker processes, ahead of the training loop (same rows, same order); for in-memory rows
-    the hand-over from a worker costs more than the read (``--num-workers`` in docs/flags.md).
+    the read is cheap and workers did not help (``--num-workers`` in docs/flags.md).
     """
 
     def loader(consumed: int) -> torch.utils.data.DataLoader:
