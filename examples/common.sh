@@ -96,6 +96,7 @@ set_defaults() {
   CUDA_GRAPH_MAX_PACKED_SEQS=${CUDA_GRAPH_MAX_PACKED_SEQS:-64}
   CUDA_GRAPH_WARMUP_STEPS=${CUDA_GRAPH_WARMUP_STEPS:-3}
   CUDA_GRAPH_SCOPE=${CUDA_GRAPH_SCOPE:-}        # empty: the whole layer
+  CUDA_GRAPH_GRANULARITY=${CUDA_GRAPH_GRANULARITY:-layer}  # chunk: one graph per pipeline chunk
 
   NSYS=${NSYS:-0}
   NSYS_OUTPUT=${NSYS_OUTPUT:-$LOG_DIR/nsys/${RUN_NAME}_${JOB_TAG}_%h_%p}
@@ -147,7 +148,8 @@ build_python_args() {
   if [ "$CUDA_GRAPH_IMPL" != none ]; then
     PY_ARGS+=(--cuda-graph-impl "$CUDA_GRAPH_IMPL"
               --cuda-graph-max-packed-seqs "$CUDA_GRAPH_MAX_PACKED_SEQS"
-              --cuda-graph-warmup-steps "$CUDA_GRAPH_WARMUP_STEPS")
+              --cuda-graph-warmup-steps "$CUDA_GRAPH_WARMUP_STEPS"
+              --cuda-graph-granularity "$CUDA_GRAPH_GRANULARITY")
     if [ -n "$CUDA_GRAPH_SCOPE" ]; then
       local scope
       read -r -a scope <<< "$CUDA_GRAPH_SCOPE"

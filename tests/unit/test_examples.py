@@ -159,6 +159,14 @@ def test_env_overrides_reach_the_command():
     assert flag_value(launcher, "--master-port") == "12345"
 
 
+def test_chunk_granularity_from_the_environment():
+    env = {"CUDA_GRAPH_GRANULARITY": "chunk", "PP": "2", "GPUS_PER_NODE": "2"}
+    line = launch_line(dry_run(SBATCH["hybrid"], env))
+    args, _ = validated(line, world_size=2)
+    assert args.cuda_graph_granularity == "chunk" and args.pipeline_model_parallel_size == 2
+    assert validated(launch_line(dry_run(SBATCH["gpt"], {})), world_size=8)[0].cuda_graph_granularity == "layer"
+
+
 def test_graphs_off_drops_every_graph_flag():
     line = launch_line(dry_run(SBATCH["hybrid"], {"CUDA_GRAPH_IMPL": "none"}))
     assert "--cuda-graph" not in line
