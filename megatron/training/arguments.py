@@ -118,6 +118,10 @@ def _add_training_args(parser):
     g.add_argument("--fp16", action="store_true", help="Not supported by this fork.")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient norm clip.")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="Skip DDP's NaN/Inf check of every gradient bucket before the gradient "
+                        "reduction (two host syncs per bucket and step).")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)

@@ -126,7 +126,7 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
     )
 
 

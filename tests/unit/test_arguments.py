@@ -383,6 +383,14 @@ def test_profile_range_must_be_nonempty():
         validate("--profile", "--profile-step-start", 5, "--profile-step-end", 5)
 
 
+def test_nan_check_of_gradients_can_be_switched_off():
+    from megatron.training.config import ddp_config_from_args
+
+    assert ddp_config_from_args(validate()).check_for_nan_in_grad
+    args = validate("--no-check-for-nan-in-loss-and-grad")
+    assert not ddp_config_from_args(args).check_for_nan_in_grad
+
+
 def test_num_workers_not_negative():
     assert validate().num_workers == 0
     with pytest.raises(ValueError, match="--num-workers is wrong: -1"):
@@ -535,7 +543,8 @@ ALLOWED_OPTIONS = [
     "--make-vocab-size-divisible-by", "--mamba-head-dim", "--mamba-num-groups",
     "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings", "--metrics-file",
     "--micro-batch-size", "--min-lr", "--mock-data", "--mock-doc-length-median",
-    "--mock-doc-length-sigma", "--no-calculate-per-token-loss", "--no-load-optim",
+    "--mock-doc-length-sigma", "--no-calculate-per-token-loss",
+    "--no-check-for-nan-in-loss-and-grad", "--no-load-optim",
     "--no-load-rng", "--normalization", "--num-attention-heads", "--num-layers",
     "--num-layers-per-virtual-pipeline-stage", "--num-query-groups", "--num-workers",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--profile",
