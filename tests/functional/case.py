@@ -92,9 +92,12 @@ def load_case(folder: Path, root: Path = CASES_ROOT) -> Case:
     folder = Path(folder).resolve()
     root = Path(root).resolve()
     name = folder.relative_to(root).as_posix()
-    with open(folder / CONFIG_NAME) as f:
-        raw = yaml.safe_load(f) or {}
     where = f"{name}/{CONFIG_NAME}"
+    try:
+        with open(folder / CONFIG_NAME) as f:
+            raw = yaml.safe_load(f) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{where} is wrong: not valid YAML ({err}). Fix the file.") from None
     unknown = set(raw) - KEYS
     if unknown:
         raise ValueError(f"{where} is wrong: unknown keys {sorted(unknown)}. Use {sorted(KEYS)}.")

@@ -95,7 +95,10 @@ def main(argv=None, root: Path = CASES_ROOT) -> int:
     opts = parser.parse_args(argv)
     root = Path(root).resolve()
     if opts.list:
-        print(describe_cases(root))
+        try:
+            print(describe_cases(root))
+        except ValueError as err:
+            parser.error(str(err))
         return 0
     if not opts.case:
         parser.error("CASE is wrong: none given. Name one, or use --list.")

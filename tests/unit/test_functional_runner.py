@@ -431,3 +431,13 @@ def test_pytest_does_not_collect_functional_cases():
     conftest = (CASES_ROOT.parent / "conftest.py").read_text()
     assert 'collect_ignore_glob = ["*"]' in conftest
     assert not list(CASES_ROOT.parent.rglob("test_*.py"))
+
+
+def test_a_case_file_that_is_not_yaml_is_named(cases_copy, capsys):
+    config = cases_copy / "gpt" / "gpt_eager" / "model_config.yaml"
+    config.write_text(config.read_text() + "\n  --oops: [unclosed\n")
+    for argv in (["gpt/gpt_eager"], ["--list"]):
+        with pytest.raises(SystemExit) as exit_info:
+            runner.main(argv, root=cases_copy)
+        assert exit_info.value.code == 2
+        assert "gpt/gpt_eager/model_config.yaml is wrong: not valid YAML" in capsys.readouterr().err
