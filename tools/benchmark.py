@@ -118,13 +118,15 @@ def run_one(preset: str, variant: str, args) -> dict:
     train = [r for r in records if r.get("split", "train") == "train"]
     timed = [r for r in train[args.warmup:] if "gpu busy (ms)" not in r]
     busy = [r["gpu busy (ms)"] for r in train if "gpu busy (ms)" in r]
-    step_ms = statistics.median(r["iteration_time_ms"] for r in timed)
+    times = [r["iteration_time_ms"] for r in timed]
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     micro_batches = args.global_batch_size // (args.nproc // args.pipeline_model_parallel_size)
     capture = next((r for r in records if "graph capture (s)" in r), {})
     return {
         "preset": preset,
         "variant": variant,
-        "step_ms": step_ms,
+        "step_ms": statistics.median(times),
+        "step_iqr_ms": quartiles[2] - quartiles[0],
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
         "peak_mem_gib": max(r["mem_max_allocated_bytes"] for r in records) / 2**30,
         "first_step_ms": records[0]["iteration_time_ms"],
@@ -137,15 +139,20 @@ def run_one(preset: str, variant: str, args) -> dict:
 
 
 def format_table(rows: list) -> str:
-    """Markdown table; speedup is against the eager row of the same preset."""
+    """Markdown table; speedup is against the eager row of the same preset.
+
+    step IQR is the interquartile range of the timed steps: how much a step varies (the
+    document count per micro-batch changes every step), to read differences against.
+    """
     eager = {r["preset"]: r["tokens_per_sec"] for r in rows if r["variant"] == "eager"}
-    lines = ["| preset | variant | step (ms) | tokens/s | speedup | peak mem (GiB) | "
+    lines = ["| preset | variant | step (ms) | step IQR (ms) | tokens/s | speedup | peak mem (GiB) | "
              "fallback rate | capture (s) | graph mem (MiB) | GPU busy (ms) | step / busy |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         base = eager.get(r["preset"])
         speedup = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['preset']} | {r['variant']} | {r['step_ms']:.1f} | "
+                     f"{r['step_iqr_ms']:.1f} | "
                      f"{r['tokens_per_sec']:,.0f} | {speedup} | {r['peak_mem_gib']:.2f} | "
                      f"{r['fallback_rate']:.1%} | {r['capture_s']:.2f} | {r['graph_mem_mib']:.0f} | "
                      + (f"{r['gpu_busy_ms']:.1f} | {r['step_ms'] / r['gpu_busy_ms']:.2f} |"

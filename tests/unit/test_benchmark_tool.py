@@ -8,7 +8,7 @@ import benchmark  # noqa: E402
 
 
 def _row(variant, step_ms, tps, busy=None, **extra):
-    return dict(preset="p", variant=variant, step_ms=step_ms, tokens_per_sec=tps, peak_mem_gib=1.0,
+    return dict(preset="p", variant=variant, step_ms=step_ms, step_iqr_ms=2.5, tokens_per_sec=tps, peak_mem_gib=1.0,
                 first_step_ms=1.0, final_loss=1.0, fallback_rate=extra.get("fallback", 0.0),
                 capture_s=extra.get("capture", 0.0), graph_mem_mib=extra.get("mem", 0.0),
                 gpu_busy_ms=busy)
@@ -19,8 +19,8 @@ def test_table_reports_speedup_against_eager_and_step_over_busy():
                                     _row("layer-graphs", 100.0, 3000.0, busy=90.0,
                                          fallback=0.05, capture=1.5, mem=512)])
     lines = table.splitlines()
-    assert "| p | eager | 300.0 | 1,000 | 1.00x |" in lines[2] and "| 100.0 | 3.00 |" in lines[2]
-    assert "| p | layer-graphs | 100.0 | 3,000 | 3.00x |" in lines[3]
+    assert "| p | eager | 300.0 | 2.5 | 1,000 | 1.00x |" in lines[2] and "| 100.0 | 3.00 |" in lines[2]
+    assert "| p | layer-graphs | 100.0 | 2.5 | 3,000 | 3.00x |" in lines[3]
     assert "5.0% | 1.50 | 512 | 90.0 | 1.11 |" in lines[3]
     assert benchmark.format_table([_row("eager", 1.0, 1.0)]).splitlines()[2].endswith("- | - |")
 
