@@ -8,7 +8,8 @@ import benchmark  # noqa: E402
 
 
 def _row(variant, step_ms, tps, busy=None, **extra):
-    return dict(preset="p", variant=variant, step_ms=step_ms, step_iqr_ms=2.5, tokens_per_sec=tps, peak_mem_gib=1.0,
+    return dict(preset="p", variant=variant, step_ms=step_ms, step_iqr_ms=2.5, tokens_per_sec=tps,
+                peak_mem_gib=1.0,
                 first_step_ms=1.0, final_loss=1.0, fallback_rate=extra.get("fallback", 0.0),
                 capture_s=extra.get("capture", 0.0), graph_mem_mib=extra.get("mem", 0.0),
                 gpu_busy_ms=busy)
