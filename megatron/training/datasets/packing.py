@@ -267,6 +267,15 @@ def _pack(
         yield close_row()
 
 
+def join_row_boundaries(per_row: Sequence[np.ndarray]) -> np.ndarray:
+    """Cumulative boundaries of rows laid end to end, int32: each row's ``[0, ..., end]``
+    shifted by the ends of the rows before it, shared boundaries written once."""
+    offsets = np.cumsum([0] + [int(b[-1]) for b in per_row[:-1]])
+    parts = [np.zeros(1, dtype=np.int64)]
+    parts += [b[1:].astype(np.int64) + offset for b, offset in zip(per_row, offsets)]
+    return np.concatenate(parts).astype(np.int32)
+
+
 def collate_packed_rows(rows: Sequence[PackedRow]) -> dict:
     """Stack ``mbs`` rows into the micro-batch dict the model code reads.
 
@@ -294,9 +303,7 @@ def collate_packed_rows(rows: Sequence[PackedRow]) -> dict:
         raise ValueError(
             f"micro-batch rows are wrong: lengths {lengths} differ. Pack every row with one seq_length."
         )
-    boundaries = [np.zeros(1, dtype=np.int64)]
-    boundaries += [row.cu_seqlens[1:].astype(np.int64) + i * seq_length for i, row in enumerate(rows)]
-    cu_seqlens = np.concatenate(boundaries).astype(np.int32)
+    cu_seqlens = join_row_boundaries([row.cu_seqlens for row in rows])
     batch = {
         "tokens": torch.from_numpy(np.stack([row.tokens for row in rows])),
         "labels": torch.from_numpy(np.stack([row.labels for row in rows])),
@@ -311,8 +318,6 @@ def collate_packed_rows(rows: Sequence[PackedRow]) -> dict:
         if any(row.cu_seqlens_actual is None for row in rows):
             raise ValueError("micro-batch rows are wrong: some carry cu_seqlens_actual, some do "
                              "not. Pack every row with one segment_multiple.")
-        ends = np.cumsum([0] + [int(row.cu_seqlens_actual[-1]) for row in rows[:-1]])
-        actual = [np.zeros(1, dtype=np.int64)]
-        actual += [row.cu_seqlens_actual[1:].astype(np.int64) + end for row, end in zip(rows, ends)]
-        batch["cu_seqlens_actual"] = torch.from_numpy(np.concatenate(actual).astype(np.int32))
+        actual = join_row_boundaries([row.cu_seqlens_actual for row in rows])
+        batch["cu_seqlens_actual"] = torch.from_numpy(actual)
     return batch
