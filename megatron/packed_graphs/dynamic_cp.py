@@ -62,14 +62,15 @@ def pack_for_dynamic_cp(lengths: Sequence[int], cp_sizes: Sequence[int],
                          f"of 2 x the largest CP size ({2 * sizes[-1]}).")
     batches: List[CPMicroBatch] = []
     docs: List[int] = []
-    cp = 0
+    cp = used = 0  # the open micro-batch's CP size and its padded positions
 
     def close():
         batches.append(CPMicroBatch(tuple(docs), tuple(lengths[i] for i in docs), cp))
 
     for index, length in enumerate(lengths):
-        if docs and fits([lengths[i] for i in docs] + [length], cp, tokens_per_rank):
+        if docs and used + cp_padded_length(length, cp) <= cp * tokens_per_rank:
             docs.append(index)
+            used += cp_padded_length(length, cp)
             continue
         if docs:
             close()
@@ -79,7 +80,7 @@ def pack_for_dynamic_cp(lengths: Sequence[int], cp_sizes: Sequence[int],
                 f"document length is wrong: document {index} has {length} positions, more than "
                 f"CP size {sizes[-1]} x {tokens_per_rank} tokens per rank hold. Add a larger CP "
                 f"size or truncate long documents.")
-        docs = [index]
+        docs, used = [index], cp_padded_length(length, cp)
     if docs:
         close()
     return batches
