@@ -7,6 +7,7 @@ out of the medians. All rows of a table come from the same invocation on the sam
     python tools/benchmark.py --presets hybrid-small gpt-small --steps 30
     python tools/benchmark.py --presets sweep --variants eager layer-graphs --profile
     python tools/benchmark.py --presets hybrid-small --variants eager --capacities 16 64 256 1024
+    python tools/benchmark.py --presets hybrid-small --variants eager layer-graphs te-layer-graphs
     python tools/benchmark.py --variants eager layer-graphs chunk-graphs --nproc 2 \
         --pipeline-model-parallel-size 2
 
@@ -68,6 +69,9 @@ VARIANTS = {
     "eager": [],
     "layer-graphs": ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32",
                      "--cuda-graph-warmup-steps", "2"],
+    # Transformer Engine's make_graphed_callables (needs TE; PP = 1).
+    "te-layer-graphs": ["--cuda-graph-impl", "transformer_engine",
+                        "--cuda-graph-max-packed-seqs", "32", "--cuda-graph-warmup-steps", "2"],
     "chunk-graphs": ["--cuda-graph-impl", "local", "--cuda-graph-granularity", "chunk",
                      "--cuda-graph-max-packed-seqs", "32", "--cuda-graph-warmup-steps", "2"],
     # A large top capacity (few fallbacks) without paying for it on ordinary micro-batches.

@@ -1,5 +1,8 @@
 """Graph-safe layer subclasses: honour the per-micro-batch eager fallback at the one dispatch site.
 
+`LocalGraphDispatch` (below) serves ``--cuda-graph-impl local``; `te_graphs.TEGraphDispatch`
+serves ``transformer_engine``. Only the configured implementation's hooks ever fire.
+
 megatron-core's ``GraphableMegatronModule.__call__`` asks ``_should_call_local_cudagraph``
 whether to go through the layer's CudaGraphManager. These subclasses answer "no" when the
 current micro-batch was planned eager (`dispatch.disable_cuda_graphs_this_step`) and in
@@ -19,6 +22,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.packed_graphs.chunk_graphs import chunk_granularity
 from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
+from megatron.packed_graphs.te_graphs import TEGraphDispatch
 
 
 class LocalGraphDispatch:
@@ -69,13 +73,13 @@ def recorded_cu_seqlens_shape(runner):
     return None if params is None or params.cu_seqlens_q is None else params.cu_seqlens_q.shape
 
 
-class GraphSafeTransformerLayer(LocalGraphDispatch, TransformerLayer):
-    """TransformerLayer with the per-micro-batch eager fallback."""
+class GraphSafeTransformerLayer(LocalGraphDispatch, TEGraphDispatch, TransformerLayer):
+    """TransformerLayer with the per-micro-batch eager fallback (local and TE graphs)."""
 
 
-class GraphSafeMLPLayer(LocalGraphDispatch, MLPLayer):
-    """Hybrid MLP-only layer with the per-micro-batch eager fallback."""
+class GraphSafeMLPLayer(LocalGraphDispatch, TEGraphDispatch, MLPLayer):
+    """Hybrid MLP-only layer with the per-micro-batch eager fallback (local and TE graphs)."""
 
 
-class GraphSafeMambaLayer(LocalGraphDispatch, MambaLayer):
-    """MambaLayer with the per-micro-batch eager fallback."""
+class GraphSafeMambaLayer(LocalGraphDispatch, TEGraphDispatch, MambaLayer):
+    """MambaLayer with the per-micro-batch eager fallback (local and TE graphs)."""

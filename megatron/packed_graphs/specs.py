@@ -3,10 +3,17 @@
 A spec is composed from a megatron-core backend provider (which linear / norm / attention
 classes to use) instead of boolean switches:
 
-* ``te``: megatron-core's `TESpecProvider` (fused norm+linear, TE THD attention);
+* ``te``: `PackedTESpecProvider` (te_attention.py) = megatron-core's `TESpecProvider`
+  (fused norm+linear) with `PackedTEDotProductAttention` (TE THD attention, no host syncs)
+  and megatron-core's own `SelfAttention`, whose THD RoPE is TE's fused kernel
+  (``apply_rope_fusion``, set by the config for this backend; it reads ``cu_seqlens`` on the
+  GPU, no host sync);
 * ``torch`` / ``flash``: `VarlenSpecProvider` = megatron-core's `LocalSpecProvider`
   (torch norms, Megatron column/row-parallel linears) with `VarlenAttention` as the core
-  attention. This is the path that runs where Transformer Engine is missing.
+  attention and `PackedSelfAttention` (sync-free RoPE by gather). This is the path that runs
+  where Transformer Engine is missing.
+
+Each provider names its self-attention class (``provider.self_attention``).
 
 Where the provider does not fuse the norm into the following linear, the spec places a
 separate norm module in front (``input_layernorm`` / ``pre_mlp_layernorm`` / Mamba ``norm``).
@@ -32,6 +39,8 @@ from megatron.packed_graphs.layers import (
 class VarlenSpecProvider(LocalSpecProvider):
     """LocalSpecProvider whose core attention is the TE-free `VarlenAttention`."""
 
+    self_attention = PackedSelfAttention
+
     def __init__(self, attention_backend: str = "torch"):
         self.attention_backend = attention_backend
 
@@ -42,9 +51,9 @@ class VarlenSpecProvider(LocalSpecProvider):
 def backend_provider(attention_backend: str) -> BackendSpecProvider:
     """Provider for a resolved attention backend ('te', 'flash' or 'torch')."""
     if attention_backend == "te":
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+        from megatron.packed_graphs.te_attention import PackedTESpecProvider  # imports TE
 
-        return TESpecProvider()
+        return PackedTESpecProvider()
     return VarlenSpecProvider(attention_backend)
 
 
@@ -67,7 +76,7 @@ def attention_layer_spec(provider: BackendSpecProvider, normalization: str) -> M
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=PackedSelfAttention,
+                module=provider.self_attention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=linear_qkv,

@@ -362,6 +362,26 @@ def _check_capacity_ladder(args, ladder, impl, capacity):
              "--pipeline-model-parallel-size 1")
 
 
+def _check_te_graphs(args):
+    """What --cuda-graph-impl transformer_engine builds: whole-layer graphs, PP = 1."""
+    impl = "--cuda-graph-impl transformer_engine"
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        fail("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
+             f"{impl} captures packed layers for PP = 1 only; with pipeline parallelism use "
+             "--cuda-graph-impl local (layer or chunk granularity)")
+    if args.cuda_graph_scope:
+        fail("--cuda-graph-scope", " ".join(args.cuda_graph_scope),
+             f"{impl} captures whole layers on packed data; drop --cuda-graph-scope")
+    if args.cuda_graph_capacity_ladder:
+        fail("--cuda-graph-capacity-ladder", _as_typed(args.cuda_graph_capacity_ladder),
+             f"{impl} captures one capacity; drop the ladder or use --cuda-graph-impl local")
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value:
+            fail(flag, value, f"{impl} does not register megatron-core's RNG states with TE's "
+                              "graphs; set it to 0 or use --cuda-graph-impl local")
+
+
 def check_cuda_graphs(args):
     """Graph flags; fills cuda_graph_scope as a list of CudaGraphScope names ([] = whole layer)."""
     impl = args.cuda_graph_impl
@@ -394,12 +414,9 @@ def check_cuda_graphs(args):
         fail("--cuda-graph-granularity", "chunk",
              f"Chunk graphs are built by the local implementation, not --cuda-graph-impl {impl}; "
              "add --cuda-graph-impl local")
-    # Accepted by the parser so the flags read as they will, refused until they are built.
-    if impl == "transformer_engine":
-        fail("--cuda-graph-impl", impl,
-             "Packed-sequence graphs through Transformer Engine are not built yet in this fork; "
-             "use --cuda-graph-impl local")
     args.cuda_graph_scope = normalise_cuda_graph_scope(scope or [])
+    if impl == "transformer_engine":
+        _check_te_graphs(args)
     if (impl == "local" and args.cuda_graph_granularity == "layer"
             and getattr(args, "rampup_batch_size", None)
             and getattr(args, "pipeline_model_parallel_size", 1) > 1):

@@ -27,6 +27,7 @@ from megatron.core.transformer.enums import CudaGraphScope
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import argument_checks as checks
 from megatron.training.arguments import build_parser, validate_args
+from megatron.packed_graphs.attention import resolve_attention_backend
 
 
 def params_dtype(args) -> torch.dtype:
@@ -83,7 +84,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # TE-free runs use unfused kernels; TE runs pick TE's fused paths through the spec.
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        # TE's fused THD RoPE is the sync-free one on the TE path (see packed_graphs/specs.py).
+        apply_rope_fusion=resolve_attention_backend(args.attention_backend) == "te",
         calculate_per_token_loss=args.calculate_per_token_loss,
         deterministic_mode=args.deterministic_mode,
         batch_p2p_comm=not _pipeline_peers_coincide(args),

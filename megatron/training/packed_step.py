@@ -24,6 +24,7 @@ from megatron.packed_graphs.dispatch import (
     plan_iteration,
 )
 from megatron.packed_graphs.packed_seq import PackedBatchParams, build_packed_batch_params
+from megatron.packed_graphs.te_graphs import TELayerGraphs
 
 
 @dataclass
@@ -83,7 +84,7 @@ def masked_lm_loss(loss_mask: Tensor, output_tensor: Tensor):
 def graph_settings_from_args(args) -> GraphSettings:
     """Host-static CUDA-graph settings of a training run (validated CLI arguments)."""
     return GraphSettings(
-        enabled=args.cuda_graph_impl == "local",
+        enabled=args.cuda_graph_impl != "none",
         capacity=args.cuda_graph_max_packed_seqs,
         warmup_iterations=args.cuda_graph_warmup_steps,
         capture_needs_all_micro_batches=args.pipeline_model_parallel_size > 1,
@@ -102,6 +103,10 @@ class PackedForwardStep:
     def __init__(self, *, with_seq_idx: bool, graphs: GraphSettings):
         self.with_seq_idx = with_seq_idx
         self.graphs = graphs
+        # --cuda-graph-impl transformer_engine: captured here, before the schedule of the
+        # first graphed iteration (the local implementation captures inside the schedule).
+        self.te_graphs: Optional[TELayerGraphs] = None
+        self._te_capture_stats: dict = {}
         self._iteration = 0
         self._captured: tuple = ()  # capacities graphs were captured for
         self._decisions: List[GraphDecision] = []
@@ -116,6 +121,14 @@ class PackedForwardStep:
         """Plan graph replay for this iteration; every chunk's list holds the same micro-batches."""
         counts = [batch["num_segments"] for batch in micro_batches_per_chunk[0]]
         self._decisions = plan_iteration(self.graphs, self._iteration, self._captured, counts)
+        if self.te_graphs is not None and not self._captured:
+            first_graphed = next(((batch, decision) for batch, decision in
+                                  zip(micro_batches_per_chunk[0], self._decisions)
+                                  if decision.graphed), None)
+            if first_graphed is not None:  # capture with this micro-batch's layout
+                params = self._to_device(*first_graphed).params
+                self._te_capture_stats = self.te_graphs.capture(params)
+                self._captured = (self.graphs.capacity,)
         for batches in micro_batches_per_chunk:
             for batch, decision in zip(batches, self._decisions):
                 batch["graph_decision"] = decision
@@ -123,6 +136,8 @@ class PackedForwardStep:
     def end_iteration(self) -> dict:
         """Counters of the iteration just run, for its log line and metrics record."""
         stats = {"docs per micro-batch": round(self._documents / max(self._micro_batches, 1), 2)}
+        stats |= self._te_capture_stats
+        self._te_capture_stats = {}
         if self.graphs.enabled:
             stats["graph fallbacks"] = sum(d.is_fallback for d in self._decisions)
             if not self._captured and any(d.graphed for d in self._decisions):
@@ -141,12 +156,17 @@ class PackedForwardStep:
         self._micro_batches = self._documents = 0
         return stats
 
+    def _to_device(self, batch: dict, decision: GraphDecision) -> PackedMicroBatch:
+        return to_device_micro_batch(
+            batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.graphs.enabled,
+            capacity=decision.capacity if decision.graphed else None)
+
     def __call__(self, data_iterator, model):
         batch = next(data_iterator)
         decision = batch.get("graph_decision", GraphDecision(Reason.DISABLED))
-        mb = to_device_micro_batch(
-            batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.graphs.enabled,
-            capacity=decision.capacity if decision.graphed else None)
+        mb = self._to_device(batch, decision)
+        if decision.graphed and self.te_graphs is not None:
+            mb.params = self.te_graphs.inputs.load(mb.params)
         self._micro_batches += 1
         self._documents += mb.num_documents
         eager = self.graphs.enabled and not decision.graphed

@@ -35,6 +35,7 @@ from megatron.training.initialize import initialize_distributed, require_cuda, s
 from megatron.training.metrics import MetricsLogger
 from megatron.training.profiling import StepProfiler
 from megatron.packed_graphs.core_patches import apply_core_patches
+from megatron.packed_graphs.te_graphs import TELayerGraphs
 
 
 def print_rank_0(*args) -> None:
@@ -158,6 +159,12 @@ def _configure_schedule_hooks(config, model, optimizer) -> None:
     config.grad_scale_func = optimizer.scale_loss
 
 
+def _tokens_per_rank(args) -> int:
+    """Positions of a micro-batch's THD stream that one rank's layers see."""
+    tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size
+    return tokens // args.tensor_model_parallel_size if args.sequence_parallel else tokens
+
+
 def pretrain(args, model_provider: Callable, forward_step) -> dict:
     """Train ``args.train_iters`` iterations. Returns the last iteration's metrics record."""
     initialize_distributed(args)
@@ -170,6 +177,8 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     scheduler = build_scheduler(args, optimizer)
     _configure_schedule_hooks(config, model, optimizer)
+    if args.cuda_graph_impl == "transformer_engine":
+        forward_step.te_graphs = TELayerGraphs(model, config, _tokens_per_rank(args))
 
     iteration, consumed_samples = 0, 0
     if args.load:

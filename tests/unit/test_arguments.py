@@ -147,9 +147,25 @@ def test_te_options_accepted_when_te_importable(with_te):
     assert args.data_parallel_size == 1
 
 
-def test_te_graph_impl_is_refused_until_built(with_te):
-    with pytest.raises(ValueError, match="--cuda-graph-impl is wrong: transformer_engine. Packed-sequence graphs through Transformer Engine are not built yet"):
-        validate("--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", 64)
+def test_te_graph_impl_accepted_for_whole_layers_at_pp1(with_te):
+    te = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", 64]
+    assert validate(*te).cuda_graph_impl == "transformer_engine"
+    assert validate(*te, model="hybrid").cuda_graph_scope == []
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--pipeline-model-parallel-size", 2], "--pipeline-model-parallel-size is wrong: 2. "
+     "--cuda-graph-impl transformer_engine captures packed layers for PP = 1 only"),
+    (["--cuda-graph-scope", "attn"], "--cuda-graph-scope is wrong: attn. .*drop --cuda-graph-scope"),
+    (["--cuda-graph-capacity-ladder", 8], "--cuda-graph-capacity-ladder is wrong: 8. "
+     "--cuda-graph-impl transformer_engine captures one capacity"),
+    (["--attention-dropout", 0.1], "--attention-dropout is wrong: 0.1. .*set it to 0"),
+    (["--hidden-dropout", 0.1], "--hidden-dropout is wrong: 0.1. "),
+])
+def test_te_graph_impl_refuses_what_it_does_not_build(with_te, extra, message):
+    with pytest.raises(ValueError, match=message):
+        validate("--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", 64,
+                 *extra, world_size=2)
 
 
 # ---------------------------------------------------------------- rejections: model and hybrid

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Here (a machine with the package registry): download Transformer Engine 2.11 for the GPU
-# machine (Python 3.12, CUDA 13, no registry) and split it into parts that each fit one
-# device call's 64 MiB carry. See docs/te-on-device.md.
+# Here (a machine with the package registry): build .te_kit/, everything Transformer Engine
+# 2.11 needs on the GPU machine (Python 3.12, CUDA 13, no registry), small enough (~25 MB)
+# to travel in one device call next to .device. See docs/te-on-device.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -q '^/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+for d in /.whl/ /.te_kit/; do
+  grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
+done
 dl=.whl/te && mkdir -p "$dl"
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
@@ -21,15 +23,20 @@ if [ ! -f "$dl/$sdist" ]; then
         | grep -o "https://[^\"#]*$sdist" | head -1)
   curl -sSL -o "$dl/$sdist" "$url"
 fi
-# Three carries of < 61 MiB each: the core wheel in three equal pieces, the small files
-# spread over them.
-core=$(ls "$dl"/transformer_engine_cu13-*.whl)
-rm -rf .whl/te1 .whl/te2 .whl/te3 && mkdir -p .whl/te1 .whl/te2 .whl/te3
-split -n 3 -d -a 1 "$core" .whl/te_core.part
-for i in 0 1 2; do mv .whl/te_core.part$i .whl/te$((i + 1))/; done
-sha256sum "$core" | sed "s#$dl/##" > .whl/te3/core.sha256
-cp "$dl"/pydantic_core-*.whl .whl/te1/
-cp "$dl"/transformer_engine-2.11.0-*.whl "$dl/$sdist" .whl/te2/
-cp "$dl"/pydantic-2*.whl "$dl"/annotated_types-*.whl "$dl"/typing_inspection-*.whl \
-   "$dl"/importlib_metadata-*.whl .whl/te3/
-du -sh --apparent-size .whl/te1 .whl/te2 .whl/te3
+
+kit=.te_kit && rm -rf "$kit" && mkdir -p "$kit"
+# The core wheel, unpacked, its library reduced to Hopper code (179 MB -> ~20 MB as .tar.xz).
+core=$(mktemp -d) && trap 'rm -rf "$core"' EXIT
+python3 -m zipfile -e "$dl"/transformer_engine_cu13-2.11.0-*.whl "$core"
+lib="$core/transformer_engine/wheel_lib/libtransformer_engine.so"
+python3 tools/te_kit/keep_one_arch.py --arch 90 "$lib" "$lib"
+tar -C "$core" -cf - . | xz -9 -T0 > "$kit/te_core_sm90.tar.xz"
+cp "$dl"/transformer_engine-2.11.0-*.whl "$dl"/pydantic*.whl "$dl"/annotated_types-*.whl \
+   "$dl"/typing_inspection-*.whl "$dl"/importlib_metadata-*.whl "$kit"/
+# A torch extension built on the GPU machine by an earlier session saves the compile.
+if ls .whl/te_built/transformer_engine_torch-*.whl >/dev/null 2>&1; then
+  cp .whl/te_built/transformer_engine_torch-*.whl "$kit"/
+else
+  cp "$dl/$sdist" "$kit"/
+fi
+du -sh --apparent-size "$kit" && ls -la "$kit"

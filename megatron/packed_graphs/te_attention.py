@@ -1,0 +1,89 @@
+"""Transformer Engine core attention for packed (THD) micro-batches, free of host syncs.
+
+megatron-core's `TEDotProductAttention` forwards `PackedSeqParams` to TE as it is. Two of TE
+2.11's defaults then read GPU values back to the host, which a CUDA graph cannot capture:
+
+* ``max_seqlen_q/kv`` left ``None`` are measured with ``.item()``;
+* ``pad_between_seqs`` left ``None`` is detected with ``torch.equal(cu_seqlens_padded,
+  cu_seqlens)``.
+
+`PackedTEDotProductAttention` decides both on the host instead: ``max_seqlen`` must be given
+(the training step passes the fixed packed length), and there is padding between sequences
+exactly when the micro-batch carries ``cu_seqlens_*_padded`` (context parallelism pads every
+document to a multiple of ``2 * cp``; without CP they are left ``None``).
+
+Importing this module imports Transformer Engine.
+"""
+
+from typing import Optional
+
+from torch import Tensor
+
+from megatron.core.extensions.transformer_engine import TEDotProductAttention
+from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+_PADDED_MASKS = {
+    AttnMaskType.causal: "padding_causal",
+    AttnMaskType.padding_causal: "padding_causal",
+    AttnMaskType.no_mask: "padding",
+    AttnMaskType.padding: "padding",
+}
+
+
+class PackedTEDotProductAttention(TEDotProductAttention):
+    """`TEDotProductAttention` whose THD path passes every host-side choice explicitly.
+
+    forward (THD): query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> ``[T, Hq * D]``, with
+    ``packed_seq_params.max_seqlen_q/kv`` host ints. Non-THD inputs take the parent's path.
+    No host sync on the THD path.
+    """
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: AttnMaskType,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+        num_splits: Optional[int] = None,
+    ) -> Tensor:
+        params = packed_seq_params
+        if params is None or params.qkv_format != "thd":
+            return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                   attention_bias, packed_seq_params, num_splits)
+        if attention_bias is not None:
+            raise ValueError("PackedTEDotProductAttention does not take attention_bias on THD.")
+        if params.max_seqlen_q is None or params.max_seqlen_kv is None:
+            raise ValueError(
+                "packed_seq_params.max_seqlen_q/kv is None: Transformer Engine would measure it "
+                "with a GPU->CPU sync. Pass the packed length (build_packed_batch_params does).")
+        padded = params.cu_seqlens_q_padded is not None
+        # TE's own forward, skipping the parent's, which would leave pad_between_seqs to TE.
+        return super(TEDotProductAttention, self).forward(
+            query, key, value, None,
+            qkv_format="thd",
+            attn_mask_type=_PADDED_MASKS[attn_mask_type],
+            cu_seqlens_q=params.cu_seqlens_q,
+            cu_seqlens_kv=params.cu_seqlens_kv,
+            cu_seqlens_q_padded=params.cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=params.cu_seqlens_kv_padded,
+            max_seqlen_q=params.max_seqlen_q,
+            max_seqlen_kv=params.max_seqlen_kv,
+            pad_between_seqs=padded,
+            **({"num_splits": num_splits} if num_splits is not None else {}),
+        )
+
+
+class PackedTESpecProvider(TESpecProvider):
+    """megatron-core's TE spec provider with the sync-free THD core attention (see specs.py)."""
+
+    # megatron-core's SelfAttention: with config.apply_rope_fusion its THD RoPE is TE's fused
+    # kernel, which reads cu_seqlens on the GPU (and knows the CP layout).
+    self_attention = SelfAttention
+
+    def core_attention(self):
+        return PackedTEDotProductAttention

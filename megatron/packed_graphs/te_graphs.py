@@ -1,0 +1,214 @@
+"""Layer CUDA graphs through Transformer Engine (``--cuda-graph-impl transformer_engine``), packed.
+
+TE's ``make_graphed_callables`` captures each graphable layer's forward and backward, but
+takes only tensors as inputs, while a packed micro-batch reaches the layers as a
+`PackedBatchParams` dataclass with host ints in it. So:
+
+* `PackedGraphInputs` owns one static buffer per packed-metadata tensor (``cu_seqlens``
+  padded to the capacity, ``cu_seqlens_padded`` with CP, ``position_ids``, Mamba's
+  ``seq_idx``) plus the host values fixed at capture (``max_seqlen``, padding between
+  sequences). Every layer's graph reads the same buffers. A graphed micro-batch is copied
+  into them once (`PackedGraphInputs.load`), before the model runs; the params it then
+  carries point at the buffers, so no layer's replay copies anything.
+* `TEGraphDispatch` (a layer mixin, see layers.py) splits the params into those tensors at
+  replay and rebuilds them inside the captured callable; micro-batches planned eager
+  (overflow, warm-up) and evaluation run the layer's plain forward.
+* `TELayerGraphs.capture` captures every layer once, after ``--cuda-graph-warmup-steps``
+  eager iterations, before the schedule of the first graphed iteration.
+
+Pipeline parallelism is not supported here (TE's capture order would have to follow the
+1F1B schedule; the local implementation's layer and chunk graphs cover PP); with PP = 1 a
+micro-batch's backward finishes before the next one's forward, so one graph per layer and one
+set of buffers serve every micro-batch.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
+from megatron.packed_graphs.packed_seq import PackedBatchParams
+
+# PackedBatchParams tensor fields that become graph inputs (keyword -> field). Self-attention
+# only: cu_seqlens_kv(_padded) is the same tensor as cu_seqlens_q(_padded).
+_GRAPH_FIELDS = {
+    "cu_seqlens": "cu_seqlens_q",
+    "cu_seqlens_padded": "cu_seqlens_q_padded",
+    "position_ids": "position_ids",
+    "seq_idx": "seq_idx",
+}
+
+
+@dataclass
+class PackedGraphInputs:
+    """Static packed metadata shared by every layer graph of a model (see module doc).
+
+    ``buffers``: graph keyword -> static tensor (only the ones this model uses);
+    ``max_seqlen``: host int, the static ``max_seqlen_q/kv``.
+    """
+
+    buffers: Dict[str, Tensor]
+    max_seqlen: int
+
+    @classmethod
+    def like(cls, params: PackedBatchParams) -> "PackedGraphInputs":
+        """Buffers shaped like a (capacity-padded) micro-batch's params, holding its values."""
+        buffers = {}
+        for key, name in _GRAPH_FIELDS.items():
+            value = getattr(params, name)
+            if value is not None:
+                buffers[key] = value.detach().clone()
+        return cls(buffers, params.max_seqlen_q)
+
+    def load(self, params: PackedBatchParams) -> PackedBatchParams:
+        """Copy a graphed micro-batch's metadata into the buffers (device copies, no sync).
+
+        Returns params that point at the buffers. Raises ValueError when the micro-batch
+        does not match the captured layout (another capacity, token count or max_seqlen).
+        """
+        if params.max_seqlen_q != self.max_seqlen:
+            raise ValueError(f"micro-batch max_seqlen {params.max_seqlen_q} differs from the "
+                             f"captured {self.max_seqlen}")
+        for key, name in _GRAPH_FIELDS.items():
+            value, buffer = getattr(params, name), self.buffers.get(key)
+            if (value is None) != (buffer is None) or (
+                    value is not None and value.shape != buffer.shape):
+                raise ValueError(
+                    f"micro-batch {name} {None if value is None else tuple(value.shape)} does "
+                    f"not match the captured {None if buffer is None else tuple(buffer.shape)}")
+            if value is not None:
+                buffer.copy_(value, non_blocking=True)
+        return self.params(self.buffers)
+
+    def params(self, tensors: Dict[str, Tensor]) -> PackedBatchParams:
+        """PackedBatchParams over graph-input tensors (inside a capture: the buffers)."""
+        cu_seqlens, padded = tensors["cu_seqlens"], tensors.get("cu_seqlens_padded")
+        return PackedBatchParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+            cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
+            position_ids=tensors.get("position_ids"), seq_idx=tensors.get("seq_idx"),
+        )
+
+
+def graph_kwargs(params: PackedBatchParams, rotary_pos_emb: Optional[Tensor]) -> Dict[str, Tensor]:
+    """The tensor keywords a layer graph is called with: params' tensors (+ the RoPE table)."""
+    if params.cu_seqlens_kv is not params.cu_seqlens_q:
+        raise ValueError("TE layer graphs take self-attention params (cu_seqlens_kv is "
+                         "cu_seqlens_q); got separate key/value boundaries")
+    kwargs = {key: getattr(params, name) for key, name in _GRAPH_FIELDS.items()
+              if getattr(params, name) is not None}
+    if rotary_pos_emb is not None:
+        kwargs["rotary_pos_emb"] = rotary_pos_emb
+    return kwargs
+
+
+class TEGraphDispatch:
+    """Layer mixin: TE-graph capture and replay of a packed layer (put before the layer class).
+
+    megatron-core's ``GraphableMegatronModule.__call__`` asks `_should_call_te_cudagraph`, then
+    calls `_te_cuda_graph_capture` while TE captures or `_te_cuda_graph_replay` once graphs
+    exist. ``self.cuda_graphs`` holds this layer's one graphed callable after capture.
+    """
+
+    _packed_graph_inputs: Optional[PackedGraphInputs] = None
+
+    def _should_call_te_cudagraph(self, *args, **kwargs):
+        if cuda_graphs_bypassed():
+            return False  # this micro-batch was planned eager (overflow, warm-up)
+        return super()._should_call_te_cudagraph(*args, **kwargs)
+
+    def _te_cuda_graph_capture(self, hidden_states, **tensors):
+        """The captured callable: tensors in, the layer's hidden states out."""
+        rotary_pos_emb = tensors.pop("rotary_pos_emb", None)
+        params = self._packed_graph_inputs.params(tensors)
+        output = self.forward(hidden_states, rotary_pos_emb=rotary_pos_emb,
+                              packed_seq_params=params)
+        return output[0] if isinstance(output, tuple) else output  # (hidden, context=None)
+
+    def _te_cuda_graph_replay(self, *args, **kwargs):
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        params = kwargs.get("packed_seq_params")
+        buffers = self._packed_graph_inputs.buffers
+        if params is None or params.cu_seqlens_q is not buffers["cu_seqlens"]:
+            raise RuntimeError(
+                "a graphed micro-batch must be loaded into the graphs' static buffers "
+                "(PackedGraphInputs.load) before the model runs; the training step does this")
+        for hook, hook_args in self.cuda_graph_manual_hooks:
+            hook(*hook_args)
+        output = self.cuda_graphs[0](hidden_states,
+                                     **graph_kwargs(params, kwargs.get("rotary_pos_emb")))
+        return (output, None) if isinstance(self, TransformerLayer) else output
+
+
+def graphable_layers(model_chunk) -> List[torch.nn.Module]:
+    """The TE-graphable layers of one model chunk, in forward order."""
+    module = getattr(model_chunk, "module", model_chunk)  # DDP
+    module = getattr(module, "module", module)  # Float16Module
+    return [layer for layer in module.decoder.layers if isinstance(layer, TEGraphDispatch)]
+
+
+def rotary_table(model_chunk, max_seqlen: int) -> Optional[Tensor]:
+    """The model's RoPE table for packed micro-batches of ``max_seqlen`` (None without RoPE)."""
+    module = getattr(model_chunk, "module", model_chunk)
+    module = getattr(module, "module", module)
+    rotary = getattr(module, "rotary_pos_emb", None)
+    return None if rotary is None else rotary(max_seqlen, packed_seq=True)
+
+
+class TELayerGraphs:
+    """Captures every graphable layer of a PP = 1 model with TE's ``make_graphed_callables``."""
+
+    def __init__(self, model: list, config, tokens_per_rank: int, warmup_iters: int = 2):
+        if len(model) != 1:
+            raise ValueError("TE layer graphs support one model chunk (no pipeline parallelism)")
+        self.model, self.config = model, config
+        self.tokens_per_rank = tokens_per_rank
+        self.warmup_iters = warmup_iters
+        self.inputs: Optional[PackedGraphInputs] = None
+
+    def capture(self, params: PackedBatchParams) -> dict:
+        """Capture all layers for micro-batches laid out like ``params`` (capacity-padded).
+
+        Syncs the device (TE warms up on a side stream between synchronisations). Returns the
+        log-line statistics: capture time, graph memory, graph count.
+        """
+        from megatron.core.transformer import cuda_graphs as mcore_graphs
+        from transformer_engine.pytorch.graph import make_graphed_callables
+
+        chunk = self.model[0]
+        layers = graphable_layers(chunk)
+        self.inputs = PackedGraphInputs.like(params)
+        for layer in layers:
+            layer._packed_graph_inputs = self.inputs
+        kwargs = graph_kwargs(self.inputs.params(self.inputs.buffers),
+                              rotary_table(chunk, self.inputs.max_seqlen))
+        dtype = self.config.params_dtype
+        sample_args = tuple(
+            (torch.zeros(self.tokens_per_rank, 1, self.config.hidden_size, dtype=dtype,
+                         device="cuda", requires_grad=True),)
+            for _ in layers)
+        torch.cuda.synchronize()
+        reserved, start = torch.cuda.memory_reserved(), time.perf_counter()
+        mcore_graphs._set_capture_start()  # megatron-core's dispatch reads this flag
+        try:
+            graphed = make_graphed_callables(
+                tuple(layers), sample_args, sample_kwargs=tuple(kwargs for _ in layers),
+                num_warmup_iters=self.warmup_iters, allow_unused_input=True,
+                _order=[1, -1], _num_layers_per_chunk=[len(layers)])
+        finally:
+            mcore_graphs._set_capture_end()
+        for layer, callable_ in zip(layers, graphed):
+            layer.cuda_graphs = [callable_]
+        torch.cuda.synchronize()
+        return {
+            "graph capture (s)": round(time.perf_counter() - start, 2),
+            "graph memory (MiB)": round((torch.cuda.memory_reserved() - reserved) / 2**20, 1),
+            "graphs captured": 2 * len(layers),
+        }

@@ -1,0 +1,59 @@
+"""Static packed inputs of TE layer graphs (te_graphs.py): host logic, on CPU."""
+
+import pytest
+import torch
+
+from megatron.packed_graphs.capacity import pad_cu_seqlens
+from megatron.packed_graphs.packed_seq import build_packed_batch_params
+from megatron.packed_graphs.te_graphs import PackedGraphInputs, graph_kwargs
+
+
+def _params(lengths, capacity=8, seq_idx=True):
+    cu = pad_cu_seqlens(torch.tensor([0] + lengths).cumsum(0).to(torch.int32), capacity)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return build_packed_batch_params(cu, positions, sum(lengths), with_seq_idx=seq_idx)
+
+
+def test_load_copies_into_the_shared_buffers_and_points_params_at_them():
+    inputs = PackedGraphInputs.like(_params([10, 6]))
+    assert set(inputs.buffers) == {"cu_seqlens", "position_ids", "seq_idx"}
+    before = {k: v.data_ptr() for k, v in inputs.buffers.items()}
+    new = _params([3, 3, 10])
+    loaded = inputs.load(new)
+    assert {k: v.data_ptr() for k, v in inputs.buffers.items()} == before
+    assert loaded.cu_seqlens_q is inputs.buffers["cu_seqlens"] is loaded.cu_seqlens_kv
+    assert loaded.seq_idx is inputs.buffers["seq_idx"]
+    assert torch.equal(loaded.cu_seqlens_q, new.cu_seqlens_q)
+    assert torch.equal(loaded.seq_idx, new.seq_idx)
+    assert loaded.max_seqlen_q == loaded.max_seqlen_kv == 16
+    assert loaded.cu_seqlens_q_padded is None
+
+
+def test_graph_kwargs_round_trip_through_params():
+    inputs = PackedGraphInputs.like(_params([10, 6], seq_idx=False))
+    params = inputs.params(inputs.buffers)
+    rope = torch.zeros(16, 1, 1, 8)
+    kwargs = graph_kwargs(params, rope)
+    assert set(kwargs) == {"cu_seqlens", "position_ids", "rotary_pos_emb"}
+    assert kwargs["rotary_pos_emb"] is rope
+    tensors = {k: v for k, v in kwargs.items() if k != "rotary_pos_emb"}
+    again = inputs.params(tensors)
+    assert again.cu_seqlens_q is params.cu_seqlens_q and again.position_ids is params.position_ids
+
+
+@pytest.mark.parametrize("other,message", [
+    (_params([10, 6], capacity=4), r"cu_seqlens_q \(5,\) does not match the captured \(9,\)"),
+    (_params([10, 6], seq_idx=False), r"seq_idx None does not match the captured \(1, 16\)"),
+    (_params([10, 7]), "max_seqlen 17 differs from the captured 16"),
+])
+def test_load_refuses_another_layout(other, message):
+    inputs = PackedGraphInputs.like(_params([10, 6]))
+    with pytest.raises(ValueError, match=message):
+        inputs.load(other)
+
+
+def test_graph_kwargs_need_self_attention_params():
+    params = _params([4, 4])
+    params.cu_seqlens_kv = params.cu_seqlens_q.clone()
+    with pytest.raises(ValueError, match="self-attention params"):
+        graph_kwargs(params, None)
