@@ -178,6 +178,11 @@ def check_parallelism(args, model: str, world_size: int):
                  f"With --sequence-parallel each rank's {args.seq_length // cp} tokens must "
                  f"split evenly over {tp} TP ranks")
     if cp > 1:
+        if model == "hybrid":
+            fail("--context-parallel-size", cp,
+                 "Context parallelism on packed data is built for GPT models; the Mamba layers "
+                 "of a hybrid model do not split a THD stream across CP ranks. Use "
+                 "--context-parallel-size 1")
         _require_package("transformer_engine", "--context-parallel-size", cp)
         if args.attention_backend not in ("te", "auto"):
             fail("--context-parallel-size", cp,
@@ -318,6 +323,8 @@ def check_data(args):
 
 
 def check_attention(args):
+    if getattr(args, "te_rng_tracker", False):
+        _require_package("transformer_engine", "--te-rng-tracker", True)
     if args.attention_backend == "te":
         _require_package("transformer_engine", "--attention-backend", "te")
     elif args.attention_backend == "flash":
@@ -365,6 +372,9 @@ def _check_capacity_ladder(args, ladder, impl, capacity):
 def _check_te_graphs(args):
     """What --cuda-graph-impl transformer_engine builds: whole-layer graphs, PP = 1."""
     impl = "--cuda-graph-impl transformer_engine"
+    # TE's graphs register TE's RNG states and assert TE's tracker (as megatron-core's own
+    # TE graphs do, which force --te-rng-tracker).
+    args.te_rng_tracker = True
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
         fail("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
              f"{impl} captures packed layers for PP = 1 only; with pipeline parallelism use "
@@ -378,8 +388,8 @@ def _check_te_graphs(args):
     for flag in ("--hidden-dropout", "--attention-dropout"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value:
-            fail(flag, value, f"{impl} does not register megatron-core's RNG states with TE's "
-                              "graphs; set it to 0 or use --cuda-graph-impl local")
+            fail(flag, value, f"dropout inside {impl} graphs is not verified in this fork; "
+                              "set it to 0 or use --cuda-graph-impl local")
 
 
 def check_cuda_graphs(args):

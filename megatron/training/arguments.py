@@ -207,6 +207,9 @@ def _add_attention_args(parser):
     g = parser.add_argument_group("attention")
     g.add_argument("--attention-backend", choices=["auto", "te", "flash", "torch"], default="auto",
                    help="auto: Transformer Engine if importable, else flash-attn, else torch.")
+    g.add_argument("--te-rng-tracker", action="store_true",
+                   help="Use Transformer Engine's CUDA RNG tracker (needs TE; always on with "
+                        "--cuda-graph-impl transformer_engine).")
 
 
 def _add_cuda_graph_args(parser):

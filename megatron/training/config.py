@@ -90,6 +90,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         deterministic_mode=args.deterministic_mode,
         batch_p2p_comm=not _pipeline_peers_coincide(args),
         cuda_graph_impl=args.cuda_graph_impl,
+        use_te_rng_tracker=args.te_rng_tracker,
         # [] = the whole layer (megatron-core's deprecated "full").
         cuda_graph_scope=[CudaGraphScope[name] for name in args.cuda_graph_scope],
         # megatron-core's meaning: warm-up passes inside each capture. Our

@@ -66,17 +66,21 @@ def initialize_single_gpu(seed: int = 1234, port: int = 29533) -> None:
     torch.cuda.set_device(0)
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng_tracker,
+                                                    use_cudagraphable_rng=True)
 
 
-def set_seeds(seed: int, deterministic: bool = False) -> None:
-    """Seed Python, NumPy and torch; per-PP-stage offset like Megatron, TP-aware CUDA RNG."""
+def set_seeds(seed: int, deterministic: bool = False, te_rng_tracker: bool = False) -> None:
+    """Seed Python, NumPy and torch; per-PP-stage offset like Megatron, TP-aware CUDA RNG.
+
+    ``te_rng_tracker``: Transformer Engine's tracker (graph-safe; TE's graphs require it)."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     # A graph-safe RNG tracker, so dropout and init work inside CUDA graph capture too.
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng_tracker,
+                                                    use_cudagraphable_rng=True)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)

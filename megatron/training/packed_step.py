@@ -14,8 +14,11 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from megatron.core import parallel_state
+
 from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.capacity import pad_cu_seqlens
+from megatron.packed_graphs.context_parallel import select_cp_tokens, thd_partition_index
 from megatron.packed_graphs.dispatch import (
     GraphDecision,
     GraphSettings,
@@ -41,28 +44,40 @@ class PackedMicroBatch:
 
 
 def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen: bool,
-                          capacity: Optional[int] = None, device=None) -> PackedMicroBatch:
+                          capacity: Optional[int] = None, device=None,
+                          cp_size: int = 1, cp_rank: int = 0) -> PackedMicroBatch:
     """Move a collated micro-batch (see datasets.packing.collate_packed_rows) to the GPU.
 
     ``static_max_seqlen``: use the packed length T as ``max_seqlen`` (fixed across steps, as
     CUDA graphs need) instead of the true longest segment (tighter kernels in eager mode).
     ``capacity``: pad ``cu_seqlens`` to ``capacity + 1`` entries (on the host, before the copy)
     so the micro-batch matches a captured graph; the caller checked that it fits.
+    ``cp_size > 1``: keep this CP rank's ``T / cp`` positions (context_parallel.py); the
+    params then carry the whole stream's boundaries, TE's pair: ``cu_seqlens_q`` without and
+    ``cu_seqlens_q_padded`` with each document's CP padding. No host sync.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     move = lambda t: t.reshape(1, -1).to(device, non_blocking=True)
     tokens, labels, position_ids = move(batch["tokens"]), move(batch["labels"]), move(batch["position_ids"])
     loss_mask = move(batch["loss_mask"])
-    cu_seqlens_cpu = batch["cu_seqlens"]
-    if capacity is not None:
-        cu_seqlens_cpu = pad_cu_seqlens(cu_seqlens_cpu, capacity)
+    pad = (lambda cu: pad_cu_seqlens(cu, capacity)) if capacity is not None else (lambda cu: cu)
+    cu_seqlens = pad(batch["cu_seqlens"]).to(device, non_blocking=True)
     total_tokens = tokens.numel()
     # The collate step measured the longest segment on the host already.
-    max_seqlen = total_tokens if static_max_seqlen else batch["max_seqlen"]
-    params = build_packed_batch_params(
-        cu_seqlens_cpu.to(device, non_blocking=True), position_ids, max_seqlen,
-        with_seq_idx=with_seq_idx,
-    )
+    max_seqlen = total_tokens if static_max_seqlen or cp_size > 1 else batch["max_seqlen"]
+    if cp_size == 1:
+        params = build_packed_batch_params(cu_seqlens, position_ids, max_seqlen,
+                                           with_seq_idx=with_seq_idx)
+    else:
+        index = thd_partition_index(cu_seqlens, total_tokens, cp_size, cp_rank)
+        local = select_cp_tokens({"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                                  "position_ids": position_ids}, index)
+        tokens, labels, loss_mask, position_ids = (
+            local[key] for key in ("tokens", "labels", "loss_mask", "position_ids"))
+        params = build_packed_batch_params(
+            pad(batch["cu_seqlens_actual"]).to(device, non_blocking=True), position_ids,
+            max_seqlen, with_seq_idx=False)
+        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = cu_seqlens
     return PackedMicroBatch(tokens, labels, loss_mask, position_ids, params,
                             batch["num_segments"], batch["num_documents"])
 
@@ -100,9 +115,10 @@ class PackedForwardStep:
     Micro-batches that never went through `begin_iteration` (evaluation) run eager.
     """
 
-    def __init__(self, *, with_seq_idx: bool, graphs: GraphSettings):
+    def __init__(self, *, with_seq_idx: bool, graphs: GraphSettings, cp_size: int = 1):
         self.with_seq_idx = with_seq_idx
         self.graphs = graphs
+        self.cp_size = cp_size
         # --cuda-graph-impl transformer_engine: captured here, before the schedule of the
         # first graphed iteration (the local implementation captures inside the schedule).
         self.te_graphs: Optional[TELayerGraphs] = None
@@ -115,7 +131,8 @@ class PackedForwardStep:
 
     @classmethod
     def from_args(cls, args, *, with_seq_idx: bool) -> "PackedForwardStep":
-        return cls(with_seq_idx=with_seq_idx, graphs=graph_settings_from_args(args))
+        return cls(with_seq_idx=with_seq_idx, graphs=graph_settings_from_args(args),
+                   cp_size=args.context_parallel_size)
 
     def begin_iteration(self, micro_batches_per_chunk: List[List[dict]]) -> None:
         """Plan graph replay for this iteration; every chunk's list holds the same micro-batches."""
@@ -157,9 +174,11 @@ class PackedForwardStep:
         return stats
 
     def _to_device(self, batch: dict, decision: GraphDecision) -> PackedMicroBatch:
+        cp_rank = parallel_state.get_context_parallel_rank() if self.cp_size > 1 else 0
         return to_device_micro_batch(
             batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.graphs.enabled,
-            capacity=decision.capacity if decision.graphed else None)
+            capacity=decision.capacity if decision.graphed else None,
+            cp_size=self.cp_size, cp_rank=cp_rank)
 
     def __call__(self, data_iterator, model):
         batch = next(data_iterator)

@@ -169,7 +169,7 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
     """Train ``args.train_iters`` iterations. Returns the last iteration's metrics record."""
     initialize_distributed(args)
     apply_core_patches()
-    set_seeds(args.seed, args.deterministic_mode)
+    set_seeds(args.seed, args.deterministic_mode, args.te_rng_tracker)
     print_rank_0(format_args(args))
     config = transformer_config_from_args(args)
 

@@ -19,7 +19,7 @@ def test_partition_index_has_no_sync_and_replays_in_a_graph():
     first = [2 * CP * u for u in (10, 3, 20, 31)]
     second = [2 * CP * u for u in (1, 1, 1, 5, 7, 9, 40)]
     assert sum(first) == sum(second) == TOTAL
-    static_cu = _padded_cu(first)
+    static_cu, next_cu = _padded_cu(first), _padded_cu(second)  # host->device copies sync
     torch.cuda.set_sync_debug_mode("error")
     try:
         eager = thd_partition_index(static_cu, TOTAL, CP, 1)
@@ -31,7 +31,7 @@ def test_partition_index_has_no_sync_and_replays_in_a_graph():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_index = thd_partition_index(static_cu, TOTAL, CP, 1)
-        static_cu.copy_(_padded_cu(second))
+        static_cu.copy_(next_cu)
         graph.replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -9,6 +9,7 @@ import torch
 te = pytest.importorskip("transformer_engine.pytorch",
                          reason="needs Transformer Engine (docs/te-on-device.md)")
 
+from megatron.core.tensor_parallel.random import get_all_rng_states  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.packed_graphs.attention import VarlenAttention  # noqa: E402
@@ -62,6 +63,9 @@ def test_te_thd_attention_matches_varlen_and_captures(dist):
             te_attn(*static, None, AttnMaskType.causal, packed_seq_params=params).backward(grad_out)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    # TE's fused attention advances the tracker's RNG offset: its generators join the graph.
+    for state in get_all_rng_states().values():
+        graph.register_generator_state(state)
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.graph(graph):
@@ -111,8 +115,9 @@ def test_te_graph_training_matches_te_eager(tmp_path, kind):
     from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training
 
     script, model = ("pretrain_gpt.py", TINY_GPT) if kind == "gpt" else ("pretrain_mamba.py", TINY_HYBRID)
-    common = model + TRAIN + ["--attention-backend", "te", "--train-iters", "50",
-                              "--global-batch-size", "4"]
+    # --te-rng-tracker: the tracker TE graphs switch on, so both runs initialise alike.
+    common = model + TRAIN + ["--attention-backend", "te", "--te-rng-tracker",
+                              "--train-iters", "50", "--global-batch-size", "4"]
     eager = run_training(script, common, tmp_path, name="te_eager")
     graphs = run_training(script, common + TE_GRAPHS, tmp_path, name="te_graphs")
 
@@ -128,3 +133,90 @@ def test_te_graph_training_matches_te_eager(tmp_path, kind):
           f"fallbacks {fallbacks}, capture {captured['graph capture (s)']} s")
     assert dloss < 5e-3 and dnorm < 0.02, (dloss, dnorm, losses(eager), losses(graphs))
     assert statistics.mean(losses(graphs)[-5:]) < statistics.mean(losses(graphs)[:5]) - 1.0
+
+
+def _capture(fn):
+    """Capture ``fn`` in a CUDA graph (after a warm-up run on a side stream); re-raise errors."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def test_te_patch_zero_fill_captures_where_te_statement_cannot():
+    """TE 2.11's THD P2P backward zero-fill (``dq[cu_seqlens_padded[-1]:].fill_(0)``) cannot be
+    captured: slicing by a device tensor reads it on the host. te_patches' replacement can,
+    and sets the same rows to zero on replay with new boundaries."""
+    import sys
+
+    sys.path.insert(0, "te_patches")
+    try:
+        from thd_context_parallel import zero_rows_from
+    finally:
+        sys.path.remove("te_patches")
+    grad = torch.ones(64, 4, 8, device="cuda")
+    end = torch.tensor([0, 40], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="capture|synchroniz|not permitted"):
+        _capture(lambda: grad[end[-1]:].fill_(0))
+    torch.cuda.synchronize()
+    grad.fill_(1)
+    graph = _capture(lambda: zero_rows_from(grad, end[-1]))
+    grad.fill_(1)
+    end[-1] = 24
+    graph.replay()
+    assert grad[:24].eq(1).all() and grad[24:].eq(0).all()
+
+
+def test_te_patch_transforms_the_installed_te_module(tmp_path):
+    """With te_patches on PYTHONPATH the installed TE 2.11 loads its context-parallel module
+    through the transform (the three zero-fills replaced), without it unchanged."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import inspect; from transformer_engine.pytorch.attention.dot_product_attention "
+             "import context_parallel as cp; "
+             "print('patched' if 'zero_rows_from' in inspect.getsource(cp.AttnFuncWithCPAndKVP2P.backward) "
+             "else 'unpatched')")
+    base = os.environ.get("PYTHONPATH", "")
+    out = {}
+    for name, path in (("on", f"{os.path.abspath('te_patches')}:{base}"), ("off", base)):
+        proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": path}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = proc.stdout.strip().splitlines()[-1]
+    assert out == {"on": "patched", "off": "unpatched"}
+
+
+CP2 = ["--context-parallel-size", "2"]
+
+
+@pytest.mark.gpus(2)
+def test_cp2_graphs_match_cp2_eager(tmp_path):
+    """GPT with CP = 2 on packed data (TE P2P ring attention): TE-impl graphs and local-impl
+    graphs train like CP = 2 eager; CP = 2 eager starts like CP = 1 (same tokens, same math)."""
+    from tests.gpu.launch import TINY_GPT, TRAIN, losses, run_training
+
+    common = TINY_GPT + TRAIN + ["--attention-backend", "te", "--te-rng-tracker",
+                                 "--train-iters", "30", "--global-batch-size", "4"]
+    cp1 = run_training("pretrain_gpt.py", common, tmp_path, name="cp1_eager")
+    eager = run_training("pretrain_gpt.py", common + CP2, tmp_path, nproc=2, name="cp2_eager")
+    te_graphs = run_training("pretrain_gpt.py", common + CP2 + TE_GRAPHS, tmp_path, nproc=2,
+                             name="cp2_te_graphs")
+    local_graphs = run_training("pretrain_gpt.py", common + CP2 + [
+        "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "7",
+        "--cuda-graph-warmup-steps", "2"], tmp_path, nproc=2, name="cp2_local_graphs")
+    start = max(abs(a - b) for a, b in zip(losses(cp1)[:3], losses(eager)[:3]))
+    print(f"CP1 vs CP2 eager, first 3 steps: max |dloss| {start:.2e}")
+    assert start < 2e-2, (losses(cp1)[:5], losses(eager)[:5])
+    for name, run in (("te", te_graphs), ("local", local_graphs)):
+        dloss = max(abs(e - g) for e, g in zip(losses(eager), losses(run)))
+        fallbacks = sum(r["graph fallbacks"] for r in run[2:])
+        print(f"CP2 {name} graphs vs eager: max |dloss| {dloss:.2e}, fallbacks {fallbacks}")
+        assert dloss < 5e-3, (name, losses(eager), losses(run))
+        assert 0 < fallbacks < 28 * 4 // 2, (name, fallbacks)

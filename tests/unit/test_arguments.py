@@ -342,6 +342,11 @@ def test_context_parallel_needs_te_backend(with_te):
         validate("--context-parallel-size", 2, "--attention-backend", "torch", world_size=2)
 
 
+def test_context_parallel_is_refused_on_hybrid_models(with_te):
+    with pytest.raises(ValueError, match="--context-parallel-size is wrong: 2. .*built for GPT"):
+        validate("--context-parallel-size", 2, model="hybrid", world_size=2)
+
+
 def test_context_parallel_seq_length_multiple(with_te):
     with pytest.raises(ValueError, match="--seq-length is wrong: 250.*2 \\* cp = 4"):
         validate("--context-parallel-size", 2, "--seq-length", 250, world_size=2)
@@ -566,7 +571,7 @@ ALLOWED_OPTIONS = [
     "--pipeline-model-parallel-size", "--position-embedding-type", "--profile",
     "--profile-step-end", "--profile-step-start", "--profile-trace-dir", "--rampup-batch-size",
     "--reject-long-documents", "--rotary-base", "--rotary-percent", "--save", "--save-interval",
-    "--seed", "--seq-length", "--sequence-parallel", "--sft", "--swiglu",
+    "--seed", "--seq-length", "--sequence-parallel", "--sft", "--swiglu", "--te-rng-tracker",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--train-iters",
     "--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--valid-data-path",
     "--virtual-pipeline-model-parallel-size", "--vocab-size", "--weight-decay", "-h",

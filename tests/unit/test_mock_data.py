@@ -125,3 +125,28 @@ def test_bad_arguments_are_rejected(kwargs, message):
     arguments = dict(num_samples=4, seq_length=S, vocab_size=V, seed=0) | kwargs
     with pytest.raises(ValueError, match=message):
         MockPackedDataset(**arguments)
+
+
+def test_segment_multiple_pads_every_document_for_context_parallelism():
+    """CP layout: every segment a multiple of 2 * cp, the same documents' tokens at the front
+    of their segments, pad positions (id 0, loss mask 0) after them."""
+    import numpy as np
+
+    from megatron.training.datasets.mock import MockPackedDataset
+
+    plain = MockPackedDataset(8, 1024, 1000, seed=3, doc_length_median=100)
+    padded = MockPackedDataset(8, 1024, 1000, seed=3, doc_length_median=100, segment_multiple=4)
+    for i in range(8):
+        row, ref = padded[i], plain[i]
+        assert (np.diff(row.cu_seqlens) % 4 == 0).all() and row.cu_seqlens[-1] == 1024
+        actual = np.diff(row.cu_seqlens_actual)
+        starts = row.cu_seqlens[:-1]
+        for d in range(row.num_documents):
+            n = actual[d]
+            seg = slice(starts[d], starts[d] + n)
+            ref_seg = slice(ref.cu_seqlens[d], ref.cu_seqlens[d] + n)
+            assert (row.tokens[seg] == ref.tokens[ref_seg]).all()
+            assert (row.loss_mask[seg] == 1).all()
+            gap = slice(starts[d] + n, row.cu_seqlens[d + 1])
+            assert (row.tokens[gap] == 0).all() and (row.loss_mask[gap] == 0).all()
+        assert row.num_documents <= ref.num_documents

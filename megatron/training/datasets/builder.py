@@ -34,6 +34,12 @@ def _sample_counts(args: Namespace) -> tuple[int, int]:
     return train_samples, 0
 
 
+def _segment_multiple(args: Namespace) -> int:
+    """Context parallelism splits every document into 2 * cp equal chunks: pad to that."""
+    cp = getattr(args, "context_parallel_size", 1)
+    return 2 * cp if cp > 1 else 1
+
+
 def _pack_jsonl(path: str, args: Namespace, stats: PackingStats) -> list:
     documents = read_jsonl_documents(path, args.vocab_size)
     if not args.sft:
@@ -45,6 +51,7 @@ def _pack_jsonl(path: str, args: Namespace, stats: PackingStats) -> list:
             args.seq_length,
             reject_long_documents=args.reject_long_documents,
             stats=stats,
+            segment_multiple=_segment_multiple(args),
         )
     )
     if not rows:
@@ -87,6 +94,7 @@ def build_datasets(args: Namespace):
                 seed,
                 doc_length_median=args.mock_doc_length_median,
                 doc_length_sigma=args.mock_doc_length_sigma,
+                segment_multiple=_segment_multiple(args),
             )
 
         valid = mock(valid_samples, args.seed + 1) if valid_samples > 0 else None

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from megatron.training.datasets.packing import (
+    PAD_TOKEN_ID,
     PackedRow,
     build_packed_row,
     check_seq_length,
@@ -50,8 +51,12 @@ class MockPackedDataset(torch.utils.data.Dataset):
         seed: int,
         doc_length_median: float = 512,
         doc_length_sigma: float = 1.0,
+        segment_multiple: int = 1,
     ):
         check_seq_length(seq_length)
+        if segment_multiple < 1 or seq_length % segment_multiple:
+            raise ValueError(f"segment multiple is wrong: {segment_multiple} for seq_length "
+                             f"{seq_length}. It must be >= 1 and divide --seq-length.")
         if not isinstance(num_samples, int) or num_samples < 0:
             raise ValueError(f"mock num_samples is wrong: {num_samples!r}. Pass an integer >= 0.")
         if not isinstance(vocab_size, int) or vocab_size < 2:
@@ -77,6 +82,8 @@ class MockPackedDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.doc_length_median = float(doc_length_median)
         self.doc_length_sigma = float(doc_length_sigma)
+        # Context parallelism: every document's segment padded to a multiple of 2 * cp.
+        self.segment_multiple = segment_multiple
         # Enough draws per batch that one batch nearly always overfills a row.
         self._draw_batch = 2 * math.ceil(seq_length / (self.doc_length_median - 1)) + 8
 
@@ -98,8 +105,12 @@ class MockPackedDataset(torch.utils.data.Dataset):
             )
             lengths = np.concatenate([lengths, batch])
             positions_drawn += int(batch.sum()) - len(batch)
-        fitting = np.searchsorted(np.cumsum(lengths - 1), self.seq_length, side="right")
+        fitting = np.searchsorted(np.cumsum(self._padded(lengths - 1)), self.seq_length,
+                                  side="right")
         return lengths[:fitting]
+
+    def _padded(self, positions: np.ndarray) -> np.ndarray:
+        return -(-positions // self.segment_multiple) * self.segment_multiple
 
     def document_lengths(self, index: int) -> np.ndarray:
         """Token lengths (int64) of the documents packed into row ``index``."""
@@ -120,4 +131,16 @@ class MockPackedDataset(torch.utils.data.Dataset):
         tokens = 1 + (offset + position * stride) % cycle
         labels = 1 + (offset + (position + 1) * stride) % cycle
         loss_mask = np.ones(len(tokens), dtype=np.float32)
-        return build_packed_row(tokens, labels, loss_mask, positions_per_document, self.seq_length)
+        if self.segment_multiple == 1:
+            return build_packed_row(tokens, labels, loss_mask, positions_per_document,
+                                    self.seq_length)
+        # Spread each document over its padded segment; the gaps are pad positions.
+        segments = self._padded(positions_per_document)
+        starts = np.cumsum(segments) - segments
+        where = np.repeat(starts, positions_per_document) + position
+        laid_out = [np.full(int(segments.sum()), PAD_TOKEN_ID, dtype=np.int64) for _ in range(2)]
+        laid_out[0][where], laid_out[1][where] = tokens, labels
+        mask = np.zeros(int(segments.sum()), dtype=np.float32)
+        mask[where] = 1.0
+        return build_packed_row(*laid_out, mask, segments, self.seq_length,
+                                positions_per_document)
