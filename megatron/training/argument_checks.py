@@ -372,8 +372,8 @@ def _check_capacity_ladder(args, ladder, impl, capacity):
 def _check_te_graphs(args):
     """What --cuda-graph-impl transformer_engine builds: whole-layer graphs, PP = 1."""
     impl = "--cuda-graph-impl transformer_engine"
-    # TE's graphs register TE's RNG states and assert TE's tracker (as megatron-core's own
-    # TE graphs do, which force --te-rng-tracker).
+    # TE's graphs register TE's RNG states and assert TE's tracker (megatron-core forces
+    # --te-rng-tracker with graphs too).
     args.te_rng_tracker = True
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
         fail("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
@@ -427,6 +427,11 @@ def check_cuda_graphs(args):
     args.cuda_graph_scope = normalise_cuda_graph_scope(scope or [])
     if impl == "transformer_engine":
         _check_te_graphs(args)
+    backend = getattr(args, "attention_backend", None)  # the library API checks it later
+    if impl != "none" and (backend == "te" or (
+            backend == "auto" and is_importable("transformer_engine"))):
+        # TE attention asserts TE's RNG tracker while any CUDA graph is being captured.
+        args.te_rng_tracker = True
     if (impl == "local" and args.cuda_graph_granularity == "layer"
             and getattr(args, "rampup_batch_size", None)
             and getattr(args, "pipeline_model_parallel_size", 1) > 1):

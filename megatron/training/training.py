@@ -173,6 +173,12 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
     print_rank_0(format_args(args))
     config = transformer_config_from_args(args)
 
+    if args.cuda_graph_impl == "transformer_engine":
+        # Autograd runs a parameter's AccumulateGrad node on the stream it was created on, and
+        # DDP keeps those nodes from its construction: on the legacy default stream they make
+        # TE's backward capture fail ("operation would make the legacy stream depend on a
+        # capturing blocking stream"). megatron-core's local graphs switch streams likewise.
+        torch.cuda.set_stream(torch.cuda.Stream())
     model = build_model(args, config, model_provider)
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     scheduler = build_scheduler(args, optimizer)

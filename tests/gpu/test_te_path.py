@@ -179,10 +179,11 @@ def test_te_patch_transforms_the_installed_te_module(tmp_path):
     import subprocess
     import sys
 
-    probe = ("import inspect; from transformer_engine.pytorch.attention.dot_product_attention "
-             "import context_parallel as cp; "
-             "print('patched' if 'zero_rows_from' in inspect.getsource(cp.AttnFuncWithCPAndKVP2P.backward) "
-             "else 'unpatched')")
+    # The transformed module runs our helper in AttnFuncWithCPAndKVP2P.backward (the source
+    # file on disk, which inspect would show, stays TE's own).
+    probe = ("from transformer_engine.pytorch.attention.dot_product_attention "
+             "import context_parallel as cp; names = cp.AttnFuncWithCPAndKVP2P.backward.__code__.co_names; "
+             "print('patched' if '_te_patch_zero_rows_from' in names else 'unpatched')")
     base = os.environ.get("PYTHONPATH", "")
     out = {}
     for name, path in (("on", f"{os.path.abspath('te_patches')}:{base}"), ("off", base)):

@@ -631,3 +631,18 @@ def test_rampup_with_pipeline_layer_graphs_is_refused_and_chunk_graphs_allowed()
     with pytest.raises(ValueError, match="use --cuda-graph-granularity chunk"):
         validate(*layout, world_size=2)
     assert validate(*layout, "--cuda-graph-granularity", "chunk", world_size=2).rampup_batch_size
+
+
+def test_graphs_on_te_attention_switch_on_the_te_rng_tracker(with_te):
+    """TE attention asserts TE's RNG tracker while a graph is captured (any impl)."""
+    local = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64]
+    assert validate(*local).te_rng_tracker  # auto resolves to TE here
+    assert not validate(*local, "--attention-backend", "torch").te_rng_tracker
+    assert not validate().te_rng_tracker
+    assert validate("--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", 64,
+                    "--attention-backend", "torch").te_rng_tracker
+
+
+def test_te_rng_tracker_needs_te():
+    with pytest.raises(ValueError, match=r"--te-rng-tracker is wrong: True.*\.\[te\]"):
+        validate("--te-rng-tracker")
