@@ -7,13 +7,14 @@ when upstream fixes a bug, telling us to drop its patch).
 """
 
 import dataclasses
-import gc
 
 import torch
 
 import megatron.core
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer import cuda_graphs
+
+from megatron.packed_graphs.graph_memory import reserved_without_cache
 
 PATCHED_VERSION = "0.16.1"
 
@@ -218,14 +219,11 @@ def record_capture_statistics() -> None:
         if record.cudagraph_created or not record.cudagraph_record:
             return upstream()  # nothing to capture: no cache flush on ordinary iterations
         graphs = len(record.cudagraph_record)  # one entry per forward or backward graph
-        gc.collect()
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved()
+        before = reserved_without_cache()
         stats = upstream()
         if stats:
-            torch.cuda.empty_cache()
             stats = dict(stats, graphs=graphs,
-                         graph_reserved_bytes=torch.cuda.memory_reserved() - before)
+                         graph_reserved_bytes=reserved_without_cache() - before)
             capture_log.append(stats)
         return stats
 

@@ -32,6 +32,7 @@ from torch import Tensor
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
+from megatron.packed_graphs.graph_memory import reserved_without_cache
 from megatron.packed_graphs.packed_seq import PackedBatchParams
 
 # PackedBatchParams tensor fields that become graph inputs (keyword -> field). Self-attention
@@ -176,7 +177,8 @@ class TELayerGraphs:
     def capture(self, params: PackedBatchParams) -> dict:
         """Capture all layers for micro-batches laid out like ``params`` (capacity-padded).
 
-        Syncs the device (TE warms up on a side stream between synchronisations). Returns the
+        Syncs the device (TE warms up on a side stream between synchronisations; the memory
+        measurement empties the allocator cache). Returns the
         log-line statistics: capture time, graph memory, graph count.
         """
         from megatron.core.transformer import cuda_graphs as mcore_graphs
@@ -194,8 +196,7 @@ class TELayerGraphs:
             (torch.zeros(self.tokens_per_rank, 1, self.config.hidden_size, dtype=dtype,
                          device="cuda", requires_grad=True),)
             for _ in layers)
-        torch.cuda.synchronize()
-        reserved, start = torch.cuda.memory_reserved(), time.perf_counter()
+        reserved, start = reserved_without_cache(), time.perf_counter()
         mcore_graphs._set_capture_start()  # megatron-core's dispatch reads this flag
         try:
             graphed = make_graphed_callables(
@@ -207,8 +208,9 @@ class TELayerGraphs:
         for layer, callable_ in zip(layers, graphed):
             layer.cuda_graphs = [callable_]
         torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
         return {
-            "graph capture (s)": round(time.perf_counter() - start, 2),
-            "graph memory (MiB)": round((torch.cuda.memory_reserved() - reserved) / 2**20, 1),
+            "graph capture (s)": round(elapsed, 2),
+            "graph memory (MiB)": round((reserved_without_cache() - reserved) / 2**20, 1),
             "graphs captured": 2 * len(layers),
         }
