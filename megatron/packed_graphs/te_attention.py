@@ -9,8 +9,8 @@ megatron-core's `TEDotProductAttention` forwards `PackedSeqParams` to TE as it i
 
 `PackedTEDotProductAttention` decides both on the host instead: ``max_seqlen`` must be given
 (the training step passes the fixed packed length), and there is padding between sequences
-exactly when the micro-batch carries ``cu_seqlens_*_padded`` (context parallelism pads every
-document to a multiple of ``2 * cp``; without CP they are left ``None``).
+exactly when the micro-batch carries ``cu_seqlens_*_padded`` as a tensor of its own (the
+training step passes none without CP, and with CP the padded boundaries as both).
 
 Importing this module imports Transformer Engine.
 """
@@ -61,7 +61,9 @@ class PackedTEDotProductAttention(TEDotProductAttention):
             raise ValueError(
                 "packed_seq_params.max_seqlen_q/kv is None: Transformer Engine would measure it "
                 "with a GPU->CPU sync. Pass the packed length (build_packed_batch_params does).")
-        padded = params.cu_seqlens_q_padded is not None
+        # Decided by identity, on the host: the same tensor means no padding between them.
+        padded = params.cu_seqlens_q_padded is not None and (
+            params.cu_seqlens_q_padded is not params.cu_seqlens_q)
         # TE's own forward, skipping the parent's, which would leave pad_between_seqs to TE.
         return super(TEDotProductAttention, self).forward(
             query, key, value, None,

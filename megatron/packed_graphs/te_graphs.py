@@ -55,16 +55,15 @@ class PackedGraphInputs:
 
     buffers: Dict[str, Tensor]
     max_seqlen: int
+    # CP: the padded boundaries are the cu_seqlens tensor itself (no padding between docs).
+    padded_is_cu_seqlens: bool = False
 
     @classmethod
     def like(cls, params: PackedBatchParams) -> "PackedGraphInputs":
         """Buffers shaped like a (capacity-padded) micro-batch's params, holding its values."""
-        buffers = {}
-        for key, name in _GRAPH_FIELDS.items():
-            value = getattr(params, name)
-            if value is not None:
-                buffers[key] = value.detach().clone()
-        return cls(buffers, params.max_seqlen_q)
+        buffers = {key: value.detach().clone() for key, value in graph_tensors(params).items()}
+        return cls(buffers, params.max_seqlen_q,
+                   padded_is_cu_seqlens=params.cu_seqlens_q_padded is params.cu_seqlens_q)
 
     def load(self, params: PackedBatchParams) -> PackedBatchParams:
         """Copy a graphed micro-batch's metadata into the buffers (device copies, no sync).
@@ -75,20 +74,21 @@ class PackedGraphInputs:
         if params.max_seqlen_q != self.max_seqlen:
             raise ValueError(f"micro-batch max_seqlen {params.max_seqlen_q} differs from the "
                              f"captured {self.max_seqlen}")
-        for key, name in _GRAPH_FIELDS.items():
-            value, buffer = getattr(params, name), self.buffers.get(key)
-            if (value is None) != (buffer is None) or (
-                    value is not None and value.shape != buffer.shape):
-                raise ValueError(
-                    f"micro-batch {name} {None if value is None else tuple(value.shape)} does "
-                    f"not match the captured {None if buffer is None else tuple(buffer.shape)}")
-            if value is not None:
-                buffer.copy_(value, non_blocking=True)
+        tensors = graph_tensors(params)
+        layout = {key: tuple(value.shape) for key, value in tensors.items()}
+        captured = {key: tuple(value.shape) for key, value in self.buffers.items()}
+        if layout != captured or self.padded_is_cu_seqlens != (
+                params.cu_seqlens_q_padded is params.cu_seqlens_q):
+            raise ValueError(f"micro-batch packed tensors {layout} do not match the captured "
+                             f"{captured}")
+        for key, value in tensors.items():
+            self.buffers[key].copy_(value, non_blocking=True)
         return self.params(self.buffers)
 
     def params(self, tensors: Dict[str, Tensor]) -> PackedBatchParams:
         """PackedBatchParams over graph-input tensors (inside a capture: the buffers)."""
-        cu_seqlens, padded = tensors["cu_seqlens"], tensors.get("cu_seqlens_padded")
+        cu_seqlens = tensors["cu_seqlens"]
+        padded = cu_seqlens if self.padded_is_cu_seqlens else tensors.get("cu_seqlens_padded")
         return PackedBatchParams(
             qkv_format="thd",
             cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
@@ -98,13 +98,22 @@ class PackedGraphInputs:
         )
 
 
+def graph_tensors(params: PackedBatchParams) -> Dict[str, Tensor]:
+    """params' distinct packed tensors by graph keyword (one tensor is one graph input)."""
+    if params.cu_seqlens_kv is not params.cu_seqlens_q or (
+            params.cu_seqlens_kv_padded is not params.cu_seqlens_q_padded):
+        raise ValueError("TE layer graphs take self-attention params (key/value boundaries "
+                         "are the query boundaries); got separate key/value boundaries")
+    tensors = {key: getattr(params, name) for key, name in _GRAPH_FIELDS.items()
+               if getattr(params, name) is not None}
+    if params.cu_seqlens_q_padded is params.cu_seqlens_q:
+        del tensors["cu_seqlens_padded"]
+    return tensors
+
+
 def graph_kwargs(params: PackedBatchParams, rotary_pos_emb: Optional[Tensor]) -> Dict[str, Tensor]:
     """The tensor keywords a layer graph is called with: params' tensors (+ the RoPE table)."""
-    if params.cu_seqlens_kv is not params.cu_seqlens_q:
-        raise ValueError("TE layer graphs take self-attention params (cu_seqlens_kv is "
-                         "cu_seqlens_q); got separate key/value boundaries")
-    kwargs = {key: getattr(params, name) for key, name in _GRAPH_FIELDS.items()
-              if getattr(params, name) is not None}
+    kwargs = graph_tensors(params)
     if rotary_pos_emb is not None:
         kwargs["rotary_pos_emb"] = rotary_pos_emb
     return kwargs

@@ -53,8 +53,8 @@ def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen:
     ``capacity``: pad ``cu_seqlens`` to ``capacity + 1`` entries (on the host, before the copy)
     so the micro-batch matches a captured graph; the caller checked that it fits.
     ``cp_size > 1``: keep this CP rank's ``T / cp`` positions (context_parallel.py); the
-    params then carry the whole stream's boundaries, TE's pair: ``cu_seqlens_q`` without and
-    ``cu_seqlens_q_padded`` with each document's CP padding. No host sync.
+    params then carry the whole stream's CP-padded boundaries (as ``cu_seqlens_q`` and, the
+    same tensor, ``cu_seqlens_q_padded``, which TE's CP path reads). No host sync.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     move = lambda t: t.reshape(1, -1).to(device, non_blocking=True)
@@ -74,9 +74,13 @@ def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen:
                                   "position_ids": position_ids}, index)
         tokens, labels, loss_mask, position_ids = (
             local[key] for key in ("tokens", "labels", "loss_mask", "position_ids"))
-        params = build_packed_batch_params(
-            pad(batch["cu_seqlens_actual"]).to(device, non_blocking=True), position_ids,
-            max_seqlen, with_seq_idx=False)
+        # Each document's CP padding sits after its last token, so with causal attention no
+        # real token sees it: the padded boundaries serve as the documents' own (TE's
+        # cu_seqlens and cu_seqlens_padded are one tensor, no padding between sequences).
+        # Real boundaries (cu_seqlens_actual) made TE 2.11 return NaN gradients on a rank
+        # whose chunks of a short document hold only padding.
+        params = build_packed_batch_params(cu_seqlens, position_ids, max_seqlen,
+                                           with_seq_idx=False)
         params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = cu_seqlens
     return PackedMicroBatch(tokens, labels, loss_mask, position_ids, params,
                             batch["num_segments"], batch["num_documents"])

@@ -42,8 +42,9 @@ def test_graph_kwargs_round_trip_through_params():
 
 
 @pytest.mark.parametrize("other,message", [
-    (_params([10, 6], capacity=4), r"cu_seqlens_q \(5,\) does not match the captured \(9,\)"),
-    (_params([10, 6], seq_idx=False), r"seq_idx None does not match the captured \(1, 16\)"),
+    (_params([10, 6], capacity=4), r"\{'cu_seqlens': \(5,\), .* do not match the captured "
+                                   r"\{'cu_seqlens': \(9,\)"),
+    (_params([10, 6], seq_idx=False), r"'position_ids': \(16,\)\} do not match .*'seq_idx'"),
     (_params([10, 7]), "max_seqlen 17 differs from the captured 16"),
 ])
 def test_load_refuses_another_layout(other, message):
@@ -57,3 +58,17 @@ def test_graph_kwargs_need_self_attention_params():
     params.cu_seqlens_kv = params.cu_seqlens_q.clone()
     with pytest.raises(ValueError, match="self-attention params"):
         graph_kwargs(params, None)
+
+
+def test_cp_params_keep_one_boundary_tensor():
+    """With CP the padded boundaries are the cu_seqlens tensor itself: one graph input, and
+    params rebuilt from the buffers keep them one tensor (TE: no padding between docs)."""
+    params = _params([12, 4], seq_idx=False)
+    params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = params.cu_seqlens_q
+    inputs = PackedGraphInputs.like(params)
+    assert set(inputs.buffers) == {"cu_seqlens", "position_ids"}
+    loaded = inputs.load(params)
+    assert loaded.cu_seqlens_q_padded is loaded.cu_seqlens_q is inputs.buffers["cu_seqlens"]
+    assert set(graph_kwargs(loaded, None)) == {"cu_seqlens", "position_ids"}
+    with pytest.raises(ValueError, match="do not match"):
+        inputs.load(_params([12, 4], seq_idx=False))  # no padded boundaries: another layout
