@@ -198,22 +198,24 @@ def test_te_patch_transforms_the_installed_te_module(tmp_path):
                                 pytest.param(4, marks=pytest.mark.gpus(4))])
 def test_cp_graphs_match_cp_eager(tmp_path, cp):
     """GPT with CP = 2 / 4 on packed data (TE P2P ring attention): TE-impl and local-impl graphs
-    train like CP eager; CP eager starts like CP = 1 (same tokens, same math)."""
+    train like CP eager, with fallbacks; CP eager learns.
+
+    Not compared with CP = 1: CP pads every document to a multiple of 2 * cp, so fewer
+    documents fit a row and the data differ."""
+    import statistics
+
     from tests.gpu.launch import TINY_GPT, TRAIN, losses, run_training
 
     common = TINY_GPT + TRAIN + ["--attention-backend", "te", "--te-rng-tracker",
-                                 "--train-iters", "30", "--global-batch-size", "4"]
-    with_cp = common + ["--context-parallel-size", str(cp)]
-    cp1 = run_training("pretrain_gpt.py", common, tmp_path, name="cp1_eager")
-    eager = run_training("pretrain_gpt.py", with_cp, tmp_path, nproc=cp, name=f"cp{cp}_eager")
-    te_graphs = run_training("pretrain_gpt.py", with_cp + TE_GRAPHS, tmp_path, nproc=cp,
+                                 "--train-iters", "30", "--global-batch-size", "4",
+                                 "--context-parallel-size", str(cp)]
+    eager = run_training("pretrain_gpt.py", common, tmp_path, nproc=cp, name=f"cp{cp}_eager")
+    te_graphs = run_training("pretrain_gpt.py", common + TE_GRAPHS, tmp_path, nproc=cp,
                              name=f"cp{cp}_te_graphs")
-    local_graphs = run_training("pretrain_gpt.py", with_cp + [
+    local_graphs = run_training("pretrain_gpt.py", common + [
         "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "7",
         "--cuda-graph-warmup-steps", "2"], tmp_path, nproc=cp, name=f"cp{cp}_local_graphs")
-    start = max(abs(a - b) for a, b in zip(losses(cp1)[:3], losses(eager)[:3]))
-    print(f"CP1 vs CP{cp} eager, first 3 steps: max |dloss| {start:.2e}")
-    assert start < 2e-2, (losses(cp1)[:5], losses(eager)[:5])
+    assert statistics.mean(losses(eager)[-5:]) < statistics.mean(losses(eager)[:5]) - 1.0
     for name, run in (("te", te_graphs), ("local", local_graphs)):
         dloss = max(abs(e - g) for e, g in zip(losses(eager), losses(run)))
         fallbacks = sum(r["graph fallbacks"] for r in run[2:])
