@@ -5,9 +5,9 @@ takes only tensors as inputs, while a packed micro-batch reaches the layers as a
 `PackedBatchParams` dataclass with host ints in it. So:
 
 * `PackedGraphInputs` owns one static buffer per packed-metadata tensor (``cu_seqlens``
-  padded to the capacity, ``cu_seqlens_padded`` with CP, ``position_ids``, Mamba's
-  ``seq_idx``) plus the host values fixed at capture (``max_seqlen``, padding between
-  sequences). Every layer's graph reads the same buffers. A graphed micro-batch is copied
+  padded to the capacity, ``position_ids``, Mamba's ``seq_idx``, and ``cu_seqlens_padded``
+  when it is a tensor of its own) plus the host values fixed at capture (``max_seqlen``,
+  whether the padded boundaries are ``cu_seqlens`` itself, as with CP). Every layer's graph reads the same buffers. A graphed micro-batch is copied
   into them once (`PackedGraphInputs.load`), before the model runs; the params it then
   carries point at the buffers, so no layer's replay copies anything.
 * `TEGraphDispatch` (a layer mixin, see layers.py) splits the params into those tensors at
