@@ -92,7 +92,7 @@ set_defaults() {
   TP=${TP:-1}
   PP=${PP:-1}
 
-  CUDA_GRAPH_IMPL=${CUDA_GRAPH_IMPL:-local}     # none: eager
+  CUDA_GRAPH_IMPL=${CUDA_GRAPH_IMPL:-local}     # none: eager; transformer_engine: TE graphs (PP=1)
   CUDA_GRAPH_MAX_PACKED_SEQS=${CUDA_GRAPH_MAX_PACKED_SEQS:-64}
   CUDA_GRAPH_WARMUP_STEPS=${CUDA_GRAPH_WARMUP_STEPS:-3}
   CUDA_GRAPH_SCOPE=${CUDA_GRAPH_SCOPE:-}        # empty: the whole layer
