@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import unwrap_model
 
 from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
 from megatron.packed_graphs.graph_memory import reserved_without_cache
@@ -158,17 +159,14 @@ class TEGraphDispatch:
 
 
 def graphable_layers(model_chunk) -> List[torch.nn.Module]:
-    """The TE-graphable layers of one model chunk, in forward order."""
-    module = getattr(model_chunk, "module", model_chunk)  # DDP
-    module = getattr(module, "module", module)  # Float16Module
-    return [layer for layer in module.decoder.layers if isinstance(layer, TEGraphDispatch)]
+    """The TE-graphable layers of one model chunk (DDP/Float16Module-wrapped), in forward order."""
+    layers = unwrap_model(model_chunk).decoder.layers
+    return [layer for layer in layers if isinstance(layer, TEGraphDispatch)]
 
 
 def rotary_table(model_chunk, max_seqlen: int) -> Optional[Tensor]:
     """The model's RoPE table for packed micro-batches of ``max_seqlen`` (None without RoPE)."""
-    module = getattr(model_chunk, "module", model_chunk)
-    module = getattr(module, "module", module)
-    rotary = getattr(module, "rotary_pos_emb", None)
+    rotary = getattr(unwrap_model(model_chunk), "rotary_pos_emb", None)
     return None if rotary is None else rotary(max_seqlen, packed_seq=True)
 
 

@@ -60,27 +60,27 @@ def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen:
     move = lambda t: t.reshape(1, -1).to(device, non_blocking=True)
     tokens, labels, position_ids = move(batch["tokens"]), move(batch["labels"]), move(batch["position_ids"])
     loss_mask = move(batch["loss_mask"])
-    pad = (lambda cu: pad_cu_seqlens(cu, capacity)) if capacity is not None else (lambda cu: cu)
-    cu_seqlens = pad(batch["cu_seqlens"]).to(device, non_blocking=True)
+    cu_seqlens_cpu = batch["cu_seqlens"]
+    if capacity is not None:
+        cu_seqlens_cpu = pad_cu_seqlens(cu_seqlens_cpu, capacity)
+    cu_seqlens = cu_seqlens_cpu.to(device, non_blocking=True)
     total_tokens = tokens.numel()
     # The collate step measured the longest segment on the host already.
     max_seqlen = total_tokens if static_max_seqlen or cp_size > 1 else batch["max_seqlen"]
-    if cp_size == 1:
-        params = build_packed_batch_params(cu_seqlens, position_ids, max_seqlen,
-                                           with_seq_idx=with_seq_idx)
-    else:
+    if cp_size > 1:
         index = thd_partition_index(cu_seqlens, total_tokens, cp_size, cp_rank)
         local = select_cp_tokens({"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
                                   "position_ids": position_ids}, index)
         tokens, labels, loss_mask, position_ids = (
             local[key] for key in ("tokens", "labels", "loss_mask", "position_ids"))
+    params = build_packed_batch_params(cu_seqlens, position_ids, max_seqlen,
+                                       with_seq_idx=with_seq_idx and cp_size == 1)
+    if cp_size > 1:
         # Each document's CP padding sits after its last token, so with causal attention no
         # real token sees it: the padded boundaries serve as the documents' own (TE's
         # cu_seqlens and cu_seqlens_padded are one tensor, no padding between sequences).
         # Real boundaries (cu_seqlens_actual) made TE 2.11 return NaN gradients on a rank
         # whose chunks of a short document hold only padding.
-        params = build_packed_batch_params(cu_seqlens, position_ids, max_seqlen,
-                                           with_seq_idx=False)
         params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = cu_seqlens
     return PackedMicroBatch(tokens, labels, loss_mask, position_ids, params,
                             batch["num_segments"], batch["num_documents"])
