@@ -21,6 +21,7 @@ Prints a Markdown table; --json FILE also writes the rows.
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -81,7 +82,7 @@ VARIANTS = {
 }
 
 COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size", "1",
-          "--vocab-size", "32000", "--log-interval", "1", "--seed", "1234"]
+          "--vocab-size", "32000", "--seed", "1234"]
 
 
 def _free_port() -> int:
@@ -113,14 +114,16 @@ def run_one(preset: str, variant: str, args) -> dict:
                "--global-batch-size", str(args.global_batch_size),
                "--mock-doc-length-median", str(args.doc_length_median),
                "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
-               "--metrics-file", metrics]
+               "--log-interval", str(args.log_interval), "--metrics-file", metrics,
+               *shlex.split(args.extra_args)]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{preset}/{variant} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
         with open(metrics) as f:
             records = [json.loads(line) for line in f if line.strip()]
     train = [r for r in records if r.get("split", "train") == "train"]
-    timed = [r for r in train[args.warmup:] if "gpu busy (ms)" not in r]
+    # One record per log interval (the mean of its iterations); --warmup is a multiple of it.
+    timed = [r for r in train if r["iteration"] > args.warmup and "gpu busy (ms)" not in r]
     busy = [r["gpu busy (ms)"] for r in train if "gpu busy (ms)" in r]
     times = [r["iteration_time_ms"] for r in timed]
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
@@ -135,7 +138,8 @@ def run_one(preset: str, variant: str, args) -> dict:
         "peak_mem_gib": max(r["mem_max_allocated_bytes"] for r in records) / 2**30,
         "first_step_ms": records[0]["iteration_time_ms"],
         "final_loss": records[-1]["lm_loss"],
-        "fallback_rate": sum(r.get("graph fallbacks", 0) for r in timed) / (len(timed) * micro_batches),
+        "fallback_rate": (sum(r.get("graph fallbacks", 0) for r in timed)
+                          / (len(timed) * args.log_interval * micro_batches)),
         "capture_s": capture.get("graph capture (s)", 0.0),
         "graph_mem_mib": capture.get("graph memory (MiB)", 0.0),
         "gpu_busy_ms": statistics.median(busy) if busy else None,
@@ -175,11 +179,17 @@ def main(argv=None) -> int:
                         help="report GPU-busy time and step/busy from the last two iterations")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
+    parser.add_argument("--log-interval", type=int, default=1,
+                        help="training's --log-interval: step times are means over it; with 1 "
+                             "every step waits for the GPU when it is logged")
     parser.add_argument("--global-batch-size", type=int, default=4)
     parser.add_argument("--doc-length-median", type=int, default=512)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                         help="pipeline stages (divides --nproc); metrics come from the last stage")
+    parser.add_argument("--extra-args", default="",
+                        help="more training flags for every run, one string: "
+                             "--extra-args=\"--no-check-for-nan-in-loss-and-grad\"")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     presets = [p for name in args.presets for p in PRESET_GROUPS.get(name, [name])]
@@ -189,6 +199,9 @@ def main(argv=None) -> int:
                      f"or {sorted(PRESET_GROUPS)}.")
     if args.steps <= args.warmup:
         parser.error(f"--steps is wrong: {args.steps}. It must exceed --warmup ({args.warmup}).")
+    if args.log_interval < 1 or args.warmup % args.log_interval or args.steps % args.log_interval:
+        parser.error(f"--log-interval is wrong: {args.log_interval}. It must divide --warmup "
+                     f"({args.warmup}) and --steps ({args.steps}).")
     if args.nproc % args.pipeline_model_parallel_size:
         parser.error(f"--pipeline-model-parallel-size is wrong: {args.pipeline_model_parallel_size}. "
                      f"It must divide --nproc ({args.nproc}).")

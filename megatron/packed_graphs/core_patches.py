@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 import megatron.core
+from megatron.core.optimizer import clip_grads
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer import cuda_graphs
 
@@ -23,6 +24,8 @@ UPSTREAM_SET_WARMUP_END = cuda_graphs._set_warmup_end
 UPSTREAM_CREATE_FWD_GRAPH = cuda_graphs._CudaGraphRunner.create_fwd_graph
 UPSTREAM_CREATE_BWD_GRAPH = cuda_graphs._CudaGraphRunner.create_bwd_graph
 UPSTREAM_CHECK_SUPPORTED_TYPE = cuda_graphs._check_supported_type
+UPSTREAM_GET_GRAD_NORM = clip_grads.get_grad_norm_fp32
+UPSTREAM_CLIP_BY_TOTAL_NORM = clip_grads.clip_grad_by_total_norm_fp32
 
 # Filled by the capture-statistics patch: one entry per graph capture.
 capture_log: list = []
@@ -166,7 +169,6 @@ def sync_free_multi_tensor_fallbacks() -> None:
     few launches and no sync. Only the fallbacks are replaced; TE's or apex's stay.
     """
     from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mixed_precision
 
     if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
@@ -174,6 +176,61 @@ def sync_free_multi_tensor_fallbacks() -> None:
     for module in (clip_grads, mixed_precision):
         if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = foreach_scale
+
+
+def grad_norm_on_device(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+    """``get_grad_norm_fp32`` without the final ``.item()``: the L2 norm as a 0-dim CUDA tensor.
+
+    Same kernel (clip_grads' ``l2_norm_impl``: TE's, apex's or the foreach fallback) and the
+    same all-reduce; other norm types and DTensor (FSDP) gradients take upstream's path.
+    """
+    grads = grads_for_norm if isinstance(grads_for_norm, list) else [grads_for_norm]
+    dtensor_group = None
+    for grad in grads:
+        dtensor_group = clip_grads.get_data_parallel_group_if_dtensor(grad, dtensor_group)
+    if float(norm_type) != 2.0 or dtensor_group is not None:
+        return UPSTREAM_GET_GRAD_NORM(grads_for_norm, norm_type, grad_stats_parallel_group)
+    if grads:
+        flag = torch.zeros(1, dtype=torch.int, device=grads[0].device)
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, flag, [grads], False)
+    else:
+        norm = torch.zeros(1, dtype=torch.float, device="cuda")
+    squared = norm.float() ** 2
+    torch.distributed.all_reduce(squared, op=torch.distributed.ReduceOp.SUM,
+                                 group=grad_stats_parallel_group)
+    return squared.sqrt().reshape(())
+
+
+def clip_by_device_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """``clip_grad_by_total_norm_fp32`` for a norm on the device: scale by ``min(1, coeff)``.
+
+    Upstream compares the coefficient with 1 on the host; multiplying by a coefficient
+    clamped to 1 gives the same gradients (``x * 1.0 == x``) without reading it.
+    """
+    if not torch.is_tensor(total_norm):
+        return UPSTREAM_CLIP_BY_TOTAL_NORM(parameters, max_norm, total_norm, use_decoupled_grad)
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [clip_grads.to_local_if_dtensor(getattr(p, attr)).detach()
+             for p in (parameters if isinstance(parameters, list) else [parameters])
+             if getattr(p, attr, None) is not None]
+    if grads:
+        torch._foreach_mul_(grads, (max_norm / (total_norm + 1.0e-6)).clamp(max=1.0))
+
+
+def clip_gradients_without_host_sync() -> None:
+    """Keep the gradient norm on the GPU: no host sync in the optimizer step.
+
+    0.16.1's ``get_grad_norm_fp32`` ends with ``total_norm.item()`` and
+    ``clip_grad_by_total_norm_fp32`` decides on the host whether to scale. That sync sits
+    between the backward and the optimizer kernels of every step, so the GPU drains and
+    then waits while Python launches the optimizer (docs/benchmarks.md, issue 3). Patched
+    where the optimizers look the two functions up (optimizer.py); the step then returns
+    the norm as a 0-dim tensor, which the training loop reads only when it logs.
+    """
+    from megatron.core.optimizer import optimizer as mixed_precision
+
+    mixed_precision.get_grad_norm_fp32 = grad_norm_on_device
+    mixed_precision.clip_grad_by_total_norm_fp32 = clip_by_device_norm
 
 
 def check_arg_types_without_reimporting() -> None:
@@ -244,6 +301,7 @@ def apply_core_patches() -> None:
     hold_forward_inputs_until_backward_captured()
     keep_parameter_versions_on_replay()
     sync_free_multi_tensor_fallbacks()
+    clip_gradients_without_host_sync()
     check_arg_types_without_reimporting()
     record_capture_statistics()
     _applied = True

@@ -7,6 +7,7 @@ tool read it. Only the last rank writes (it holds the loss when pipelining).
 
 import json
 import os
+import time
 from typing import Optional
 
 import torch
@@ -34,6 +35,37 @@ TENSORBOARD_TAGS = {
     "throughput/tokens-per-sec": "tokens_per_sec",
     "mem-max-allocated-bytes": "mem_max_allocated_bytes",
 }
+
+
+class IntervalTimer:
+    """Iteration time, throughput and forward-step counters over one log interval.
+
+    The loop does not wait for the GPU every iteration, so one iteration's host time says
+    little; the mean over the interval, read once the GPU has finished it, is the step time
+    (Megatron's "elapsed time per iteration"). Call `timing` after that wait.
+    """
+
+    SUMMED = ("graph fallbacks",)  # counters added up over the interval; others: latest value
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self._start = time.perf_counter()
+        self.iterations = self.samples = 0
+        self.stats: dict = {}
+
+    def add(self, samples: int, stats: dict) -> None:
+        """One iteration of ``samples`` samples and its counters (forward step, profiler)."""
+        self.iterations += 1
+        self.samples += samples
+        summed = {k: self.stats.get(k, 0) + stats[k] for k in self.SUMMED if k in stats}
+        self.stats = self.stats | stats | summed
+
+    def timing(self, seq_length: int) -> dict:
+        elapsed = time.perf_counter() - self._start
+        return {"iteration_time_ms": elapsed * 1000.0 / max(self.iterations, 1),
+                "tokens_per_sec": self.samples * seq_length / elapsed}
 
 
 def is_reporting_rank() -> bool:

@@ -5,8 +5,7 @@ the pipeline schedules from get_forward_backward_func, dist_checkpointing); it d
 about packing or CUDA graphs beyond the forward-step object it is given.
 """
 
-import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -32,7 +31,7 @@ from megatron.training.config import (
 )
 from megatron.training.datasets.builder import build_data_iterator, build_datasets, describe_packing
 from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
-from megatron.training.metrics import MetricsLogger
+from megatron.training.metrics import IntervalTimer, MetricsLogger
 from megatron.training.profiling import StepProfiler
 from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.te_graphs import TELayerGraphs
@@ -93,13 +92,19 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
     )
 
 
-def _reduce_loss(losses_reduced: list) -> float:
-    """Token-weighted mean loss over micro-batches and data-parallel ranks (last stage)."""
+def _reduce_loss(losses_reduced: list) -> Optional[torch.Tensor]:
+    """Token-weighted mean loss over micro-batches and data-parallel ranks, as a 0-dim CUDA
+    tensor (not read on the host: the loop reads it when it logs). None off the last stage."""
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return float("nan")
+        return None
     total = torch.stack([x["lm loss"] for x in losses_reduced]).sum(dim=0)
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return (total[0] / total[1].clamp(min=1)).item()
+    return total[0] / total[1].clamp(min=1)
+
+
+def _to_float(value) -> float:
+    """A logged scalar (tensor, number or None) on the host; reading a CUDA tensor syncs."""
+    return float("nan") if value is None else float(value)
 
 
 def _run_schedule(args, forward_step, data_iterators, model, forward_only: bool,
@@ -120,7 +125,8 @@ def train_step(args, forward_step, data_iterators, model, optimizer, scheduler,
                num_microbatches: int, global_batch_size: int):
     """One optimizer step over ``num_microbatches`` micro-batches (``global_batch_size`` samples).
 
-    Returns ``(lm_loss, grad_norm, num_zeros)``; lm_loss is NaN off the last stage.
+    Returns ``(lm_loss, grad_norm, num_zeros)``. Nothing here waits for the GPU: lm_loss
+    (None off the last stage) and grad_norm are CUDA tensors, read only when logged.
     """
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -147,7 +153,7 @@ def evaluate(args, forward_step, data_iterators, model) -> float:
                                 num_microbatches=args.num_microbatches)
     for chunk in model:
         chunk.train()
-    return _reduce_loss(losses)
+    return _to_float(_reduce_loss(losses))
 
 
 def _configure_schedule_hooks(config, model, optimizer) -> None:
@@ -214,42 +220,45 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
     record, saved = {}, False
     print_rank_0(f" > training from iteration {iteration} to {args.train_iters}")
     torch.cuda.reset_peak_memory_stats()
+    # No per-iteration sync: the host queues the next iteration while the GPU finishes this
+    # one. Times are per log interval (Megatron's "elapsed time per iteration"), measured
+    # up to the log point, which waits for the GPU when it reads the loss.
+    interval = IntervalTimer()
     while iteration < args.train_iters:
         profiler.begin(iteration + 1)
         # --rampup-batch-size grows the batch with the samples consumed (megatron-core).
         update_num_microbatches(consumed_samples, consistency_check=True)
         num_microbatches, batch = get_num_microbatches(), get_current_global_batch_size()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
         lm_loss, grad_norm, num_zeros = train_step(args, forward_step, train_iters, model,
                                                    optimizer, scheduler, num_microbatches, batch)
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
         iteration += 1
-        profiled = profiler.finish(iteration)
         consumed_samples += batch
-        record = {
-            "iteration": iteration,
-            "consumed_samples": consumed_samples,
-            "global_batch_size": batch,
-            "lm_loss": lm_loss,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "num_zeros": int(num_zeros) if num_zeros is not None else 0,
-            "learning_rate": optimizer.param_groups[0]["lr"],
-            "iteration_time_ms": elapsed * 1000.0,
-            "tokens_per_sec": batch * args.seq_length / elapsed,
-            "mem_allocated_bytes": torch.cuda.memory_allocated(),
-            "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "extra_log": forward_step.end_iteration() | profiled,
-        }
+        interval.add(batch, forward_step.end_iteration() | profiler.finish(iteration))
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            lm_loss = _to_float(lm_loss)  # waits for this iteration's GPU work
+            record = {
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                "global_batch_size": batch,
+                "lm_loss": lm_loss,
+                "grad_norm": _to_float(grad_norm),
+                "num_zeros": int(num_zeros) if num_zeros is not None else 0,
+                "learning_rate": optimizer.param_groups[0]["lr"],
+                **interval.timing(args.seq_length),
+                "mem_allocated_bytes": torch.cuda.memory_allocated(),
+                "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "extra_log": interval.stats,
+            }
             logger.log_train(record)
+            interval.restart()
         if valid_iters and iteration % args.eval_interval == 0:
             logger.log_valid(iteration, evaluate(args, forward_step, valid_iters, model))
+            interval.restart()
         saved = args.save and args.save_interval and iteration % args.save_interval == 0
         if saved:
             save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
                             args_to_dict(args))
+            interval.restart()
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f" exiting after iteration {iteration} (--exit-interval)")
             break

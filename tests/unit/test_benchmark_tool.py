@@ -37,3 +37,11 @@ def test_capacity_variants_override_the_capacity_only():
 def test_chunk_variant_asks_for_chunk_granularity():
     flags = benchmark.variant_flags("chunk-graphs")
     assert flags[flags.index("--cuda-graph-granularity") + 1] == "chunk"
+
+
+@pytest.mark.parametrize("argv", [["--log-interval", "0"], ["--log-interval", "2"],
+                                  ["--log-interval", "5", "--steps", "32"]])
+def test_log_interval_must_divide_warmup_and_steps(argv, capsys):
+    with pytest.raises(SystemExit):
+        benchmark.main(["--warmup", "5", *argv])
+    assert "--log-interval is wrong" in capsys.readouterr().err

@@ -1,3 +1,4 @@
+import pytest
 import megatron.core
 from megatron.core.transformer import cuda_graphs
 
@@ -179,3 +180,47 @@ def test_argument_type_check_accepts_and_refuses_what_upstream_does():
             patched(meta)
     with pytest.raises(AssertionError):
         patched(torch.zeros(1))  # not an ArgMetadata: refused by both
+
+
+def test_upstream_grad_norm_still_reads_the_norm_on_the_host():
+    # When this fails, upstream stopped syncing for the gradient norm: re-check
+    # clip_gradients_without_host_sync (it may be droppable).
+    import inspect
+
+    assert "total_norm.item()" in inspect.getsource(core_patches.UPSTREAM_GET_GRAD_NORM)
+    assert "if clip_coeff < 1.0" in inspect.getsource(core_patches.UPSTREAM_CLIP_BY_TOTAL_NORM)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clipping, and no clipping
+def test_device_grad_norm_and_clip_match_upstream(cpu_dist, max_norm):
+    import torch
+    from megatron.core.optimizer import optimizer as mixed_precision
+
+    core_patches.apply_core_patches()
+    assert mixed_precision.get_grad_norm_fp32 is core_patches.grad_norm_on_device
+    assert mixed_precision.clip_grad_by_total_norm_fp32 is core_patches.clip_by_device_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (2, 2, 2)]]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    grads = [p.grad for p in params]
+    norm = core_patches.grad_norm_on_device(grads)
+    assert torch.is_tensor(norm) and norm.dim() == 0  # nothing read on the host
+    # Upstream's L2 path needs CUDA (its overflow flag); the same norm, in float64:
+    expected_norm = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]).double()))
+    assert float(norm) == pytest.approx(expected_norm, rel=1e-6)
+
+    expected = [g.clone() for g in grads]
+    coeff = max_norm / (expected_norm + 1.0e-6)
+    if coeff < 1.0:  # upstream's rule, on the host
+        expected = [g * coeff for g in expected]
+    core_patches.clip_by_device_norm(params, max_norm, norm)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    if max_norm == 100.0:  # not clipping leaves the gradients bitwise unchanged
+        assert all(torch.equal(g, w) for g, w in zip(grads, expected))
+
+    # A norm read on the host (or any other norm type) keeps upstream's path.
+    assert core_patches.grad_norm_on_device(grads, norm_type=1.0) == pytest.approx(
+        sum(float(g.abs().sum()) for g in grads), rel=1e-5)

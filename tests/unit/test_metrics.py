@@ -48,3 +48,20 @@ def test_tensorboard_scalars_use_megatron_tags(cpu_dist, tmp_path):
     events.Reload()
     assert {"lm loss", "grad-norm", "iteration-time"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2]
+
+
+def test_interval_timer_means_over_the_interval_and_sums_fallbacks(monkeypatch):
+    from megatron.training import metrics
+
+    clock = iter([100.0, 100.3, 200.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    timer = metrics.IntervalTimer()  # starts at t=100
+    timer.add(4, {"graph fallbacks": 1, "docs per micro-batch": 8.0, "graph capture (s)": 0.5})
+    timer.add(4, {"graph fallbacks": 2, "docs per micro-batch": 9.0})
+    timer.add(4, {"graph fallbacks": 0, "docs per micro-batch": 7.0})
+    assert timer.timing(seq_length=1000) == pytest.approx(  # t=100.3: 0.3 s for 3 iterations
+        {"iteration_time_ms": 100.0, "tokens_per_sec": 12 * 1000 / 0.3})
+    assert timer.stats == {"graph fallbacks": 3, "docs per micro-batch": 7.0,
+                           "graph capture (s)": 0.5}
+    timer.restart()  # t=200
+    assert (timer.iterations, timer.samples, timer.stats) == (0, 0, {})

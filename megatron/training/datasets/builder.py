@@ -133,6 +133,8 @@ def build_data_iterator(
         return torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, collate_fn=collate_packed_rows,
             num_workers=num_workers,
+            # Pinned rows make the forward step's non_blocking copies asynchronous.
+            pin_memory=torch.cuda.is_available(),
         )
 
     first = loader(consumed_samples)
