@@ -84,3 +84,62 @@ def pack_for_dynamic_cp(lengths: Sequence[int], cp_sizes: Sequence[int],
     if docs:
         close()
     return batches
+
+
+@dataclass(frozen=True)
+class CPTurn:
+    """One micro-batch's turn in a round: its index in the iteration, CP size and ranks.
+
+    The ranks are ``first_rank .. first_rank + cp_size - 1`` of the data x context parallel
+    group; ``first_rank`` is a multiple of ``cp_size`` (megatron-core's hybrid DP x CP groups
+    are such aligned blocks).
+    """
+
+    micro_batch: int
+    cp_size: int
+    first_rank: int
+
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.cp_size)
+
+
+def schedule_cp_rounds(cp_sizes: Sequence[int], num_ranks: int) -> List[List[CPTurn]]:
+    """Place micro-batches of the given CP sizes on ``num_ranks`` ranks, in rounds.
+
+    In a round every rank runs at most one micro-batch, and the micro-batches of a round sit
+    on disjoint aligned rank blocks. Ranks run their turns in round order, so the members of
+    a CP group meet their group's collectives in the same order and no two groups wait on
+    each other. Largest CP size first, each into the first round with a free aligned block
+    (buddy placement: power-of-two sizes never fragment a round). A rank without a turn in a
+    round has nothing to run in it. Pure host code.
+    """
+    if num_ranks < 1 or num_ranks & (num_ranks - 1):
+        raise ValueError(f"rank count is wrong: {num_ranks}. Dynamic CP needs a power of two "
+                         f"data x context parallel ranks.")
+    for size in cp_sizes:
+        if size < 1 or size & (size - 1) or size > num_ranks:
+            raise ValueError(f"CP size is wrong: {size}. Use powers of two up to the "
+                             f"{num_ranks} data x context parallel ranks.")
+    rounds: List[List[CPTurn]] = []
+    free: List[List[bool]] = []  # free[round][rank]
+    order = sorted(range(len(cp_sizes)), key=lambda i: -cp_sizes[i])
+    for index in order:
+        size = cp_sizes[index]
+        placed = False
+        for turns, ranks_free in zip(rounds, free):
+            start = next((s for s in range(0, num_ranks, size) if all(ranks_free[s:s + size])),
+                         None)
+            if start is not None:
+                turns.append(CPTurn(index, size, start))
+                ranks_free[start:start + size] = [False] * size
+                placed = True
+                break
+        if not placed:
+            rounds.append([CPTurn(index, size, 0)])
+            free.append([r >= size for r in range(num_ranks)])
+    return rounds
+
+
+def turns_of_rank(rounds: List[List[CPTurn]], rank: int) -> List[CPTurn]:
+    """The turns ``rank`` runs, in round order (its micro-batches for the iteration)."""
+    return [turn for turns in rounds for turn in turns if rank in turn.ranks()]

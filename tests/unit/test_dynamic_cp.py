@@ -7,6 +7,8 @@ from megatron.packed_graphs.dynamic_cp import (
     cp_padded_length,
     fits,
     pack_for_dynamic_cp,
+    schedule_cp_rounds,
+    turns_of_rank,
 )
 
 
@@ -43,3 +45,54 @@ def test_too_long_documents_and_bad_tokens_per_rank_are_refused():
         pack_for_dynamic_cp([3, 70], (1, 2, 4), tokens_per_rank=16)
     with pytest.raises(ValueError, match="tokens per rank are wrong: 12"):
         pack_for_dynamic_cp([3], (1, 2, 4), tokens_per_rank=12)
+
+
+def _check_rounds(rounds, sizes, num_ranks):
+    placed = sorted(turn.micro_batch for turns in rounds for turn in turns)
+    assert placed == list(range(len(sizes)))  # every micro-batch exactly once
+    for turns in rounds:
+        used = [rank for turn in turns for rank in turn.ranks()]
+        assert len(used) == len(set(used)) and max(used) < num_ranks  # disjoint, in range
+        for turn in turns:
+            assert turn.cp_size == sizes[turn.micro_batch] and turn.first_rank % turn.cp_size == 0
+
+
+def test_rounds_place_every_micro_batch_on_disjoint_aligned_blocks():
+    sizes = [1, 4, 2, 1, 1, 2, 1]
+    rounds = schedule_cp_rounds(sizes, 4)
+    _check_rounds(rounds, sizes, 4)
+    assert len(rounds) == 3  # 4 + 2x2 + 4x1 rank-turns fill three rounds of four ranks
+    assert [turn.micro_batch for turn in turns_of_rank(rounds, 3)] == [1, 5, 6]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rounds_are_tight_for_random_power_of_two_mixes(seed):
+    import random
+
+    rng = random.Random(seed)
+    num_ranks = rng.choice([1, 2, 4, 8])
+    sizes = [rng.choice([c for c in (1, 2, 4, 8) if c <= num_ranks])
+             for _ in range(rng.randint(1, 24))]
+    rounds = schedule_cp_rounds(sizes, num_ranks)
+    _check_rounds(rounds, sizes, num_ranks)
+    # Buddy placement of powers of two wastes nothing but the last round's tail.
+    assert len(rounds) == -(-sum(sizes) // num_ranks)
+
+
+def test_group_members_see_their_shared_turns_in_the_same_order():
+    rounds = schedule_cp_rounds([2, 1, 2, 2, 1, 1, 4], 4)
+    for rank in range(4):
+        for partner in range(4):
+            mine = [t for t in turns_of_rank(rounds, rank) if partner in t.ranks()]
+            theirs = [t for t in turns_of_rank(rounds, partner) if rank in t.ranks()]
+            assert mine == theirs
+
+
+@pytest.mark.parametrize("sizes,num_ranks,message", [
+    ([1, 2], 3, "rank count is wrong: 3"),
+    ([3], 4, "CP size is wrong: 3"),
+    ([8], 4, "CP size is wrong: 8"),
+])
+def test_rounds_refuse_bad_sizes(sizes, num_ranks, message):
+    with pytest.raises(ValueError, match=message):
+        schedule_cp_rounds(sizes, num_ranks)
