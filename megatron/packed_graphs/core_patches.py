@@ -233,6 +233,39 @@ def clip_gradients_without_host_sync() -> None:
     mixed_precision.clip_grad_by_total_norm_fp32 = clip_by_device_norm
 
 
+def finalize_model_grads_without_host_sync(model, num_tokens=None, pg_collection=None,
+                                           force_all_reduce=False):
+    """megatron-core's ``finalize_model_grads`` with the per-token scaling kept on the GPU.
+
+    0.16.1 scales the gradients by ``1 / num_tokens`` behind ``if num_tokens > 0`` on a CUDA
+    tensor: a host sync after every backward, so the host waits for the whole forward and
+    backward before it launches the optimizer (tools/find_host_syncs.py found it once the
+    gradient norm stopped syncing). Upstream runs with ``num_tokens=None`` (everything but
+    the scaling); the scaling here uses ``1 / max(num_tokens, 1)``: the same factor when
+    there are tokens, and without tokens every gradient is zero, scaled or not. Given to
+    the schedules as ``config.finalize_model_grads_func`` (training.py).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel.utils import get_pp_last_rank
+
+    finalize_model_grads(model, None, pg_collection=pg_collection,
+                         force_all_reduce=force_all_reduce)
+    if num_tokens is None:
+        return
+    if pg_collection is not None:
+        pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
+    else:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    # As upstream: the count lives on the last stage; every stage and DP rank needs the total.
+    torch.distributed.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)
+    torch.distributed.all_reduce(num_tokens, group=dp_cp_group)
+    scaling = 1.0 / num_tokens.clamp(min=1)
+    for chunk in model:
+        chunk.scale_gradients(scaling)
+
+
 def check_arg_types_without_reimporting() -> None:
     """Build the set of argument types a CUDA graph accepts once, not at every check.
 

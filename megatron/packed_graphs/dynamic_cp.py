@@ -13,7 +13,9 @@ touches a GPU.
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
+
+import torch
 
 
 def check_cp_sizes(cp_sizes: Sequence[int], max_cp_size: int) -> Tuple[int, ...]:
@@ -143,3 +145,15 @@ def schedule_cp_rounds(cp_sizes: Sequence[int], num_ranks: int) -> List[List[CPT
 def turns_of_rank(rounds: List[List[CPTurn]], rank: int) -> List[CPTurn]:
     """The turns ``rank`` runs, in round order (its micro-batches for the iteration)."""
     return [turn for turns in rounds for turn in turns if rank in turn.ranks()]
+
+
+def micro_batch_cp_group(params) -> Optional[torch.distributed.ProcessGroup]:
+    """The CP group a micro-batch asks for: its ``cp_group``; None when it asks for none (or
+    carries no choice: the layer's static group applies). Raises on ``local_cp_size > 1``
+    without a group."""
+    if params is None or params.cp_group is not None:
+        return None if params is None else params.cp_group
+    if params.local_cp_size not in (None, 1):
+        raise ValueError(f"packed_seq_params.local_cp_size is {params.local_cp_size} but "
+                         f"cp_group is None: give the micro-batch its CP group.")
+    return None

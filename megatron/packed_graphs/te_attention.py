@@ -12,17 +12,27 @@ megatron-core's `TEDotProductAttention` forwards `PackedSeqParams` to TE as it i
 exactly when the micro-batch carries ``cu_seqlens_*_padded`` as a tensor of its own (the
 training step passes none without CP, and with CP the padded boundaries as both).
 
+Dynamic CP (issue 7): a micro-batch may carry its own CP group (``packed_seq_params.cp_group``,
+or ``local_cp_size == 1`` for none). The core attention then runs TE's CP over that group and
+`DynamicCPSelfAttention` applies the fused THD RoPE with that group's size and rank, as
+megatron-core's `TEDotProductAttention` does for the attention alone. Under a CUDA graph
+the group of the capture is baked in, hence one bank of graphs per CP size (te_graphs.py).
+
 Importing this module imports Transformer Engine.
 """
 
+import copy
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from megatron.core.extensions.transformer_engine import TEDotProductAttention
 from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
 
 _PADDED_MASKS = {
     AttnMaskType.causal: "padding_causal",
@@ -57,6 +67,7 @@ class PackedTEDotProductAttention(TEDotProductAttention):
                                    attention_bias, packed_seq_params, num_splits)
         if attention_bias is not None:
             raise ValueError("PackedTEDotProductAttention does not take attention_bias on THD.")
+        self._set_micro_batch_cp_group(params)
         if params.max_seqlen_q is None or params.max_seqlen_kv is None:
             raise ValueError(
                 "packed_seq_params.max_seqlen_q/kv is None: Transformer Engine would measure it "
@@ -80,12 +91,44 @@ class PackedTEDotProductAttention(TEDotProductAttention):
         )
 
 
+    def _set_micro_batch_cp_group(self, params) -> None:
+        """Dynamic CP: point TE's CP at the micro-batch's group (host only, no sync)."""
+        group = micro_batch_cp_group(params)
+        if group is not None:
+            if TEDotProductAttention.cp_stream is None:  # built by __init__ only for static CP
+                TEDotProductAttention.cp_stream = torch.cuda.Stream()
+            self.set_context_parallel_group(group, torch.distributed.get_process_group_ranks(group),
+                                            TEDotProductAttention.cp_stream, self.cp_comm_type)
+        elif params.local_cp_size == 1:
+            self.set_context_parallel_group(None, None, None, self.cp_comm_type)
+
+
+class DynamicCPSelfAttention(SelfAttention):
+    """megatron-core's SelfAttention; RoPE uses the micro-batch's CP group under dynamic CP.
+
+    Upstream's fused THD RoPE takes CP size and rank from the layer's static group
+    (``pg_collection.cp``); a micro-batch with its own group swaps it in for its call.
+    """
+
+    def forward(self, *args, packed_seq_params=None, **kwargs):
+        group = micro_batch_cp_group(packed_seq_params)
+        if group is None:
+            return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)
+        static = self.pg_collection
+        self.pg_collection = copy.copy(static)  # fields are init=False: no dataclasses.replace
+        self.pg_collection.cp = group
+        try:
+            return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)
+        finally:
+            self.pg_collection = static
+
+
 class PackedTESpecProvider(TESpecProvider):
     """megatron-core's TE spec provider with the sync-free THD core attention (see specs.py)."""
 
     # megatron-core's SelfAttention: with config.apply_rope_fusion its THD RoPE is TE's fused
     # kernel, which reads cu_seqlens on the GPU (and knows the CP layout).
-    self_attention = SelfAttention
+    self_attention = DynamicCPSelfAttention
 
     def core_attention(self):
         return PackedTEDotProductAttention

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import (
     get_current_global_batch_size,
@@ -33,7 +33,10 @@ from megatron.training.datasets.builder import build_data_iterator, build_datase
 from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
 from megatron.training.metrics import IntervalTimer, MetricsLogger
 from megatron.training.profiling import StepProfiler
-from megatron.packed_graphs.core_patches import apply_core_patches
+from megatron.packed_graphs.core_patches import (
+    apply_core_patches,
+    finalize_model_grads_without_host_sync,
+)
 from megatron.packed_graphs.te_graphs import TELayerGraphs
 
 
@@ -161,7 +164,7 @@ def _configure_schedule_hooks(config, model, optimizer) -> None:
     config.no_sync_func = [chunk.no_sync for chunk in model]
     if len(model) == 1:
         config.no_sync_func = config.no_sync_func[0]
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_model_grads_without_host_sync
     config.grad_scale_func = optimizer.scale_loss
 
 

@@ -224,3 +224,38 @@ def test_device_grad_norm_and_clip_match_upstream(cpu_dist, max_norm):
     # A norm read on the host (or any other norm type) keeps upstream's path.
     assert core_patches.grad_norm_on_device(grads, norm_type=1.0) == pytest.approx(
         sum(float(g.abs().sum()) for g in grads), rel=1e-5)
+
+
+def test_upstream_finalize_still_reads_the_token_count_on_the_host():
+    # When this fails, upstream stopped syncing on num_tokens: drop
+    # finalize_model_grads_without_host_sync.
+    import inspect
+
+    from megatron.core.distributed import finalize_model_grads
+
+    assert "if num_tokens > 0:" in inspect.getsource(finalize_model_grads)
+
+
+@pytest.mark.parametrize("tokens", [8, 0])
+def test_finalize_scales_gradients_by_the_token_count_on_the_device(cpu_dist, monkeypatch, tokens):
+    import torch
+    from megatron.core import distributed
+
+    upstream_calls = []
+    monkeypatch.setattr(distributed, "finalize_model_grads",
+                        lambda model, num_tokens, **kw: upstream_calls.append(num_tokens))
+
+    class Chunk:  # the DDP surface the scaling uses
+        def __init__(self):
+            self.grad = torch.full((4,), 2.0)
+
+        def scale_gradients(self, factor):
+            assert torch.is_tensor(factor)  # never read on the host
+            self.grad *= factor
+
+    chunks = [Chunk(), Chunk()]
+    core_patches.finalize_model_grads_without_host_sync(chunks, torch.tensor(tokens))
+    assert upstream_calls == [None]  # upstream does everything but the scaling
+    expected = 2.0 / tokens if tokens else 2.0
+    for chunk in chunks:
+        torch.testing.assert_close(chunk.grad, torch.full((4,), expected))

@@ -96,3 +96,19 @@ def test_group_members_see_their_shared_turns_in_the_same_order():
 def test_rounds_refuse_bad_sizes(sizes, num_ranks, message):
     with pytest.raises(ValueError, match=message):
         schedule_cp_rounds(sizes, num_ranks)
+
+
+def test_micro_batch_cp_group_reads_the_params(cpu_dist):
+    import torch
+
+    from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
+    from megatron.packed_graphs.packed_seq import PackedBatchParams
+
+    group = torch.distributed.new_group([0])
+    assert micro_batch_cp_group(None) is None
+    assert micro_batch_cp_group(PackedBatchParams(qkv_format="thd")) is None
+    assert micro_batch_cp_group(PackedBatchParams(qkv_format="thd", local_cp_size=1)) is None
+    assert micro_batch_cp_group(PackedBatchParams(qkv_format="thd", cp_group=group,
+                                                  local_cp_size=1)) is group
+    with pytest.raises(ValueError, match="local_cp_size is 2 but cp_group is None"):
+        micro_batch_cp_group(PackedBatchParams(qkv_format="thd", local_cp_size=2))
