@@ -90,7 +90,6 @@ class PackedTEDotProductAttention(TEDotProductAttention):
             **({"num_splits": num_splits} if num_splits is not None else {}),
         )
 
-
     def _set_micro_batch_cp_group(self, params) -> None:
         """Dynamic CP: point TE's CP at the micro-batch's group (host only, no sync)."""
         group = micro_batch_cp_group(params)
@@ -126,8 +125,8 @@ class DynamicCPSelfAttention(SelfAttention):
 class PackedTESpecProvider(TESpecProvider):
     """megatron-core's TE spec provider with the sync-free THD core attention (see specs.py)."""
 
-    # megatron-core's SelfAttention: with config.apply_rope_fusion its THD RoPE is TE's fused
-    # kernel, which reads cu_seqlens on the GPU (and knows the CP layout).
+    # megatron-core's SelfAttention (+ the micro-batch's CP group): with apply_rope_fusion its
+    # THD RoPE is TE's fused kernel, which reads cu_seqlens on the GPU (and knows the CP layout).
     self_attention = DynamicCPSelfAttention
 
     def core_attention(self):
