@@ -127,16 +127,14 @@ def schedule_cp_rounds(cp_sizes: Sequence[int], num_ranks: int) -> List[List[CPT
     order = sorted(range(len(cp_sizes)), key=lambda i: -cp_sizes[i])
     for index in order:
         size = cp_sizes[index]
-        placed = False
         for turns, ranks_free in zip(rounds, free):
             start = next((s for s in range(0, num_ranks, size) if all(ranks_free[s:s + size])),
                          None)
             if start is not None:
                 turns.append(CPTurn(index, size, start))
                 ranks_free[start:start + size] = [False] * size
-                placed = True
                 break
-        if not placed:
+        else:  # no round has a free block: open one
             rounds.append([CPTurn(index, size, 0)])
             free.append([r >= size for r in range(num_ranks)])
     return rounds
@@ -151,9 +149,9 @@ def micro_batch_cp_group(params) -> Optional[torch.distributed.ProcessGroup]:
     """The CP group a micro-batch asks for: its ``cp_group``; None when it asks for none (or
     carries no choice: the layer's static group applies). Raises on ``local_cp_size > 1``
     without a group."""
-    if params is None or params.cp_group is not None:
-        return None if params is None else params.cp_group
-    if params.local_cp_size not in (None, 1):
+    if params is None:
+        return None
+    if params.cp_group is None and params.local_cp_size not in (None, 1):
         raise ValueError(f"packed_seq_params.local_cp_size is {params.local_cp_size} but "
                          f"cp_group is None: give the micro-batch its CP group.")
-    return None
+    return params.cp_group
