@@ -17,17 +17,22 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.core import parallel_state
 
-def check_cp_sizes(cp_sizes: Sequence[int], max_cp_size: int) -> Tuple[int, ...]:
+
+def check_cp_sizes(cp_sizes: Sequence[int], max_cp_size: int,
+                   what: str = "CP sizes") -> Tuple[int, ...]:
     """The CP-size set, checked: powers of two, strictly ascending, at most ``max_cp_size``
-    (the ranks that can form one CP group: data-parallel x context-parallel size)."""
+    (the ranks that can form one CP group: data-parallel x context-parallel size). Errors
+    name the set ``what`` (e.g. the flag that gave it)."""
     sizes = tuple(int(c) for c in cp_sizes)
+    shown = " ".join(map(str, sizes))
     if not sizes or any(c < 1 or c & (c - 1) for c in sizes) or list(sizes) != sorted(set(sizes)):
-        raise ValueError(f"CP sizes are wrong: {list(sizes)}. Give powers of two in ascending "
-                         f"order, e.g. 1 2 4.")
+        raise ValueError(f"{what} is wrong: {shown}. Give powers of two in ascending order, "
+                         f"e.g. 1 2 4.")
     if sizes[-1] > max_cp_size:
-        raise ValueError(f"CP sizes are wrong: {sizes[-1]} exceeds the {max_cp_size} ranks of "
-                         f"data x context parallelism. Drop it or use more ranks.")
+        raise ValueError(f"{what} is wrong: {shown}. {sizes[-1]} exceeds the {max_cp_size} "
+                         f"ranks of data x context parallelism; drop it or use more ranks.")
     return sizes
 
 
@@ -155,3 +160,15 @@ def micro_batch_cp_group(params) -> Optional[torch.distributed.ProcessGroup]:
         raise ValueError(f"packed_seq_params.local_cp_size is {params.local_cp_size} but "
                          f"cp_group is None: give the micro-batch its CP group.")
     return params.cp_group
+
+
+def dynamic_cp_group(cp_size: int) -> Optional[torch.distributed.ProcessGroup]:
+    """This rank's CP group of ``cp_size`` ranks: its aligned block of the data x context
+    parallel ranks (None for size 1; the whole DP x CP group for its full size; otherwise
+    megatron-core's hybrid DP x CP group, built by
+    ``initialize_model_parallel(hybrid_context_parallel=True)``)."""
+    if cp_size == 1:
+        return None
+    if cp_size == parallel_state.get_data_parallel_world_size(with_context_parallel=True):
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return parallel_state.get_hybrid_data_context_parallel_groups(group_size=cp_size)

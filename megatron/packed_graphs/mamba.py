@@ -3,6 +3,9 @@
 * `PackedMambaMixer` takes the document index of every token from `PackedBatchParams.seq_idx`
   (built once per micro-batch, no host sync) instead of rebuilding it per layer with the
   upstream ``repeat_interleave`` that reads the lengths back to the host.
+* `PackedMambaMixer` also runs context parallelism on the micro-batch's own CP group when the
+  micro-batch names one (dynamic CP, `packed_seq_params.cp_group`): upstream's
+  `MambaContextParallel` is built once, on the static ``pg_collection.cp``.
 * `HybridStack` is MambaStack with its final norm taken from the spec: 0.16.1 hard-codes
   ``TENorm`` there, which makes the stack unbuildable without Transformer Engine. It is
   also the hybrid model's chunk for chunk graphs (chunk_graphs.py).
@@ -12,16 +15,47 @@ from dataclasses import dataclass
 from typing import Union
 
 from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron.packed_graphs.chunk_graphs import ChunkGraphDispatch
+from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
 from megatron.packed_graphs.packed_seq import build_seq_idx
 
 
 class PackedMambaMixer(MambaMixer):
-    """MambaMixer whose packed ``seq_idx`` comes from the micro-batch's params."""
+    """MambaMixer whose packed ``seq_idx`` and CP group come from the micro-batch's params."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._cp_by_group = {}  # micro-batch CP group -> MambaContextParallel over it
+
+    def forward(self, hidden_states, inference_context=None, *, packed_seq_params=None,
+                **kwargs):
+        static_cp = self.cp
+        self.cp = self._context_parallel_for(packed_seq_params)
+        try:
+            return super().forward(hidden_states, inference_context,
+                                   packed_seq_params=packed_seq_params, **kwargs)
+        finally:
+            self.cp = static_cp
+
+    def _context_parallel_for(self, packed_seq_params) -> MambaContextParallel:
+        """The static CP object, or one over the micro-batch's CP group (built once per group:
+        it only slices this layer's parameters and holds no state of its own)."""
+        group = micro_batch_cp_group(packed_seq_params)
+        if group is None:
+            return self.cp  # dynamic CP runs with static CP size 1 (checked at parse time)
+        if group not in self._cp_by_group:
+            cp = self.cp
+            self._cp_by_group[group] = MambaContextParallel(
+                cp_group=group, d_inner_local_tp=cp.d_inner_local_tp,
+                nheads_local_tp=cp.nheads_local_tp, ngroups_local_tp=cp.ngroups_local_tp,
+                d_state=cp.d_state, conv1d_cp1=cp.conv1d_cp1, dt_bias_cp1=cp.dt_bias_cp1,
+                A_log_cp1=cp.A_log_cp1, D_cp1=cp.D_cp1, D_has_hdim=cp.D_has_hdim)
+        return self._cp_by_group[group]
 
     def _create_packed_seq_idx(self, packed_seq_params, total_tokens: int):
         seq_idx = getattr(packed_seq_params, "seq_idx", None)

@@ -16,6 +16,12 @@ takes only tensors as inputs, while a packed micro-batch reaches the layers as a
 * `TELayerGraphs.capture` captures every layer once, after ``--cuda-graph-warmup-steps``
   eager iterations, before the schedule of the first graphed iteration.
 
+* Dynamic CP (issue 7): one **bank** of layer graphs per CP size, each captured with that
+  size's process group baked in and its own `PackedGraphInputs`; a micro-batch is loaded into
+  its size's buffers (`TELayerGraphs.load`) and each layer replays the bank whose buffers the
+  params point at. Every rank captures every bank, in ascending size order, so the members
+  of a group meet the capture's collectives together.
+
 Pipeline parallelism is not supported here (TE's capture order would have to follow the
 1F1B schedule; the local implementation's layer and chunk graphs cover PP); with PP = 1 a
 micro-batch's backward finishes before the next one's forward, so one graph per layer and one
@@ -24,7 +30,7 @@ set of buffers serve every micro-batch.
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -51,20 +57,25 @@ class PackedGraphInputs:
     """Static packed metadata shared by every layer graph of a model (see module doc).
 
     ``buffers``: graph keyword -> static tensor (only the ones this model uses);
-    ``max_seqlen``: host int, the static ``max_seqlen_q/kv``.
+    ``max_seqlen``: host int, the static ``max_seqlen_q/kv``;
+    ``local_cp_size``/``cp_group``: the micro-batch CP choice baked into these graphs (dynamic
+    CP; None/None: the layers' static CP group).
     """
 
     buffers: Dict[str, Tensor]
     max_seqlen: int
     # CP: the padded boundaries are the cu_seqlens tensor itself (no padding between docs).
     padded_is_cu_seqlens: bool = False
+    local_cp_size: Optional[int] = None
+    cp_group: Optional[torch.distributed.ProcessGroup] = None
 
     @classmethod
     def like(cls, params: PackedBatchParams) -> "PackedGraphInputs":
         """Buffers shaped like a (capacity-padded) micro-batch's params, holding its values."""
         buffers = {key: value.detach().clone() for key, value in graph_tensors(params).items()}
         return cls(buffers, params.max_seqlen_q,
-                   padded_is_cu_seqlens=params.cu_seqlens_q_padded is params.cu_seqlens_q)
+                   padded_is_cu_seqlens=params.cu_seqlens_q_padded is params.cu_seqlens_q,
+                   local_cp_size=params.local_cp_size, cp_group=params.cp_group)
 
     def load(self, params: PackedBatchParams) -> PackedBatchParams:
         """Copy a graphed micro-batch's metadata into the buffers (device copies, no sync).
@@ -75,6 +86,9 @@ class PackedGraphInputs:
         if params.max_seqlen_q != self.max_seqlen:
             raise ValueError(f"micro-batch max_seqlen {params.max_seqlen_q} differs from the "
                              f"captured {self.max_seqlen}")
+        if params.local_cp_size != self.local_cp_size or params.cp_group is not self.cp_group:
+            raise ValueError(f"micro-batch CP size {params.local_cp_size} (or its group) differs "
+                             f"from the captured {self.local_cp_size}")
         tensors = graph_tensors(params)
         layout = {key: tuple(value.shape) for key, value in tensors.items()}
         captured = {key: tuple(value.shape) for key, value in self.buffers.items()}
@@ -96,6 +110,7 @@ class PackedGraphInputs:
             cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
             max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
             position_ids=tensors.get("position_ids"), seq_idx=tensors.get("seq_idx"),
+            local_cp_size=self.local_cp_size, cp_group=self.cp_group,
         )
 
 
@@ -125,10 +140,11 @@ class TEGraphDispatch:
 
     megatron-core's ``GraphableMegatronModule.__call__`` asks `_should_call_te_cudagraph`, then
     calls `_te_cuda_graph_capture` while TE captures or `_te_cuda_graph_replay` once graphs
-    exist. ``self.cuda_graphs`` holds this layer's one graphed callable after capture.
+    exist. ``self.cuda_graphs[i]`` is this layer's graphed callable of bank ``i``, captured
+    over ``self._graph_inputs[i]`` (one bank without dynamic CP).
     """
 
-    _packed_graph_inputs: Optional[PackedGraphInputs] = None
+    _graph_inputs: Sequence[PackedGraphInputs] = ()
 
     def _should_call_te_cudagraph(self, *args, **kwargs):
         if cuda_graphs_bypassed():
@@ -138,7 +154,7 @@ class TEGraphDispatch:
     def _te_cuda_graph_capture(self, hidden_states, **tensors):
         """The captured callable: tensors in, the layer's hidden states out."""
         rotary_pos_emb = tensors.pop("rotary_pos_emb", None)
-        params = self._packed_graph_inputs.params(tensors)
+        params = self._graph_inputs[-1].params(tensors)  # the bank being captured
         output = self.forward(hidden_states, rotary_pos_emb=rotary_pos_emb,
                               packed_seq_params=params)
         return output[0] if isinstance(output, tuple) else output  # (hidden, context=None)
@@ -146,15 +162,17 @@ class TEGraphDispatch:
     def _te_cuda_graph_replay(self, *args, **kwargs):
         hidden_states = args[0] if args else kwargs["hidden_states"]
         params = kwargs.get("packed_seq_params")
-        buffers = self._packed_graph_inputs.buffers
-        if params is None or params.cu_seqlens_q is not buffers["cu_seqlens"]:
+        cu_seqlens = None if params is None else params.cu_seqlens_q
+        bank = next((i for i, inputs in enumerate(self._graph_inputs)
+                     if cu_seqlens is inputs.buffers["cu_seqlens"]), None)
+        if bank is None:
             raise RuntimeError(
                 "a graphed micro-batch must be loaded into the graphs' static buffers "
-                "(PackedGraphInputs.load) before the model runs; the training step does this")
+                "(TELayerGraphs.load) before the model runs; the training step does this")
         for hook, hook_args in self.cuda_graph_manual_hooks:
             hook(*hook_args)
-        output = self.cuda_graphs[0](hidden_states,
-                                     **graph_kwargs(params, kwargs.get("rotary_pos_emb")))
+        output = self.cuda_graphs[bank](hidden_states,
+                                        **graph_kwargs(params, kwargs.get("rotary_pos_emb")))
         return (output, None) if isinstance(self, TransformerLayer) else output
 
 
@@ -171,7 +189,8 @@ def rotary_table(model_chunk, max_seqlen: int) -> Optional[Tensor]:
 
 
 class TELayerGraphs:
-    """Captures every graphable layer of a PP = 1 model with TE's ``make_graphed_callables``."""
+    """Captures every graphable layer of a PP = 1 model with TE's ``make_graphed_callables``:
+    one bank of graphs, or one per CP size under dynamic CP."""
 
     def __init__(self, model: list, config, tokens_per_rank: int, warmup_iters: int = 2):
         if len(model) != 1:
@@ -179,31 +198,60 @@ class TELayerGraphs:
         self.model, self.config = model, config
         self.tokens_per_rank = tokens_per_rank
         self.warmup_iters = warmup_iters
-        self.inputs: Optional[PackedGraphInputs] = None
+        self.banks: Dict[Optional[int], PackedGraphInputs] = {}  # by local_cp_size
 
-    def capture(self, params: PackedBatchParams) -> dict:
-        """Capture all layers for micro-batches laid out like ``params`` (capacity-padded).
+    @property
+    def captured(self) -> bool:
+        return bool(self.banks)
+
+    def load(self, params: PackedBatchParams) -> PackedBatchParams:
+        """Copy a graphed micro-batch's metadata into its bank's buffers (no sync); returns
+        params over them. Raises ValueError when no bank was captured for its CP size."""
+        bank = self.banks.get(params.local_cp_size)
+        if bank is None:
+            raise ValueError(f"no graphs were captured for CP size {params.local_cp_size} "
+                             f"(banks: {sorted(self.banks, key=str)})")
+        return bank.load(params)
+
+    def capture(self, bank_params: Sequence[PackedBatchParams]) -> dict:
+        """Capture all layers once per bank, for micro-batches laid out like each of
+        ``bank_params`` (capacity-padded; distinct ``local_cp_size``, ascending).
 
         Syncs the device (TE warms up on a side stream between synchronisations; the memory
-        measurement empties the allocator cache). Returns the
-        log-line statistics: capture time, graph memory, graph count.
+        measurement empties the allocator cache). Every rank must call this with the same
+        banks in the same order (captures run the banks' collectives). Returns the log-line
+        statistics: capture time, graph memory (per bank under dynamic CP), graph count.
         """
+        stats = {"graphs captured": 0}
+        start = time.perf_counter()
+        for params in bank_params:
+            memory = self._capture_bank(params)
+            name = ("graph memory (MiB)" if params.local_cp_size is None
+                    else f"graph memory cp{params.local_cp_size} (MiB)")
+            stats[name] = round(memory / 2**20, 1)
+            stats["graphs captured"] += 2 * len(graphable_layers(self.model[0]))
+        stats["graph capture (s)"] = round(time.perf_counter() - start, 2)
+        return stats
+
+    def _capture_bank(self, params: PackedBatchParams) -> int:
+        """Capture one bank; returns the graph memory it reserved (bytes)."""
         from megatron.core.transformer import cuda_graphs as mcore_graphs
         from transformer_engine.pytorch.graph import make_graphed_callables
 
         chunk = self.model[0]
         layers = graphable_layers(chunk)
-        self.inputs = PackedGraphInputs.like(params)
-        for layer in layers:
-            layer._packed_graph_inputs = self.inputs
-        kwargs = graph_kwargs(self.inputs.params(self.inputs.buffers),
-                              rotary_table(chunk, self.inputs.max_seqlen))
+        inputs = self.banks[params.local_cp_size] = PackedGraphInputs.like(params)
+        kwargs = graph_kwargs(inputs.params(inputs.buffers), rotary_table(chunk, inputs.max_seqlen))
         dtype = self.config.params_dtype
         sample_args = tuple(
             (torch.zeros(self.tokens_per_rank, 1, self.config.hidden_size, dtype=dtype,
                          device="cuda", requires_grad=True),)
             for _ in layers)
-        reserved, start = reserved_without_cache(), time.perf_counter()
+        banks_so_far = [(layer.cuda_graphs, layer._graph_inputs) for layer in layers]
+        for layer in layers:
+            # Empty `cuda_graphs` makes megatron-core's dispatch capture, not replay.
+            layer.cuda_graphs, layer._graph_inputs = [], [*layer._graph_inputs, inputs]
+        reserved = reserved_without_cache()
         mcore_graphs._set_capture_start()  # megatron-core's dispatch reads this flag
         try:
             graphed = make_graphed_callables(
@@ -212,12 +260,7 @@ class TELayerGraphs:
                 _order=[1, -1], _num_layers_per_chunk=[len(layers)])
         finally:
             mcore_graphs._set_capture_end()
-        for layer, callable_ in zip(layers, graphed):
-            layer.cuda_graphs = [callable_]
+        for layer, callable_, (callables, _) in zip(layers, graphed, banks_so_far):
+            layer.cuda_graphs = [*callables, callable_]
         torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        return {
-            "graph capture (s)": round(elapsed, 2),
-            "graph memory (MiB)": round((reserved_without_cache() - reserved) / 2**20, 1),
-            "graphs captured": 2 * len(layers),
-        }
+        return reserved_without_cache() - reserved

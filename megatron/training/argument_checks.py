@@ -140,6 +140,23 @@ def _check_mamba(args):
              f"It must divide the Mamba head count ({heads})")
 
 
+def _mamba_heads(args) -> int:
+    return args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
+
+
+def _check_mamba_cp(args, flag: str, cp: int):
+    """What megatron-core's MambaContextParallel asserts: every CP rank gets whole heads,
+    and the B/C groups split over (or repeat across) the CP ranks evenly."""
+    tp = args.tensor_model_parallel_size
+    heads, groups = _mamba_heads(args) // tp, args.mamba_num_groups // tp
+    if heads % cp:
+        fail(flag, cp, f"Mamba context parallelism splits each TP rank's {heads} heads over the "
+                       f"CP ranks; use a CP size that divides {heads}")
+    if (cp % groups) if groups < cp else (groups % cp):
+        fail(flag, cp, f"Mamba context parallelism needs the CP size and each TP rank's "
+                       f"{groups} groups (--mamba-num-groups / TP) to divide one another")
+
+
 def check_parallelism(args, model: str, world_size: int):
     """TP/PP/VPP/CP/SP; fills data_parallel_size and virtual_pipeline_model_parallel_size."""
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -179,10 +196,7 @@ def check_parallelism(args, model: str, world_size: int):
                  f"split evenly over {tp} TP ranks")
     if cp > 1:
         if model == "hybrid":
-            fail("--context-parallel-size", cp,
-                 "Context parallelism on packed data is built for GPT models; the Mamba layers "
-                 "of a hybrid model do not split a THD stream across CP ranks. Use "
-                 "--context-parallel-size 1")
+            _check_mamba_cp(args, "--context-parallel-size", cp)
         _require_package("transformer_engine", "--context-parallel-size", cp)
         if args.attention_backend not in ("te", "auto"):
             fail("--context-parallel-size", cp,
@@ -451,3 +465,69 @@ def check_cuda_graphs(args):
     if args.model == "gpt" and "mamba" in args.cuda_graph_scope:
         fail("--cuda-graph-scope", "mamba",
              "A gpt model has no Mamba layers; use attn and/or mlp")
+
+
+def check_dynamic_cp(args, world_size: int):
+    """--dynamic-cp-sizes and --dynamic-cp-max-packed-seqs; fills dynamic_cp_tokens_per_rank
+    (0 without dynamic CP) and dynamic_cp_max_packed_seqs (one capacity per size)."""
+    from megatron.packed_graphs.dynamic_cp import check_cp_sizes
+
+    sizes, capacities = args.dynamic_cp_sizes, args.dynamic_cp_max_packed_seqs
+    args.dynamic_cp_tokens_per_rank = 0
+    if not sizes:
+        if capacities:
+            fail("--dynamic-cp-max-packed-seqs", _as_typed(capacities),
+                 "It sizes the graph banks of dynamic CP; add --dynamic-cp-sizes or drop it")
+        return
+    flag, shown = "--dynamic-cp-sizes", _as_typed(sizes)
+    ranks = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    check_cp_sizes(sizes, ranks, what=flag)
+    if ranks & (ranks - 1):
+        fail(flag, shown, f"Dynamic CP places micro-batches on power-of-two blocks of the "
+                          f"{ranks} data-parallel ranks; use a power-of-two rank count")
+    refusals = [
+        (args.context_parallel_size > 1, "--context-parallel-size", args.context_parallel_size,
+         "Dynamic CP picks each micro-batch's CP group from the data-parallel ranks; use "
+         "--context-parallel-size 1"),
+        (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
+         args.pipeline_model_parallel_size,
+         "Ranks run different numbers of micro-batches under dynamic CP, which pipeline "
+         "stages cannot; use --pipeline-model-parallel-size 1"),
+        (args.micro_batch_size != 1, "--micro-batch-size", args.micro_batch_size,
+         "Under dynamic CP a micro-batch is one packed stream; use --micro-batch-size 1"),
+        (bool(args.rampup_batch_size), "--rampup-batch-size", _as_typed(args.rampup_batch_size or []),
+         "Dynamic CP reads whole global batches; drop the ramp-up"),
+        (not args.calculate_per_token_loss, "--no-calculate-per-token-loss", True,
+         "Ranks run different numbers of micro-batches under dynamic CP, so only the "
+         "per-token loss weighs them right; drop the flag"),
+        (args.cuda_graph_impl == "local", "--cuda-graph-impl", "local",
+         "Graph banks per CP size are built on --cuda-graph-impl transformer_engine; use it "
+         "or none"),
+    ]
+    for refused, what, value, todo in refusals:
+        if refused:
+            fail(what, value, todo)
+    if sizes[-1] > 1:
+        _require_package("transformer_engine", flag, shown)
+        if args.attention_backend not in ("te", "auto"):
+            fail(flag, shown, f"CP attention on packed data runs on Transformer Engine, not "
+                              f"--attention-backend {args.attention_backend}; use te or auto")
+        if args.model == "hybrid":
+            for size in sizes[1:]:
+                _check_mamba_cp(args, flag, size)
+    largest = sizes[-1]
+    if args.seq_length % (2 * largest * largest):
+        fail("--seq-length", args.seq_length,
+             f"With --dynamic-cp-sizes up to {largest} every rank holds --seq-length / {largest} "
+             f"positions, a multiple of 2 x {largest}: use a multiple of {2 * largest * largest}")
+    args.dynamic_cp_tokens_per_rank = args.seq_length // largest
+    if capacities is None:
+        capacities = [args.cuda_graph_max_packed_seqs] * len(sizes)
+    elif args.cuda_graph_impl == "none":
+        fail("--dynamic-cp-max-packed-seqs", _as_typed(capacities),
+             "It would be silently ignored without graphs; add --cuda-graph-impl "
+             "transformer_engine")
+    elif len(capacities) != len(sizes) or min(capacities) < 1:
+        fail("--dynamic-cp-max-packed-seqs", _as_typed(capacities),
+             f"Give one positive capacity per --dynamic-cp-sizes entry ({len(sizes)})")
+    args.dynamic_cp_max_packed_seqs = list(capacities)

@@ -99,6 +99,15 @@ def _add_parallelism_args(parser):
                    help="Alternative to --virtual-pipeline-model-parallel-size: layers per "
                         "model chunk.")
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--dynamic-cp-sizes", type=int, nargs="+", default=None, metavar="C",
+                   help="Dynamic context parallelism: CP sizes a packed micro-batch may take, "
+                        "ascending powers of two up to the data-parallel size (e.g. 1 2 4). A "
+                        "micro-batch of size C holds C x (--seq-length / max size) positions. "
+                        "See docs/context-parallel.md.")
+    g.add_argument("--dynamic-cp-max-packed-seqs", type=int, nargs="+", default=None,
+                   metavar="N",
+                   help="Graph capacity (packed documents) of each --dynamic-cp-sizes bank, one "
+                        "per size (default: --cuda-graph-max-packed-seqs for every size).")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state across data-parallel ranks.")
@@ -243,7 +252,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     Derived: model, num_layers (hybrid), ffn_hidden_size, num_query_groups, kv_channels,
     max_position_embeddings, data_parallel_size, virtual_pipeline_model_parallel_size,
     global_batch_size, num_microbatches, lr_decay_iters, cuda_graph_scope (list of names),
-    padded_vocab_size. ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset).
+    dynamic_cp_tokens_per_rank, dynamic_cp_max_packed_seqs, padded_vocab_size. ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset).
     """
     checks.check_model_name(model)
     if world_size is None:
@@ -259,6 +268,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     checks.check_data(args)
     checks.check_attention(args)
     checks.check_cuda_graphs(args)
+    checks.check_dynamic_cp(args, world_size)
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
     return args

@@ -48,6 +48,8 @@ def initialize_distributed(args) -> None:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        # Dynamic CP: megatron-core's aligned DP x CP groups of every power-of-two size.
+        hybrid_context_parallel=max(args.dynamic_cp_sizes or [1]) > 1,
     )
     init_num_microbatches_calculator(
         rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,

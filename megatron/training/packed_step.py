@@ -7,9 +7,9 @@ GPU->CPU sync.
 """
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.capacity import pad_cu_seqlens
 from megatron.packed_graphs.context_parallel import select_cp_tokens, thd_partition_index
+from megatron.packed_graphs.dynamic_cp import CPTurn, dynamic_cp_group
 from megatron.packed_graphs.dispatch import (
     GraphDecision,
     GraphSettings,
@@ -86,6 +87,17 @@ def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen:
                             batch["num_segments"], batch["num_documents"])
 
 
+def dummy_micro_batch(num_positions: int) -> dict:
+    """A collated micro-batch of one all-padding segment (loss mask 0, no document): the
+    layout TE graph banks are captured with (its boundaries cover the whole buffer, so fused
+    RoPE writes every position)."""
+    zeros = torch.zeros(1, num_positions, dtype=torch.int64)
+    return {"tokens": zeros, "labels": zeros, "loss_mask": zeros.float(),
+            "position_ids": torch.arange(num_positions).unsqueeze(0),
+            "cu_seqlens": torch.tensor([0, num_positions], dtype=torch.int32),
+            "num_segments": 1, "num_documents": 0, "max_seqlen": num_positions}
+
+
 def masked_lm_loss(loss_mask: Tensor, output_tensor: Tensor):
     """Sum of per-token losses over ``loss_mask`` and the token count (Megatron's 3-tuple).
 
@@ -119,10 +131,15 @@ class PackedForwardStep:
     Micro-batches that never went through `begin_iteration` (evaluation) run eager.
     """
 
-    def __init__(self, *, with_seq_idx: bool, graphs: GraphSettings, cp_size: int = 1):
+    def __init__(self, *, with_seq_idx: bool, graphs: GraphSettings, cp_size: int = 1,
+                 dynamic_cp_capacities: Optional[Dict[int, int]] = None,
+                 dynamic_cp_tokens_per_rank: int = 0):
         self.with_seq_idx = with_seq_idx
         self.graphs = graphs
         self.cp_size = cp_size
+        # Dynamic CP: graph capacity of every CP size's bank, and each rank's positions.
+        self.dynamic_cp_capacities = dynamic_cp_capacities or {}
+        self.dynamic_cp_tokens_per_rank = dynamic_cp_tokens_per_rank
         # --cuda-graph-impl transformer_engine: captured here, before the schedule of the
         # first graphed iteration (the local implementation captures inside the schedule).
         self.te_graphs: Optional[TELayerGraphs] = None
@@ -135,11 +152,19 @@ class PackedForwardStep:
 
     @classmethod
     def from_args(cls, args, *, with_seq_idx: bool) -> "PackedForwardStep":
+        sizes = args.dynamic_cp_sizes or []
         return cls(with_seq_idx=with_seq_idx, graphs=graph_settings_from_args(args),
-                   cp_size=args.context_parallel_size)
+                   cp_size=args.context_parallel_size,
+                   dynamic_cp_capacities=dict(zip(sizes, args.dynamic_cp_max_packed_seqs or [])),
+                   dynamic_cp_tokens_per_rank=args.dynamic_cp_tokens_per_rank)
 
     def begin_iteration(self, micro_batches_per_chunk: List[List[dict]]) -> None:
         """Plan graph replay for this iteration; every chunk's list holds the same micro-batches."""
+        if self.dynamic_cp_capacities:
+            self._decisions = self._plan_dynamic_cp(micro_batches_per_chunk[0])
+            for batch, decision in zip(micro_batches_per_chunk[0], self._decisions):
+                batch["graph_decision"] = decision
+            return
         counts = [batch["num_segments"] for batch in micro_batches_per_chunk[0]]
         self._decisions = plan_iteration(self.graphs, self._iteration, self._captured, counts)
         if self.te_graphs is not None and not self._captured:
@@ -148,11 +173,37 @@ class PackedForwardStep:
                                   if decision.graphed), None)
             if first_graphed is not None:  # capture with this micro-batch's layout
                 params = self._to_device(*first_graphed).params
-                self._te_capture_stats = self.te_graphs.capture(params)
+                self._te_capture_stats = self.te_graphs.capture([params])
                 self._captured = (self.graphs.capacity,)
         for batches in micro_batches_per_chunk:
             for batch, decision in zip(batches, self._decisions):
                 batch["graph_decision"] = decision
+
+    def _plan_dynamic_cp(self, batches: List[dict]) -> List[GraphDecision]:
+        """Dynamic CP: each micro-batch against its CP size's bank. The banks are captured
+        at the first iteration past the warm-up on every rank alike (captures run the groups'
+        collectives), whatever this rank's own micro-batches are."""
+        if (self.te_graphs is not None and not self.te_graphs.captured
+                and self._iteration >= self.graphs.warmup_iterations):
+            self._te_capture_stats = self.te_graphs.capture(
+                [self._bank_layout(size) for size in sorted(self.dynamic_cp_capacities)])
+            self._captured = tuple(sorted(set(self.dynamic_cp_capacities.values())))
+        decisions = []
+        for batch in batches:
+            capacity = self.dynamic_cp_capacities[batch["cp_turn"].cp_size]
+            captured = (capacity,) if self._captured else ()
+            settings = replace(self.graphs, capacity=capacity, ladder=())
+            decisions += plan_iteration(settings, self._iteration, captured,
+                                        [batch["num_segments"]])
+        return decisions
+
+    def _bank_layout(self, cp_size: int):
+        """Params laid out like a graphed micro-batch of CP size ``cp_size`` (capture input)."""
+        rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        turn = CPTurn(micro_batch=0, cp_size=cp_size, first_rank=rank - rank % cp_size)
+        batch = dummy_micro_batch(cp_size * self.dynamic_cp_tokens_per_rank) | {"cp_turn": turn}
+        graphed = GraphDecision(Reason.GRAPHED, self.dynamic_cp_capacities[cp_size])
+        return self._to_device(batch, graphed).params
 
     def end_iteration(self) -> dict:
         """Counters of the iteration just run, for its log line and metrics record."""
@@ -178,18 +229,28 @@ class PackedForwardStep:
         return stats
 
     def _to_device(self, batch: dict, decision: GraphDecision) -> PackedMicroBatch:
-        cp_rank = parallel_state.get_context_parallel_rank() if self.cp_size > 1 else 0
-        return to_device_micro_batch(
+        turn: Optional[CPTurn] = batch.get("cp_turn")  # dynamic CP: the micro-batch's group
+        if turn is not None:
+            cp_size = turn.cp_size
+            cp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) - \
+                turn.first_rank
+        else:
+            cp_size = self.cp_size
+            cp_rank = parallel_state.get_context_parallel_rank() if cp_size > 1 else 0
+        mb = to_device_micro_batch(
             batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.graphs.enabled,
             capacity=decision.capacity if decision.graphed else None,
-            cp_size=self.cp_size, cp_rank=cp_rank)
+            cp_size=cp_size, cp_rank=cp_rank)
+        if turn is not None:
+            mb.params.local_cp_size, mb.params.cp_group = cp_size, dynamic_cp_group(cp_size)
+        return mb
 
     def __call__(self, data_iterator, model):
         batch = next(data_iterator)
         decision = batch.get("graph_decision", GraphDecision(Reason.DISABLED))
         mb = self._to_device(batch, decision)
         if decision.graphed and self.te_graphs is not None:
-            mb.params = self.te_graphs.inputs.load(mb.params)
+            mb.params = self.te_graphs.load(mb.params)
         self._micro_batches += 1
         self._documents += mb.num_documents
         eager = self.graphs.enabled and not decision.graphed

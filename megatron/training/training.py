@@ -29,7 +29,11 @@ from megatron.training.config import (
     optimizer_config_from_args,
     transformer_config_from_args,
 )
-from megatron.training.datasets.builder import build_data_iterator, build_datasets, describe_packing
+from megatron.training.datasets.builder import (
+    build_datasets,
+    build_iteration_reader,
+    describe_packing,
+)
 from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
 from megatron.training.metrics import IntervalTimer, MetricsLogger
 from megatron.training.profiling import StepProfiler
@@ -110,13 +114,13 @@ def _to_float(value) -> float:
     return float("nan") if value is None else float(value)
 
 
-def _run_schedule(args, forward_step, data_iterators, model, forward_only: bool,
-                  num_microbatches: int):
+def _run_schedule(args, forward_step, micro_batches, model, forward_only: bool):
+    """Run the schedule over ``micro_batches`` (one list per model chunk)."""
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=data_iterators,
+        data_iterator=[iter(batches) for batches in micro_batches],
         model=model,
-        num_microbatches=num_microbatches,
+        num_microbatches=len(micro_batches[0]),
         # THD: the micro-batch's rows travel between stages as one [mbs * seq, 1, h] stream.
         seq_length=args.micro_batch_size * args.seq_length,
         micro_batch_size=1,
@@ -124,9 +128,10 @@ def _run_schedule(args, forward_step, data_iterators, model, forward_only: bool,
     )
 
 
-def train_step(args, forward_step, data_iterators, model, optimizer, scheduler,
-               num_microbatches: int, global_batch_size: int):
-    """One optimizer step over ``num_microbatches`` micro-batches (``global_batch_size`` samples).
+def train_step(args, forward_step, micro_batches, model, optimizer, scheduler,
+               global_batch_size: int):
+    """One optimizer step over this rank's ``micro_batches`` (one list per model chunk) of a
+    ``global_batch_size``-sample iteration.
 
     Returns ``(lm_loss, grad_norm, num_zeros)``. Nothing here waits for the GPU: lm_loss
     (None off the last stage) and grad_norm are CUDA tensors, read only when logged.
@@ -134,12 +139,10 @@ def train_step(args, forward_step, data_iterators, model, optimizer, scheduler,
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    # Read the iteration's micro-batches up front so the forward step can plan them all
+    # The iteration's micro-batches are read up front so the forward step can plan them all
     # (e.g. CUDA-graph replay vs eager) before the schedule starts.
-    micro_batches = [[next(it) for _ in range(num_microbatches)] for it in data_iterators]
     forward_step.begin_iteration(micro_batches)
-    losses_reduced = _run_schedule(args, forward_step, [iter(b) for b in micro_batches], model,
-                                   forward_only=False, num_microbatches=num_microbatches)
+    losses_reduced = _run_schedule(args, forward_step, micro_batches, model, forward_only=False)
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         scheduler.step(increment=global_batch_size)
@@ -147,13 +150,13 @@ def train_step(args, forward_step, data_iterators, model, optimizer, scheduler,
 
 
 @torch.no_grad()
-def evaluate(args, forward_step, data_iterators, model) -> float:
+def evaluate(args, forward_step, read_valid, model) -> float:
     for chunk in model:
         chunk.eval()
     losses = []
     for _ in range(args.eval_iters):
-        losses += _run_schedule(args, forward_step, data_iterators, model, forward_only=True,
-                                num_microbatches=args.num_microbatches)
+        losses += _run_schedule(args, forward_step, read_valid(args.num_microbatches), model,
+                                forward_only=True)
     for chunk in model:
         chunk.train()
     return _to_float(_reduce_loss(losses))
@@ -170,6 +173,8 @@ def _configure_schedule_hooks(config, model, optimizer) -> None:
 
 def _tokens_per_rank(args) -> int:
     """Positions of a micro-batch's THD stream that one rank's layers see."""
+    if args.dynamic_cp_sizes:
+        return args.dynamic_cp_tokens_per_rank
     tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size
     return tokens // args.tensor_model_parallel_size if args.sequence_parallel else tokens
 
@@ -204,18 +209,12 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
     train_ds, valid_ds, stats = build_datasets(args)
     if stats is not None:
         print_rank_0(f" > packed training data: {describe_packing(stats)}")
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    num_chunks = len(model)
     # Every pipeline stage and virtual chunk reads the same micro-batch sequence itself:
     # the packed metadata (cu_seqlens) is needed on every stage.
-    train_iters = [build_data_iterator(train_ds, consumed_samples, args.micro_batch_size,
-                                       dp_rank, dp_size, num_workers=args.num_workers)
-                   for _ in range(num_chunks)]
-    valid_iters = None
+    read_train = build_iteration_reader(train_ds, consumed_samples, args, len(model))
+    read_valid = None
     if valid_ds is not None and args.eval_interval > 0:
-        valid_iters = [build_data_iterator(valid_ds, 0, args.micro_batch_size, dp_rank, dp_size,
-                                           cycle=True) for _ in range(num_chunks)]
+        read_valid = build_iteration_reader(valid_ds, 0, args, len(model), cycle=True)
 
     logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters)
     profiler = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end,
@@ -232,8 +231,9 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
         # --rampup-batch-size grows the batch with the samples consumed (megatron-core).
         update_num_microbatches(consumed_samples, consistency_check=True)
         num_microbatches, batch = get_num_microbatches(), get_current_global_batch_size()
-        lm_loss, grad_norm, num_zeros = train_step(args, forward_step, train_iters, model,
-                                                   optimizer, scheduler, num_microbatches, batch)
+        lm_loss, grad_norm, num_zeros = train_step(args, forward_step,
+                                                   read_train(num_microbatches), model,
+                                                   optimizer, scheduler, batch)
         iteration += 1
         consumed_samples += batch
         interval.add(batch, forward_step.end_iteration() | profiler.finish(iteration))
@@ -254,8 +254,8 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
             }
             logger.log_train(record)
             interval.restart()
-        if valid_iters and iteration % args.eval_interval == 0:
-            logger.log_valid(iteration, evaluate(args, forward_step, valid_iters, model))
+        if read_valid and iteration % args.eval_interval == 0:
+            logger.log_valid(iteration, evaluate(args, forward_step, read_valid, model))
             interval.restart()
         saved = args.save and args.save_interval and iteration % args.save_interval == 0
         if saved:

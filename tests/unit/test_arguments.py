@@ -342,9 +342,15 @@ def test_context_parallel_needs_te_backend(with_te):
         validate("--context-parallel-size", 2, "--attention-backend", "torch", world_size=2)
 
 
-def test_context_parallel_is_refused_on_hybrid_models(with_te):
-    with pytest.raises(ValueError, match="--context-parallel-size is wrong: 2. .*built for GPT"):
-        validate("--context-parallel-size", 2, model="hybrid", world_size=2)
+def test_context_parallel_on_hybrid_models_splits_mamba_heads(with_te):
+    args = validate("--context-parallel-size", 2, model="hybrid", world_size=2)
+    assert args.context_parallel_size == 2
+    with pytest.raises(ValueError, match="--context-parallel-size is wrong: 16.*8 heads"):
+        validate("--context-parallel-size", 16, "--seq-length", 512, model="hybrid",
+                 world_size=16)
+    with pytest.raises(ValueError, match="--context-parallel-size is wrong: 3.*2 groups"):
+        validate("--context-parallel-size", 3, "--mamba-num-heads", 12, "--mamba-num-groups", 2,
+                 "--seq-length", 258, model="hybrid", world_size=3)
 
 
 def test_context_parallel_seq_length_multiple(with_te):
@@ -555,7 +561,8 @@ ALLOWED_OPTIONS = [
     "--cuda-graph-capacity-ladder", "--cuda-graph-granularity", "--cuda-graph-impl",
     "--cuda-graph-max-packed-seqs", "--cuda-graph-scope", "--cuda-graph-warmup-steps",
     "--data-path", "--deterministic-mode", "--distributed-backend",
-    "--distributed-timeout-minutes", "--eval-interval", "--eval-iters", "--exit-interval",
+    "--distributed-timeout-minutes", "--dynamic-cp-max-packed-seqs", "--dynamic-cp-sizes",
+    "--eval-interval", "--eval-iters", "--exit-interval",
     "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--help",
     "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern", "--init-method-std",
     "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval",
@@ -646,3 +653,62 @@ def test_graphs_on_te_attention_switch_on_the_te_rng_tracker(with_te):
 def test_te_rng_tracker_needs_te():
     with pytest.raises(ValueError, match=r"--te-rng-tracker is wrong: True.*\.\[te\]"):
         validate("--te-rng-tracker")
+
+
+# ---------------------------------------------------------------- dynamic context parallelism
+
+DYNAMIC_CP = ("--dynamic-cp-sizes", 1, 2, 4, "--global-batch-size", 8)
+
+
+def test_dynamic_cp_derives_tokens_per_rank_and_bank_capacities(with_te):
+    args = validate(*DYNAMIC_CP, world_size=4)
+    assert args.dynamic_cp_tokens_per_rank == 64  # --seq-length 256 / largest size 4
+    assert args.dynamic_cp_max_packed_seqs == [0, 0, 0]
+    args = validate(*DYNAMIC_CP, "--cuda-graph-impl", "transformer_engine",
+                    "--cuda-graph-max-packed-seqs", 16, "--dynamic-cp-max-packed-seqs", 16, 8, 4,
+                    world_size=4)
+    assert args.dynamic_cp_max_packed_seqs == [16, 8, 4]
+    args = validate(*DYNAMIC_CP, "--cuda-graph-impl", "transformer_engine",
+                    "--cuda-graph-max-packed-seqs", 16, world_size=4)
+    assert args.dynamic_cp_max_packed_seqs == [16, 16, 16]
+    assert validate("--seq-length", 256, world_size=1).dynamic_cp_tokens_per_rank == 0
+
+
+@pytest.mark.parametrize("extra, world_size, message", [
+    (("--dynamic-cp-sizes", 1, 3), 4, "--dynamic-cp-sizes is wrong: 1 3. Give powers of two"),
+    (("--dynamic-cp-sizes", 2, 1), 4, "--dynamic-cp-sizes is wrong: 2 1. Give powers of two"),
+    (("--dynamic-cp-sizes", 1, 8), 4, "8 exceeds the 4 ranks"),
+    (("--dynamic-cp-sizes", 1, 2), 6, "use a power-of-two rank count"),
+    (("--dynamic-cp-sizes", 1, 2, "--context-parallel-size", 2), 4,
+     "--context-parallel-size is wrong: 2. Dynamic CP picks"),
+    (("--dynamic-cp-sizes", 1, 2, "--micro-batch-size", 2), 4,
+     "--micro-batch-size is wrong: 2. Under dynamic CP"),
+    (("--dynamic-cp-sizes", 1, 2, "--no-calculate-per-token-loss"), 4, "per-token loss"),
+    (("--dynamic-cp-sizes", 1, 2, "--rampup-batch-size", 4, 4, 100), 4,
+     "--rampup-batch-size is wrong: 4 4 100"),
+    (("--dynamic-cp-sizes", 1, 2, "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+      8), 4, "--cuda-graph-impl is wrong: local. Graph banks"),
+    (("--dynamic-cp-sizes", 1, 2, "--attention-backend", "torch"), 4, "use te or auto"),
+    (("--dynamic-cp-sizes", 1, 4, "--seq-length", 200), 4, "use a multiple of 32"),
+    (("--dynamic-cp-max-packed-seqs", 8), 4, "add --dynamic-cp-sizes or drop it"),
+    (("--dynamic-cp-sizes", 1, 2, "--dynamic-cp-max-packed-seqs", 8, 4), 4,
+     "silently ignored without graphs"),
+    (("--dynamic-cp-sizes", 1, 2, "--cuda-graph-impl", "transformer_engine",
+      "--cuda-graph-max-packed-seqs", 8, "--dynamic-cp-max-packed-seqs", 8), 4,
+     "one positive capacity per --dynamic-cp-sizes entry"),
+])
+def test_dynamic_cp_rejections(with_te, extra, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        validate(*extra, world_size=world_size)
+
+
+def test_dynamic_cp_needs_te():
+    with pytest.raises(ValueError, match=r"--dynamic-cp-sizes is wrong: 1 2.*\.\[te\]"):
+        validate("--dynamic-cp-sizes", 1, 2, world_size=2)
+
+
+def test_dynamic_cp_on_hybrid_models_checks_mamba_heads(with_te):
+    assert validate(*DYNAMIC_CP, model="hybrid", world_size=4).dynamic_cp_tokens_per_rank == 64
+    with pytest.raises(ValueError, match="--dynamic-cp-sizes is wrong: 16.*8 heads"):
+        validate("--dynamic-cp-sizes", 1, 16, "--seq-length", 512, "--global-batch-size", 16,
+                 model="hybrid", world_size=16)

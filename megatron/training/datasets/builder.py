@@ -6,8 +6,9 @@ from typing import Iterator
 
 import torch
 
+from megatron.training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
 from megatron.training.datasets.jsonl import read_jsonl_documents
-from megatron.training.datasets.mock import MockPackedDataset
+from megatron.training.datasets.mock import MockPackedDataset, mock_documents
 from megatron.training.datasets.packed_row_dataset import PackedRowDataset
 from megatron.training.datasets.packing import (
     Document,
@@ -40,20 +41,23 @@ def _segment_multiple(args: Namespace) -> int:
     return 2 * cp if cp > 1 else 1
 
 
+def _pack(documents, args: Namespace, stats: PackingStats) -> list:
+    """Rows of the run's layout: ``--seq-length`` rows, or dynamic-CP rows of every size."""
+    if getattr(args, "dynamic_cp_sizes", None):
+        return pack_rows_for_dynamic_cp(
+            documents, args.dynamic_cp_sizes, args.dynamic_cp_tokens_per_rank,
+            reject_long_documents=args.reject_long_documents, stats=stats)
+    return list(pack_documents(documents, args.seq_length,
+                               reject_long_documents=args.reject_long_documents, stats=stats,
+                               segment_multiple=_segment_multiple(args)))
+
+
 def _pack_jsonl(path: str, args: Namespace, stats: PackingStats) -> list:
     documents = read_jsonl_documents(path, args.vocab_size)
     if not args.sft:
         # Pretraining on packed documents: every real token is a target.
         documents = (Document(d.input_ids, None, d.origin) for d in documents)
-    rows = list(
-        pack_documents(
-            documents,
-            args.seq_length,
-            reject_long_documents=args.reject_long_documents,
-            stats=stats,
-            segment_multiple=_segment_multiple(args),
-        )
-    )
+    rows = _pack(documents, args, stats)
     if not rows:
         raise ValueError(
             f"JSONL data is wrong: {path} holds no document with at least 2 tokens "
@@ -84,6 +88,18 @@ def build_datasets(args: Namespace):
     if not args.mock_data and not args.data_path:
         raise ValueError("data source is wrong: none given. Pass --data-path FILE.jsonl or --mock-data.")
     train_samples, valid_samples = _sample_counts(args)
+
+    if args.mock_data and getattr(args, "dynamic_cp_sizes", None):
+        def mock(num_samples: int, seed: int) -> PackedRowDataset:
+            # A document pool of about one size-1 micro-batch per sample (capped), cycled.
+            positions = min(num_samples, 4096) * args.dynamic_cp_tokens_per_rank
+            documents = mock_documents(
+                positions, args.seq_length, args.vocab_size, seed,
+                args.mock_doc_length_median, args.mock_doc_length_sigma)
+            return PackedRowDataset(_pack(documents, args, PackingStats()), num_samples, seed)
+
+        valid = mock(valid_samples, args.seed + 1) if valid_samples > 0 else None
+        return mock(train_samples, args.seed), valid, None
 
     if args.mock_data:
         def mock(num_samples: int, seed: int) -> MockPackedDataset:
@@ -147,6 +163,31 @@ def build_data_iterator(
             f"Raise --eval-iters or lower --micro-batch-size."
         )
     return itertools.chain(first, itertools.chain.from_iterable(loader(0) for _ in itertools.count()))
+
+
+def build_iteration_reader(dataset, consumed_samples: int, args: Namespace, num_chunks: int,
+                           cycle: bool = False):
+    """``read(num_microbatches)`` -> this rank's micro-batches of the next iteration, one
+    list per model chunk (each chunk reads the same micro-batches).
+
+    Static layouts read ``num_microbatches`` micro-batches of ``--micro-batch-size`` rows per
+    chunk. Dynamic CP reads a whole global batch on every rank and keeps this rank's turns
+    (`DynamicCPBatches`; their count varies by rank and iteration).
+    """
+    from megatron.core import parallel_state
+
+    if getattr(args, "dynamic_cp_sizes", None):
+        batches = DynamicCPBatches(
+            dataset, consumed_samples, args.global_batch_size,
+            parallel_state.get_data_parallel_rank(with_context_parallel=True),
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True), cycle=cycle)
+        return lambda num_microbatches: [next(batches)] * num_chunks
+    iterators = [build_data_iterator(
+        dataset, consumed_samples, args.micro_batch_size,
+        parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+        cycle=cycle, num_workers=0 if cycle else args.num_workers) for _ in range(num_chunks)]
+    return lambda num_microbatches: [[next(it) for _ in range(num_microbatches)]
+                                     for it in iterators]
 
 
 def describe_packing(stats: PackingStats | None) -> str:

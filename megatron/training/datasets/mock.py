@@ -15,6 +15,7 @@ import torch
 
 from megatron.training.datasets.packing import (
     PAD_TOKEN_ID,
+    Document,
     PackedRow,
     build_packed_row,
     check_seq_length,
@@ -32,6 +33,23 @@ def draw_document_lengths(
     ``[2, seq_length + 1]`` (at least one training position, at most a full row)."""
     lengths = np.rint(rng.lognormal(mean=math.log(median), sigma=sigma, size=count))
     return np.clip(lengths, 2, seq_length + 1).astype(np.int64)
+
+
+def mock_documents(num_positions: int, max_positions: int, vocab_size: int, seed: int,
+                   doc_length_median: float, doc_length_sigma: float) -> list:
+    """Synthetic `Document` s (the law and token walk of `MockPackedDataset`) drawn from
+    ``seed`` until they hold ``num_positions`` training positions; none has more than
+    ``max_positions``. For packers that take documents (dynamic CP)."""
+    rng = np.random.default_rng([seed])
+    documents, total = [], 0
+    while total < num_positions:
+        length = int(draw_document_lengths(rng, 1, doc_length_median, doc_length_sigma,
+                                           max_positions)[0])
+        start, stride = int(rng.integers(1, vocab_size)), int(rng.choice(STRIDES))
+        ids = 1 + (start - 1 + np.arange(length, dtype=np.int64) * stride) % (vocab_size - 1)
+        documents.append(Document(ids, None, f"mock:{len(documents)}"))
+        total += length - 1
+    return documents
 
 
 class MockPackedDataset(torch.utils.data.Dataset):

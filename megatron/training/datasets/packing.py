@@ -65,6 +65,8 @@ class PackedRow:
             (packed with ``segment_multiple > 1``, for context parallelism): cumulative
             unpadded lengths, Transformer Engine's ``cu_seqlens`` next to ``cu_seqlens`` as
             its ``cu_seqlens_padded``. None when no segment has inner padding.
+        cp_size: the CP size the row was packed for under dynamic CP (its length is
+            ``cp_size`` x tokens per rank); 1 otherwise.
     """
 
     tokens: np.ndarray
@@ -74,6 +76,7 @@ class PackedRow:
     cu_seqlens: np.ndarray
     num_documents: int
     cu_seqlens_actual: np.ndarray | None = None
+    cp_size: int = 1
 
     @property
     def num_segments(self) -> int:

@@ -1,0 +1,107 @@
+"""Dynamic-CP data: packed micro-batches that each carry a CP size, and each rank's turns.
+
+A micro-batch of CP size ``c`` is one `PackedRow` of ``c * N`` positions (``N`` = tokens per
+rank), packed by `megatron.packed_graphs.dynamic_cp.pack_for_dynamic_cp` with every document
+padded to a multiple of ``2 * c``. An iteration takes ``--global-batch-size`` of them; every
+rank reads the same ones, places them on the data x context parallel ranks with
+`schedule_cp_rounds`, and runs only its own turns (`DynamicCPBatches`).
+"""
+
+from collections import Counter
+from dataclasses import replace
+from typing import Iterable, List, Sequence
+
+import torch
+
+from megatron.packed_graphs.dynamic_cp import pack_for_dynamic_cp, schedule_cp_rounds, turns_of_rank
+from megatron.training.datasets.packing import (
+    Document,
+    PackedRow,
+    PackingStats,
+    collate_packed_rows,
+    pack_documents,
+)
+
+
+def pack_rows_for_dynamic_cp(documents: Iterable[Document], cp_sizes: Sequence[int],
+                             tokens_per_rank: int, *, reject_long_documents: bool = False,
+                             stats: PackingStats | None = None) -> List[PackedRow]:
+    """Pack documents, in order, into dynamic-CP rows (`PackedRow.cp_size` set).
+
+    Documents with fewer than 2 tokens are skipped; one longer than the largest size holds
+    (``max(cp_sizes) * tokens_per_rank`` positions) is truncated to it, or rejected with
+    ValueError under ``reject_long_documents``. Host only.
+    """
+    stats = stats if stats is not None else PackingStats()
+    longest = max(cp_sizes) * tokens_per_rank
+    kept = []
+    for document in documents:
+        positions = len(document.input_ids) - 1
+        if positions < 1:
+            stats.skipped_empty += 1
+            continue
+        if positions > longest:
+            if reject_long_documents:
+                raise ValueError(
+                    f"document length is wrong: {document.origin} has {positions} training "
+                    f"positions, more than the largest CP size holds ({max(cp_sizes)} x "
+                    f"{tokens_per_rank} = {longest}). Drop --reject-long-documents to truncate "
+                    f"it, or add a larger --dynamic-cp-sizes entry.")
+            document = replace(document, input_ids=document.input_ids[:longest + 1],
+                               loss_mask=None if document.loss_mask is None
+                               else document.loss_mask[:longest + 1])
+            stats.truncated += 1
+        kept.append(document)
+    plan = pack_for_dynamic_cp([len(d.input_ids) - 1 for d in kept], cp_sizes, tokens_per_rank)
+    rows = []
+    for micro_batch in plan:
+        size = micro_batch.cp_size
+        # The plan fitted these documents into one row of this size: the packer agrees.
+        (row,) = pack_documents([kept[i] for i in micro_batch.documents], size * tokens_per_rank,
+                                segment_multiple=2 * size, stats=stats)
+        rows.append(replace(row, cp_size=size))
+    return rows
+
+
+class DynamicCPBatches:
+    """This rank's micro-batches, one training iteration per ``next()``.
+
+    Iteration ``k`` reads samples ``[consumed + k * gbs, consumed + (k + 1) * gbs)`` of
+    ``dataset`` (`PackedRow` s with their ``cp_size``), places them with
+    `schedule_cp_rounds` over ``num_ranks`` data x context parallel ranks and returns the
+    collated micro-batches of ``rank``'s turns, in round order, each with its ``cp_turn``.
+    ``global_batch_size >= num_ranks`` gives every rank at least one turn. ``cycle``
+    (validation) restarts at sample 0 instead of stopping.
+    """
+
+    def __init__(self, dataset, consumed_samples: int, global_batch_size: int, rank: int,
+                 num_ranks: int, cycle: bool = False):
+        if global_batch_size < num_ranks or len(dataset) < global_batch_size:
+            raise ValueError(
+                f"global batch size is wrong: {global_batch_size} micro-batches for "
+                f"{num_ranks} ranks and {len(dataset)} samples. Under dynamic CP it must be "
+                f"at least the data-parallel size and at most the dataset.")
+        self.dataset, self.consumed = dataset, consumed_samples
+        self.global_batch_size, self.rank, self.num_ranks = global_batch_size, rank, num_ranks
+        self.cycle = cycle
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> List[dict]:
+        if self.consumed + self.global_batch_size > len(self.dataset):
+            if not self.cycle:
+                raise StopIteration
+            self.consumed = 0
+        rows = [self.dataset[i] for i in range(self.consumed, self.consumed + self.global_batch_size)]
+        self.consumed += self.global_batch_size
+        sizes = [row.cp_size for row in rows]
+        rounds = schedule_cp_rounds(sizes, self.num_ranks)
+        mix = " ".join(f"{size}x{count}" for size, count in sorted(Counter(sizes).items()))
+        batches = []
+        for turn in turns_of_rank(rounds, self.rank):
+            batch = collate_packed_rows([rows[turn.micro_batch]])
+            if torch.cuda.is_available():  # pinned: the forward step's copies are asynchronous
+                batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+            batches.append(batch | {"cp_turn": turn, "cp_mix": mix, "cp_rounds": len(rounds)})
+        return batches
