@@ -52,20 +52,22 @@ class IntervalTimer:
 
     def restart(self) -> None:
         self._start = time.perf_counter()
-        self.iterations = self.samples = 0
+        self.iterations = self.samples = self.positions = 0
         self.stats: dict = {}
 
-    def add(self, samples: int, stats: dict) -> None:
-        """One iteration of ``samples`` samples and its counters (forward step, profiler)."""
+    def add(self, samples: int, positions: int, stats: dict) -> None:
+        """One iteration of ``samples`` samples holding ``positions`` token positions, and its
+        counters (forward step, profiler)."""
         self.iterations += 1
         self.samples += samples
+        self.positions += positions
         summed = {k: self.stats.get(k, 0) + stats[k] for k in self.SUMMED if k in stats}
         self.stats = self.stats | stats | summed
 
-    def timing(self, seq_length: int) -> dict:
+    def timing(self) -> dict:
         elapsed = time.perf_counter() - self._start
         return {"iteration_time_ms": elapsed * 1000.0 / max(self.iterations, 1),
-                "tokens_per_sec": self.samples * seq_length / elapsed}
+                "tokens_per_sec": self.positions / elapsed}
 
 
 def is_reporting_rank() -> bool:

@@ -144,6 +144,7 @@ class PackedForwardStep:
         # first graphed iteration (the local implementation captures inside the schedule).
         self.te_graphs: Optional[TELayerGraphs] = None
         self._te_capture_stats: dict = {}
+        self._cp_stats: dict = {}  # dynamic CP: the iteration's CP sizes and rounds
         self._iteration = 0
         self._captured: tuple = ()  # capacities graphs were captured for
         self._decisions: List[GraphDecision] = []
@@ -161,6 +162,8 @@ class PackedForwardStep:
     def begin_iteration(self, micro_batches_per_chunk: List[List[dict]]) -> None:
         """Plan graph replay for this iteration; every chunk's list holds the same micro-batches."""
         if self.dynamic_cp_capacities:
+            first = micro_batches_per_chunk[0][0]
+            self._cp_stats = {"cp micro-batches": first["cp_mix"], "cp rounds": first["cp_rounds"]}
             self._decisions = self._plan_dynamic_cp(micro_batches_per_chunk[0])
             for batch, decision in zip(micro_batches_per_chunk[0], self._decisions):
                 batch["graph_decision"] = decision
@@ -208,7 +211,7 @@ class PackedForwardStep:
     def end_iteration(self) -> dict:
         """Counters of the iteration just run, for its log line and metrics record."""
         stats = {"docs per micro-batch": round(self._documents / max(self._micro_batches, 1), 2)}
-        stats |= self._te_capture_stats
+        stats |= self._cp_stats | self._te_capture_stats
         self._te_capture_stats = {}
         if self.graphs.enabled:
             stats["graph fallbacks"] = sum(d.is_fallback for d in self._decisions)

@@ -231,12 +231,14 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
         # --rampup-batch-size grows the batch with the samples consumed (megatron-core).
         update_num_microbatches(consumed_samples, consistency_check=True)
         num_microbatches, batch = get_num_microbatches(), get_current_global_batch_size()
-        lm_loss, grad_norm, num_zeros = train_step(args, forward_step,
-                                                   read_train(num_microbatches), model,
+        micro_batches = read_train(num_microbatches)
+        lm_loss, grad_norm, num_zeros = train_step(args, forward_step, micro_batches, model,
                                                    optimizer, scheduler, batch)
         iteration += 1
         consumed_samples += batch
-        interval.add(batch, forward_step.end_iteration() | profiler.finish(iteration))
+        # Dynamic-CP samples differ in length; the reader counts their positions.
+        positions = micro_batches[0][0].get("iteration_positions", batch * args.seq_length)
+        interval.add(batch, positions, forward_step.end_iteration() | profiler.finish(iteration))
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             lm_loss = _to_float(lm_loss)  # waits for this iteration's GPU work
             record = {
@@ -247,7 +249,7 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
                 "grad_norm": _to_float(grad_norm),
                 "num_zeros": int(num_zeros) if num_zeros is not None else 0,
                 "learning_rate": optimizer.param_groups[0]["lr"],
-                **interval.timing(args.seq_length),
+                **interval.timing(),
                 "mem_allocated_bytes": torch.cuda.memory_allocated(),
                 "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(),
                 "extra_log": interval.stats,

@@ -194,31 +194,35 @@ def test_te_patch_transforms_the_installed_te_module(tmp_path):
     assert out == {"on": "patched", "off": "unpatched"}
 
 
-@pytest.mark.parametrize("cp", [pytest.param(2, marks=pytest.mark.gpus(2)),
-                                pytest.param(4, marks=pytest.mark.gpus(4))])
-def test_cp_graphs_match_cp_eager(tmp_path, cp):
-    """GPT with CP = 2 / 4 on packed data (TE P2P ring attention): TE-impl and local-impl graphs
-    train like CP eager, with fallbacks; CP eager learns.
+@pytest.mark.parametrize("kind, cp", [pytest.param("gpt", 2, marks=pytest.mark.gpus(2)),
+                                      pytest.param("hybrid", 2, marks=pytest.mark.gpus(2)),
+                                      pytest.param("gpt", 4, marks=pytest.mark.gpus(4))])
+def test_cp_graphs_match_cp_eager(tmp_path, kind, cp):
+    """GPT and hybrid with CP = 2 / 4 on packed data (TE P2P ring attention; Mamba through
+    megatron-core's all-to-all CP): TE-impl and local-impl graphs train like CP eager, with
+    fallbacks; CP eager learns.
 
     Not compared with CP = 1: CP pads every document to a multiple of 2 * cp, so fewer
     documents fit a row and the data differ."""
     import statistics
 
-    from tests.gpu.launch import TINY_GPT, TRAIN, losses, run_training
+    from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training
 
-    common = TINY_GPT + TRAIN + ["--attention-backend", "te", "--te-rng-tracker",
+    script, model = {"gpt": ("pretrain_gpt.py", TINY_GPT),
+                     "hybrid": ("pretrain_mamba.py", TINY_HYBRID)}[kind]
+    common = model + TRAIN + ["--attention-backend", "te", "--te-rng-tracker",
                                  "--train-iters", "30", "--global-batch-size", "4",
                                  "--context-parallel-size", str(cp)]
-    eager = run_training("pretrain_gpt.py", common, tmp_path, nproc=cp, name=f"cp{cp}_eager")
-    te_graphs = run_training("pretrain_gpt.py", common + TE_GRAPHS, tmp_path, nproc=cp,
-                             name=f"cp{cp}_te_graphs")
-    local_graphs = run_training("pretrain_gpt.py", common + [
+    eager = run_training(script, common, tmp_path, nproc=cp, name=f"{kind}_cp{cp}_eager")
+    te_graphs = run_training(script, common + TE_GRAPHS, tmp_path, nproc=cp,
+                             name=f"{kind}_cp{cp}_te_graphs")
+    local_graphs = run_training(script, common + [
         "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "7",
-        "--cuda-graph-warmup-steps", "2"], tmp_path, nproc=cp, name=f"cp{cp}_local_graphs")
+        "--cuda-graph-warmup-steps", "2"], tmp_path, nproc=cp, name=f"{kind}_cp{cp}_local_graphs")
     assert statistics.mean(losses(eager)[-5:]) < statistics.mean(losses(eager)[:5]) - 1.0
     for name, run in (("te", te_graphs), ("local", local_graphs)):
         dloss = max(abs(e - g) for e, g in zip(losses(eager), losses(run)))
         fallbacks = sum(r["graph fallbacks"] for r in run[2:])
-        print(f"CP{cp} {name} graphs vs eager: max |dloss| {dloss:.2e}, fallbacks {fallbacks}")
+        print(f"{kind} CP{cp} {name} graphs vs eager: max |dloss| {dloss:.2e}, fallbacks {fallbacks}")
         assert dloss < 5e-3, (name, losses(eager), losses(run))
         assert 0 < fallbacks < 28 * 4 // 2, (name, fallbacks)

@@ -56,10 +56,10 @@ def test_interval_timer_means_over_the_interval_and_sums_fallbacks(monkeypatch):
     clock = iter([100.0, 100.3, 200.0])
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
     timer = metrics.IntervalTimer()  # starts at t=100
-    timer.add(4, {"graph fallbacks": 1, "docs per micro-batch": 8.0, "graph capture (s)": 0.5})
-    timer.add(4, {"graph fallbacks": 2, "docs per micro-batch": 9.0})
-    timer.add(4, {"graph fallbacks": 0, "docs per micro-batch": 7.0})
-    assert timer.timing(seq_length=1000) == pytest.approx(  # t=100.3: 0.3 s for 3 iterations
+    timer.add(4, 4000, {"graph fallbacks": 1, "docs per micro-batch": 8.0, "graph capture (s)": 0.5})
+    timer.add(4, 4000, {"graph fallbacks": 2, "docs per micro-batch": 9.0})
+    timer.add(4, 4000, {"graph fallbacks": 0, "docs per micro-batch": 7.0})
+    assert timer.timing() == pytest.approx(  # t=100.3: 0.3 s for 3 iterations
         {"iteration_time_ms": 100.0, "tokens_per_sec": 12 * 1000 / 0.3})
     assert timer.stats == {"graph fallbacks": 3, "docs per micro-batch": 7.0,
                            "graph capture (s)": 0.5}

@@ -69,7 +69,8 @@ class DynamicCPBatches:
     Iteration ``k`` reads samples ``[consumed + k * gbs, consumed + (k + 1) * gbs)`` of
     ``dataset`` (`PackedRow` s with their ``cp_size``), places them with
     `schedule_cp_rounds` over ``num_ranks`` data x context parallel ranks and returns the
-    collated micro-batches of ``rank``'s turns, in round order, each with its ``cp_turn``.
+    collated micro-batches of ``rank``'s turns, in round order, each with its ``cp_turn``
+    (and, for the log, the iteration's size mix, round count and positions).
     ``global_batch_size >= num_ranks`` gives every rank at least one turn. ``cycle``
     (validation) restarts at sample 0 instead of stopping.
     """
@@ -103,5 +104,6 @@ class DynamicCPBatches:
             batch = collate_packed_rows([rows[turn.micro_batch]])
             if torch.cuda.is_available():  # pinned: the forward step's copies are asynchronous
                 batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
-            batches.append(batch | {"cp_turn": turn, "cp_mix": mix, "cp_rounds": len(rounds)})
+            batches.append(batch | {"cp_turn": turn, "cp_mix": mix, "cp_rounds": len(rounds),
+                                    "iteration_positions": sum(len(r.tokens) for r in rows)})
         return batches
