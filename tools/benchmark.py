@@ -10,6 +10,12 @@ out of the medians. All rows of a table come from the same invocation on the sam
     python tools/benchmark.py --presets hybrid-small --variants eager layer-graphs te-layer-graphs
     python tools/benchmark.py --variants eager layer-graphs chunk-graphs --nproc 2 \
         --pipeline-model-parallel-size 2
+    python tools/benchmark.py --presets gpt-small --variants eager te-layer-graphs --nproc 2 \
+        --dynamic-cp-sets 1 2 1,2 --tokens-per-rank 2048 --extra-args="--attention-backend te"
+
+--dynamic-cp-sets runs every preset and variant once per set of dynamic CP sizes (a row
+label ``preset cp1,2``), with ``--seq-length`` = tokens per rank x the set's largest size, so
+every set holds the same positions per rank: a single-size set measures one graph bank.
 
 --profile profiles the last two iterations of every run (excluded from the step-time median)
 and reports the GPU-busy time of a step (union of its kernel intervals) and the ratio
@@ -101,9 +107,16 @@ def variant_flags(variant: str) -> list:
     return VARIANTS[variant]
 
 
-def run_one(preset: str, variant: str, args) -> dict:
+def dynamic_cp_flags(cp_set: str, tokens_per_rank: int) -> list:
+    """Training flags of a dynamic CP set ``"1,2"``: the sizes and the matching seq length."""
+    sizes = [int(c) for c in cp_set.split(",")]
+    return ["--dynamic-cp-sizes", *map(str, sizes), "--seq-length", str(tokens_per_rank * sizes[-1])]
+
+
+def run_one(preset: str, variant: str, args, cp_set: str = "") -> dict:
     """Train one configuration; return its summary row (raises with the log on failure)."""
     script, model_flags = PRESETS[preset]
+    dynamic_cp = dynamic_cp_flags(cp_set, args.tokens_per_rank) if cp_set else []
     profile = (["--profile", "--profile-step-start", str(args.steps - 1),
                 "--profile-step-end", str(args.steps + 1)] if args.profile else [])
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +128,7 @@ def run_one(preset: str, variant: str, args) -> dict:
                "--mock-doc-length-median", str(args.doc_length_median),
                "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
                "--log-interval", str(args.log_interval), "--metrics-file", metrics,
-               *shlex.split(args.extra_args)]
+               *shlex.split(args.extra_args), *dynamic_cp]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{preset}/{variant} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -130,7 +143,7 @@ def run_one(preset: str, variant: str, args) -> dict:
     micro_batches = args.global_batch_size // (args.nproc // args.pipeline_model_parallel_size)
     capture = next((r for r in records if "graph capture (s)" in r), {})
     return {
-        "preset": preset,
+        "preset": f"{preset} cp{cp_set}" if cp_set else preset,
         "variant": variant,
         "step_ms": statistics.median(times),
         "step_iqr_ms": quartiles[2] - quartiles[0],
@@ -141,7 +154,8 @@ def run_one(preset: str, variant: str, args) -> dict:
         "fallback_rate": (sum(r.get("graph fallbacks", 0) for r in timed)
                           / (len(timed) * args.log_interval * micro_batches)),
         "capture_s": capture.get("graph capture (s)", 0.0),
-        "graph_mem_mib": capture.get("graph memory (MiB)", 0.0),
+        # One value, or one per graph bank under dynamic CP (summed).
+        "graph_mem_mib": sum(v for k, v in capture.items() if k.startswith("graph memory")),
         "gpu_busy_ms": statistics.median(busy) if busy else None,
     }
 
@@ -190,6 +204,10 @@ def main(argv=None) -> int:
     parser.add_argument("--extra-args", default="",
                         help="more training flags for every run, one string: "
                              "--extra-args=\"--no-check-for-nan-in-loss-and-grad\"")
+    parser.add_argument("--dynamic-cp-sets", nargs="+", default=[], metavar="SIZES",
+                        help="run everything once per set of dynamic CP sizes, e.g. 1 2 1,2")
+    parser.add_argument("--tokens-per-rank", type=int, default=2048,
+                        help="positions per rank with --dynamic-cp-sets")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     presets = [p for name in args.presets for p in PRESET_GROUPS.get(name, [name])]
@@ -208,9 +226,11 @@ def main(argv=None) -> int:
     variants = args.variants + [f"layer-graphs-c{c}" for c in args.capacities]
     rows = []
     for preset in presets:
-        for variant in variants:
-            rows.append(run_one(preset, variant, args))
-            print(f"done: {preset}/{variant} {rows[-1]['step_ms']:.1f} ms/step", flush=True)
+        for cp_set in args.dynamic_cp_sets or [""]:
+            for variant in variants:
+                rows.append(run_one(preset, variant, args, cp_set))
+                print(f"done: {rows[-1]['preset']}/{variant} {rows[-1]['step_ms']:.1f} ms/step",
+                      flush=True)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -82,8 +82,8 @@ def test_forced_cp_size_graphs_match_eager(tmp_path, kind, size, ranks):
     eager = run_training(script, common, tmp_path, nproc=ranks, name=f"{kind}_cp{size}_eager")
     graphs = run_training(script, common + TE_GRAPH_BANKS, tmp_path, nproc=ranks,
                           name=f"{kind}_cp{size}_graphs")
-    assert {r["extra_log"]["cp micro-batches"] for r in eager} == {f"{size}x{2 * ranks}"}
-    assert graphs[2]["extra_log"][f"graph memory cp{size} (MiB)"] > 0
+    assert {r["cp micro-batches"] for r in eager} == {f"{size}x{2 * ranks}"}
+    assert graphs[2][f"graph memory cp{size} (MiB)"] > 0
     _compare(eager, graphs, f"{kind} forced CP {size} on {ranks} ranks")
     assert losses(eager)[-1] < losses(eager)[0] - 0.5
 
@@ -105,10 +105,10 @@ def test_mixed_cp_sizes_soak(tmp_path, kind, sizes, ranks):
     graphs = run_training(script, common + TE_GRAPH_BANKS, tmp_path, nproc=ranks,
                           name=f"{kind}_mixed_graphs")
     assert len(graphs) == 100 and all(r["lm_loss"] == r["lm_loss"] for r in graphs)  # no NaN
-    mixes = [r["extra_log"]["cp micro-batches"] for r in graphs]
+    mixes = [r["cp micro-batches"] for r in graphs]
     used = {int(part.split("x")[0]) for mix in mixes for part in mix.split()}
     print(f"{kind} mixed CP sizes: used {sorted(used)}, e.g. {mixes[:5]}")
     assert used == set(sizes), mixes
     for size in sizes:
-        assert graphs[2]["extra_log"][f"graph memory cp{size} (MiB)"] > 0
+        assert graphs[2][f"graph memory cp{size} (MiB)"] > 0
     _compare(eager, graphs, f"{kind} mixed CP sizes {sizes} on {ranks} ranks")

@@ -45,3 +45,10 @@ def test_log_interval_must_divide_warmup_and_steps(argv, capsys):
     with pytest.raises(SystemExit):
         benchmark.main(["--warmup", "5", *argv])
     assert "--log-interval is wrong" in capsys.readouterr().err
+
+
+def test_dynamic_cp_sets_keep_the_positions_per_rank():
+    assert benchmark.dynamic_cp_flags("2", 2048) == ["--dynamic-cp-sizes", "2", "--seq-length",
+                                                     "4096"]
+    assert benchmark.dynamic_cp_flags("1,2,4", 1024) == [
+        "--dynamic-cp-sizes", "1", "2", "4", "--seq-length", "4096"]

@@ -72,3 +72,54 @@ def test_cp_params_keep_one_boundary_tensor():
     assert set(graph_kwargs(loaded, None)) == {"cu_seqlens", "position_ids"}
     with pytest.raises(ValueError, match="do not match"):
         inputs.load(_params([12, 4], seq_idx=False))  # no padded boundaries: another layout
+
+
+# ---------------------------------------------------------------- banks (dynamic CP)
+
+def _cp_params(lengths, local_cp_size, group=None):
+    params = _params(lengths, seq_idx=False)
+    params.local_cp_size, params.cp_group = local_cp_size, group
+    return params
+
+
+def test_bank_inputs_carry_their_cp_choice_and_refuse_another():
+    group = object()  # stands for a process group: compared by identity only
+    inputs = PackedGraphInputs.like(_cp_params([10, 6], 2, group))
+    rebuilt = inputs.params(inputs.buffers)
+    assert (rebuilt.local_cp_size, rebuilt.cp_group) == (2, group)
+    assert inputs.load(_cp_params([3, 13], 2, group)).cp_group is group
+    with pytest.raises(ValueError, match="CP size 1 .* differs from the captured 2"):
+        inputs.load(_cp_params([10, 6], 1))
+    with pytest.raises(ValueError, match="CP size 2 .* differs from the captured 2"):
+        inputs.load(_cp_params([10, 6], 2, object()))  # same size, another group
+
+
+def test_layer_graphs_load_into_the_bank_of_the_micro_batch_cp_size():
+    from megatron.packed_graphs.te_graphs import TELayerGraphs
+
+    graphs = TELayerGraphs([torch.nn.Identity()], config=None, tokens_per_rank=16)
+    assert not graphs.captured
+    graphs.banks = {1: PackedGraphInputs.like(_cp_params([10, 6], 1)),
+                    2: PackedGraphInputs.like(_cp_params([10, 6], 2))}
+    loaded = graphs.load(_cp_params([8, 8], 2))
+    assert loaded.cu_seqlens_q is graphs.banks[2].buffers["cu_seqlens"]
+    assert graphs.captured
+    with pytest.raises(ValueError, match=r"no graphs were captured for CP size 4 \(banks: \[1, 2\]\)"):
+        graphs.load(_cp_params([8, 8], 4))
+
+
+def test_replay_picks_the_bank_whose_buffers_the_params_point_at():
+    from megatron.packed_graphs.te_graphs import TEGraphDispatch
+
+    class Layer(TEGraphDispatch):  # the dispatch under test; the banks' callables record calls
+        cuda_graph_manual_hooks = []
+
+    layer = Layer()
+    layer._graph_inputs = [PackedGraphInputs.like(_cp_params([10, 6], size)) for size in (1, 2)]
+    layer.cuda_graphs = [lambda hidden, **kw: ("bank 0", kw), lambda hidden, **kw: ("bank 1", kw)]
+    params = layer._graph_inputs[1].load(_cp_params([4, 12], 2))
+    name, kwargs = layer._te_cuda_graph_replay(torch.zeros(16, 1, 8), packed_seq_params=params)
+    assert name == "bank 1" and kwargs["cu_seqlens"] is layer._graph_inputs[1].buffers["cu_seqlens"]
+    with pytest.raises(RuntimeError, match="must be loaded into the graphs' static buffers"):
+        layer._te_cuda_graph_replay(torch.zeros(16, 1, 8),
+                                    packed_seq_params=_cp_params([4, 12], 2))

@@ -1,0 +1,124 @@
+"""Dynamic-CP data on CPU: rows that carry a CP size, each rank's turns per iteration, mock
+documents, and the forward step's per-bank graph plan."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.packed_graphs.dispatch import GraphSettings, Reason
+from megatron.packed_graphs.dynamic_cp import CPTurn, cp_padded_length
+from megatron.training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
+from megatron.training.datasets.mock import mock_documents
+from megatron.training.datasets.packed_row_dataset import PackedRowDataset
+from megatron.training.datasets.packing import Document, PackingStats
+from megatron.training.packed_step import PackedForwardStep, dummy_micro_batch
+
+
+def _documents(token_counts):
+    return [Document(np.arange(1, n + 1, dtype=np.int64), None, f"doc:{i}")
+            for i, n in enumerate(token_counts)]
+
+
+def test_rows_hold_cp_size_times_tokens_per_rank_with_cp_padded_documents():
+    # Positions 99, 9, 300, 60, 5 with N = 128: 99 + 9 fit at size 1; 300 opens size 4.
+    rows = pack_rows_for_dynamic_cp(_documents([100, 10, 301, 61, 6]), (1, 2, 4), 128)
+    assert [(r.cp_size, len(r.tokens), r.num_documents) for r in rows] == [
+        (1, 128, 2), (4, 512, 3)]
+    big = rows[1]
+    segments = np.diff(big.cu_seqlens)
+    assert list(segments[:3]) == [cp_padded_length(n, 4) for n in (300, 60, 5)]
+    assert list(np.diff(big.cu_seqlens_actual)[:3]) == [300, 60, 5]
+    # Each document's tokens lead its padded segment; the padding carries no loss.
+    assert big.loss_mask.sum() == 365 and big.tokens[300] == 0 and big.tokens[299] == 300
+
+
+def test_rows_skip_empty_documents_and_truncate_or_reject_long_ones():
+    stats = PackingStats()
+    rows = pack_rows_for_dynamic_cp(_documents([1, 40, 600]), (1, 2), 128, stats=stats)
+    assert [r.cp_size for r in rows] == [1, 2]
+    assert (stats.skipped_empty, stats.truncated) == (1, 1)
+    assert rows[1].num_documents == 1 and rows[1].loss_mask.sum() == 256
+    with pytest.raises(ValueError, match="doc:2 has 599 training positions, more than the "
+                                         "largest CP size holds \\(2 x 128 = 256\\)"):
+        pack_rows_for_dynamic_cp(_documents([1, 40, 600]), (1, 2), 128,
+                                 reject_long_documents=True)
+
+
+def test_every_micro_batch_of_an_iteration_runs_once_on_its_group():
+    rows = pack_rows_for_dynamic_cp(mock_documents(40_000, 512, 97, 3, 100, 1.3), (1, 2, 4), 128)
+    assert {r.cp_size for r in rows} == {1, 2, 4}
+    dataset = PackedRowDataset(rows, 64, seed=0)
+    ranks = [DynamicCPBatches(dataset, 8, 8, rank, 4) for rank in range(4)]
+    for iteration in range(3):
+        turns = [next(reader) for reader in ranks]
+        assert all(turns), "every rank gets at least one micro-batch"
+        first = iteration * 8 + 8  # consumed 8 samples before the first iteration
+        seen = Counter()
+        for rank, batches in enumerate(turns):
+            for batch in batches:
+                turn = batch["cp_turn"]
+                assert rank in turn.ranks() and turn.first_rank % turn.cp_size == 0
+                row = dataset[first + turn.micro_batch]
+                assert turn.cp_size == row.cp_size
+                assert torch.equal(batch["tokens"][0], torch.from_numpy(row.tokens))
+                seen[turn.micro_batch] += 1
+                assert batch["iteration_positions"] == sum(
+                    len(dataset[first + i].tokens) for i in range(8))
+        # A micro-batch of size c appears on its c ranks, and every one of the 8 appears.
+        assert sorted(seen) == list(range(8))
+        assert all(seen[i] == dataset[first + i].cp_size for i in seen)
+    with pytest.raises(StopIteration):
+        for _ in range(10):
+            next(ranks[0])
+    cycled = DynamicCPBatches(dataset, 56, 8, 0, 4, cycle=True)
+    next(cycled)
+    assert next(cycled)[0]["cp_turn"] is not None and cycled.consumed == 8
+
+
+def test_global_batch_must_give_every_rank_a_turn():
+    dataset = PackedRowDataset(pack_rows_for_dynamic_cp(_documents([50] * 8), (1, 2), 64), 8, 0)
+    with pytest.raises(ValueError, match="global batch size is wrong: 2 micro-batches for 4 ranks"):
+        DynamicCPBatches(dataset, 0, 2, 0, 4)
+
+
+def test_mock_documents_are_deterministic_bounded_walks():
+    docs = mock_documents(5_000, 300, 50, seed=7, doc_length_median=64, doc_length_sigma=1.5)
+    again = mock_documents(5_000, 300, 50, seed=7, doc_length_median=64, doc_length_sigma=1.5)
+    assert all(np.array_equal(a.input_ids, b.input_ids) for a, b in zip(docs, again))
+    assert sum(len(d.input_ids) - 1 for d in docs) >= 5_000
+    assert all(2 <= len(d.input_ids) <= 301 for d in docs)
+    for doc in docs:
+        ids = doc.input_ids
+        assert ids.min() >= 1 and ids.max() < 50
+        steps = set(((ids[1:] - ids[:-1]) % 49).tolist())
+        assert len(steps) == 1 and steps <= {1, 2, 3}
+
+
+def test_dummy_micro_batch_is_one_loss_free_segment_over_the_buffer():
+    batch = dummy_micro_batch(64)
+    assert batch["cu_seqlens"].tolist() == [0, 64] and batch["loss_mask"].sum() == 0
+    assert batch["tokens"].shape == (1, 64) and batch["num_documents"] == 0
+
+
+def test_forward_step_plans_each_micro_batch_against_its_size_bank():
+    graphs = GraphSettings(enabled=True, capacity=8, warmup_iterations=1,
+                           capture_needs_all_micro_batches=False)
+    step = PackedForwardStep(with_seq_idx=False, graphs=graphs,
+                             dynamic_cp_capacities={1: 4, 2: 6}, dynamic_cp_tokens_per_rank=64)
+
+    def iteration(*sizes_and_counts):
+        batches = [{"cp_turn": CPTurn(i, size, 0), "num_segments": count, "cp_mix": "mix",
+                    "cp_rounds": 1} for i, (size, count) in enumerate(sizes_and_counts)]
+        step.begin_iteration([batches])
+        stats = step.end_iteration()
+        return [(b["graph_decision"].reason, b["graph_decision"].capacity) for b in batches], stats
+
+    decisions, stats = iteration((1, 3), (2, 5))
+    assert decisions == [(Reason.WARMUP, None)] * 2
+    assert stats["cp micro-batches"] == "mix" and stats["cp rounds"] == 1
+    # No TE graphs in this test: past the warm-up the plan records against each bank.
+    decisions, _ = iteration((1, 3), (2, 5), (1, 5), (2, 7))
+    assert decisions == [(Reason.GRAPHED, 4), (Reason.GRAPHED, 6), (Reason.OVERFLOW, None),
+                         (Reason.OVERFLOW, None)]
