@@ -27,7 +27,11 @@ from megatron.packed_graphs.dispatch import (
     disable_cuda_graphs_this_step,
     plan_iteration,
 )
-from megatron.packed_graphs.packed_seq import PackedBatchParams, build_packed_batch_params
+from megatron.packed_graphs.packed_seq import (
+    PackedBatchParams,
+    build_packed_batch_params,
+    build_seq_idx,
+)
 from megatron.packed_graphs.te_graphs import TELayerGraphs
 
 
@@ -55,7 +59,8 @@ def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen:
     so the micro-batch matches a captured graph; the caller checked that it fits.
     ``cp_size > 1``: keep this CP rank's ``T / cp`` positions (context_parallel.py); the
     params then carry the whole stream's CP-padded boundaries (as ``cu_seqlens_q`` and, the
-    same tensor, ``cu_seqlens_q_padded``, which TE's CP path reads). No host sync.
+    same tensor, ``cu_seqlens_q_padded``, which TE's CP path reads) and, for Mamba, the whole
+    stream's ``seq_idx``. No host sync.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     move = lambda t: t.reshape(1, -1).to(device, non_blocking=True)
@@ -83,6 +88,11 @@ def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen:
         # Real boundaries (cu_seqlens_actual) made TE 2.11 return NaN gradients on a rank
         # whose chunks of a short document hold only padding.
         params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = cu_seqlens
+        if with_seq_idx:
+            # Mamba's CP all-to-all hands each rank the whole stream (for a share of the
+            # heads): its seq_idx spans all T positions. Built here, not in the layer, so
+            # graph captures read it from the micro-batch's values.
+            params.seq_idx = build_seq_idx(cu_seqlens, total_tokens)
     return PackedMicroBatch(tokens, labels, loss_mask, position_ids, params,
                             batch["num_segments"], batch["num_documents"])
 

@@ -31,3 +31,14 @@ def test_masked_loss_sums_masked_tokens_and_counts_them():
     loss, num_tokens, report = masked_lm_loss(mask, per_token)
     assert loss.item() == 4.0 and num_tokens.item() == 2
     assert report["lm loss"].tolist() == [4.0, 2.0]
+
+
+def test_cp_rank_keeps_its_share_and_mamba_sees_the_whole_stream():
+    docs = [Document(torch.arange(1, n + 1).numpy(), None, f"doc{n}") for n in (6, 3)]
+    batch = collate_packed_rows(list(pack_documents(docs, seq_length=16, segment_multiple=4)))
+    mb = to_device_micro_batch(batch, with_seq_idx=True, static_max_seqlen=True, capacity=6,
+                               device=torch.device("cpu"), cp_size=2, cp_rank=1)
+    assert mb.tokens.shape == (1, 8)  # this rank's half of the 16 positions
+    assert mb.params.cu_seqlens_q_padded is mb.params.cu_seqlens_q
+    # seq_idx indexes the whole 16-position stream: Mamba's all-to-all gathers it.
+    assert mb.params.seq_idx.tolist() == [[0] * 8 + [1] * 4 + [2] * 4]
