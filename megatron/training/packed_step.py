@@ -171,26 +171,30 @@ class PackedForwardStep:
 
     def begin_iteration(self, micro_batches_per_chunk: List[List[dict]]) -> None:
         """Plan graph replay for this iteration; every chunk's list holds the same micro-batches."""
+        batches = micro_batches_per_chunk[0]
         if self.dynamic_cp_capacities:
-            first = micro_batches_per_chunk[0][0]
-            self._cp_stats = {"cp micro-batches": first["cp_mix"], "cp rounds": first["cp_rounds"]}
-            self._decisions = self._plan_dynamic_cp(micro_batches_per_chunk[0])
-            for batch, decision in zip(micro_batches_per_chunk[0], self._decisions):
+            self._cp_stats = {"cp micro-batches": batches[0]["cp_mix"],
+                              "cp rounds": batches[0]["cp_rounds"]}
+            self._decisions = self._plan_dynamic_cp(batches)
+        else:
+            self._decisions = self._plan(batches)
+        for chunk_batches in micro_batches_per_chunk:
+            for batch, decision in zip(chunk_batches, self._decisions):
                 batch["graph_decision"] = decision
-            return
-        counts = [batch["num_segments"] for batch in micro_batches_per_chunk[0]]
-        self._decisions = plan_iteration(self.graphs, self._iteration, self._captured, counts)
+
+    def _plan(self, batches: List[dict]) -> List[GraphDecision]:
+        """Static layouts: `plan_iteration`; TE graphs are captured with the iteration's first
+        graphed micro-batch as the layout."""
+        decisions = plan_iteration(self.graphs, self._iteration, self._captured,
+                                   [batch["num_segments"] for batch in batches])
         if self.te_graphs is not None and not self._captured:
             first_graphed = next(((batch, decision) for batch, decision in
-                                  zip(micro_batches_per_chunk[0], self._decisions)
-                                  if decision.graphed), None)
-            if first_graphed is not None:  # capture with this micro-batch's layout
+                                  zip(batches, decisions) if decision.graphed), None)
+            if first_graphed is not None:
                 params = self._to_device(*first_graphed).params
                 self._te_capture_stats = self.te_graphs.capture([params])
                 self._captured = (self.graphs.capacity,)
-        for batches in micro_batches_per_chunk:
-            for batch, decision in zip(batches, self._decisions):
-                batch["graph_decision"] = decision
+        return decisions
 
     def _plan_dynamic_cp(self, batches: List[dict]) -> List[GraphDecision]:
         """Dynamic CP: each micro-batch against its CP size's bank. The banks are captured
