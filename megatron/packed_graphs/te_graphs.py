@@ -247,7 +247,7 @@ class TELayerGraphs:
             (torch.zeros(self.tokens_per_rank, 1, self.config.hidden_size, dtype=dtype,
                          device="cuda", requires_grad=True),)
             for _ in layers)
-        banks_so_far = [(layer.cuda_graphs, layer._graph_inputs) for layer in layers]
+        earlier_banks = [layer.cuda_graphs for layer in layers]
         for layer in layers:
             # Empty `cuda_graphs` makes megatron-core's dispatch capture, not replay.
             layer.cuda_graphs, layer._graph_inputs = [], [*layer._graph_inputs, inputs]
@@ -260,7 +260,7 @@ class TELayerGraphs:
                 _order=[1, -1], _num_layers_per_chunk=[len(layers)])
         finally:
             mcore_graphs._set_capture_end()
-        for layer, callable_, (callables, _) in zip(layers, graphed, banks_so_far):
+        for layer, callable_, callables in zip(layers, graphed, earlier_banks):
             layer.cuda_graphs = [*callables, callable_]
         torch.cuda.synchronize()
         return reserved_without_cache() - reserved
