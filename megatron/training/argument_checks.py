@@ -127,21 +127,29 @@ def _check_mamba(args):
     for flag in ("--mamba-state-dim", "--mamba-head-dim", "--mamba-num-groups",
                  "--mamba-num-heads"):
         _at_least(args, flag, 1)
-    heads = args.mamba_num_heads
-    if heads is None:
-        inner = 2 * args.hidden_size
-        if inner % args.mamba_head_dim:
-            fail("--mamba-head-dim", args.mamba_head_dim,
-                 f"It must divide the Mamba inner width 2 * hidden size = {inner}, or set "
-                 "--mamba-num-heads")
-        heads = inner // args.mamba_head_dim
+    inner = 2 * args.hidden_size
+    if args.mamba_num_heads is None and inner % args.mamba_head_dim:
+        fail("--mamba-head-dim", args.mamba_head_dim,
+             f"It must divide the Mamba inner width 2 * hidden size = {inner}, or set "
+             "--mamba-num-heads")
+    heads = _mamba_heads(args)
     if heads % args.mamba_num_groups:
         fail("--mamba-num-groups", args.mamba_num_groups,
              f"It must divide the Mamba head count ({heads})")
 
 
 def _mamba_heads(args) -> int:
+    """--mamba-num-heads, or MambaMixer's default: inner width 2 * hidden over the head dim."""
     return args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
+
+
+def _require_te_attention(args, flag: str, value):
+    """CP attention on packed (THD) data runs in Transformer Engine."""
+    _require_package("transformer_engine", flag, value)
+    if args.attention_backend not in ("te", "auto"):
+        fail(flag, value, f"Packed context parallelism runs only on Transformer Engine "
+                          f"attention, not --attention-backend {args.attention_backend}; use te "
+                          f"or auto")
 
 
 def _check_mamba_cp(args, flag: str, cp: int):
@@ -197,11 +205,7 @@ def check_parallelism(args, model: str, world_size: int):
     if cp > 1:
         if model == "hybrid":
             _check_mamba_cp(args, "--context-parallel-size", cp)
-        _require_package("transformer_engine", "--context-parallel-size", cp)
-        if args.attention_backend not in ("te", "auto"):
-            fail("--context-parallel-size", cp,
-                 f"Packed context parallelism runs only on Transformer Engine attention, not "
-                 f"--attention-backend {args.attention_backend}; use te or auto")
+        _require_te_attention(args, "--context-parallel-size", cp)
         if args.seq_length % (2 * cp):
             fail("--seq-length", args.seq_length,
                  f"With --context-parallel-size {cp} it must be a multiple of 2 * cp = "
@@ -467,7 +471,7 @@ def check_cuda_graphs(args):
              "A gpt model has no Mamba layers; use attn and/or mlp")
 
 
-def check_dynamic_cp(args, world_size: int):
+def check_dynamic_cp(args):
     """--dynamic-cp-sizes and --dynamic-cp-max-packed-seqs; fills dynamic_cp_tokens_per_rank
     (0 without dynamic CP) and dynamic_cp_max_packed_seqs (one capacity per size)."""
     from megatron.packed_graphs.dynamic_cp import check_cp_sizes
@@ -480,7 +484,7 @@ def check_dynamic_cp(args, world_size: int):
                  "It sizes the graph banks of dynamic CP; add --dynamic-cp-sizes or drop it")
         return
     flag, shown = "--dynamic-cp-sizes", _as_typed(sizes)
-    ranks = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    ranks = args.data_parallel_size * args.context_parallel_size  # derived by check_parallelism
     check_cp_sizes(sizes, ranks, what=flag)
     if ranks & (ranks - 1):
         fail(flag, shown, f"Dynamic CP places micro-batches on power-of-two blocks of the "
@@ -508,10 +512,7 @@ def check_dynamic_cp(args, world_size: int):
         if refused:
             fail(what, value, todo)
     if sizes[-1] > 1:
-        _require_package("transformer_engine", flag, shown)
-        if args.attention_backend not in ("te", "auto"):
-            fail(flag, shown, f"CP attention on packed data runs on Transformer Engine, not "
-                              f"--attention-backend {args.attention_backend}; use te or auto")
+        _require_te_attention(args, flag, shown)
         if args.model == "hybrid":
             for size in sizes[1:]:
                 _check_mamba_cp(args, flag, size)

@@ -268,7 +268,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     checks.check_data(args)
     checks.check_attention(args)
     checks.check_cuda_graphs(args)
-    checks.check_dynamic_cp(args, world_size)
+    checks.check_dynamic_cp(args)
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
     return args
