@@ -222,26 +222,25 @@ class TELayerGraphs:
         banks in the same order (captures run the banks' collectives). Returns the log-line
         statistics: capture time, graph memory (per bank under dynamic CP), graph count.
         """
-        stats = {"graphs captured": 0}
+        layers = graphable_layers(self.model[0])
+        stats = {"graphs captured": 2 * len(layers) * len(bank_params)}
         start = time.perf_counter()
         for params in bank_params:
-            memory = self._capture_bank(params)
+            memory = self._capture_bank(params, layers)
             name = ("graph memory (MiB)" if params.local_cp_size is None
                     else f"graph memory cp{params.local_cp_size} (MiB)")
             stats[name] = round(memory / 2**20, 1)
-            stats["graphs captured"] += 2 * len(graphable_layers(self.model[0]))
         stats["graph capture (s)"] = round(time.perf_counter() - start, 2)
         return stats
 
-    def _capture_bank(self, params: PackedBatchParams) -> int:
-        """Capture one bank; returns the graph memory it reserved (bytes)."""
+    def _capture_bank(self, params: PackedBatchParams, layers: List[torch.nn.Module]) -> int:
+        """Capture one bank of ``layers``; returns the graph memory it reserved (bytes)."""
         from megatron.core.transformer import cuda_graphs as mcore_graphs
         from transformer_engine.pytorch.graph import make_graphed_callables
 
-        chunk = self.model[0]
-        layers = graphable_layers(chunk)
         inputs = self.banks[params.local_cp_size] = PackedGraphInputs.like(params)
-        kwargs = graph_kwargs(inputs.params(inputs.buffers), rotary_table(chunk, inputs.max_seqlen))
+        kwargs = graph_kwargs(inputs.params(inputs.buffers),
+                              rotary_table(self.model[0], inputs.max_seqlen))
         dtype = self.config.params_dtype
         sample_args = tuple(
             (torch.zeros(self.tokens_per_rank, 1, self.config.hidden_size, dtype=dtype,

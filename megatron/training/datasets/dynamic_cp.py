@@ -20,6 +20,7 @@ from megatron.training.datasets.packing import (
     PackingStats,
     collate_packed_rows,
     pack_documents,
+    tokens_to_pack,
 )
 
 
@@ -36,21 +37,19 @@ def pack_rows_for_dynamic_cp(documents: Iterable[Document], cp_sizes: Sequence[i
     longest = max(cp_sizes) * tokens_per_rank
     kept = []
     for document in documents:
-        positions = len(document.input_ids) - 1
-        if positions < 1:
-            stats.skipped_empty += 1
+        num_tokens = tokens_to_pack(
+            document, longest, reject_long_documents=reject_long_documents, stats=stats,
+            too_long=lambda n: (
+                f"document length is wrong: {document.origin} has {n - 1} training positions, "
+                f"more than the largest CP size holds ({max(cp_sizes)} x {tokens_per_rank} = "
+                f"{longest}). Drop --reject-long-documents to truncate it, or add a larger "
+                f"--dynamic-cp-sizes entry."))
+        if num_tokens == 0:
             continue
-        if positions > longest:
-            if reject_long_documents:
-                raise ValueError(
-                    f"document length is wrong: {document.origin} has {positions} training "
-                    f"positions, more than the largest CP size holds ({max(cp_sizes)} x "
-                    f"{tokens_per_rank} = {longest}). Drop --reject-long-documents to truncate "
-                    f"it, or add a larger --dynamic-cp-sizes entry.")
-            document = replace(document, input_ids=document.input_ids[:longest + 1],
+        if num_tokens < len(document.input_ids):  # truncated: the plan sees the kept length
+            document = replace(document, input_ids=document.input_ids[:num_tokens],
                                loss_mask=None if document.loss_mask is None
-                               else document.loss_mask[:longest + 1])
-            stats.truncated += 1
+                               else document.loss_mask[:num_tokens])
         kept.append(document)
     plan = pack_for_dynamic_cp([len(d.input_ids) - 1 for d in kept], cp_sizes, tokens_per_rank)
     rows = []

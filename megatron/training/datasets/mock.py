@@ -19,11 +19,18 @@ from megatron.training.datasets.packing import (
     PackedRow,
     build_packed_row,
     check_seq_length,
+    pad_to_multiple,
     segment_position_ids,
 )
 
 STRIDES = (1, 2, 3)
 """Per-document step of the token walk."""
+
+
+def walk(offset, position, stride, vocab_size: int):
+    """Token at ``position`` of a document whose walk starts at id ``offset + 1`` (numpy
+    broadcasting): ``1 + (offset + position * stride) % (vocab_size - 1)``, never the pad id."""
+    return 1 + (offset + position * stride) % (vocab_size - 1)
 
 
 def draw_document_lengths(
@@ -46,7 +53,7 @@ def mock_documents(num_positions: int, max_positions: int, vocab_size: int, seed
         length = int(draw_document_lengths(rng, 1, doc_length_median, doc_length_sigma,
                                            max_positions)[0])
         start, stride = int(rng.integers(1, vocab_size)), int(rng.choice(STRIDES))
-        ids = 1 + (start - 1 + np.arange(length, dtype=np.int64) * stride) % (vocab_size - 1)
+        ids = walk(start - 1, np.arange(length, dtype=np.int64), stride, vocab_size)
         documents.append(Document(ids, None, f"mock:{len(documents)}"))
         total += length - 1
     return documents
@@ -128,7 +135,7 @@ class MockPackedDataset(torch.utils.data.Dataset):
         return lengths[:fitting]
 
     def _padded(self, positions: np.ndarray) -> np.ndarray:
-        return -(-positions // self.segment_multiple) * self.segment_multiple
+        return pad_to_multiple(positions, self.segment_multiple)
 
     def document_lengths(self, index: int) -> np.ndarray:
         """Token lengths (int64) of the documents packed into row ``index``."""
@@ -145,9 +152,8 @@ class MockPackedDataset(torch.utils.data.Dataset):
         position = segment_position_ids(positions_per_document)
         offset = np.repeat(starts - 1, positions_per_document)
         stride = np.repeat(strides, positions_per_document)
-        cycle = self.vocab_size - 1
-        tokens = 1 + (offset + position * stride) % cycle
-        labels = 1 + (offset + (position + 1) * stride) % cycle
+        tokens = walk(offset, position, stride, self.vocab_size)
+        labels = walk(offset, position + 1, stride, self.vocab_size)
         loss_mask = np.ones(len(tokens), dtype=np.float32)
         if self.segment_multiple == 1:
             return build_packed_row(tokens, labels, loss_mask, positions_per_document,

@@ -11,7 +11,7 @@ training loop.
 """
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -169,6 +169,29 @@ def build_packed_row(
     )
 
 
+def pad_to_multiple(positions, multiple: int):
+    """``positions`` (an int or an int array) rounded up to a multiple of ``multiple``."""
+    return -(-positions // multiple) * multiple
+
+
+def tokens_to_pack(document: Document, max_positions: int, *, reject_long_documents: bool,
+                   stats: PackingStats, too_long: Callable[[int], str]) -> int:
+    """How many of ``document``'s tokens a packer takes: 0 for fewer than 2 tokens (nothing
+    to predict; counted in ``stats.skipped_empty``), all of them up to ``max_positions + 1``;
+    a longer document is cut to that (counted in ``stats.truncated``) or, under
+    ``reject_long_documents``, refused with ``ValueError(too_long(its token count))``."""
+    num_tokens = len(document.input_ids)
+    if num_tokens < 2:
+        stats.skipped_empty += 1
+        return 0
+    if num_tokens - 1 <= max_positions:
+        return num_tokens
+    if reject_long_documents:
+        raise ValueError(too_long(num_tokens))
+    stats.truncated += 1
+    return max_positions + 1
+
+
 def _shift(document: Document, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, labels, loss_mask) of the first ``num_tokens`` tokens of a document."""
     ids = document.input_ids[:num_tokens].astype(np.int64, copy=False)
@@ -239,22 +262,17 @@ def _pack(
         return row
 
     for document in documents:
-        num_tokens = len(document.input_ids)
-        if num_tokens < 2:
-            stats.skipped_empty += 1
+        num_tokens = tokens_to_pack(
+            document, seq_length, reject_long_documents=reject_long_documents, stats=stats,
+            too_long=lambda n: (
+                f"document length is wrong: {document.origin} has {n} tokens ({n - 1} "
+                f"training positions), more than --seq-length {seq_length}. Drop "
+                f"--reject-long-documents to truncate it to {seq_length + 1} tokens, or raise "
+                f"--seq-length."))
+        if num_tokens == 0:
             continue
-        if num_tokens - 1 > seq_length:
-            if reject_long_documents:
-                raise ValueError(
-                    f"document length is wrong: {document.origin} has {num_tokens} tokens "
-                    f"({num_tokens - 1} training positions), more than --seq-length {seq_length}. "
-                    f"Drop --reject-long-documents to truncate it to {seq_length + 1} tokens, "
-                    f"or raise --seq-length."
-                )
-            num_tokens = seq_length + 1
-            stats.truncated += 1
         positions = num_tokens - 1
-        padded = -(-positions // segment_multiple) * segment_multiple
+        padded = pad_to_multiple(positions, segment_multiple)
         if used + padded > seq_length:
             yield close_row()
             pending, actual, used = [], [], 0
