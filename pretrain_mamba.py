@@ -11,21 +11,21 @@ import sys
 
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
-    """MambaModel built from the packed hybrid stack spec of ``--attention-backend``."""
-    from megatron.core.models.mamba.mamba_model import MambaModel
+    """HybridModel built from the packed hybrid stack spec of ``--attention-backend``."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from megatron.packed_graphs.attention import resolve_attention_backend
     from megatron.packed_graphs.specs import hybrid_stack_spec
 
     backend = resolve_attention_backend(args.attention_backend)
-    return MambaModel(
+    return HybridModel(
         config=config,
-        mamba_stack_spec=hybrid_stack_spec(backend, args.normalization),
+        hybrid_stack_spec=hybrid_stack_spec(backend, args.normalization),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        hybrid_override_pattern=args.hybrid_override_pattern,
+        hybrid_layer_pattern=args.hybrid_override_pattern,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,

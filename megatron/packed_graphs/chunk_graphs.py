@@ -15,7 +15,9 @@ What is ours (docs/cuda-graphs.md, "Chunk granularity"):
   micro-batch count per iteration replays the same S runners; nothing is re-captured.
 * **A memory pool per slot** (``runner.mempool``, set before the end-of-iteration capture).
   All runners of one pool must replay in capture order; one slot's forward and backward
-  always alternate, different slots interleave freely.
+  always alternate, different slots interleave freely. Static input and grad buffers come
+  from megatron-core's shared pool and stay private to their runner
+  (``keep_buffers_private``, core_patches.keep_chunk_graph_buffers_private).
 * **Capture of exactly S runners.** In the capture iteration only the first S forwards of a
   chunk are recorded; later ones run eager.
 * **The received activation is a graph input** on later pipeline stages (upstream reads it
@@ -29,7 +31,7 @@ from typing import List, Optional
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.transformer.cuda_graphs import CudaGraphManager, _CudagraphGlobalRecord
+from megatron.core.transformer.cuda_graphs import CudaGraphManager
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import MakeViewlessTensor
 
@@ -70,7 +72,7 @@ class ChunkGraphDispatch:
             kwargs["hidden_states"] = self.input_tensor
         slots = self._chunk_slots()
         manager = self.cudagraph_manager
-        if not _CudagraphGlobalRecord.cudagraph_created:
+        if not core_patches.local_graphs_created():
             if slots.recorded == slots.count:
                 return super().__call__(*args, **kwargs)  # the capture needs S runners only
             output = manager(self, args, kwargs)
@@ -90,8 +92,7 @@ class ChunkGraphDispatch:
     def _chunk_slots(self) -> "ChunkSlots":
         slots = getattr(self, "chunk_slots", None)
         if slots is None:
-            core_patches.keep_graph_buffers_private()
-            if not hasattr(self, "cudagraph_manager"):  # MambaStack is no GraphableMegatronModule
+            if not hasattr(self, "cudagraph_manager"):  # HybridStack is no GraphableMegatronModule
                 self.cudagraph_manager = CudaGraphManager(self.config)
             chunk = getattr(self, "vp_stage", None) or 0
             slots = self.chunk_slots = ChunkSlots(chunk_slot_count(self.config, chunk))
@@ -118,6 +119,7 @@ class ChunkSlots:
         runner = manager.cudagraph_runners[-1]
         if runner not in self.runners:
             runner.mempool = torch.cuda.graph_pool_handle()  # this slot's own pool
+            runner.keep_buffers_private = True  # slots replay out of capture order
             self.runners.append(runner)
         self.graphed_forwards += 1
 
@@ -127,7 +129,7 @@ class ChunkSlots:
             return None  # PP == 1: a single runner
         slot = self.graphed_forwards % self.count
         runner = self.runners[slot]
-        manager.cudagraph_runners = [runner] + [r for r in self.runners if r is not runner]
+        core_patches.replay_runner_first(manager, runner, self.runners)
         self.graphed_forwards += 1
         return slot
 
@@ -137,11 +139,6 @@ class ChunkGraphedTransformerBlock(ChunkGraphDispatch, TransformerBlock):
 
 
 def use_chunk_graph_block(block: TransformerBlock) -> None:
-    """Give a GPTModel's decoder the chunk-graph dispatch, in place.
-
-    0.16.1's GPTModel constructs ``TransformerBlock`` by name with no spec hook for the block
-    class, so the built block's class is switched to our subclass, which adds methods only
-    (no state of its own before first use): same parameters, same initialisation.
-    """
-    if type(block) is TransformerBlock:
-        block.__class__ = ChunkGraphedTransformerBlock
+    """Give a GPTModel's decoder the chunk-graph dispatch, in place (GPTModel builds
+    ``TransformerBlock`` by name; core_patches.switch_block_class)."""
+    core_patches.switch_block_class(block, ChunkGraphedTransformerBlock)

@@ -1,12 +1,46 @@
-"""Patches of megatron-core 0.16.1 behaviour that no subclass can reach. Applied once, explicitly.
+"""Every reach of this fork into megatron-core internals, in one module, for megatron-core 0.19.2.
 
-Each patch is a named function: what it changes, why, and the upstream reference. All are
-guarded by the exact megatron-core version; on another version `apply_core_patches` refuses
-loudly so that a wheel upgrade re-examines every patch (tests/unit/test_core_patches.py fails
-when upstream fixes a bug, telling us to drop its patch).
+Two kinds of entries live here, both guarded by the exact megatron-core version
+(`PATCHED_VERSION`): on another version `apply_core_patches` refuses loudly, so a wheel upgrade
+re-examines every line below (tests/unit/test_core_patches.py holds a sentinel per entry that
+fails when upstream changes the code it relies on).
+
+**Patches** change upstream behaviour process-wide. `apply_core_patches()` applies them once,
+explicitly, at the start of training:
+
+* `keep_forward_inputs_until_backward_captured` (replaces 0.16.1's
+  ``hold_forward_inputs_until_backward_captured``): the local graph engine releases forward
+  buffers it thinks the backward does not need; it learns what the backward needs only from
+  Python ``save_for_backward`` calls, so inputs saved by native autograd ops (torch norms)
+  were released and reused, the gradient-aliasing bug the 0.16.1 patch fixed.
+* `keep_saved_tensor_observer_armed_until_capture`: upstream disarms that observer at the end
+  of the first schedule, which in this fork is an eager warm-up iteration.
+* `keep_chunk_graph_buffers_private` (replaces 0.16.1's ``keep_graph_buffers_private``):
+  chunk-graph slots replay out of capture order, so their buffers are never shared.
+* `sync_free_multi_tensor_fallbacks`, `clip_gradients_without_host_sync`: gradient norm and
+  clipping without host syncs where neither TE >= 2.14 nor apex provides the kernels.
+* `check_arg_types_without_reimporting`, `record_capture_statistics`: host time and statistics.
+
+**Reaches** are small functions the fork calls where a subclass cannot do the job: the GPT
+decoder class switch (`switch_block_class`), the TE capture flag
+(`te_graph_capture`), the order of a manager's runners
+(`replay_runner_first`, `rotate_runners`, `sort_runners`), upstream's private "graphs
+created" flag (`local_graphs_created`), TE's class-level CP stream (`te_cp_stream`) and the
+process-wide stream switch (`use_side_stream`).
+
+Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
+
+* ``fix_warmup_flag_never_cleared``: ``_set_warmup_end`` clears the flag since 0.17.0 (#3373).
+* ``keep_parameter_versions_on_replay``: replay copies an input only when its address differs
+  since 0.17.0 (#3948), so parameters are no longer copied into themselves.
+* ``finalize_model_grads_without_host_sync``: ``finalize_model_grads`` scales by the token
+  count on the device since 0.18.0 (#4663); the fork uses upstream's.
 """
 
+import contextlib
 import dataclasses
+import inspect
+from typing import Callable
 
 import torch
 
@@ -17,12 +51,12 @@ from megatron.core.transformer import cuda_graphs
 
 from megatron.packed_graphs.graph_memory import reserved_without_cache
 
-PATCHED_VERSION = "0.16.1"
+PATCHED_VERSION = "0.19.2"
 
-# The upstream functions as imported, before any patch (tests check the bugs are still there).
-UPSTREAM_SET_WARMUP_END = cuda_graphs._set_warmup_end
-UPSTREAM_CREATE_FWD_GRAPH = cuda_graphs._CudaGraphRunner.create_fwd_graph
+# The upstream functions as imported, before any patch (tests check the code they rely on).
+UPSTREAM_WEAKREF_FORWARD_BUFFERS = cuda_graphs._CudaGraphRunner._weakref_forward_buffers
 UPSTREAM_CREATE_BWD_GRAPH = cuda_graphs._CudaGraphRunner.create_bwd_graph
+UPSTREAM_CREATE_CUDAGRAPHS = cuda_graphs._CudagraphGlobalRecord.create_cudagraphs.__func__
 UPSTREAM_CHECK_SUPPORTED_TYPE = cuda_graphs._check_supported_type
 UPSTREAM_GET_GRAD_NORM = clip_grads.get_grad_norm_fp32
 UPSTREAM_CLIP_BY_TOTAL_NORM = clip_grads.clip_grad_by_total_norm_fp32
@@ -30,100 +64,92 @@ UPSTREAM_CLIP_BY_TOTAL_NORM = clip_grads.clip_grad_by_total_norm_fp32
 # Filled by the capture-statistics patch: one entry per graph capture.
 capture_log: list = []
 
+# Which patches apply_core_patches applied, and why the others were not needed.
+applied_patches: dict = {}
+
 _applied = False
 
 
-def fix_warmup_flag_never_cleared() -> None:
-    """0.16.1's ``cuda_graphs._set_warmup_end`` forgets to clear ``_IS_GRAPH_WARMUP``.
+def require_patched_version() -> None:
+    """Raise unless the installed megatron-core is the one every entry here was checked on."""
+    if megatron.core.__version__ != PATCHED_VERSION:
+        raise RuntimeError(
+            f"megatron.packed_graphs.core_patches targets megatron-core {PATCHED_VERSION}, "
+            f"found {megatron.core.__version__}. Install megatron-core=={PATCHED_VERSION} "
+            "(pyproject.toml pins it), or re-check each patch against the new version.")
 
-    After the first capture ``is_graph_warmup()`` stays True for the rest of training, which
-    silently disables ``CheckpointWithoutOutput`` recomputation (tensor_parallel/random.py).
-    Upstream fix: megatron-core main #3373 (e19fbe2e1d).
+
+# --------------------------------------------------------------------------------------------
+# Local graph engine: buffer lifetimes
+# --------------------------------------------------------------------------------------------
+
+def keep_forward_inputs_until_backward_captured() -> None:
+    """Treat every forward-graph input of a training runner as saved for its backward.
+
+    0.19.2's forward capture hands the memory of input buffers back to the graph pool
+    (``_weakref_forward_buffers``, active when TE is importable) unless an observer of
+    ``FunctionCtx.save_for_backward`` tagged them. Native autograd ops (``F.rms_norm``,
+    ``F.linear`` in the TE-free spec) save their input without that call, so the first
+    layer's input buffer was released although its norm's backward reads it; a later
+    capture can then place a grad buffer on it, the 0.16.1 aliasing bug (wrong first-norm and
+    embedding gradients, tools/compare_graph_grads.py). Upstream releases the buffers after
+    the runner's backward capture; this keeps them alive until then, as 0.16.1 + our patch did.
     """
+    def _weakref_forward_buffers(self, preserve_forward_to_backward_lifetimes: bool) -> None:
+        if getattr(self, "keep_buffers_private", False):
+            return  # chunk-graph runner: keep_chunk_graph_buffers_private
+        if preserve_forward_to_backward_lifetimes:
+            for buf in self.fwd_graph_input_surface:
+                cuda_graphs._tag_cudagraph_buffer_saved_for_backward(buf)
+        UPSTREAM_WEAKREF_FORWARD_BUFFERS(self, preserve_forward_to_backward_lifetimes)
 
-    def _set_warmup_end():
-        cuda_graphs._IS_GRAPH_WARMUP = False
-
-    cuda_graphs._set_warmup_end = _set_warmup_end
+    cuda_graphs._CudaGraphRunner._weakref_forward_buffers = _weakref_forward_buffers
 
 
-def hold_forward_inputs_until_backward_captured() -> None:
-    """Keep a runner's forward-input buffers out of the reuse pool until its backward exists.
+def keep_chunk_graph_buffers_private() -> None:
+    """Never give a chunk-graph runner's buffers back to the shared graph pool.
 
-    0.16.1's ``create_fwd_graph`` returns each copied-in input buffer (the first layer's
-    hidden states, per-layer metadata) to ``TensorReusePool`` right after the forward
-    capture. But the captured forward saved that buffer for its backward (a norm keeps its
-    input), and the next capture of the same shape takes it from the pool: at PP=1 the last
-    layer's grad-output buffer. On replay the last layer's backward writes its incoming
-    gradient over the first layer's saved input, and the first layer's backward reads it:
-    wrong first-norm and embedding gradients (H200: 0.3 to 2.8 relative error, exact with the
-    patch; tools/compare_graph_grads.py prints the aliasing). Released once the runner's
-    backward graph is captured, the buffer is reused only by graphs that replay after it.
+    A runner's static inputs and grad buffers come from megatron-core's one global pool, and
+    0.19.2 returns them to it once captured (``make_weakref``), assuming graphs replay in
+    capture order. Chunk-graph slots replay in the order the schedule needs, which changes
+    with the micro-batch count, so a slot reusing another slot's released buffer would
+    overwrite it. Runners that chunk graphs mark ``keep_buffers_private`` keep strong
+    references (chunks are few: the cost is a few activation-sized buffers per slot).
+    Forward buffers are handled in `keep_forward_inputs_until_backward_captured`.
     """
-    pool = cuda_graphs._CudagraphGlobalRecord.tensor_reuse_pool
-
-    def create_fwd_graph(self, *args, **kwargs):
-        held = []
-        pool.insert = held.append  # the only pool.insert calls in a forward capture
+    def create_bwd_graph(self):
+        if not getattr(self, "keep_buffers_private", False):
+            return UPSTREAM_CREATE_BWD_GRAPH(self)
+        release = cuda_graphs.make_weakref
+        cuda_graphs.make_weakref = lambda tensor, inplace=True: tensor
         try:
-            UPSTREAM_CREATE_FWD_GRAPH(self, *args, **kwargs)
+            return UPSTREAM_CREATE_BWD_GRAPH(self)
         finally:
-            del pool.insert
-        if self.grad_enabled and self.training:
-            self.held_input_buffers = held
-        else:  # forward-only graph: nothing is saved for a backward
-            for buf in held:
-                pool.insert(buf)
-
-    def create_bwd_graph(self):
-        UPSTREAM_CREATE_BWD_GRAPH(self)
-        for buf in getattr(self, "held_input_buffers", ()):
-            pool.insert(buf)
-        self.held_input_buffers = []
-
-    cuda_graphs._CudaGraphRunner.create_fwd_graph = create_fwd_graph
-    cuda_graphs._CudaGraphRunner.create_bwd_graph = create_bwd_graph
-
-
-def keep_parameter_versions_on_replay() -> None:
-    """After each backward capture, apply `detach_parameter_version_counters` to the runner."""
-    captured = cuda_graphs._CudaGraphRunner.create_bwd_graph
-
-    def create_bwd_graph(self):
-        captured(self)
-        detach_parameter_version_counters(self)
+            cuda_graphs.make_weakref = release
 
     cuda_graphs._CudaGraphRunner.create_bwd_graph = create_bwd_graph
 
 
-def detach_parameter_version_counters(runner) -> None:
-    """Stop every replay from bumping the autograd version of the runner's parameters.
+def keep_saved_tensor_observer_armed_until_capture() -> None:
+    """Re-arm upstream's ``save_for_backward`` observer until the graphs are captured.
 
-    0.16.1's replay copies each entry of ``fwd_graph_input_surface`` into itself, the layer's
-    parameters included (``param.copy_(param)``: no kernel, but a version bump). An eager
-    micro-batch that saved a weight for its backward then fails if another micro-batch
-    replays the layer before that backward runs, which the 1F1B schedule does at PP > 1 with
-    a fallback micro-batch ("modified by an inplace operation", H200 x2). The surface keeps
-    ``param.data`` instead: same memory (the copy stays a no-op), own version counter.
+    0.19.2 arms it when a CudaGraphManager is built and disarms it at the end of every
+    schedule (``create_cudagraphs``), captured or not. This fork runs eager warm-up
+    iterations first, so the recording iteration ran with the observer off and buffers
+    saved for backward were not tagged. Upstream's own ``_enable_saved_tensors_observer``
+    re-arms it and does nothing once graphs exist.
     """
-    surface, n = runner.fwd_graph_input_surface, runner.num_dgrads
-    runner.fwd_graph_input_surface = type(surface)(
-        list(surface[:n]) + [param.data for param in surface[n:]])
+    def create_cudagraphs(cls):
+        try:
+            return UPSTREAM_CREATE_CUDAGRAPHS(cls)
+        finally:
+            cls._enable_saved_tensors_observer()
 
-
-def keep_graph_buffers_private() -> None:
-    """Never hand a graph's input or grad buffer to another runner (chunk graphs).
-
-    0.16.1 recycles graph buffers between runners through ``TensorReusePool``; that is safe
-    only when the graphs replay in capture order. Chunk graphs replay their slots in the
-    order the schedule needs, which changes with the micro-batch count. Chunks are few, so
-    private buffers cost little. Applied when the first chunk graph is recorded.
-    """
-    cuda_graphs.TensorReusePool.insert = lambda self, tensor: None
+    cuda_graphs._CudagraphGlobalRecord.create_cudagraphs = classmethod(create_cudagraphs)
 
 
 def forward_inputs_reused_as_grad_buffers(runners) -> list:
-    """Check of the patch above on captured runners: ``["<runner> grad out == <runner> fwd in"]``.
+    """Check of the buffer patches on captured runners: ``["<runner> grad out == <runner> fwd in"]``.
 
     Empty when no backward graph writes into memory a forward graph saved as its input.
     """
@@ -144,6 +170,10 @@ def forward_inputs_reused_as_grad_buffers(runners) -> list:
     return clashes
 
 
+# --------------------------------------------------------------------------------------------
+# Optimizer step without host syncs
+# --------------------------------------------------------------------------------------------
+
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """``amp_C.multi_tensor_l2norm`` contract with torch's foreach kernels: ``([norm], None)``."""
     tensors = tensor_lists[0]
@@ -159,30 +189,34 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
-def sync_free_multi_tensor_fallbacks() -> None:
-    """Replace megatron-core's multi-tensor fallbacks used when neither TE nor apex is installed.
+def sync_free_multi_tensor_fallbacks() -> str:
+    """Replace megatron-core's multi-tensor fallbacks used when neither TE >= 2.14 nor apex is there.
 
-    0.16.1's ``local_multi_tensor_l2_norm`` (gradient norm, clip_grads.py) builds a CPU
-    tensor from the per-tensor CUDA norms: one host sync per gradient tensor per step, after
-    which the GPU idles while Python walks the rest; ``local_multi_tensor_scale`` (clipping,
-    optimizer copies) launches one kernel per tensor. Torch's foreach kernels do both in a
-    few launches and no sync. Only the fallbacks are replaced; TE's or apex's stay.
+    clip_grads.py takes TE's kernels only when TE exports ``multi_tensor_scale_tensor``
+    (TE >= 2.14); with TE 2.11 or no TE it falls back to ``local_multi_tensor_l2_norm``,
+    which builds a CPU tensor from the per-tensor CUDA norms (one host sync per gradient
+    tensor per step), and ``local_multi_tensor_scale``, one kernel per tensor. Torch's
+    foreach kernels do both in a few launches and no sync. Only the fallbacks are replaced.
     """
     from megatron.core import utils
     from megatron.core.optimizer import optimizer as mixed_precision
 
+    replaced = []
     if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = foreach_l2_norm
+        replaced.append("l2 norm")
     for module in (clip_grads, mixed_precision):
         if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = foreach_scale
+            replaced.append(f"scale ({module.__name__.rsplit('.', 1)[-1]})")
+    return ", ".join(replaced) or "not needed: TE or apex kernels are installed"
 
 
 def grad_norm_on_device(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
     """``get_grad_norm_fp32`` without the final ``.item()``: the L2 norm as a 0-dim CUDA tensor.
 
-    Same kernel (clip_grads' ``l2_norm_impl``: TE's, apex's or the foreach fallback) and the
-    same all-reduce; other norm types and DTensor (FSDP) gradients take upstream's path.
+    Same kernel (clip_grads' ``l2_norm_impl``) and the same all-reduce; other norm types and
+    DTensor (FSDP) gradients take upstream's path.
     """
     grads = grads_for_norm if isinstance(grads_for_norm, list) else [grads_for_norm]
     dtensor_group = None
@@ -204,8 +238,9 @@ def grad_norm_on_device(grads_for_norm, norm_type=2, grad_stats_parallel_group=N
 def clip_by_device_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
     """``clip_grad_by_total_norm_fp32`` for a norm on the device: scale by ``min(1, coeff)``.
 
-    Upstream compares the coefficient with 1 on the host; multiplying by a coefficient
-    clamped to 1 gives the same gradients (``x * 1.0 == x``) without reading it.
+    Upstream compares the coefficient with 1 on the host unless TE >= 2.14 gives it a
+    tensor-scale kernel; multiplying by a coefficient clamped to 1 gives the same gradients
+    (``x * 1.0 == x``) without reading it.
     """
     if not torch.is_tensor(total_norm):
         return UPSTREAM_CLIP_BY_TOTAL_NORM(parameters, max_norm, total_norm, use_decoupled_grad)
@@ -217,64 +252,39 @@ def clip_by_device_norm(parameters, max_norm, total_norm, use_decoupled_grad=Fal
         torch._foreach_mul_(grads, (max_norm / (total_norm + 1.0e-6)).clamp(max=1.0))
 
 
-def clip_gradients_without_host_sync() -> None:
-    """Keep the gradient norm on the GPU: no host sync in the optimizer step.
+def clip_gradients_without_host_sync() -> str:
+    """Keep the gradient norm on the GPU where upstream still reads it on the host.
 
-    0.16.1's ``get_grad_norm_fp32`` ends with ``total_norm.item()`` and
+    0.19.2 keeps the norm on the device only when TE exports ``multi_tensor_scale_tensor``
+    (TE >= 2.14, clip_grads.py); otherwise ``get_grad_norm_fp32`` ends with ``.item()`` and
     ``clip_grad_by_total_norm_fp32`` decides on the host whether to scale. That sync sits
-    between the backward and the optimizer kernels of every step, so the GPU drains and
-    then waits while Python launches the optimizer (docs/benchmarks.md, issue 3). Patched
-    where the optimizers look the two functions up (optimizer.py); the step then returns
-    the norm as a 0-dim tensor, which the training loop reads only when it logs.
+    between the backward and the optimizer kernels of every step, so the GPU drains while
+    Python launches the optimizer (docs/benchmarks.md). Patched where the optimizers look the
+    two functions up (optimizer.py); the step then returns the norm as a tensor, which the
+    training loop reads only when it logs.
     """
+    if clip_grads.multi_tensor_scale_tensor_impl is not None:
+        return "not needed: upstream clips on the device with TE's multi_tensor_scale_tensor"
     from megatron.core.optimizer import optimizer as mixed_precision
 
     mixed_precision.get_grad_norm_fp32 = grad_norm_on_device
     mixed_precision.clip_grad_by_total_norm_fp32 = clip_by_device_norm
+    return "applied"
 
 
-def finalize_model_grads_without_host_sync(model, num_tokens=None, pg_collection=None,
-                                           force_all_reduce=False):
-    """megatron-core's ``finalize_model_grads`` with the per-token scaling kept on the GPU.
-
-    0.16.1 scales the gradients by ``1 / num_tokens`` behind ``if num_tokens > 0`` on a CUDA
-    tensor: a host sync after every backward, so the host waits for the whole forward and
-    backward before it launches the optimizer (tools/find_host_syncs.py found it once the
-    gradient norm stopped syncing). Upstream runs with ``num_tokens=None`` (everything but
-    the scaling); the scaling here uses ``1 / max(num_tokens, 1)``: the same factor when
-    there are tokens, and without tokens every gradient is zero, scaled or not. Given to
-    the schedules as ``config.finalize_model_grads_func`` (training.py).
-    """
-    from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel.utils import get_pp_last_rank
-
-    finalize_model_grads(model, None, pg_collection=pg_collection,
-                         force_all_reduce=force_all_reduce)
-    if num_tokens is None:
-        return
-    if pg_collection is not None:
-        pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
-    else:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    # As upstream: the count lives on the last stage; every stage and DP rank needs the total.
-    torch.distributed.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)
-    torch.distributed.all_reduce(num_tokens, group=dp_cp_group)
-    scaling = 1.0 / num_tokens.clamp(min=1)
-    for chunk in model:
-        chunk.scale_gradients(scaling)
-
+# --------------------------------------------------------------------------------------------
+# Host time and statistics
+# --------------------------------------------------------------------------------------------
 
 def check_arg_types_without_reimporting() -> None:
     """Build the set of argument types a CUDA graph accepts once, not at every check.
 
-    0.16.1's ``_check_supported_type`` runs two ``from ... import`` statements and builds an
+    Upstream's ``_check_supported_type`` runs two ``from ... import`` statements and builds an
     11-type set on every call, and a replay calls it twice for each argument and for each
     field of a dataclass argument: 34 calls per layer replay with our PackedBatchParams, all
     while the GPU waits (tools/step_gaps.py put it first among the host frames of a hybrid
-    graph step). Upstream's argument check takes 72 us per replay on one core of the CPU
-    workstation, 22 us with this patch. Same accepted types, same assertion.
+    graph step). 72 us per replay on one CPU core, 22 us with this patch. Same accepted
+    types, same assertion.
     """
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
@@ -295,12 +305,11 @@ def check_arg_types_without_reimporting() -> None:
 def record_capture_statistics() -> None:
     """Keep the capture time and measure graph memory at the end-of-iteration capture.
 
-    0.16.1's schedules call ``create_cudagraphs()`` and drop its return value (capture
-    ``time`` in seconds, memory-stat deltas). Its ``reserved_bytes`` delta is not the graph
-    memory: the capture empties the allocator cache first, so it can be negative (-150 MiB
-    on the H200 test hybrid). We measure reserved memory with the cache emptied before and
-    after the capture instead: what the graph pools and their static buffers hold. Also
-    counts the graphs captured (forward and backward each count one).
+    The schedules call ``create_cudagraphs()`` and drop its return value (capture ``time`` in
+    seconds, memory-stat deltas). Its ``reserved_bytes`` delta is not the graph memory: the
+    capture empties the allocator cache first, so it can be negative. We measure reserved
+    memory with the cache emptied before and after the capture instead: what the graph
+    pools and their static buffers hold. Also counts the graphs (forward and backward).
     """
     upstream = schedules.create_cudagraphs
     record = cuda_graphs._CudagraphGlobalRecord
@@ -320,21 +329,117 @@ def record_capture_statistics() -> None:
     schedules.create_cudagraphs = create_cudagraphs
 
 
-def apply_core_patches() -> None:
-    """Apply every patch once. Raises on a megatron-core version these were not written for."""
+def apply_core_patches() -> dict:
+    """Apply every patch once. Raises on a megatron-core version these were not written for.
+
+    Returns ``{patch name: "applied" | "not needed: <why>"}`` (also kept in `applied_patches`).
+    """
     global _applied
     if _applied:
-        return
-    if megatron.core.__version__ != PATCHED_VERSION:
-        raise RuntimeError(
-            f"megatron.packed_graphs.core_patches targets megatron-core {PATCHED_VERSION}, "
-            f"found {megatron.core.__version__}. Re-check each patch against the new version."
-        )
-    fix_warmup_flag_never_cleared()
-    hold_forward_inputs_until_backward_captured()
-    keep_parameter_versions_on_replay()
-    sync_free_multi_tensor_fallbacks()
-    clip_gradients_without_host_sync()
-    check_arg_types_without_reimporting()
-    record_capture_statistics()
+        return applied_patches
+    require_patched_version()
+    for patch in (keep_forward_inputs_until_backward_captured,
+                  keep_chunk_graph_buffers_private,
+                  keep_saved_tensor_observer_armed_until_capture,
+                  sync_free_multi_tensor_fallbacks,
+                  clip_gradients_without_host_sync,
+                  check_arg_types_without_reimporting,
+                  record_capture_statistics):
+        applied_patches[patch.__name__] = patch() or "applied"
     _applied = True
+    return applied_patches
+
+
+# --------------------------------------------------------------------------------------------
+# Reaches: what the fork's modules call where no subclass or spec can do the job
+# --------------------------------------------------------------------------------------------
+
+def local_graphs_created() -> bool:
+    """Whether megatron-core's local graphs have been captured (upstream's private flag)."""
+    return cuda_graphs._CudagraphGlobalRecord.cudagraph_created
+
+
+def rotate_runners(manager) -> None:
+    """Move a manager's next runner to the back: a bypassed micro-batch takes its turn.
+
+    With PP > 1 the manager replays its runners round-robin, one per call, in capture order
+    (``get_cudagraph_runner``, ``reuse_cudagraphs=False``).
+    """
+    runners = manager.cudagraph_runners
+    manager.cudagraph_runners = runners[1:] + runners[:1]
+
+
+def replay_runner_first(manager, runner, runners) -> None:
+    """Make ``runner`` the one the manager replays next; ``runners`` is the full set, in order."""
+    manager.cudagraph_runners = [runner] + [r for r in runners if r is not runner]
+
+
+def sort_runners(manager, key: Callable) -> None:
+    """Stable-sort a manager's runners (PP == 1: upstream takes the first whose arguments match)."""
+    manager.cudagraph_runners.sort(key=key)
+
+
+def recorded_kwarg(runner, name: str):
+    """The value a runner's forward graph was recorded with for keyword argument ``name``."""
+    meta = runner.fwd_graph_input_kwarg_metas.get(name)
+    return None if meta is None else meta.value
+
+
+def switch_block_class(block, subclass) -> None:
+    """Give a built ``TransformerBlock`` the methods of ``subclass``, in place.
+
+    0.19.2's GPTModel (deprecated upstream, still the GPT path) constructs ``TransformerBlock``
+    by name with no spec hook for the block class, so the chunk-graph dispatch enters by
+    switching the built block's class to a subclass that adds methods only (no state of its
+    own before first use): same parameters, same initialisation.
+    """
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    if not issubclass(subclass, TransformerBlock) or vars(subclass).get("__init__"):
+        raise TypeError(f"{subclass.__name__} must subclass TransformerBlock without an __init__")
+    if type(block) is TransformerBlock:
+        block.__class__ = subclass
+
+
+@contextlib.contextmanager
+def te_graph_capture():
+    """Mark a TE ``make_graphed_callables`` capture for megatron-core's layer dispatch.
+
+    ``GraphableMegatronModule.__call__`` routes a layer to ``_te_cuda_graph_capture`` while
+    upstream's private capture flag is set (``cuda_graphs.is_graph_capturing``).
+    """
+    cuda_graphs._set_capture_start()
+    try:
+        yield
+    finally:
+        cuda_graphs._set_capture_end()
+
+
+def te_cp_stream() -> torch.cuda.Stream:
+    """TE's class-level context-parallel stream, created on first use.
+
+    ``TEDotProductAttention.__init__`` creates it only for a static CP size > 1; a dynamic-CP
+    micro-batch needs one whatever the static size is. All TE attention layers share it, as
+    upstream's do.
+    """
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    if TEDotProductAttention.cp_stream is None:
+        TEDotProductAttention.cp_stream = torch.cuda.Stream()
+    return TEDotProductAttention.cp_stream
+
+
+def use_side_stream() -> None:
+    """Run the rest of the process on a new CUDA stream (before the model is wrapped in DDP).
+
+    Autograd runs a parameter's AccumulateGrad node on the stream it was created on, and DDP
+    keeps those nodes from its construction: on the legacy default stream they make TE's
+    backward capture fail ("operation would make the legacy stream depend on a capturing
+    blocking stream"). megatron-core's local graphs switch streams likewise for capture.
+    """
+    torch.cuda.set_stream(torch.cuda.Stream())
+
+
+def upstream_source(function) -> str:
+    """Source text of an upstream function (sentinel tests read what a patch relies on)."""
+    return inspect.getsource(function)

@@ -17,9 +17,9 @@ memory pool sees the captured order with gaps, never a reordering.
 
 from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.ssm.mlp_layer import MLPLayer
-from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.chunk_graphs import chunk_granularity
 from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
 from megatron.packed_graphs.te_graphs import TEGraphDispatch
@@ -55,21 +55,19 @@ class LocalGraphDispatch:
             return
         shape = params.cu_seqlens_q.shape
         if recorded_cu_seqlens_shape(manager.cudagraph_runners[0]) != shape:
-            manager.cudagraph_runners.sort(key=lambda r: recorded_cu_seqlens_shape(r) != shape)
+            core_patches.sort_runners(manager, key=lambda r: recorded_cu_seqlens_shape(r) != shape)
 
     def _skip_runner(self) -> None:
         manager = getattr(self, "cudagraph_manager", None)
         if manager is None or manager.reuse_cudagraphs:
             return  # PP == 1: runners are matched by arguments, not by turn
-        if _CudagraphGlobalRecord.cudagraph_created and manager.cudagraph_runners:
-            runners = manager.cudagraph_runners
-            manager.cudagraph_runners = runners[1:] + runners[:1]
+        if core_patches.local_graphs_created() and manager.cudagraph_runners:
+            core_patches.rotate_runners(manager)
 
 
 def recorded_cu_seqlens_shape(runner):
     """Shape of the ``cu_seqlens`` a runner was recorded with (its capacity + 1)."""
-    meta = runner.fwd_graph_input_kwarg_metas.get("packed_seq_params")
-    params = None if meta is None else meta.value
+    params = core_patches.recorded_kwarg(runner, "packed_seq_params")
     return None if params is None or params.cu_seqlens_q is None else params.cu_seqlens_q.shape
 
 

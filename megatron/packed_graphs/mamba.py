@@ -1,20 +1,21 @@
-"""Packed-sequence subclasses of megatron-core's Mamba modules, entered through specs.
+"""Packed-sequence subclasses of megatron-core's Mamba and hybrid modules, entered through specs.
 
-* `PackedMambaMixer` takes the document index of every token from `PackedBatchParams.seq_idx`
-  (built once per micro-batch, no host sync) instead of rebuilding it per layer with the
-  upstream ``repeat_interleave`` that reads the lengths back to the host.
+* `PackedMambaMixer` requires the document index of every token in
+  ``packed_seq_params.seq_idx`` (built once per micro-batch, no host sync): megatron-core
+  0.19.2 reads it from the params as it is, and a packed micro-batch without it would let
+  Mamba's conv and scan carry state across document boundaries, silently.
 * `PackedMambaMixer` also runs context parallelism on the micro-batch's own CP group when the
   micro-batch names one (dynamic CP, `packed_seq_params.cp_group`): upstream's
   `MambaContextParallel` is built once, on the static ``pg_collection.cp``.
-* `HybridStack` is MambaStack with its final norm taken from the spec: 0.16.1 hard-codes
-  ``TENorm`` there, which makes the stack unbuildable without Transformer Engine. It is
-  also the hybrid model's chunk for chunk graphs (chunk_graphs.py).
+* `PackedHybridStack` is megatron-core's HybridStack with its final norm taken from the spec:
+  upstream hard-codes ``TENorm`` there, which makes the stack unbuildable without Transformer
+  Engine. It is also the hybrid model's chunk for chunk graphs (chunk_graphs.py).
 """
 
 from dataclasses import dataclass
 from typing import Union
 
-from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.transformer.identity_op import IdentityOp
@@ -22,7 +23,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron.packed_graphs.chunk_graphs import ChunkGraphDispatch
 from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
-from megatron.packed_graphs.packed_seq import build_seq_idx
 
 
 class PackedMambaMixer(MambaMixer):
@@ -34,6 +34,11 @@ class PackedMambaMixer(MambaMixer):
 
     def forward(self, hidden_states, inference_context=None, *, packed_seq_params=None,
                 **kwargs):
+        if packed_seq_params is not None and packed_seq_params.seq_idx is None:
+            raise ValueError(
+                "packed_seq_params.seq_idx is None: Mamba would mix the documents of this packed "
+                "micro-batch. Build the params with build_packed_batch_params(..., "
+                "with_seq_idx=True) (the hybrid training step does).")
         static_cp = self.cp
         self.cp = self._context_parallel_for(packed_seq_params)
         try:
@@ -53,31 +58,24 @@ class PackedMambaMixer(MambaMixer):
             self._cp_by_group[group] = MambaContextParallel(
                 cp_group=group, d_inner_local_tp=cp.d_inner_local_tp,
                 nheads_local_tp=cp.nheads_local_tp, ngroups_local_tp=cp.ngroups_local_tp,
-                d_state=cp.d_state, conv1d_cp1=cp.conv1d_cp1, dt_bias_cp1=cp.dt_bias_cp1,
+                d_state=cp.d_state, conv1d_weight_cp1=cp.conv1d_weight_cp1,
+                conv1d_bias_cp1=cp.conv1d_bias_cp1, conv1d_padding=cp.conv1d_padding,
+                dt_bias_cp1=cp.dt_bias_cp1,
                 A_log_cp1=cp.A_log_cp1, D_cp1=cp.D_cp1, D_has_hdim=cp.D_has_hdim)
         return self._cp_by_group[group]
 
-    def _create_packed_seq_idx(self, packed_seq_params, total_tokens: int):
-        seq_idx = getattr(packed_seq_params, "seq_idx", None)
-        if seq_idx is not None:
-            return seq_idx
-        cu_seqlens = packed_seq_params.cu_seqlens_q_padded
-        if cu_seqlens is None:
-            cu_seqlens = packed_seq_params.cu_seqlens_q
-        return build_seq_idx(cu_seqlens, total_tokens)
-
 
 @dataclass
-class HybridStackSubmodules(MambaStackSubmodules):
-    """MambaStackSubmodules plus the final norm (``final_norm`` in checkpoints, as upstream)."""
+class PackedHybridStackSubmodules(HybridStackSubmodules):
+    """HybridStackSubmodules plus the final norm (``final_norm`` in checkpoints, as upstream)."""
 
     final_norm: Union[ModuleSpec, type] = IdentityOp
 
 
-class HybridStack(ChunkGraphDispatch, MambaStack):
-    """MambaStack with a spec-provided final norm (TE-free capable) and chunk graphs."""
+class PackedHybridStack(ChunkGraphDispatch, HybridStack):
+    """HybridStack with a spec-provided final norm (TE-free capable) and chunk graphs."""
 
-    def __init__(self, config, submodules: HybridStackSubmodules, *args, post_layer_norm=True,
+    def __init__(self, config, submodules: PackedHybridStackSubmodules, *args, post_layer_norm=True,
                  **kwargs):
         # The parent builds TENorm when post_layer_norm is set; build ours instead.
         super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)

@@ -1,16 +1,14 @@
 """Packed-sequence (THD) metadata for one micro-batch.
 
-`PackedBatchParams` extends megatron-core's `PackedSeqParams` with the two per-token tensors
-the TE-free path needs to stay free of host syncs:
+`PackedBatchParams` extends megatron-core's `PackedSeqParams` with ``position_ids`` (int64
+``[T]``): document-local positions, so the TE-free RoPE is a gather instead of the upstream
+THD RoPE that reads ``cu_seqlens`` back to the host.
 
-* ``position_ids`` (int64 ``[T]``): document-local positions, so RoPE is a gather instead of
-  the upstream THD RoPE that walks ``cu_seqlens.tolist()``;
-* ``seq_idx`` (int32 ``[1, T]``): document index of every token, so Mamba's conv and scan
-  kernels never carry state across a document boundary (upstream builds it with a
-  ``repeat_interleave`` that syncs).
-
-The class does no tensor work in ``__post_init__``: megatron-core's CUDA-graph tree_map
-rebuilds dataclass arguments with ``dataclasses.replace``, which re-runs it.
+Upstream's ``seq_idx`` field (int32 ``[1, T]``, the document index of every token, which
+Mamba's conv and scan kernels need to keep documents apart) is filled here by
+`build_seq_idx`, without a host sync. Upstream's own ``__post_init__`` precompute runs only
+when ``total_tokens`` is set, and then syncs; this module never sets it, so
+``dataclasses.replace`` (megatron-core's CUDA-graph tree_map) does no tensor work.
 """
 
 from dataclasses import dataclass
@@ -24,10 +22,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 @dataclass
 class PackedBatchParams(PackedSeqParams):
-    """PackedSeqParams plus per-token positions and Mamba document indices (see module doc)."""
+    """PackedSeqParams plus per-token positions (see module doc)."""
 
     position_ids: Optional[Tensor] = None
-    seq_idx: Optional[Tensor] = None
 
 
 def build_seq_idx(cu_seqlens: Tensor, total_tokens: int) -> Tensor:

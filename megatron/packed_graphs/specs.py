@@ -19,6 +19,8 @@ Where the provider does not fuse the norm into the following linear, the spec pl
 separate norm module in front (``input_layernorm`` / ``pre_mlp_layernorm`` / Mamba ``norm``).
 """
 
+import functools
+
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.enums import AttnMaskType
@@ -90,9 +92,12 @@ def attention_layer_spec(provider: BackendSpecProvider, normalization: str) -> M
 
 
 def _mlp_spec(provider: BackendSpecProvider, normalization: str):
+    """(norm in front, MLP builder). The MLP enters as megatron-core's ``as_mlp_submodule``
+    builder, the form TransformerLayer calls directly (a ``ModuleSpec(MLP)`` is rewrapped
+    in place, with a warning per layer)."""
     norm, linear_fc1 = _norm_and_linear(provider, normalization)
-    mlp = ModuleSpec(
-        module=MLP,
+    mlp = functools.partial(
+        MLP.as_mlp_submodule,
         submodules=MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=provider.row_parallel_linear()),
     )
     return norm, mlp
@@ -117,21 +122,25 @@ def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm") -> Mo
 
 
 def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm") -> ModuleSpec:
-    """HybridStack spec: Mamba ('M'), attention ('*') and MLP ('-') layers.
+    """`PackedHybridStack` spec: Mamba ('M'), attention ('*') and MLP ('-') layers.
 
     Imports the Mamba modules on call: megatron-core's MambaMixer needs triton and mamba-ssm.
     """
     from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
 
-    from megatron.packed_graphs.mamba import HybridStack, HybridStackSubmodules, PackedMambaMixer
+    from megatron.packed_graphs.mamba import (
+        PackedHybridStack,
+        PackedHybridStackSubmodules,
+        PackedMambaMixer,
+    )
 
     provider = backend_provider(attention_backend)
     mamba_norm, in_proj = _norm_and_linear(provider, normalization)
     pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
     return ModuleSpec(
-        module=HybridStack,
-        submodules=HybridStackSubmodules(
+        module=PackedHybridStack,
+        submodules=PackedHybridStackSubmodules(
             mamba_layer=ModuleSpec(
                 module=GraphSafeMambaLayer,
                 submodules=MambaLayerSubmodules(

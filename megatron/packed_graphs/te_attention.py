@@ -12,7 +12,7 @@ megatron-core's `TEDotProductAttention` forwards `PackedSeqParams` to TE as it i
 exactly when the micro-batch carries ``cu_seqlens_*_padded`` as a tensor of its own (the
 training step passes none without CP, and with CP the padded boundaries as both).
 
-Dynamic CP (issue 7): a micro-batch may carry its own CP group (``packed_seq_params.cp_group``,
+Dynamic CP: a micro-batch may carry its own CP group (``packed_seq_params.cp_group``,
 or ``local_cp_size == 1`` for none). The core attention then runs TE's CP over that group and
 `DynamicCPSelfAttention` applies the fused THD RoPE with that group's size and rank, as
 megatron-core's `TEDotProductAttention` does for the attention alone. Under a CUDA graph
@@ -32,6 +32,7 @@ from megatron.core.extensions.transformer_engine_spec_provider import TESpecProv
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
 
 _PADDED_MASKS = {
@@ -94,10 +95,8 @@ class PackedTEDotProductAttention(TEDotProductAttention):
         """Dynamic CP: point TE's CP at the micro-batch's group (host only, no sync)."""
         group = micro_batch_cp_group(params)
         if group is not None:
-            if TEDotProductAttention.cp_stream is None:  # built by __init__ only for static CP
-                TEDotProductAttention.cp_stream = torch.cuda.Stream()
             self.set_context_parallel_group(group, torch.distributed.get_process_group_ranks(group),
-                                            TEDotProductAttention.cp_stream, self.cp_comm_type)
+                                            core_patches.te_cp_stream(), self.cp_comm_type)
         elif params.local_cp_size == 1:
             self.set_context_parallel_group(None, None, None, self.cp_comm_type)
 

@@ -38,6 +38,7 @@ from torch import Tensor
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
+from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
 from megatron.packed_graphs.graph_memory import reserved_without_cache
 from megatron.packed_graphs.packed_seq import PackedBatchParams
@@ -235,7 +236,6 @@ class TELayerGraphs:
 
     def _capture_bank(self, params: PackedBatchParams, layers: List[torch.nn.Module]) -> int:
         """Capture one bank of ``layers``; returns the graph memory it reserved (bytes)."""
-        from megatron.core.transformer import cuda_graphs as mcore_graphs
         from transformer_engine.pytorch.graph import make_graphed_callables
 
         inputs = self.banks[params.local_cp_size] = PackedGraphInputs.like(params)
@@ -251,14 +251,11 @@ class TELayerGraphs:
             # Empty `cuda_graphs` makes megatron-core's dispatch capture, not replay.
             layer.cuda_graphs, layer._graph_inputs = [], [*layer._graph_inputs, inputs]
         reserved = reserved_without_cache()
-        mcore_graphs._set_capture_start()  # megatron-core's dispatch reads this flag
-        try:
+        with core_patches.te_graph_capture():
             graphed = make_graphed_callables(
                 tuple(layers), sample_args, sample_kwargs=tuple(kwargs for _ in layers),
                 num_warmup_iters=self.warmup_iters, allow_unused_input=True,
                 _order=[1, -1], _num_layers_per_chunk=[len(layers)])
-        finally:
-            mcore_graphs._set_capture_end()
         for layer, callable_, callables in zip(layers, graphed, earlier_banks):
             layer.cuda_graphs = [*callables, callable_]
         torch.cuda.synchronize()

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import (
     get_current_global_batch_size,
@@ -37,10 +37,7 @@ from megatron.training.datasets.builder import (
 from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
 from megatron.training.metrics import IntervalTimer, MetricsLogger
 from megatron.training.profiling import StepProfiler
-from megatron.packed_graphs.core_patches import (
-    apply_core_patches,
-    finalize_model_grads_without_host_sync,
-)
+from megatron.packed_graphs.core_patches import apply_core_patches, use_side_stream
 from megatron.packed_graphs.te_graphs import TELayerGraphs
 
 
@@ -167,7 +164,8 @@ def _configure_schedule_hooks(config, model, optimizer) -> None:
     config.no_sync_func = [chunk.no_sync for chunk in model]
     if len(model) == 1:
         config.no_sync_func = config.no_sync_func[0]
-    config.finalize_model_grads_func = finalize_model_grads_without_host_sync
+    # megatron-core's own: it scales by the token count on the device, without a host sync.
+    config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 
 
@@ -182,17 +180,15 @@ def _tokens_per_rank(args) -> int:
 def pretrain(args, model_provider: Callable, forward_step) -> dict:
     """Train ``args.train_iters`` iterations. Returns the last iteration's metrics record."""
     initialize_distributed(args)
-    apply_core_patches()
+    patches = apply_core_patches()
     set_seeds(args.seed, args.deterministic_mode, args.te_rng_tracker)
     print_rank_0(format_args(args))
+    print_rank_0(" > megatron-core patches: " + ", ".join(
+        f"{name} ({state})" for name, state in patches.items()))
     config = transformer_config_from_args(args)
 
     if args.cuda_graph_impl == "transformer_engine":
-        # Autograd runs a parameter's AccumulateGrad node on the stream it was created on, and
-        # DDP keeps those nodes from its construction: on the legacy default stream they make
-        # TE's backward capture fail ("operation would make the legacy stream depend on a
-        # capturing blocking stream"). megatron-core's local graphs switch streams likewise.
-        torch.cuda.set_stream(torch.cuda.Stream())
+        use_side_stream()  # before DDP: TE's backward capture needs it (core_patches)
     model = build_model(args, config, model_provider)
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     scheduler = build_scheduler(args, optimizer)

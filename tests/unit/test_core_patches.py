@@ -1,80 +1,151 @@
+"""core_patches: each patch does what it says, and each relies on upstream code that a sentinel
+checks, so a megatron-core upgrade that changes that code fails here first."""
+
+from types import SimpleNamespace
+
 import pytest
+import torch
+
 import megatron.core
 from megatron.core.transformer import cuda_graphs
 
 from megatron.packed_graphs import core_patches
+
+source = core_patches.upstream_source
 
 
 def test_patches_target_the_pinned_version():
     assert megatron.core.__version__ == core_patches.PATCHED_VERSION
 
 
-def test_upstream_warmup_flag_bug_is_still_there_and_patched():
-    # When this first assertion fails, megatron-core fixed the bug: drop the patch.
-    cuda_graphs._IS_GRAPH_WARMUP = True
-    core_patches.UPSTREAM_SET_WARMUP_END()
-    assert cuda_graphs.is_graph_warmup(), "upstream fixed _set_warmup_end; remove the patch"
-    core_patches.apply_core_patches()
+def test_another_version_is_refused(monkeypatch):
+    monkeypatch.setattr(megatron.core, "__version__", "0.20.0")
+    with pytest.raises(RuntimeError, match="targets megatron-core 0.19.2, found 0.20.0"):
+        core_patches.require_patched_version()
+
+
+def test_apply_reports_every_patch():
+    report = core_patches.apply_core_patches()
+    assert set(report) == {
+        "keep_forward_inputs_until_backward_captured", "keep_chunk_graph_buffers_private",
+        "keep_saved_tensor_observer_armed_until_capture", "sync_free_multi_tensor_fallbacks",
+        "clip_gradients_without_host_sync", "check_arg_types_without_reimporting",
+        "record_capture_statistics"}
+    assert all(state == "applied" or state.startswith(("not needed", "l2 norm", "scale"))
+               for state in report.values())
+    assert core_patches.apply_core_patches() is report  # once
+
+
+# -- dropped patches: the upstream fixes they wait for are still there ----------------------
+
+def test_upstream_clears_the_warmup_flag():
+    # Fixed in 0.17.0; when this fails the fork needs its old fix_warmup_flag_never_cleared.
     cuda_graphs._set_warmup_start()
     cuda_graphs._set_warmup_end()
     assert not cuda_graphs.is_graph_warmup()
 
 
-def test_capture_statistics_are_kept(monkeypatch):
+def test_upstream_replay_copies_only_inputs_at_another_address():
+    # Fixed in 0.17.0: parameters (same address) are no longer copied into themselves, so a
+    # replay does not bump their autograd version (the old keep_parameter_versions_on_replay).
+    text = source(cuda_graphs._CudagraphReplayNode.forward)
+    assert "elif user_input.data_ptr() != cudagraph_input.data_ptr():" in text
+
+
+def test_upstream_finalize_scales_by_the_token_count_on_the_device():
+    # Fixed in 0.18.0: no `if num_tokens > 0` on a CUDA tensor (the old
+    # finalize_model_grads_without_host_sync); training.py uses upstream's function.
+    from megatron.core.distributed import finalize_model_grads
+
+    text = source(finalize_model_grads)
+    assert "if num_tokens > 0" not in text and "torch.clamp" in text
+
+
+# -- buffer lifetimes in the local graph engine ----------------------------------------------
+
+def test_upstream_releases_forward_buffers_unless_tagged_saved_for_backward():
+    text = source(core_patches.UPSTREAM_WEAKREF_FORWARD_BUFFERS)
+    assert "metadata.is_saved_for_backward" in text and "make_weakref(tensor)" in text
+    assert "self._weakref_forward_buffers(preserve_forward_to_backward_lifetimes=True)" in source(
+        cuda_graphs._CudaGraphRunner.create_fwd_graph)
+    assert "self._weakref_forward_buffers(preserve_forward_to_backward_lifetimes=False)" in source(
+        core_patches.UPSTREAM_CREATE_BWD_GRAPH)
+    assert "tree_map(make_weakref, self.static_grad_inputs)" in source(
+        core_patches.UPSTREAM_CREATE_BWD_GRAPH)
+
+
+def _runner(*inputs, private=False):
+    runner = SimpleNamespace(fwd_graph_input_surface=list(inputs), fwd_graph_input_args=(),
+                             fwd_graph_input_kwargs={}, fwd_graph_outputs=(),
+                             fwd_graph_output_surface=())
+    if private:
+        runner.keep_buffers_private = True
+    return runner
+
+
+def test_forward_inputs_are_kept_until_the_backward_capture(monkeypatch):
     core_patches.apply_core_patches()
-    from megatron.core.pipeline_parallel import schedules
-
-    assert schedules.create_cudagraphs is not cuda_graphs.create_cudagraphs
-    # Nothing recorded: upstream returns None and nothing is logged.
-    before = len(core_patches.capture_log)
-    schedules.create_cudagraphs()
-    assert len(core_patches.capture_log) == before
-
-
-def test_upstream_still_releases_forward_inputs_at_forward_capture():
-    # When this fails, upstream changed when a forward capture returns its input buffers to
-    # the reuse pool: re-check hold_forward_inputs_until_backward_captured.
-    import inspect
-
-    source = inspect.getsource(core_patches.UPSTREAM_CREATE_FWD_GRAPH)
-    assert "tensor_reuse_pool.insert(buf)" in source
-
-
-class _Runner:
-    def __init__(self, grad_enabled):
-        self.grad_enabled, self.training = grad_enabled, True
-        self.fwd_graph_input_surface, self.num_dgrads = (), 0
-
-
-def test_forward_inputs_are_held_until_the_backward_capture(monkeypatch):
-    import torch
-
-    core_patches.apply_core_patches()
-    pool = cuda_graphs._CudagraphGlobalRecord.tensor_reuse_pool
     released = []
-    monkeypatch.setattr(type(pool), "insert", lambda self, buf: released.append(buf))
-    # Stand-ins for the upstream captures, doing only their pool traffic: a forward capture
-    # returns its copied-in input buffer; the backward capture returns nothing of its own.
-    buf = torch.zeros(4)
-    monkeypatch.setattr(core_patches, "UPSTREAM_CREATE_FWD_GRAPH", lambda self: pool.insert(buf))
-    monkeypatch.setattr(core_patches, "UPSTREAM_CREATE_BWD_GRAPH", lambda self: None)
+    monkeypatch.setattr(cuda_graphs, "make_weakref",
+                        lambda tensor, inplace=True: released.append(tensor) or tensor)
+    weakref_forward_buffers = cuda_graphs._CudaGraphRunner._weakref_forward_buffers
+    hidden = torch.zeros(4)  # saved by a native op (F.rms_norm): upstream never tags it
+    runner = _runner(hidden)
+    weakref_forward_buffers(runner, True)  # end of the forward capture
+    assert released == [] and hidden.cg_buffer_metadata.is_saved_for_backward
+    weakref_forward_buffers(runner, False)  # end of the backward capture
+    assert released == [hidden]
 
-    runner = _Runner(grad_enabled=True)
-    cuda_graphs._CudaGraphRunner.create_fwd_graph(runner)
-    assert released == [] and "insert" not in vars(pool)  # held, and the pool is itself again
-    cuda_graphs._CudaGraphRunner.create_bwd_graph(runner)
-    assert released == [buf] and runner.held_input_buffers == []
 
-    forward_only = _Runner(grad_enabled=False)
-    cuda_graphs._CudaGraphRunner.create_fwd_graph(forward_only)
-    assert released == [buf, buf]  # nothing saved for a backward: released at once
+def test_upstream_alone_would_release_a_native_save(monkeypatch):
+    released = []
+    monkeypatch.setattr(cuda_graphs, "make_weakref",
+                        lambda tensor, inplace=True: released.append(tensor) or tensor)
+    hidden = torch.zeros(4)
+    core_patches.UPSTREAM_WEAKREF_FORWARD_BUFFERS(_runner(hidden), True)
+    assert released == [hidden]  # the bug the patch exists for
+
+
+def test_chunk_runners_never_release_their_buffers(monkeypatch):
+    core_patches.apply_core_patches()
+    released = []
+    monkeypatch.setattr(cuda_graphs, "make_weakref",
+                        lambda tensor, inplace=True: released.append(tensor) or tensor)
+    runner = _runner(torch.zeros(4), private=True)
+    cuda_graphs._CudaGraphRunner._weakref_forward_buffers(runner, False)
+    assert released == []
+
+    seen = {}
+
+    def backward_capture(self):  # stands in for upstream's, doing only its weakref calls
+        seen["make_weakref"] = cuda_graphs.make_weakref
+        cuda_graphs.make_weakref(torch.zeros(1))
+
+    monkeypatch.setattr(core_patches, "UPSTREAM_CREATE_BWD_GRAPH", backward_capture)
+    patched = cuda_graphs._CudaGraphRunner.create_bwd_graph
+    patched(runner)
+    assert released == [] and cuda_graphs.make_weakref is not seen["make_weakref"]
+    patched(_runner())  # an ordinary runner keeps upstream's release
+    assert len(released) == 1
+
+
+def test_saved_tensor_observer_is_rearmed_until_the_capture():
+    core_patches.apply_core_patches()
+    record = cuda_graphs._CudagraphGlobalRecord
+    # Upstream disarms the observer after every schedule, captured or not.
+    assert "cls._disable_saved_tensors_observer()" in source(core_patches.UPSTREAM_CREATE_CUDAGRAPHS)
+    record._enable_saved_tensors_observer()
+    try:
+        assert record._saved_tensors_observer is not None
+        cuda_graphs.create_cudagraphs()  # an eager warm-up schedule: nothing recorded
+        assert record._saved_tensors_observer is not None  # upstream alone would disarm it
+        assert torch.autograd.function.FunctionCtx.save_for_backward is \
+            record._saved_tensors_observer[1]
+    finally:
+        record._disable_saved_tensors_observer()
 
 
 def test_aliasing_check_names_the_clashing_runners():
-    from types import SimpleNamespace
-
-    import torch
-
     def runner(layer, inputs, grad_out, grad_in):
         return SimpleNamespace(base_module=SimpleNamespace(layer_number=layer), num_dgrads=len(inputs),
                                fwd_graph_input_surface=list(inputs) + [torch.zeros(1)],
@@ -90,27 +161,9 @@ def test_aliasing_check_names_the_clashing_runners():
         [runner(1, [torch.zeros(8)], [torch.zeros(8)], [None])]) == []
 
 
-def test_replay_surface_parameters_keep_their_memory_but_not_their_version_counter():
-    import torch
-
-    param = torch.nn.Parameter(torch.ones(4, 2))
-    hidden = torch.zeros(3)
-    runner = _Runner(grad_enabled=True)
-    runner.fwd_graph_input_surface, runner.num_dgrads = (hidden, param), 1
-    core_patches.detach_parameter_version_counters(runner)
-    kept_hidden, alias = runner.fwd_graph_input_surface
-    assert kept_hidden is hidden and alias.data_ptr() == param.data_ptr()
-    saved_version = param._version
-    alias.copy_(param)  # what every replay does to each surface entry
-    assert param._version == saved_version
-    # Upstream's surface held the parameter itself: the same copy bumps its version.
-    with torch.no_grad():
-        param.copy_(param)
-    assert param._version == saved_version + 1
-
+# -- optimizer step without host syncs -------------------------------------------------------
 
 def test_multi_tensor_fallbacks_are_replaced_by_foreach_versions():
-    import torch
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mixed_precision
@@ -136,22 +189,64 @@ def test_multi_tensor_fallbacks_are_replaced_by_foreach_versions():
         torch.testing.assert_close(d, (g * 0.5).to(torch.bfloat16))
 
 
-def test_upstream_replay_still_copies_every_surface_entry():
-    # When this fails, upstream stopped copying parameters into themselves on replay:
-    # re-check detach_parameter_version_counters.
-    import inspect
+def test_upstream_fallback_kernels_still_sync():
+    # When this fails, upstream's local l2 norm stopped building a CPU tensor: re-check
+    # sync_free_multi_tensor_fallbacks.
+    from megatron.core import utils
 
-    source = inspect.getsource(cuda_graphs._CudagraphReplayNode.forward)
-    assert "cudagraph_input.copy_(user_input)" in source
-    assert "fwd_graph_input_surface + self.params_to_backprop" in inspect.getsource(
-        core_patches.UPSTREAM_CREATE_FWD_GRAPH)
+    assert "torch.tensor(" in source(utils.local_multi_tensor_l2_norm)
 
+
+def test_upstream_grad_norm_syncs_without_te_tensor_scale_kernel():
+    # When this fails, upstream changed when it reads the norm on the host: re-check
+    # clip_gradients_without_host_sync and the condition under which it is "not needed".
+    norm = source(core_patches.UPSTREAM_GET_GRAD_NORM)
+    assert "if multi_tensor_scale_tensor_impl is not None:" in norm
+    assert "total_norm.item() ** (1.0 / norm_type)" in norm
+    assert "elif clip_coeff < 1.0:" in source(core_patches.UPSTREAM_CLIP_BY_TOTAL_NORM)
+
+
+def test_clip_patch_is_not_needed_where_upstream_clips_on_the_device(monkeypatch):
+    from megatron.core.optimizer import clip_grads
+
+    monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", object())
+    assert core_patches.clip_gradients_without_host_sync().startswith("not needed")
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clipping, and no clipping
+def test_device_grad_norm_and_clip_match_upstream(cpu_dist, max_norm):
+    from megatron.core.optimizer import optimizer as mixed_precision
+
+    core_patches.apply_core_patches()
+    assert mixed_precision.get_grad_norm_fp32 is core_patches.grad_norm_on_device
+    assert mixed_precision.clip_grad_by_total_norm_fp32 is core_patches.clip_by_device_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (2, 2, 2)]]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    grads = [p.grad for p in params]
+    norm = core_patches.grad_norm_on_device(grads)
+    assert torch.is_tensor(norm) and norm.dim() == 0  # nothing read on the host
+    # Upstream's norm paths allocate on CUDA; the same norm, in float64:
+    expected_norm = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]).double()))
+    assert float(norm) == pytest.approx(expected_norm, rel=1e-6)
+
+    expected = [g.clone() for g in grads]
+    coeff = max_norm / (expected_norm + 1.0e-6)
+    if coeff < 1.0:  # upstream's rule, on the host
+        expected = [g * coeff for g in expected]
+    core_patches.clip_by_device_norm(params, max_norm, norm)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    if max_norm == 100.0:  # not clipping leaves the gradients bitwise unchanged
+        assert all(torch.equal(g, w) for g, w in zip(grads, expected))
+
+
+# -- host time and statistics -----------------------------------------------------------------
 
 def test_argument_type_check_accepts_and_refuses_what_upstream_does():
     import dataclasses
-
-    import pytest
-    import torch
 
     from megatron.packed_graphs.packed_seq import build_packed_batch_params
 
@@ -182,80 +277,57 @@ def test_argument_type_check_accepts_and_refuses_what_upstream_does():
         patched(torch.zeros(1))  # not an ArgMetadata: refused by both
 
 
-def test_upstream_grad_norm_still_reads_the_norm_on_the_host():
-    # When this fails, upstream stopped syncing for the gradient norm: re-check
-    # clip_gradients_without_host_sync (it may be droppable).
-    import inspect
-
-    assert "total_norm.item()" in inspect.getsource(core_patches.UPSTREAM_GET_GRAD_NORM)
-    assert "if clip_coeff < 1.0" in inspect.getsource(core_patches.UPSTREAM_CLIP_BY_TOTAL_NORM)
-
-
-@pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clipping, and no clipping
-def test_device_grad_norm_and_clip_match_upstream(cpu_dist, max_norm):
-    import torch
-    from megatron.core.optimizer import optimizer as mixed_precision
-
+def test_capture_statistics_are_kept():
     core_patches.apply_core_patches()
-    assert mixed_precision.get_grad_norm_fp32 is core_patches.grad_norm_on_device
-    assert mixed_precision.clip_grad_by_total_norm_fp32 is core_patches.clip_by_device_norm
+    from megatron.core.pipeline_parallel import schedules
 
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (2, 2, 2)]]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    grads = [p.grad for p in params]
-    norm = core_patches.grad_norm_on_device(grads)
-    assert torch.is_tensor(norm) and norm.dim() == 0  # nothing read on the host
-    # Upstream's L2 path needs CUDA (its overflow flag); the same norm, in float64:
-    expected_norm = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]).double()))
-    assert float(norm) == pytest.approx(expected_norm, rel=1e-6)
-
-    expected = [g.clone() for g in grads]
-    coeff = max_norm / (expected_norm + 1.0e-6)
-    if coeff < 1.0:  # upstream's rule, on the host
-        expected = [g * coeff for g in expected]
-    core_patches.clip_by_device_norm(params, max_norm, norm)
-    for got, want in zip(grads, expected):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    if max_norm == 100.0:  # not clipping leaves the gradients bitwise unchanged
-        assert all(torch.equal(g, w) for g, w in zip(grads, expected))
-
-    # A norm read on the host (or any other norm type) keeps upstream's path.
-    assert core_patches.grad_norm_on_device(grads, norm_type=1.0) == pytest.approx(
-        sum(float(g.abs().sum()) for g in grads), rel=1e-5)
+    assert schedules.create_cudagraphs is not cuda_graphs.create_cudagraphs
+    # Nothing recorded: upstream returns None and nothing is logged.
+    before = len(core_patches.capture_log)
+    schedules.create_cudagraphs()
+    assert len(core_patches.capture_log) == before
+    assert '"time"' in source(cuda_graphs._CudagraphGlobalRecord._create_cudagraphs.__func__)
 
 
-def test_upstream_finalize_still_reads_the_token_count_on_the_host():
-    # When this fails, upstream stopped syncing on num_tokens: drop
-    # finalize_model_grads_without_host_sync.
-    import inspect
+# -- reaches ----------------------------------------------------------------------------------
 
-    from megatron.core.distributed import finalize_model_grads
+def test_runner_order_helpers():
+    manager = SimpleNamespace(cudagraph_runners=["a", "b", "c"])
+    core_patches.rotate_runners(manager)
+    assert manager.cudagraph_runners == ["b", "c", "a"]
+    core_patches.replay_runner_first(manager, "c", ["a", "b", "c"])
+    assert manager.cudagraph_runners == ["c", "a", "b"]
+    core_patches.sort_runners(manager, key=lambda r: r != "b")
+    assert manager.cudagraph_runners == ["b", "c", "a"]
 
-    assert "if num_tokens > 0:" in inspect.getsource(finalize_model_grads)
+
+def test_upstream_round_robin_and_first_match_are_what_the_runner_helpers_assume():
+    text = source(cuda_graphs.CudaGraphManager.get_cudagraph_runner)
+    assert "runner = self.cudagraph_runners[0]" in text
+    assert "self.cudagraph_runners = self.cudagraph_runners[1:] + self.cudagraph_runners[:1]" in text
+    assert "next((r for r in self.cudagraph_runners if is_valid(r)), None)" in text
 
 
-@pytest.mark.parametrize("tokens", [8, 0])
-def test_finalize_scales_gradients_by_the_token_count_on_the_device(cpu_dist, monkeypatch, tokens):
-    import torch
-    from megatron.core import distributed
+def test_te_capture_flag_is_set_only_inside_the_window():
+    assert not cuda_graphs.is_graph_capturing()
+    with core_patches.te_graph_capture():
+        assert cuda_graphs.is_graph_capturing()
+    assert not cuda_graphs.is_graph_capturing()
 
-    upstream_calls = []
-    monkeypatch.setattr(distributed, "finalize_model_grads",
-                        lambda model, num_tokens, **kw: upstream_calls.append(num_tokens))
 
-    class Chunk:  # the DDP surface the scaling uses
-        def __init__(self):
-            self.grad = torch.full((4,), 2.0)
+def test_block_class_switch_refuses_a_subclass_with_state():
+    from megatron.core.transformer.transformer_block import TransformerBlock
 
-        def scale_gradients(self, factor):
-            assert torch.is_tensor(factor)  # never read on the host
-            self.grad *= factor
+    class WithInit(TransformerBlock):
+        def __init__(self):  # state of its own: switching the class would skip it
+            pass
 
-    chunks = [Chunk(), Chunk()]
-    core_patches.finalize_model_grads_without_host_sync(chunks, torch.tensor(tokens))
-    assert upstream_calls == [None]  # upstream does everything but the scaling
-    expected = 2.0 / tokens if tokens else 2.0
-    for chunk in chunks:
-        torch.testing.assert_close(chunk.grad, torch.full((4,), expected))
+    with pytest.raises(TypeError, match="without an __init__"):
+        core_patches.switch_block_class(object(), WithInit)
+
+
+def test_gpt_model_still_builds_transformer_block_by_name():
+    # When this fails, GPTModel takes a block class or spec: drop switch_block_class.
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    assert "self.decoder = TransformerBlock(" in source(GPTModel.__init__)
