@@ -1,7 +1,8 @@
 """Per-parameter gradients of CUDA-graph replay vs eager, on the same micro-batches.
 
-Builds a small model of the real scripts in one process (one GPU), captures layer graphs
-through the real schedule (one eager warm-up iteration, one capture iteration), then runs
+Builds a small model of the real scripts in one process (one GPU), captures graphs through
+the real schedule and forward step (one eager warm-up iteration, one capture iteration) for
+one implementation and granularity (local layer, local chunk, or TE layer graphs), then runs
 the same micro-batch(es) forward + backward twice: replayed and eager (the per-micro-batch
 bypass). Prints the relative gradient difference, total and for the worst parameters, for:
 one micro-batch; the same one again (replay must be repeatable); two micro-batches
@@ -9,8 +10,9 @@ accumulated; an eager then a replayed micro-batch. Eager vs eager is the noise f
 lists any backward-graph buffer that is memory a forward graph kept as its input (the
 aliasing behind the first bug this tool found, core_patches.py).
 
-    python tools/compare_graph_grads.py --model gpt -- --num-layers 4 --hidden-size 256 \\
-        --num-attention-heads 8 --num-query-groups 4 --swiglu --seq-length 1024 --vocab-size 1024
+    python tools/compare_graph_grads.py --model gpt --impl local --granularity chunk -- \\
+        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-query-groups 4 \\
+        --swiglu --seq-length 1024 --vocab-size 1024
 
 Training flags after ``--`` describe the model; graph flags are added by the tool.
 """
@@ -46,8 +48,12 @@ def captured_runners(model) -> list:
 
 
 def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32,
-                              micro_batches: int = 2, no_buffer_reuse: bool = False):
-    """Capture layer graphs through the real schedule, then compare replayed and eager grads.
+                              micro_batches: int = 2, impl: str = "local",
+                              granularity: str = "layer"):
+    """Capture graphs through the real schedule, then compare replayed and eager grads.
+
+    ``impl``: 'local' (megatron-core's engine; ``granularity`` 'layer' or 'chunk') or
+    'transformer_engine' (TE's make_graphed_callables, layer granularity).
 
     Needs an initialised one-GPU process group with megatron-core's parallel state and a
     graph-safe RNG tracker. Returns ``(aliasing, results)``: the buffer clashes of
@@ -66,8 +72,9 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     from megatron.packed_graphs.core_patches import (
         apply_core_patches,
         forward_inputs_reused_as_grad_buffers,
-        keep_graph_buffers_private,
+        use_side_stream,
     )
+    from megatron.packed_graphs.te_graphs import TELayerGraphs
     from megatron.packed_graphs.dispatch import disable_cuda_graphs_this_step
     from megatron.training.arguments import parse_args
     from megatron.training.config import ddp_config_from_args, transformer_config_from_args
@@ -80,13 +87,14 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     )
 
     apply_core_patches()
-    if no_buffer_reuse:
-        keep_graph_buffers_private()
     args = parse_args(model_argv + [
         "--mock-data", "--sft", "--bf16", "--lr", "1e-4", "--train-iters", "4",
-        "--global-batch-size", str(micro_batches), "--cuda-graph-impl", "local",
+        "--global-batch-size", str(micro_batches), "--cuda-graph-impl", impl,
+        "--cuda-graph-granularity", granularity,
         "--cuda-graph-max-packed-seqs", str(capacity), "--cuda-graph-warmup-steps", "1"],
         model=kind)
+    if impl == "transformer_engine":
+        use_side_stream()  # before DDP, as training does
     module = pretrain_gpt if kind == "gpt" else pretrain_mamba
     config = transformer_config_from_args(args)
     model = DistributedDataParallel(
@@ -95,6 +103,8 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     config.no_sync_func = model.no_sync
     with_seq_idx = kind == "hybrid"
     step = PackedForwardStep.from_args(args, with_seq_idx=with_seq_idx)
+    if impl == "transformer_engine":
+        step.te_graphs = TELayerGraphs([model], config, args.seq_length)
     data = MockPackedDataset(64, args.seq_length, args.vocab_size, seed=7, doc_length_median=128)
     batches = [collate_packed_rows([data[i]]) for i in range(64)]
 
@@ -115,6 +125,8 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
         for batch, replay in zip(sequence, graphed):
             mb = to_device_micro_batch(dict(batch), with_seq_idx=with_seq_idx,
                                        static_max_seqlen=True, capacity=capacity)
+            if replay and step.te_graphs is not None:
+                mb.params = step.te_graphs.load(mb.params)
             with nullcontext() if replay else disable_cuda_graphs_this_step():
                 output = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
                                packed_seq_params=mb.params)
@@ -147,9 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batches", type=int, default=2,
                         help="micro-batches per iteration during capture")
     parser.add_argument("--top", type=int, default=6, help="worst parameters to list")
-    parser.add_argument("--no-buffer-reuse", action="store_true",
-                        help="diagnosis: stop megatron-core's capture from recycling any graph "
-                             "buffer between runners (isolates buffer-aliasing bugs)")
+    parser.add_argument("--impl", choices=["local", "transformer_engine"], default="local")
+    parser.add_argument("--granularity", choices=["layer", "chunk"], default="layer")
     opts = parser.parse_args(own)
 
     from megatron.training.initialize import initialize_single_gpu, require_cuda
@@ -159,7 +170,7 @@ def main(argv=None) -> int:
 
     aliasing, results = compare_replay_with_eager(
         opts.model, model_argv, capacity=opts.capacity, micro_batches=opts.micro_batches,
-        no_buffer_reuse=opts.no_buffer_reuse)
+        impl=opts.impl, granularity=opts.granularity)
     print(f"forward-input buffers also used as grad buffers: {len(aliasing)}")
     for line in aliasing[:20]:
         print("    " + line)

@@ -23,6 +23,7 @@ METRIC_KEYS = (
     "tokens_per_sec",
     "mem_allocated_bytes",
     "mem_max_allocated_bytes",
+    "mem_reserved_bytes",
 )
 
 

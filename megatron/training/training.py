@@ -248,6 +248,7 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
                 **interval.timing(),
                 "mem_allocated_bytes": torch.cuda.memory_allocated(),
                 "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+                "mem_reserved_bytes": torch.cuda.memory_reserved(),
                 "extra_log": interval.stats,
             }
             logger.log_train(record)

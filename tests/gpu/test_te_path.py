@@ -85,9 +85,10 @@ def test_te_thd_attention_matches_varlen_and_captures(dist):
 
 
 def test_te_spec_uses_packed_attention_and_fused_rope(dist):
-    """The TE spec wires the sync-free core attention and megatron-core's fused-RoPE attention."""
+    """The TE spec wires the sync-free core attention and megatron-core's fused-RoPE attention
+    (through DynamicCPSelfAttention, which is SelfAttention outside dynamic CP)."""
     import pretrain_gpt
-    from megatron.core.transformer.attention import SelfAttention
+    from megatron.packed_graphs.te_attention import DynamicCPSelfAttention
     from megatron.training.arguments import parse_args
     from megatron.training.config import transformer_config_from_args
     from tests.gpu.launch import TINY_GPT, TRAIN
@@ -98,7 +99,7 @@ def test_te_spec_uses_packed_attention_and_fused_rope(dist):
     assert config.apply_rope_fusion
     model = pretrain_gpt.model_provider(args, config)
     attention = model.decoder.layers[0].self_attention
-    assert type(attention) is SelfAttention
+    assert type(attention) is DynamicCPSelfAttention
     assert isinstance(attention.core_attention, PackedTEDotProductAttention)
 
 

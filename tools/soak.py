@@ -1,0 +1,151 @@
+"""Long-run check of graphed training beside eager training of the same seed.
+
+Trains a benchmark preset for --steps iterations once eagerly and once per graph variant,
+each run on its own GPU at the same time (the eager run on the first GPU, variants on the
+next ones, round-robin), then checks every graph run against the eager one:
+
+* no NaN or Inf loss or gradient norm;
+* the loss curve stays within --loss-atol of eager, compared as means over windows of
+  --window steps (bf16 runs of different kernels drift apart step by step; a graph bug
+  moves the mean by far more);
+* no memory growth: allocated and reserved bytes at the last step are at most those at
+  --memory-from (after capture and warm-up), plus --memory-slack-mib.
+
+    python tools/soak.py --preset hybrid-small --variants chunk-graphs te-layer-graphs \\
+        --steps 1000
+
+Prints a Markdown table and exits 1 when a check fails.
+"""
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tools.benchmark import COMMON, PRESETS, VARIANTS, _free_port  # noqa: E402
+
+
+def window_means(values: list, window: int) -> list:
+    """Means of consecutive ``window``-long slices (a shorter tail slice is dropped)."""
+    return [statistics.fmean(values[i:i + window])
+            for i in range(0, len(values) - window + 1, window)]
+
+
+def check_run(graphs: list, eager: list, *, window: int, loss_atol: float, memory_from: int,
+              memory_slack_mib: float) -> dict:
+    """Compare one graph run's train records with the eager run's. Returns the table row;
+    ``row["failures"]`` lists what failed (empty when it passed)."""
+    failures = []
+    finite = all(math.isfinite(r["lm_loss"]) and math.isfinite(r["grad_norm"]) for r in graphs)
+    if not finite:
+        failures.append("NaN or Inf loss or grad norm")
+    if len(graphs) != len(eager):
+        failures.append(f"{len(graphs)} iterations logged, eager logged {len(eager)}")
+    graph_means = window_means([r["lm_loss"] for r in graphs], window)
+    eager_means = window_means([r["lm_loss"] for r in eager], window)
+    loss_gap = max((abs(g - e) for g, e in zip(graph_means, eager_means)), default=math.nan)
+    if not loss_gap <= loss_atol:
+        failures.append(f"windowed loss differs from eager by {loss_gap:.2e} > {loss_atol:.1e}")
+    step_gap = max(abs(g["lm_loss"] - e["lm_loss"]) for g, e in zip(graphs, eager))
+    at = {r["iteration"]: r for r in graphs}
+    start, end = at.get(memory_from), graphs[-1]
+    growth = {}
+    for key in ("mem_allocated_bytes", "mem_reserved_bytes"):
+        if start is None or key not in start:
+            failures.append(f"no {key} at iteration {memory_from}")
+            continue
+        growth[key] = (end[key] - start[key]) / 2**20
+        if growth[key] > memory_slack_mib:
+            failures.append(f"{key} grew by {growth[key]:.1f} MiB from iteration "
+                            f"{memory_from} to {end['iteration']}")
+    return {"steps": len(graphs), "finite": finite, "window_gap": loss_gap, "step_gap": step_gap,
+            "allocated_growth_mib": growth.get("mem_allocated_bytes", math.nan),
+            "reserved_growth_mib": growth.get("mem_reserved_bytes", math.nan),
+            "final_loss": graphs[-1]["lm_loss"] if graphs else math.nan,
+            "eager_final_loss": eager[-1]["lm_loss"] if eager else math.nan,
+            "failures": failures}
+
+
+def _launch(preset: str, variant: str, args, gpu: int, metrics: str, log) -> subprocess.Popen:
+    script, model_flags = PRESETS[preset]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+           "--master-port", str(_free_port()), os.path.join(REPO, script), *model_flags,
+           *COMMON, *VARIANTS[variant], "--train-iters", str(args.steps),
+           "--global-batch-size", str(args.global_batch_size), "--log-interval", "1",
+           "--mock-doc-length-median", str(args.doc_length_median),
+           "--metrics-file", metrics, *args.extra_args.split()]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="hybrid-small", choices=sorted(PRESETS))
+    parser.add_argument("--variants", nargs="+", default=["chunk-graphs", "te-layer-graphs"],
+                        choices=sorted(v for v in VARIANTS if v != "eager"))
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--global-batch-size", type=int, default=4)
+    parser.add_argument("--doc-length-median", type=int, default=512)
+    parser.add_argument("--window", type=int, default=50)
+    parser.add_argument("--loss-atol", type=float, default=5e-3,
+                        help="the functional tests' lm-loss tolerance")
+    parser.add_argument("--memory-from", type=int, default=100)
+    parser.add_argument("--memory-slack-mib", type=float, default=0.0)
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to spread runs over")
+    parser.add_argument("--log-dir", default=None, help="keep each run's log and metrics here")
+    parser.add_argument("--extra-args", default="", help="more training flags for every run")
+    args = parser.parse_args(argv)
+    if args.steps <= args.memory_from:
+        parser.error(f"--steps is wrong: {args.steps}. It must exceed --memory-from "
+                     f"({args.memory_from}).")
+
+    import torch
+
+    from megatron.training.metrics import read_metrics
+
+    gpus = args.gpus or max(torch.cuda.device_count(), 1)
+    out = args.log_dir or tempfile.mkdtemp(prefix="soak-")
+    os.makedirs(out, exist_ok=True)
+    runs = ["eager", *args.variants]
+    procs = {}
+    for i, variant in enumerate(runs):
+        log = open(os.path.join(out, f"{variant}.log"), "w")
+        procs[variant] = (_launch(args.preset, variant, args, i % gpus,
+                                  os.path.join(out, f"{variant}.jsonl"), log), log)
+    failed_runs = []
+    for variant, (proc, log) in procs.items():
+        if proc.wait() != 0:
+            failed_runs.append(variant)
+        log.close()
+    if failed_runs:
+        for variant in failed_runs:
+            with open(os.path.join(out, f"{variant}.log")) as f:
+                print(f"--- {variant} failed ---\n{f.read()[-4000:]}")
+        return 1
+    eager = read_metrics(os.path.join(out, "eager.jsonl"))
+    print(f"| {args.preset}, {args.steps} steps | loss gap, {args.window}-step means | "
+          "max step gap | final loss (eager) | allocated growth (MiB) | reserved growth (MiB) "
+          "| verdict |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    ok = True
+    for variant in args.variants:
+        row = check_run(read_metrics(os.path.join(out, f"{variant}.jsonl")), eager,
+                        window=args.window, loss_atol=args.loss_atol,
+                        memory_from=args.memory_from, memory_slack_mib=args.memory_slack_mib)
+        ok &= not row["failures"]
+        print(f"| {variant} | {row['window_gap']:.2e} | {row['step_gap']:.2e} | "
+              f"{row['final_loss']:.4f} ({row['eager_final_loss']:.4f}) | "
+              f"{row['allocated_growth_mib']:.1f} | {row['reserved_growth_mib']:.1f} | "
+              f"{'; '.join(row['failures']) or 'pass'} |")
+    print(f"logs and metrics: {out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
