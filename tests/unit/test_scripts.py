@@ -38,3 +38,34 @@ def test_example_launcher_refuses_without_gpu():
     assert _run("bash", "-n", script).returncode == 0
     proc = _run("bash", script)
     assert proc.returncode == 1 and "no CUDA GPU is visible" in proc.stderr
+
+
+def _ci_test_block():
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    start, end = text.index("<!-- ci:test -->"), text.index("<!-- /ci:test -->")
+    return [line for line in text[start:end].splitlines()[1:] if not line.startswith("```")]
+
+
+def test_readme_ci_command_pins_torch_and_installs_the_test_extra():
+    lines = [line for line in _ci_test_block() if line.strip()]
+    assert lines == ['pip install torch==2.11.0 && pip install -e ".[test]" && python -m pytest -q tests']
+
+
+def test_ci_run_is_valid_bash_and_uses_python_312():
+    script = os.path.join(".ci", "run")
+    assert os.access(os.path.join(REPO, script), os.X_OK)
+    assert _run("bash", "-n", script).returncode == 0
+    with open(os.path.join(REPO, script)) as f:
+        text = f.read()
+    assert "python3.12" in text and ".pyenv/versions/3.12" in text
+
+
+def test_ci_run_without_python_312_says_so(tmp_path):
+    if any(os.path.exists(os.path.join(d, "python3.12")) for d in ("/usr/bin", "/bin")):
+        pytest.skip("this machine has a system python3.12")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", os.path.join(".ci", "run")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "no working Python 3.12 found" in proc.stderr
