@@ -8,23 +8,38 @@ pattern before the pipeline checks).
 """
 
 import importlib.util
+import warnings
 
-from megatron.core.transformer.enums import CudaGraphScope
+from megatron.core.transformer.enums import CudaGraphModule
 
 # Layer symbols of --hybrid-override-pattern that this fork builds (megatron-core's Symbols
 # also has 'E', MoE, which this fork does not support).
 HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}
 
-# Scopes of CudaGraphScope this fork rejects, with the reason.
-UNSUPPORTED_SCOPES = {
-    "full_iteration": "A whole-iteration graph cannot take the varying packed metadata "
-                      "(cu_seqlens) of each micro-batch; use attn, mlp, mamba or omit the flag",
+FULL_ITERATION = ("Whole-iteration CUDA graphs for packed data are not available yet in this "
+                  "fork; use layer or chunk granularity (--cuda-graph-impl local with "
+                  "--cuda-graph-granularity layer or chunk, or --cuda-graph-impl "
+                  "transformer_engine)")
+
+# --cuda-graph-impl values megatron-core has and this fork refuses, with the reason.
+REFUSED_GRAPH_IMPLS = {"full_iteration": FULL_ITERATION}
+
+# Names of CudaGraphModule this fork rejects, with the reason.
+UNSUPPORTED_MODULES = {
     "moe": "MoE is not supported by this fork",
     "moe_router": "MoE is not supported by this fork",
     "moe_preprocess": "MoE is not supported by this fork",
 }
 
-SUPPORTED_SCOPES = [name for name in CudaGraphScope.__members__ if name not in UNSUPPORTED_SCOPES]
+# Names of the deprecated CudaGraphScope that are no CudaGraphModule, with the reason.
+SCOPE_ONLY_NAMES = {
+    "full_iteration": FULL_ITERATION,
+    "full_iteration_inference": "It is an inference graph scope and this fork trains only; "
+                                "drop it",
+}
+
+SUPPORTED_MODULES = [name for name in CudaGraphModule.__members__
+                     if name not in UNSUPPORTED_MODULES]
 
 _INSTALL_HINT = {
     "transformer_engine": "install Transformer Engine (`pip install .[te]`)",
@@ -349,20 +364,35 @@ def check_attention(args):
         _require_package("flash_attn", "--attention-backend", "flash")
 
 
-def normalise_cuda_graph_scope(values) -> list[str]:
+def cuda_graph_modules_given(modules, scope, flag="--cuda-graph-modules",
+                             alias="--cuda-graph-scope"):
+    """(values, spelling) of ``flag`` or of its deprecated ``alias``, which warns once."""
+    if scope is None:
+        return modules, flag
+    if modules is not None:
+        fail(f"{flag} / {alias}", "both given",
+             f"{alias} is the deprecated spelling of {flag}; give only {flag}")
+    warnings.warn(f"{alias} is deprecated; use {flag} (same names) instead.", FutureWarning,
+                  stacklevel=3)
+    return scope, alias
+
+
+def normalise_cuda_graph_modules(values, flag="--cuda-graph-modules") -> list[str]:
     """``["attn,mlp"]`` or ``["attn", "mlp"]`` -> ``["attn", "mlp"]``; checks every name."""
     names = []
     for value in values:
         for name in (part.strip() for part in value.split(",")):
             if not name:
                 continue
-            if name not in CudaGraphScope.__members__:
-                fail("--cuda-graph-scope", repr(name),
-                     f"Valid CudaGraphScope names are {', '.join(CudaGraphScope.__members__)} "
-                     f"(this fork supports {', '.join(SUPPORTED_SCOPES)}); omit the flag to "
+            if name in SCOPE_ONLY_NAMES:
+                fail(flag, repr(name), SCOPE_ONLY_NAMES[name])
+            if name not in CudaGraphModule.__members__:
+                fail(flag, repr(name),
+                     f"Valid CudaGraphModule names are {', '.join(CudaGraphModule.__members__)} "
+                     f"(this fork supports {', '.join(SUPPORTED_MODULES)}); omit the flag to "
                      "capture whole layers")
-            if name in UNSUPPORTED_SCOPES:
-                fail("--cuda-graph-scope", repr(name), UNSUPPORTED_SCOPES[name])
+            if name in UNSUPPORTED_MODULES:
+                fail(flag, repr(name), UNSUPPORTED_MODULES[name])
             if name not in names:
                 names.append(name)
     return names
@@ -387,7 +417,7 @@ def _check_capacity_ladder(args, ladder, impl, capacity):
              "--pipeline-model-parallel-size 1")
 
 
-def _check_te_graphs(args):
+def _check_te_graphs(args, flag):
     """What --cuda-graph-impl transformer_engine builds: whole-layer graphs, PP = 1."""
     impl = "--cuda-graph-impl transformer_engine"
     # TE's graphs register TE's RNG states and assert TE's tracker (megatron-core forces
@@ -397,9 +427,9 @@ def _check_te_graphs(args):
         fail("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
              f"{impl} captures packed layers for PP = 1 only; with pipeline parallelism use "
              "--cuda-graph-impl local (layer or chunk granularity)")
-    if args.cuda_graph_scope:
-        fail("--cuda-graph-scope", " ".join(args.cuda_graph_scope),
-             f"{impl} captures whole layers on packed data; drop --cuda-graph-scope")
+    if args.cuda_graph_modules:
+        fail(flag, " ".join(args.cuda_graph_modules),
+             f"{impl} captures whole layers on packed data; drop {flag}")
     if args.cuda_graph_capacity_ladder:
         fail("--cuda-graph-capacity-ladder", _as_typed(args.cuda_graph_capacity_ladder),
              f"{impl} captures one capacity; drop the ladder or use --cuda-graph-impl local")
@@ -411,20 +441,24 @@ def _check_te_graphs(args):
 
 
 def check_cuda_graphs(args):
-    """Graph flags; fills cuda_graph_scope as a list of CudaGraphScope names ([] = whole layer)."""
+    """Graph flags; fills cuda_graph_modules as a list of CudaGraphModule names ([] = whole
+    layer) and drops the deprecated cuda_graph_scope."""
     impl = args.cuda_graph_impl
+    if impl in REFUSED_GRAPH_IMPLS:
+        fail("--cuda-graph-impl", impl, REFUSED_GRAPH_IMPLS[impl])
     capacity = args.cuda_graph_max_packed_seqs
     if capacity < 0:
         fail("--cuda-graph-max-packed-seqs", capacity,
              "Use 0 (graphs off) or a positive document capacity")
     _at_least(args, "--cuda-graph-warmup-steps", 0)
-    scope = args.cuda_graph_scope
+    modules, flag = cuda_graph_modules_given(args.cuda_graph_modules,
+                                             vars(args).pop("cuda_graph_scope", None))
     if impl == "none":
         if capacity > 0:
             fail("--cuda-graph-max-packed-seqs", capacity,
                  "It would be silently ignored without graphs; add --cuda-graph-impl local")
-        if scope:  # None (flag absent) or [] (already normalised) are fine
-            fail("--cuda-graph-scope", " ".join(scope),
+        if modules:  # None (flag absent) or [] (already normalised) are fine
+            fail(flag, " ".join(modules),
                  "It would be silently ignored without graphs; add --cuda-graph-impl local")
     else:
         if capacity == 0:
@@ -442,9 +476,9 @@ def check_cuda_graphs(args):
         fail("--cuda-graph-granularity", "chunk",
              f"Chunk graphs are built by the local implementation, not --cuda-graph-impl {impl}; "
              "add --cuda-graph-impl local")
-    args.cuda_graph_scope = normalise_cuda_graph_scope(scope or [])
+    args.cuda_graph_modules = normalise_cuda_graph_modules(modules or [], flag)
     if impl == "transformer_engine":
-        _check_te_graphs(args)
+        _check_te_graphs(args, flag)
     backend = getattr(args, "attention_backend", None)  # the library API checks it later
     if impl != "none" and (backend == "te" or (
             backend == "auto" and is_importable("transformer_engine"))):
@@ -458,16 +492,16 @@ def check_cuda_graphs(args):
              "as many as the capture iteration's micro-batches, and the ramp-up changes that "
              "count; use --cuda-graph-granularity chunk or drop the ramp-up")
     if args.cuda_graph_granularity == "chunk":
-        if args.cuda_graph_scope:
-            fail("--cuda-graph-scope", " ".join(args.cuda_graph_scope),
-                 "Chunk graphs capture the whole model chunk; drop --cuda-graph-scope or use "
+        if args.cuda_graph_modules:
+            fail(flag, " ".join(args.cuda_graph_modules),
+                 f"Chunk graphs capture the whole model chunk; drop {flag} or use "
                  "--cuda-graph-granularity layer")
         if args.cuda_graph_capacity_ladder:
             fail("--cuda-graph-capacity-ladder", _as_typed(args.cuda_graph_capacity_ladder),
                  "The ladder is built for layer graphs; drop it or use "
                  "--cuda-graph-granularity layer")
-    if args.model == "gpt" and "mamba" in args.cuda_graph_scope:
-        fail("--cuda-graph-scope", "mamba",
+    if args.model == "gpt" and "mamba" in args.cuda_graph_modules:
+        fail(flag, "mamba",
              "A gpt model has no Mamba layers; use attn and/or mlp")
 
 

@@ -223,11 +223,15 @@ def _add_attention_args(parser):
 
 def _add_cuda_graph_args(parser):
     g = parser.add_argument_group("cuda graphs", "See docs/flags.md, 'Graph flags'.")
-    g.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine"],
-                   default="none")
+    g.add_argument("--cuda-graph-impl", default="none",
+                   choices=["none", "local", "transformer_engine", *checks.REFUSED_GRAPH_IMPLS],
+                   help="none, local or transformer_engine; megatron-core's full_iteration "
+                        "is refused (not available for packed data yet).")
+    g.add_argument("--cuda-graph-modules", nargs="+", default=None,
+                   help="Parts of each layer to capture, CudaGraphModule names (attn, mlp, "
+                        "mamba), space- or comma-separated (default: the whole layer).")
     g.add_argument("--cuda-graph-scope", nargs="+", default=None,
-                   help="Parts of each layer to capture, space- or comma-separated "
-                        "(default: the whole layer).")
+                   help="Deprecated spelling of --cuda-graph-modules.")
     g.add_argument("--cuda-graph-max-packed-seqs", type=int, nargs="?", const=50, default=0,
                    help="Graph capacity: packed documents per micro-batch (bare flag: 50; "
                         "0: off). Choose with tools/capacity_advisor.py.")
@@ -251,7 +255,8 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
 
     Derived: model, num_layers (hybrid), ffn_hidden_size, num_query_groups, kv_channels,
     max_position_embeddings, data_parallel_size, virtual_pipeline_model_parallel_size,
-    global_batch_size, num_microbatches, lr_decay_iters, cuda_graph_scope (list of names),
+    global_batch_size, num_microbatches, lr_decay_iters, cuda_graph_modules (list of names;
+    the deprecated cuda_graph_scope is dropped),
     dynamic_cp_tokens_per_rank, dynamic_cp_max_packed_seqs, padded_vocab_size. ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset).
     """
     checks.check_model_name(model)

@@ -23,7 +23,7 @@ import yaml
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.transformer.enums import CudaGraphScope
+from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import argument_checks as checks
 from megatron.training.arguments import build_parser, validate_args
@@ -92,7 +92,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         cuda_graph_impl=args.cuda_graph_impl,
         use_te_rng_tracker=args.te_rng_tracker,
         # [] = the whole layer (megatron-core's deprecated "full").
-        cuda_graph_scope=[CudaGraphScope[name] for name in args.cuda_graph_scope],
+        cuda_graph_modules=[CudaGraphModule[name] for name in args.cuda_graph_modules],
         # megatron-core's meaning: warm-up passes inside each capture. Our
         # --cuda-graph-warmup-steps counts eager iterations before capture instead.
         cuda_graph_warmup_steps=1,
@@ -146,8 +146,8 @@ class CudaGraphConfig:
 
     cuda_graph_impl: str | None = None
     """'none' (default), 'local' (megatron-core CudaGraphManager) or 'transformer_engine'."""
-    cuda_graph_scope: str | list[str] | None = None
-    """CudaGraphScope names, comma- or space-separated or a list; unset = the whole layer."""
+    cuda_graph_modules: str | list[str] | None = None
+    """CudaGraphModule names, comma- or space-separated or a list; unset = the whole layer."""
     cuda_graph_max_packed_seqs: int | None = None
     """Graph capacity: packed documents per micro-batch; > 0 exactly when graphs are on."""
     cuda_graph_granularity: str | None = None
@@ -158,6 +158,8 @@ class CudaGraphConfig:
     """Eager training steps before capture (default 3)."""
     enable_cuda_graph: bool | None = None
     """Deprecated: True means cuda_graph_impl 'local' and warns; prefer cuda_graph_impl."""
+    cuda_graph_scope: str | list[str] | None = None
+    """Deprecated spelling of cuda_graph_modules; warns. Not together with cuda_graph_modules."""
 
 
 GRAPH_KEYS = tuple(field.name for field in dataclasses.fields(CudaGraphConfig))
@@ -169,8 +171,8 @@ class ResolvedCudaGraphConfig:
 
     cuda_graph_impl: str
     """'none', 'local' or 'transformer_engine'."""
-    cuda_graph_scope: tuple[str, ...]
-    """De-duplicated CudaGraphScope names; () = the whole layer."""
+    cuda_graph_modules: tuple[str, ...]
+    """De-duplicated CudaGraphModule names; () = the whole layer."""
     cuda_graph_max_packed_seqs: int
     """Graph capacity; 0 exactly when graphs are off."""
     cuda_graph_granularity: str
@@ -189,7 +191,7 @@ def cuda_graph_config_from_args(args) -> ResolvedCudaGraphConfig:
     """The resolved graph config of validated CLI ``args`` (the same type the library gives)."""
     return ResolvedCudaGraphConfig(
         cuda_graph_impl=args.cuda_graph_impl,
-        cuda_graph_scope=tuple(args.cuda_graph_scope),
+        cuda_graph_modules=tuple(args.cuda_graph_modules),
         cuda_graph_max_packed_seqs=args.cuda_graph_max_packed_seqs,
         cuda_graph_granularity=args.cuda_graph_granularity,
         cuda_graph_capacity_ladder=tuple(args.cuda_graph_capacity_ladder),
@@ -203,9 +205,11 @@ def resolve_cuda_graph_config(raw: dict | CudaGraphConfig,
     """Validate library graph keys with the CLI's rules and fill the CLI's defaults.
 
     Differences from the CLI: the deprecated ``enable_cuda_graph`` is accepted (True means
-    impl 'local', with a ``DeprecationWarning``; conflicting values are a ``ValueError``), and a
-    scope with impl 'none' warns (``UserWarning``) and is dropped instead of being an error.
-    ``model`` ('gpt' | 'hybrid') enables the model-specific scope check (no 'mamba' on gpt).
+    impl 'local', with a ``DeprecationWarning``; conflicting values are a ``ValueError``), and
+    modules with impl 'none' warn (``UserWarning``) and are dropped instead of being an error.
+    ``cuda_graph_scope`` is the deprecated spelling of ``cuda_graph_modules`` (a
+    ``FutureWarning``, as ``--cuda-graph-scope``). ``model`` ('gpt' | 'hybrid') enables the
+    model-specific module check (no 'mamba' on gpt).
     """
     if isinstance(raw, CudaGraphConfig):
         raw = dataclasses.asdict(raw)
@@ -215,7 +219,8 @@ def resolve_cuda_graph_config(raw: dict | CudaGraphConfig,
     given = {key: value for key, value in raw.items() if value is not None}
     for key in ("cuda_graph_impl", "cuda_graph_granularity"):
         if key in given and given[key] not in actions[key].choices:
-            checks.fail(key, repr(given[key]), f"Use one of {', '.join(actions[key].choices)}")
+            choices = [c for c in actions[key].choices if c not in checks.REFUSED_GRAPH_IMPLS]
+            checks.fail(key, repr(given[key]), f"Use one of {', '.join(choices)}")
     for key in ("cuda_graph_max_packed_seqs", "cuda_graph_warmup_steps"):
         if key in given and (isinstance(given[key], bool) or not isinstance(given[key], int)):
             checks.fail(key, repr(given[key]), "Use an integer")
@@ -226,13 +231,17 @@ def resolve_cuda_graph_config(raw: dict | CudaGraphConfig,
                                                                 "[16, 64, 256]")
     impl = _impl_from_deprecated(given.get("cuda_graph_impl"), given.get("enable_cuda_graph"))
     impl = impl or parser.get_default("cuda_graph_impl")
-    scope = checks.normalise_cuda_graph_scope(_scope_values(given.get("cuda_graph_scope")))
-    if scope and impl == "none":
-        warnings.warn(f"cuda_graph_scope {','.join(scope)} is not applied: cuda_graph_impl is "
-                      "none. Set cuda_graph_impl: local to capture it, or drop cuda_graph_scope.",
+    values, key = checks.cuda_graph_modules_given(given.get("cuda_graph_modules"),
+                                                  given.get("cuda_graph_scope"),
+                                                  "cuda_graph_modules", "cuda_graph_scope")
+    modules = checks.normalise_cuda_graph_modules(_module_values(values, key),
+                                                  "--" + key.replace("_", "-"))
+    if modules and impl == "none":
+        warnings.warn(f"{key} {','.join(modules)} is not applied: cuda_graph_impl is none. Set "
+                      f"cuda_graph_impl: local to capture it, or drop {key}.",
                       UserWarning, stacklevel=2)
-        scope = []
-    args = argparse.Namespace(model=model, cuda_graph_impl=impl, cuda_graph_scope=scope)
+        modules = []
+    args = argparse.Namespace(model=model, cuda_graph_impl=impl, cuda_graph_modules=modules)
     for key in ("cuda_graph_max_packed_seqs", "cuda_graph_granularity",
                 "cuda_graph_capacity_ladder", "cuda_graph_warmup_steps"):
         setattr(args, key, given.get(key, parser.get_default(key)))
@@ -259,16 +268,16 @@ def _impl_from_deprecated(impl: str | None, enable: bool | None) -> str | None:
     return "local" if enable else impl
 
 
-def _scope_values(scope) -> list[str]:
-    """A scope string ('attn,mlp' or 'attn mlp') or list -> the words the CLI would receive."""
-    if scope is None:
+def _module_values(modules, key: str) -> list[str]:
+    """A module string ('attn,mlp' or 'attn mlp') or list -> the words the CLI would receive."""
+    if modules is None:
         return []
-    if isinstance(scope, str):
-        return scope.split()
-    if isinstance(scope, (list, tuple)) and all(isinstance(name, str) for name in scope):
-        return [word for name in scope for word in name.split()]
-    checks.fail("cuda_graph_scope", repr(scope), "Use a string such as 'attn,mlp' or a list of "
-                                                 "CudaGraphScope names")
+    if isinstance(modules, str):
+        return modules.split()
+    if isinstance(modules, (list, tuple)) and all(isinstance(name, str) for name in modules):
+        return [word for name in modules for word in name.split()]
+    checks.fail(key, repr(modules), "Use a string such as 'attn,mlp' or a list of "
+                                    "CudaGraphModule names")
 
 
 def load_training_config(source: str | os.PathLike | dict,

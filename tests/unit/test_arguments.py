@@ -5,10 +5,12 @@ CPU only; Transformer Engine and flash-attn are assumed absent unless a test pat
 """
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 
+from megatron.core.transformer.enums import CudaGraphModule, CudaGraphScope
 from megatron.training import argument_checks
 from megatron.training.arguments import (
     args_to_dict,
@@ -55,7 +57,8 @@ def no_optional_packages(monkeypatch):
 def test_base_argv_is_valid(model):
     args = validate(model=model)
     assert args.model == model
-    assert args.cuda_graph_scope == []
+    assert args.cuda_graph_modules == []
+    assert not hasattr(args, "cuda_graph_scope")
 
 
 def test_model_defaults_are_derived():
@@ -113,17 +116,58 @@ def test_vpp_from_layers_per_virtual_stage():
     assert args.virtual_pipeline_model_parallel_size == 2
 
 
-@pytest.mark.parametrize("scope", [["attn,mlp"], ["attn", "mlp"], ["attn,", "mlp", "attn"]])
-def test_cuda_graph_scope_is_normalised(scope):
-    args = validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
-                    "--cuda-graph-scope", *scope)
-    assert args.cuda_graph_scope == ["attn", "mlp"]
+@pytest.mark.parametrize("modules", [["attn,mlp"], ["attn", "mlp"], ["attn,", "mlp", "attn"]])
+def test_cuda_graph_modules_are_normalised(modules):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args = validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
+                        "--cuda-graph-modules", *modules)
+    assert args.cuda_graph_modules == ["attn", "mlp"]
 
 
-def test_mamba_scope_on_hybrid():
+def test_mamba_module_on_hybrid():
     args = validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
-                    "--cuda-graph-scope", "mamba,attn", model="hybrid")
-    assert args.cuda_graph_scope == ["mamba", "attn"]
+                    "--cuda-graph-modules", "mamba,attn", model="hybrid")
+    assert args.cuda_graph_modules == ["mamba", "attn"]
+
+
+def test_cuda_graph_scope_is_a_deprecated_alias_that_warns_once(recwarn):
+    args = validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
+                    "--cuda-graph-scope", "attn", "mlp")
+    alias = [w for w in recwarn if issubclass(w.category, FutureWarning)]
+    assert len(alias) == 1
+    assert str(alias[0].message) == ("--cuda-graph-scope is deprecated; use --cuda-graph-modules "
+                                     "(same names) instead.")
+    assert args.cuda_graph_modules == ["attn", "mlp"]
+    assert not hasattr(args, "cuda_graph_scope")
+    validate_args(args, "gpt", world_size=1)  # validating again does not warn again
+    assert len([w for w in recwarn if issubclass(w.category, FutureWarning)]) == 1
+
+
+def test_cuda_graph_modules_and_scope_together_are_refused():
+    with pytest.raises(ValueError, match="--cuda-graph-modules / --cuda-graph-scope is wrong: "
+                                         "both given. --cuda-graph-scope is the deprecated "
+                                         "spelling of --cuda-graph-modules; give only "
+                                         "--cuda-graph-modules"):
+        validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
+                 "--cuda-graph-modules", "attn", "--cuda-graph-scope", "attn")
+
+
+def test_alias_errors_name_the_alias():
+    with pytest.warns(FutureWarning), pytest.raises(
+            ValueError, match="--cuda-graph-scope is wrong: attn. .*add --cuda-graph-impl"):
+        validate("--cuda-graph-scope", "attn")
+
+
+def test_transformer_config_gets_cuda_graph_modules():
+    from megatron.training.config import transformer_config_from_args
+
+    config = transformer_config_from_args(
+        validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
+                 "--cuda-graph-modules", "mlp,attn"))
+    assert config.cuda_graph_modules == [CudaGraphModule.mlp, CudaGraphModule.attn]
+    assert config.cuda_graph_scope is None
+    assert transformer_config_from_args(validate()).cuda_graph_modules == []
 
 
 def test_bare_max_packed_seqs_is_50():
@@ -135,8 +179,9 @@ def test_chunk_granularity_rules():
     chunk = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
              "--cuda-graph-granularity", "chunk"]
     assert validate(*chunk).cuda_graph_granularity == "chunk"
-    with pytest.raises(ValueError, match="--cuda-graph-scope is wrong: attn. Chunk graphs capture"):
-        validate(*chunk, "--cuda-graph-scope", "attn")
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: attn. Chunk graphs "
+                                         "capture.*drop --cuda-graph-modules"):
+        validate(*chunk, "--cuda-graph-modules", "attn")
     with pytest.raises(ValueError, match="--cuda-graph-capacity-ladder is wrong: 8. The ladder"):
         validate(*chunk, "--cuda-graph-capacity-ladder", 8)
 
@@ -150,13 +195,14 @@ def test_te_options_accepted_when_te_importable(with_te):
 def test_te_graph_impl_accepted_for_whole_layers_at_pp1(with_te):
     te = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", 64]
     assert validate(*te).cuda_graph_impl == "transformer_engine"
-    assert validate(*te, model="hybrid").cuda_graph_scope == []
+    assert validate(*te, model="hybrid").cuda_graph_modules == []
 
 
 @pytest.mark.parametrize("extra,message", [
     (["--pipeline-model-parallel-size", 2], "--pipeline-model-parallel-size is wrong: 2. "
      "--cuda-graph-impl transformer_engine captures packed layers for PP = 1 only"),
-    (["--cuda-graph-scope", "attn"], "--cuda-graph-scope is wrong: attn. .*drop --cuda-graph-scope"),
+    (["--cuda-graph-modules", "attn"],
+     "--cuda-graph-modules is wrong: attn. .*drop --cuda-graph-modules"),
     (["--cuda-graph-capacity-ladder", 8], "--cuda-graph-capacity-ladder is wrong: 8. "
      "--cuda-graph-impl transformer_engine captures one capacity"),
     (["--attention-dropout", 0.1], "--attention-dropout is wrong: 0.1. .*set it to 0"),
@@ -475,9 +521,9 @@ def test_capacity_without_graphs():
         validate("--cuda-graph-max-packed-seqs")
 
 
-def test_scope_without_graphs():
-    with pytest.raises(ValueError, match="--cuda-graph-scope is wrong: attn.*--cuda-graph-impl"):
-        validate("--cuda-graph-scope", "attn")
+def test_modules_without_graphs():
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: attn.*--cuda-graph-impl"):
+        validate("--cuda-graph-modules", "attn")
 
 
 @pytest.mark.parametrize("impl", ["none", "transformer_engine"])
@@ -497,28 +543,61 @@ def test_warmup_steps_not_negative():
         validate("--cuda-graph-warmup-steps", -1)
 
 
-def test_unknown_scope_lists_valid_names():
-    with pytest.raises(ValueError, match="'layer'.*full_iteration, attn, mlp, moe"):
+def test_unknown_module_lists_valid_names():
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: 'layer'. Valid "
+                                         "CudaGraphModule names are attn, mlp, moe, moe_router, "
+                                         "moe_preprocess, mamba \\(this fork supports attn, mlp, "
+                                         "mamba\\)"):
         validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
-                 "--cuda-graph-scope", "attn,layer")
+                 "--cuda-graph-modules", "attn,layer")
 
 
-@pytest.mark.parametrize("scope, reason", [
-    ("full_iteration", "varying packed metadata"),
+FULL_ITERATION = "Whole-iteration CUDA graphs for packed data are not available yet"
+
+
+@pytest.mark.parametrize("flag", ["--cuda-graph-modules", "--cuda-graph-scope"])
+@pytest.mark.parametrize("name, reason", [
     ("moe", "MoE is not supported"),
     ("moe_router", "MoE is not supported"),
     ("moe_preprocess", "MoE is not supported"),
+    ("full_iteration", f"{FULL_ITERATION} in this fork; use layer or chunk granularity"),
+    ("full_iteration_inference", "It is an inference graph scope"),
 ])
-def test_unsupported_scopes(scope, reason):
-    with pytest.raises(ValueError, match=f"'{scope}'.*{reason}"):
-        validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
-                 "--cuda-graph-scope", scope, model="hybrid")
+def test_unsupported_modules(flag, name, reason):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(ValueError, match=f"{flag} is wrong: '{name}'. {reason}"):
+            validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+                     flag, name, model="hybrid")
 
 
-def test_mamba_scope_rejected_for_gpt():
-    with pytest.raises(ValueError, match="--cuda-graph-scope is wrong: mamba.*no Mamba"):
+def test_scope_only_names_are_the_deprecated_enums_difference():
+    """Every CudaGraphScope name that is no CudaGraphModule has a reason of its own."""
+    assert set(argument_checks.SCOPE_ONLY_NAMES) == (set(CudaGraphScope.__members__)
+                                                     - set(CudaGraphModule.__members__))
+
+
+def test_full_iteration_impl_is_refused_with_a_pointer():
+    with pytest.raises(ValueError, match=f"--cuda-graph-impl is wrong: full_iteration. "
+                                         f"{FULL_ITERATION} in this fork; use layer or chunk "
+                                         "granularity"):
+        validate("--cuda-graph-impl", "full_iteration", "--cuda-graph-max-packed-seqs", 64)
+
+
+def test_full_iteration_impl_is_a_usage_error_not_an_invalid_choice(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE["gpt"] + ["--cuda-graph-impl", "full_iteration"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--cuda-graph-impl is wrong: full_iteration. " + FULL_ITERATION in err
+    assert "invalid choice" not in err
+
+
+def test_mamba_module_rejected_for_gpt():
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: mamba.*no Mamba"):
         validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
-                 "--cuda-graph-scope", "mamba")
+                 "--cuda-graph-modules", "mamba")
 
 
 # ---------------------------------------------------------------- CLI behaviour and output
@@ -541,9 +620,9 @@ def test_parse_args_returns_validated_args(monkeypatch):
 
 def test_args_to_dict_is_json_safe():
     data = args_to_dict(validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
-                                 "--cuda-graph-scope", "attn"))
+                                 "--cuda-graph-modules", "attn"))
     assert json.loads(json.dumps(data)) == data
-    assert data["cuda_graph_scope"] == ["attn"]
+    assert data["cuda_graph_modules"] == ["attn"]
     assert data["padded_vocab_size"] == 32000
 
 
@@ -559,7 +638,8 @@ ALLOWED_OPTIONS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--attention-backend", "--attention-dropout",
     "--bf16", "--calculate-per-token-loss", "--clip-grad", "--context-parallel-size",
     "--cuda-graph-capacity-ladder", "--cuda-graph-granularity", "--cuda-graph-impl",
-    "--cuda-graph-max-packed-seqs", "--cuda-graph-scope", "--cuda-graph-warmup-steps",
+    "--cuda-graph-max-packed-seqs", "--cuda-graph-modules", "--cuda-graph-scope",
+    "--cuda-graph-warmup-steps",
     "--data-path", "--deterministic-mode", "--distributed-backend",
     "--distributed-timeout-minutes", "--dynamic-cp-max-packed-seqs", "--dynamic-cp-sizes",
     "--eval-interval", "--eval-iters", "--exit-interval",

@@ -61,16 +61,20 @@ def assert_same_transformer_config(a, b):
 # ------------------------------------------------------------------- CLI and API agree
 
 @pytest.mark.parametrize("settings, argv", [
-    ({**GPT, "cuda_graph_impl": "local", "cuda_graph_scope": "attn,mlp",
+    ({**GPT, "cuda_graph_impl": "local", "cuda_graph_modules": "attn,mlp",
       "cuda_graph_max_packed_seqs": 64, "swiglu": True, "bf16": True},
-     GPT_ARGV + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn,mlp",
+     GPT_ARGV + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn,mlp",
                  "--cuda-graph-max-packed-seqs", "64", "--swiglu", "--bf16"]),
-    ({**HYBRID, "cuda_graph_impl": "local", "cuda_graph_scope": ["mamba", "attn"],
+    ({**HYBRID, "cuda_graph_impl": "local", "cuda_graph_modules": ["mamba", "attn"],
       "cuda_graph_max_packed_seqs": 32, "calculate_per_token_loss": False},
-     HYBRID_ARGV + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "mamba", "attn",
+     HYBRID_ARGV + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "mamba", "attn",
                     "--cuda-graph-max-packed-seqs", "32", "--no-calculate-per-token-loss"]),
+    ({**GPT, "cuda_graph_impl": "local", "cuda_graph_scope": "attn",
+      "cuda_graph_max_packed_seqs": 64},
+     GPT_ARGV + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn",
+                 "--cuda-graph-max-packed-seqs", "64"]),
     (GPT, GPT_ARGV),
-], ids=["gpt-graphs", "hybrid-graphs", "gpt-eager"])
+], ids=["gpt-graphs", "hybrid-graphs", "gpt-deprecated-scope", "gpt-eager"])
 def test_cli_and_api_give_the_same_transformer_config(settings, argv):
     model = settings.get("model", "gpt")
     cli = parse_args(argv, model=model)
@@ -82,11 +86,11 @@ def test_cli_and_api_give_the_same_transformer_config(settings, argv):
 
 
 def test_cli_and_api_give_the_same_resolved_graph_config():
-    cli = parse_args(GPT_ARGV + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn",
+    cli = parse_args(GPT_ARGV + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
                                  "mlp", "--cuda-graph-max-packed-seqs", "64"])
-    api = resolve(cuda_graph_scope="attn mlp", **LOCAL)
+    api = resolve(cuda_graph_modules="attn mlp", **LOCAL)
     assert api == cuda_graph_config_from_args(cli)
-    assert api.cuda_graph_scope == ("attn", "mlp")
+    assert api.cuda_graph_modules == ("attn", "mlp")
 
 
 # ------------------------------------------------------------------- every key optional
@@ -97,7 +101,7 @@ def test_empty_graph_config_is_graphs_off(raw):
         warnings.simplefilter("error")
         resolved = resolve_cuda_graph_config(raw)
     assert resolved == ResolvedCudaGraphConfig(
-        cuda_graph_impl="none", cuda_graph_scope=(), cuda_graph_max_packed_seqs=0,
+        cuda_graph_impl="none", cuda_graph_modules=(), cuda_graph_max_packed_seqs=0,
         cuda_graph_granularity="layer", cuda_graph_capacity_ladder=(),
         cuda_graph_warmup_steps=3, rng_tracker_for_graphs=False)
 
@@ -108,20 +112,21 @@ def test_none_values_mean_the_cli_default():
 
 def test_no_graph_keys_in_training_config_is_graphs_off():
     args = load_training_config(GPT)
-    assert (args.cuda_graph_impl, args.cuda_graph_scope, args.cuda_graph_max_packed_seqs) == (
+    assert (args.cuda_graph_impl, args.cuda_graph_modules, args.cuda_graph_max_packed_seqs) == (
         "none", [], 0)
+    assert not hasattr(args, "cuda_graph_scope")
 
 
 def test_dataclass_and_dict_resolve_alike():
-    assert resolve_cuda_graph_config(CudaGraphConfig(cuda_graph_scope="mlp", **LOCAL)) == \
-        resolve(cuda_graph_scope="mlp", **LOCAL)
+    assert resolve_cuda_graph_config(CudaGraphConfig(cuda_graph_modules="mlp", **LOCAL)) == \
+        resolve(cuda_graph_modules="mlp", **LOCAL)
 
 
 def test_graph_config_fields_are_frozen():
     """A test that freezes the keys: a new key must be added to docs/config-api.md too."""
-    assert GRAPH_KEYS == ("cuda_graph_impl", "cuda_graph_scope", "cuda_graph_max_packed_seqs",
+    assert GRAPH_KEYS == ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_max_packed_seqs",
                           "cuda_graph_granularity", "cuda_graph_capacity_ladder",
-                          "cuda_graph_warmup_steps", "enable_cuda_graph")
+                          "cuda_graph_warmup_steps", "enable_cuda_graph", "cuda_graph_scope")
 
 
 def test_capacity_ladder_key_follows_the_cli_rules():
@@ -192,64 +197,112 @@ def test_enable_cuda_graph_in_training_config():
     assert not hasattr(args, "enable_cuda_graph")
 
 
-# ------------------------------------------------------------------- scope
+# ------------------------------------------------------------------- modules
 
-@pytest.mark.parametrize("scope", ["attn,mlp", "attn mlp", "attn, mlp", ["attn", "mlp"],
-                                   ["attn,mlp"], ("attn", "mlp", "attn")])
-def test_scope_spellings_normalise_alike(scope):
-    assert resolve(cuda_graph_scope=scope, **LOCAL).cuda_graph_scope == ("attn", "mlp")
-
-
-@pytest.mark.parametrize("scope", ["", []])
-def test_empty_scope_is_the_whole_layer(scope):
-    assert resolve(cuda_graph_scope=scope, **LOCAL).cuda_graph_scope == ()
+@pytest.mark.parametrize("modules", ["attn,mlp", "attn mlp", "attn, mlp", ["attn", "mlp"],
+                                     ["attn,mlp"], ("attn", "mlp", "attn")])
+def test_module_spellings_normalise_alike(modules):
+    assert resolve(cuda_graph_modules=modules, **LOCAL).cuda_graph_modules == ("attn", "mlp")
 
 
-def test_scope_with_impl_none_warns_and_is_dropped():
-    with pytest.warns(UserWarning, match="cuda_graph_scope attn,mlp is not applied: "
+@pytest.mark.parametrize("modules", ["", []])
+def test_empty_modules_are_the_whole_layer(modules):
+    assert resolve(cuda_graph_modules=modules, **LOCAL).cuda_graph_modules == ()
+
+
+def test_modules_with_impl_none_warn_and_are_dropped():
+    with pytest.warns(UserWarning, match="cuda_graph_modules attn,mlp is not applied: "
                                          "cuda_graph_impl is none"):
-        resolved = resolve(cuda_graph_scope="attn,mlp")
-    assert resolved.cuda_graph_scope == ()
+        resolved = resolve(cuda_graph_modules="attn,mlp")
+    assert resolved.cuda_graph_modules == ()
     assert resolved.cuda_graph_impl == "none"
 
 
-def test_scope_with_impl_none_in_training_config_is_dropped():
+def test_modules_with_impl_none_in_training_config_are_dropped():
     with pytest.warns(UserWarning, match="not applied"):
-        args = load_training_config({**GPT, "cuda_graph_scope": "mlp"})
-    assert args.cuda_graph_scope == []
+        args = load_training_config({**GPT, "cuda_graph_modules": "mlp"})
+    assert args.cuda_graph_modules == []
 
 
-def test_scope_with_impl_none_is_still_checked():
-    with pytest.raises(ValueError, match="--cuda-graph-scope is wrong: 'atn'"):
-        resolve(cuda_graph_scope="atn")
+def test_modules_with_impl_none_are_still_checked():
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: 'atn'"):
+        resolve(cuda_graph_modules="atn")
 
 
 @pytest.mark.parametrize("name, match", [
-    ("bogus", "Valid CudaGraphScope names are"),
-    ("full_iteration", "A whole-iteration graph cannot take"),
+    ("bogus", "Valid CudaGraphModule names are"),
+    ("full_iteration", "Whole-iteration CUDA graphs for packed data are not available yet in "
+                       "this fork; use layer or chunk granularity"),
+    ("full_iteration_inference", "It is an inference graph scope"),
     ("moe", "MoE is not supported"),
 ])
-def test_scope_names_are_checked_like_the_cli(name, match):
-    with pytest.raises(ValueError, match=f"--cuda-graph-scope is wrong: '{name}'. {match}"):
-        resolve(cuda_graph_scope=f"attn,{name}", **LOCAL)
+def test_module_names_are_checked_like_the_cli(name, match):
+    with pytest.raises(ValueError, match=f"--cuda-graph-modules is wrong: '{name}'. {match}"):
+        resolve(cuda_graph_modules=f"attn,{name}", **LOCAL)
 
 
-def test_mamba_scope_is_rejected_for_gpt():
-    with pytest.raises(ValueError, match="--cuda-graph-scope is wrong: mamba. A gpt model"):
-        resolve_cuda_graph_config({"cuda_graph_scope": "mamba", **LOCAL}, model="gpt")
+def test_full_iteration_impl_is_refused_with_a_pointer():
+    with pytest.raises(ValueError, match="--cuda-graph-impl is wrong: full_iteration. "
+                                         "Whole-iteration CUDA graphs for packed data"):
+        resolve(cuda_graph_impl="full_iteration", cuda_graph_max_packed_seqs=64)
+    with pytest.raises(ValueError, match="--cuda-graph-impl is wrong: full_iteration"):
+        load_training_config({**GPT, "cuda_graph_impl": "full_iteration"})
+
+
+def test_mamba_module_is_rejected_for_gpt():
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: mamba. A gpt model"):
+        resolve_cuda_graph_config({"cuda_graph_modules": "mamba", **LOCAL}, model="gpt")
     with pytest.raises(ValueError, match="A gpt model has no Mamba layers"):
-        load_training_config({**GPT, "cuda_graph_scope": "mamba", **LOCAL})
+        load_training_config({**GPT, "cuda_graph_modules": "mamba", **LOCAL})
 
 
-def test_mamba_scope_is_accepted_for_hybrid():
-    resolved = resolve_cuda_graph_config({"cuda_graph_scope": "mamba", **LOCAL}, model="hybrid")
-    assert resolved.cuda_graph_scope == ("mamba",)
+def test_mamba_module_is_accepted_for_hybrid():
+    resolved = resolve_cuda_graph_config({"cuda_graph_modules": "mamba", **LOCAL}, model="hybrid")
+    assert resolved.cuda_graph_modules == ("mamba",)
 
 
-@pytest.mark.parametrize("scope", [3, ["attn", 3], {"attn": True}])
-def test_scope_of_the_wrong_type_is_rejected(scope):
-    with pytest.raises(ValueError, match="cuda_graph_scope is wrong: .* Use a string such as"):
-        resolve(cuda_graph_scope=scope, **LOCAL)
+@pytest.mark.parametrize("modules", [3, ["attn", 3], {"attn": True}])
+def test_modules_of_the_wrong_type_are_rejected(modules):
+    with pytest.raises(ValueError, match="cuda_graph_modules is wrong: .* Use a string such as"):
+        resolve(cuda_graph_modules=modules, **LOCAL)
+
+
+# ------------------------------------------------------------------- deprecated cuda_graph_scope
+
+def test_cuda_graph_scope_key_is_a_deprecated_alias_that_warns_once(recwarn):
+    args = load_training_config({**GPT, **LOCAL, "cuda_graph_scope": "attn,mlp"})
+    alias = [w for w in recwarn if issubclass(w.category, FutureWarning)]
+    assert [str(w.message) for w in alias] == [
+        "cuda_graph_scope is deprecated; use cuda_graph_modules (same names) instead."]
+    assert args.cuda_graph_modules == ["attn", "mlp"]
+    assert not hasattr(args, "cuda_graph_scope")
+    with pytest.warns(FutureWarning, match="cuda_graph_scope is deprecated"):
+        resolved = resolve_cuda_graph_config(CudaGraphConfig(cuda_graph_scope=["mlp"], **LOCAL))
+    assert resolved.cuda_graph_modules == ("mlp",)
+
+
+def test_cuda_graph_modules_and_scope_keys_together_are_refused():
+    with pytest.raises(ValueError, match="cuda_graph_modules / cuda_graph_scope is wrong: both "
+                                         "given. cuda_graph_scope is the deprecated spelling of "
+                                         "cuda_graph_modules; give only cuda_graph_modules"):
+        resolve(cuda_graph_modules="attn", cuda_graph_scope="attn", **LOCAL)
+
+
+@pytest.mark.parametrize("name, match", [
+    ("full_iteration", "Whole-iteration CUDA graphs for packed data are not available yet"),
+    ("full_iteration_inference", "It is an inference graph scope"),
+    ("moe_router", "MoE is not supported"),
+])
+def test_deprecated_scope_names_are_refused_with_their_reason(name, match):
+    with pytest.warns(FutureWarning), pytest.raises(
+            ValueError, match=f"--cuda-graph-scope is wrong: '{name}'. {match}"):
+        resolve(cuda_graph_scope=name, **LOCAL)
+
+
+def test_deprecated_scope_with_impl_none_names_its_key():
+    with pytest.warns(FutureWarning), pytest.warns(UserWarning, match="cuda_graph_scope mlp is "
+                                                                      "not applied"):
+        assert resolve(cuda_graph_scope="mlp").cuda_graph_modules == ()
 
 
 # ------------------------------------------------------------------- the CLI's other rules
@@ -262,8 +315,8 @@ def test_scope_of_the_wrong_type_is_rejected(scope):
     ({"cuda_graph_impl": "local", "cuda_graph_max_packed_seqs": -1},
      "--cuda-graph-max-packed-seqs is wrong: -1"),
     ({**LOCAL, "cuda_graph_warmup_steps": -1}, "--cuda-graph-warmup-steps is wrong: -1"),
-    ({**LOCAL, "cuda_graph_granularity": "chunk", "cuda_graph_scope": "attn"},
-     "--cuda-graph-scope is wrong: attn. Chunk graphs capture the whole model chunk"),
+    ({**LOCAL, "cuda_graph_granularity": "chunk", "cuda_graph_modules": "attn"},
+     "--cuda-graph-modules is wrong: attn. Chunk graphs capture the whole model chunk"),
     ({"cuda_graph_granularity": "chunk"},
      "--cuda-graph-granularity is wrong: chunk. Chunk graphs are built by the local"),
     ({"cuda_graph_impl": "transformer_engine", "cuda_graph_max_packed_seqs": 64},
@@ -364,23 +417,23 @@ def test_yaml_file_loads_like_a_dict(tmp_path):
         "lr: 1e-3          # PyYAML reads this as a string; the CLI parser makes it a float\n"
         "mock_data: true\n"
         "cuda_graph_impl: local\n"
-        "cuda_graph_scope: mamba,attn\n"
+        "cuda_graph_modules: mamba,attn\n"
         "cuda_graph_max_packed_seqs: 32\n")
     args = load_training_config(path)
     assert args.lr == 1e-3
-    assert args.cuda_graph_scope == ["mamba", "attn"]
+    assert args.cuda_graph_modules == ["mamba", "attn"]
     assert vars(args) == vars(load_training_config(
-        {**HYBRID, "cuda_graph_impl": "local", "cuda_graph_scope": ["mamba", "attn"],
+        {**HYBRID, "cuda_graph_impl": "local", "cuda_graph_modules": ["mamba", "attn"],
          "cuda_graph_max_packed_seqs": 32}))
     assert vars(load_training_config(str(path))) == vars(args)
 
 
-def test_yaml_scope_as_a_list(tmp_path):
+def test_yaml_modules_as_a_list(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_text("".join(f"{key}: {value}\n" for key, value in GPT.items())
                     + "cuda_graph_impl: local\ncuda_graph_max_packed_seqs: 64\n"
-                      "cuda_graph_scope: [attn, mlp]\n")
-    assert load_training_config(path).cuda_graph_scope == ["attn", "mlp"]
+                      "cuda_graph_modules: [attn, mlp]\n")
+    assert load_training_config(path).cuda_graph_modules == ["attn", "mlp"]
 
 
 def test_yaml_that_is_not_a_mapping_is_rejected(tmp_path):

@@ -144,7 +144,8 @@ def test_env_overrides_reach_the_command():
     assert "--cuda-graph-max-packed-seqs 32" in line
     args, launcher = validated(line, world_size=8)
     assert (args.cuda_graph_max_packed_seqs, args.cuda_graph_warmup_steps) == (32, 5)
-    assert args.cuda_graph_scope == ["attn", "mlp"]
+    assert "--cuda-graph-modules attn mlp" in line
+    assert args.cuda_graph_modules == ["attn", "mlp"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
     assert args.data_parallel_size == 2 and args.global_batch_size == 16
     assert (args.seq_length, args.micro_batch_size, args.train_iters) == (2048, 2, 7)
