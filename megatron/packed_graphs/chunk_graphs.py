@@ -75,7 +75,7 @@ class ChunkGraphDispatch:
         if not core_patches.local_graphs_created():
             if slots.recorded == slots.count:
                 return super().__call__(*args, **kwargs)  # the capture needs S runners only
-            output = manager(self, args, kwargs)
+            output = manager(self, args, core_patches.unshare_cached_graph_inputs(kwargs))
             slots.record(manager)
         else:
             slots.select(manager)

@@ -359,6 +359,25 @@ def local_graphs_created() -> bool:
     return cuda_graphs._CudagraphGlobalRecord.cudagraph_created
 
 
+def unshare_cached_graph_inputs(kwargs: dict) -> dict:
+    """While local graphs are being recorded, give each graph call its own RoPE table.
+
+    megatron-core caches the RoPE table (``RotaryEmbedding.forward`` is ``lru_cache``d), so
+    one tensor object reaches the graphs of every micro-batch. 0.19.2's buffer accounting
+    counts each use of a tensor as a graph input and requires all its forward graphs to be
+    captured before the first backward graph (``assert fwd_buffer_reuse_ref_count == 0`` in
+    ``_create_cudagraphs``). That fails as soon as graphs of two micro-batches are recorded
+    with a backward in between: a capacity ladder at PP = 1, runners per micro-batch at
+    PP > 1. A copy per call, in the recording iteration only, keeps the accounting per graph.
+    Returns ``kwargs`` itself when there is nothing to copy.
+    """
+    rope = kwargs.get("rotary_pos_emb")
+    if local_graphs_created() or rope is None:
+        return kwargs
+    copy = tuple(t.clone() for t in rope) if isinstance(rope, tuple) else rope.clone()
+    return dict(kwargs, rotary_pos_emb=copy)
+
+
 def rotate_runners(manager) -> None:
     """Move a manager's next runner to the back: a bypassed micro-batch takes its turn.
 

@@ -34,8 +34,9 @@ class LocalGraphDispatch:
         # GraphableMegatronModule's), so a side effect there would skip two turns.
         if self.training and cuda_graphs_bypassed():
             self._skip_runner()
-        elif self.training:
+        elif self.training and self.config.cuda_graph_impl == "local":
             self._try_this_capacity_first(kwargs.get("packed_seq_params"))
+            kwargs = core_patches.unshare_cached_graph_inputs(kwargs)
         return super().__call__(*args, **kwargs)
 
     def _should_call_local_cudagraph(self, *args, **kwargs):

@@ -1,6 +1,7 @@
 """Process start-up: CUDA check, torch.distributed, megatron-core parallel state, seeds."""
 
 import datetime
+import importlib.util
 import os
 import random
 import sys
@@ -68,7 +69,10 @@ def initialize_single_gpu(seed: int = 1234, port: int = 29533) -> None:
     torch.cuda.set_device(0)
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)
+    # TE attention asserts TE's tracker while a graph is captured, as training forces it.
+    te_rng_tracker = importlib.util.find_spec("transformer_engine") is not None
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng_tracker,
+                                                    use_cudagraphable_rng=True)
 
 
 def set_seeds(seed: int, deterministic: bool = False, te_rng_tracker: bool = False) -> None:

@@ -331,3 +331,25 @@ def test_gpt_model_still_builds_transformer_block_by_name():
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     assert "self.decoder = TransformerBlock(" in source(GPTModel.__init__)
+
+
+def test_cached_rope_table_is_copied_only_while_graphs_are_recorded(monkeypatch):
+    rope = torch.arange(6.0).reshape(3, 1, 1, 2)
+    kwargs = {"hidden_states": torch.zeros(1), "rotary_pos_emb": rope}
+    recorded = core_patches.unshare_cached_graph_inputs(kwargs)
+    assert recorded["rotary_pos_emb"] is not rope and torch.equal(recorded["rotary_pos_emb"], rope)
+    assert recorded["hidden_states"] is kwargs["hidden_states"] and kwargs["rotary_pos_emb"] is rope
+    pair = core_patches.unshare_cached_graph_inputs({"rotary_pos_emb": (rope, rope)})
+    assert all(t is not rope for t in pair["rotary_pos_emb"])
+    assert core_patches.unshare_cached_graph_inputs({"rotary_pos_emb": None})["rotary_pos_emb"] is None
+    monkeypatch.setattr(cuda_graphs._CudagraphGlobalRecord, "cudagraph_created", True)
+    assert core_patches.unshare_cached_graph_inputs(kwargs) is kwargs  # replay: no copy
+
+
+def test_upstream_caches_the_rope_table_and_counts_shared_graph_inputs():
+    # When this fails, re-check unshare_cached_graph_inputs.
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    assert hasattr(RotaryEmbedding.forward, "cache_info")  # functools.lru_cache
+    assert "assert fwd_buffer_reuse_ref_count == 0" in source(
+        cuda_graphs._CudagraphGlobalRecord._create_cudagraphs.__func__)
