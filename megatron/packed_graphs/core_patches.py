@@ -151,22 +151,29 @@ def keep_saved_tensor_observer_armed_until_capture() -> None:
 def forward_inputs_reused_as_grad_buffers(runners) -> list:
     """Check of the buffer patches on captured runners: ``["<runner> grad out == <runner> fwd in"]``.
 
-    Empty when no backward graph writes into memory a forward graph saved as its input.
+    ``runners`` in forward order of one micro-batch (PP = 1: module order), so backwards
+    replay in reverse. Lists a backward-graph buffer that is memory a forward graph kept as
+    its input while that input is still live: the writer's backward replays before (or is)
+    the reader's backward. Reuse after the reader's backward (upstream's pool at work) is
+    fine and not listed. Empty when no such clash exists.
     """
     def name(runner):
-        return f"{type(runner.base_module).__name__}#{runner.base_module.layer_number}"
+        module = runner.base_module
+        return f"{type(module).__name__}#{getattr(module, 'layer_number', 'chunk')}"
 
     inputs = {}
-    for runner in runners:
+    for index, runner in enumerate(runners):
         for buf in runner.fwd_graph_input_surface[:runner.num_dgrads]:
-            inputs.setdefault(buf.data_ptr(), []).append(name(runner))
+            inputs.setdefault(buf.data_ptr(), []).append((index, name(runner)))
     clashes = []
-    for runner in runners:
+    for index, runner in enumerate(runners):
         for kind, bufs in (("grad out", runner.static_grad_outputs),
                            ("grad in", runner.static_grad_inputs)):
             for buf in bufs:
-                if buf is not None and buf.data_ptr() in inputs:
-                    clashes.append(f"{name(runner)} {kind} == {inputs[buf.data_ptr()]} fwd in")
+                live = [reader for at, reader in inputs.get(buf.data_ptr(), [])
+                        if index >= at] if buf is not None else []
+                if live:
+                    clashes.append(f"{name(runner)} {kind} == {live} fwd in")
     return clashes
 
 

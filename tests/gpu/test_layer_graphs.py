@@ -13,6 +13,7 @@ import torch
 
 import pretrain_gpt
 import pretrain_mamba
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
 from megatron.core.transformer.module import Float16Module
@@ -20,7 +21,7 @@ from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.dispatch import Reason
 from megatron.training.argument_checks import is_importable
 from megatron.training.arguments import parse_args
-from megatron.training.config import transformer_config_from_args
+from megatron.training.config import ddp_config_from_args, transformer_config_from_args
 from megatron.training.datasets.mock import MockPackedDataset
 from megatron.training.datasets.packing import collate_packed_rows
 from megatron.training.packed_step import PackedForwardStep, masked_lm_loss, to_device_micro_batch
@@ -106,7 +107,11 @@ def test_replay_forward_backward_has_no_host_sync(dist, kind):
                                       "--cuda-graph-warmup-steps", "1"], model=kind)
     apply_core_patches()
     config = transformer_config_from_args(args)
-    model = Float16Module(config, module.model_provider(args, config).cuda())
+    # DDP: megatron-core's backward graphs accumulate weight gradients into main_grad.
+    model = DistributedDataParallel(
+        config, ddp_config_from_args(args),
+        Float16Module(config, module.model_provider(args, config).cuda()))
+    config.no_sync_func = model.no_sync
     step = PackedForwardStep.from_args(args, with_seq_idx=kind == "hybrid")
     data = MockPackedDataset(64, args.seq_length, args.vocab_size, seed=7, doc_length_median=128)
     batches = iter(collate_packed_rows([data[i]]) for i in range(64))

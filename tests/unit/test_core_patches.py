@@ -155,8 +155,12 @@ def test_aliasing_check_names_the_clashing_runners():
     first = runner(1, [shared], [other], [None])
     last = runner(4, [other], [shared], [None])
     clashes = core_patches.forward_inputs_reused_as_grad_buffers([first, last])
-    assert clashes == ["SimpleNamespace#1 grad out == ['SimpleNamespace#4'] fwd in",
-                       "SimpleNamespace#4 grad out == ['SimpleNamespace#1'] fwd in"]
+    # The last layer's backward (first to replay) writes over the first layer's saved input;
+    # the first layer's backward writing over the last layer's input, already consumed, is fine.
+    assert clashes == ["SimpleNamespace#4 grad out == ['SimpleNamespace#1'] fwd in"]
+    own = runner(2, [shared], [shared], [None])
+    assert core_patches.forward_inputs_reused_as_grad_buffers([own]) == [
+        "SimpleNamespace#2 grad out == ['SimpleNamespace#2'] fwd in"]
     assert core_patches.forward_inputs_reused_as_grad_buffers(
         [runner(1, [torch.zeros(8)], [torch.zeros(8)], [None])]) == []
 

@@ -93,3 +93,21 @@ def test_packed_row_dataset_rejects_no_rows_and_bad_counts():
         PackedRowDataset(numbered_rows(2), num_samples=-1, seed=0)
     with pytest.raises(IndexError):
         PackedRowDataset(numbered_rows(2), num_samples=4, seed=0)[4]
+
+
+def test_rampup_becomes_megatron_cores_step_schedule():
+    from megatron.core import num_microbatches_calculator as calculator
+    from megatron.training.initialize import rampup_schedule
+
+    assert rampup_schedule(None, 8) is None
+    assert rampup_schedule([4, 2, 32], 8) == "0:4 16:6 32:8"
+    calculator.init_num_microbatches_calculator(
+        0, None, 8, 1, 1, step_batch_size_schedule=rampup_schedule([4, 2, 32], 8))
+    consumed, sizes = 0, []
+    for _ in range(8):
+        calculator.update_num_microbatches(consumed, consistency_check=True)
+        sizes.append(calculator.get_current_global_batch_size())
+        consumed += sizes[-1]
+    calculator.destroy_num_microbatches_calculator()
+    # Megatron's ramp: int(consumed / (32 / 2)) increments of 2 from 4, then 8 past 32 samples.
+    assert sizes == [4, 4, 4, 4, 6, 6, 6, 8]
