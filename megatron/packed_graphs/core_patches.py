@@ -71,11 +71,16 @@ _applied = False
 
 
 def require_patched_version() -> None:
-    """Raise unless the installed megatron-core is the one every entry here was checked on."""
-    if megatron.core.__version__ != PATCHED_VERSION:
+    """Raise unless the installed megatron-core is the one every entry here was checked on.
+
+    megatron-core appends the git hash of a repository its files sit in (``0.19.2+abc1234``,
+    e.g. a venv inside a clone); that local label is the same release.
+    """
+    installed = megatron.core.__version__
+    if installed.split("+")[0] != PATCHED_VERSION:
         raise RuntimeError(
             f"megatron.packed_graphs.core_patches targets megatron-core {PATCHED_VERSION}, "
-            f"found {megatron.core.__version__}. Install megatron-core=={PATCHED_VERSION} "
+            f"found {installed}. Install megatron-core=={PATCHED_VERSION} "
             "(pyproject.toml pins it), or re-check each patch against the new version.")
 
 
