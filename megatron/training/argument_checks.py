@@ -345,6 +345,52 @@ def check_logging(args):
              "Evaluation (--eval-interval > 0) needs at least 1; or set --eval-interval 0")
 
 
+DEFAULT_VOCAB_SIZE = 32000
+"""--vocab-size without a tokenizer."""
+
+
+def check_tokenizer(args):
+    """--tokenizer-type / --tokenizer-model and chat data files; fills vocab_size: the
+    tokenizer's size (as Megatron-LM: padded_vocab_size rounds it up), else 32000."""
+    from megatron.training.datasets.chat import chat_line
+    from megatron.training.tokenizer import TOKENIZER_TYPES, load_tokenizer
+
+    kind, path = getattr(args, "tokenizer_type", None), getattr(args, "tokenizer_model", None)
+    if kind is None and path is not None:
+        fail("--tokenizer-model", path, f"It needs --tokenizer-type {TOKENIZER_TYPES[0]}")
+    if kind is not None:
+        if kind not in TOKENIZER_TYPES:
+            fail("--tokenizer-type", kind,
+                 f"This fork builds {', '.join(TOKENIZER_TYPES)} only (a local tokenizer folder "
+                 "or tokenizer.json); for another tokenizer pre-tokenize the data and pass "
+                 "--vocab-size")
+        if path is None:
+            fail("--tokenizer-type", kind,
+                 "It needs --tokenizer-model <local tokenizer folder or tokenizer.json>")
+        size = load_tokenizer(kind, path).vocab_size  # missing or unloadable path: ValueError
+        if args.vocab_size is not None and args.vocab_size != size:
+            fail("--vocab-size", args.vocab_size,
+                 f"--tokenizer-model {path} has {size} tokens and sets the vocabulary size "
+                 f"(padded by --make-vocab-size-divisible-by as usual); drop --vocab-size or "
+                 f"set it to {size}")
+        args.vocab_size = size
+    elif args.vocab_size is None:
+        args.vocab_size = DEFAULT_VOCAB_SIZE
+    for flag in ("--data-path", "--valid-data-path"):
+        data = getattr(args, flag[2:].replace("-", "_"), None)
+        line = chat_line(data) if data else None
+        if line is None:
+            continue
+        if kind is None:
+            fail(flag, data, f"Line {line} is a chat conversation (\"messages\"); add "
+                             f"--tokenizer-type {TOKENIZER_TYPES[0]} --tokenizer-model <tokenizer "
+                             "folder> to render it, or pre-tokenize the file with "
+                             "tools/preprocess_sft.py")
+        if not args.sft:
+            fail(flag, data, "It holds chat conversations, whose loss is on assistant tokens "
+                             "only; add --sft")
+
+
 def check_data(args):
     if (args.data_path is None) == (not args.mock_data):
         given = "both" if args.mock_data else "neither"

@@ -37,6 +37,7 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     _add_checkpointing_args(parser)
     _add_logging_args(parser)
     _add_data_args(parser)
+    _add_tokenizer_args(parser)
     _add_attention_args(parser)
     _add_cuda_graph_args(parser)
     _add_distributed_args(parser)
@@ -60,7 +61,9 @@ def _add_model_args(parser, model):
                    help="Tokens per packed sequence (per micro-batch sample).")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Longest position the model supports (default: --seq-length).")
-    g.add_argument("--vocab-size", type=int, default=32000, help="Tokenizer vocabulary size.")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="Tokenizer vocabulary size (default: 32000, or the size of "
+                        "--tokenizer-model when given).")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this times the TP size.")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="RMSNorm")
@@ -212,6 +215,17 @@ def _add_data_args(parser):
                         "positions instead of truncating it to --seq-length + 1 tokens.")
 
 
+def _add_tokenizer_args(parser):
+    g = parser.add_argument_group("tokenizer",
+                                  "Chat data, rendered at start-up (docs/data-format.md).")
+    g.add_argument("--tokenizer-type", type=str, default=None,
+                   help="HuggingFaceTokenizer: read chat conversations ('messages' JSONL) with "
+                        "--tokenizer-model; the vocabulary size is the tokenizer's.")
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="Local tokenizer folder (tokenizer.json, tokenizer_config.json with its "
+                        "chat template) or tokenizer.json file; never downloaded.")
+
+
 def _add_attention_args(parser):
     g = parser.add_argument_group("attention")
     g.add_argument("--attention-backend", choices=["auto", "te", "flash", "torch"], default="auto",
@@ -257,7 +271,8 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     max_position_embeddings, data_parallel_size, virtual_pipeline_model_parallel_size,
     global_batch_size, num_microbatches, lr_decay_iters, cuda_graph_modules (list of names;
     the deprecated cuda_graph_scope is dropped),
-    dynamic_cp_tokens_per_rank, dynamic_cp_max_packed_seqs, padded_vocab_size. ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset).
+    dynamic_cp_tokens_per_rank, dynamic_cp_max_packed_seqs, vocab_size (32000 or the
+    tokenizer's), padded_vocab_size. ``world_size`` defaults to ``$WORLD_SIZE`` (1 if unset).
     """
     checks.check_model_name(model)
     if world_size is None:
@@ -270,6 +285,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     checks.check_learning_rate(args)
     checks.check_checkpointing(args)
     checks.check_logging(args)
+    checks.check_tokenizer(args)
     checks.check_data(args)
     checks.check_attention(args)
     checks.check_cuda_graphs(args)

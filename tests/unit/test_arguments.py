@@ -659,7 +659,8 @@ ALLOWED_OPTIONS = [
     "--profile-step-end", "--profile-step-start", "--profile-trace-dir", "--rampup-batch-size",
     "--reject-long-documents", "--rotary-base", "--rotary-percent", "--save", "--save-interval",
     "--seed", "--seq-length", "--sequence-parallel", "--sft", "--swiglu", "--te-rng-tracker",
-    "--tensor-model-parallel-size", "--tensorboard-dir", "--train-iters",
+    "--tensor-model-parallel-size", "--tensorboard-dir", "--tokenizer-model", "--tokenizer-type",
+    "--train-iters",
     "--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--valid-data-path",
     "--virtual-pipeline-model-parallel-size", "--vocab-size", "--weight-decay", "-h",
 ]

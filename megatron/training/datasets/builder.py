@@ -6,6 +6,7 @@ from typing import Iterator
 
 import torch
 
+from megatron.training.datasets.chat import read_documents
 from megatron.training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
 from megatron.training.datasets.jsonl import read_jsonl_documents
 from megatron.training.datasets.mock import MockPackedDataset, mock_documents
@@ -17,6 +18,7 @@ from megatron.training.datasets.packing import (
     pack_documents,
 )
 from megatron.training.datasets.sampler import MicroBatchSampler
+from megatron.training.tokenizer import tokenizer_from_args
 
 
 def _sample_counts(args: Namespace) -> tuple[int, int]:
@@ -53,7 +55,8 @@ def _pack(documents, args: Namespace, stats: PackingStats) -> list:
 
 
 def _pack_jsonl(path: str, args: Namespace, stats: PackingStats) -> list:
-    documents = read_jsonl_documents(path, args.vocab_size)
+    # Chat conversations ("messages") are rendered with --tokenizer-model: datasets/chat.py.
+    documents = read_documents(path, args.vocab_size, tokenizer_from_args(args))
     if not args.sft:
         # Pretraining on packed documents: every real token is a target.
         documents = (Document(d.input_ids, None, d.origin) for d in documents)
