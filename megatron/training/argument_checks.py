@@ -399,6 +399,34 @@ def check_data(args):
     _at_least(args, "--mock-doc-length-median", 1)
     _at_least(args, "--mock-doc-length-sigma", 0)
     _at_least(args, "--num-workers", 0)
+    _check_long_documents(args)
+
+
+def _check_long_documents(args):
+    """--long-document-policy (default split; --reject-long-documents is the older spelling
+    of reject): fills it. --max-truncated-token-fraction: in [0, 1], given only with truncate,
+    the one policy that drops tokens (None stands for 0.05,
+    packing.DEFAULT_MAX_TRUNCATED_TOKEN_FRACTION)."""
+    policy = getattr(args, "long_document_policy", None)
+    if getattr(args, "reject_long_documents", False):
+        if policy not in (None, "reject"):
+            fail("--reject-long-documents", True,
+                 f"It is the older spelling of --long-document-policy reject and contradicts "
+                 f"--long-document-policy {policy}; give only one")
+        policy = "reject"
+    args.long_document_policy = policy or "split"
+    fraction = getattr(args, "max_truncated_token_fraction", None)
+    if fraction is None:  # left None (so validating twice passes): the packer's default applies
+        return
+    if not 0.0 <= fraction <= 1.0:  # NaN fails too
+        fail("--max-truncated-token-fraction", fraction,
+             "Use a fraction in [0, 1], e.g. 0.05 (stop when truncation drops over 5% of the "
+             "tokens)")
+    if args.long_document_policy != "truncate":
+        fail("--max-truncated-token-fraction", fraction,
+             f"It limits what truncation drops, and --long-document-policy "
+             f"{args.long_document_policy} drops nothing; drop the flag or add "
+             f"--long-document-policy truncate")
 
 
 def check_attention(args):

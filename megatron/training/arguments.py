@@ -4,27 +4,81 @@
 Megatron-LM spells them (the dest is argparse's default: ``--num-layers`` -> ``num_layers``).
 ``validate_args`` is the one place that rejects bad combinations and fills derived values; the
 rules themselves live in ``argument_checks.py``, one small function per group. Every rejection
-is a ``ValueError("<what> is wrong: <value>. <what to do>.")``; ``parse_args`` turns it into an
-argparse usage error (exit code 2).
+is a ``ValueError("<what> is wrong: <value>. <what to do>.")``; ``parse_args`` turns it into a
+one-line ``<script>: error: <message>`` (exit code 2, `OneLineErrorParser`), as it does an
+unknown flag, with the closest known flag.
 
 Every flag, its default and its rule: docs/flags.md.
 """
 
 import argparse
+import difflib
 import enum
 import os
+import re
+import sys
 from pathlib import Path
 
 from megatron.training import argument_checks as checks
 
 MODELS = ("gpt", "hybrid")
 
+_FLAG = re.compile(r"--?[A-Za-z]")  # an option, not a negative number such as -1e-3
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line, ``<prog>: error: <message>``
+    (exit code 2), not the whole usage; an unknown flag names the closest known one:
+    ``unrecognized argument --seq-lenght; did you mean --seq-length?``. Unknown flags are
+    reported before any other error (a misspelt required flag is also "required")."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def unknown_flags(self, argv) -> list[str]:
+        """The options in ``argv`` this parser does not know (``--flag=value``: ``--flag``)."""
+        return [token.split("=", 1)[0] for token in argv
+                if isinstance(token, str) and _FLAG.match(token)
+                and token.split("=", 1)[0] not in self._option_string_actions]
+
+    def suggest(self, flag: str) -> str | None:
+        """The known flag closest to ``flag`` (difflib), or None."""
+        known = [option for option in self._option_string_actions if option.startswith("--")]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        return close[0] if close else None
+
+    def unrecognized(self, flags) -> str:
+        """``unrecognized argument --x; did you mean --y?`` (several: comma-separated)."""
+        if len(flags) == 1:
+            close = self.suggest(flags[0])
+            fix = f"did you mean {close}?" if close else f"{self.prog} --help lists the flags"
+            return f"unrecognized argument {flags[0]}; {fix}"
+        described = []
+        for flag in flags:
+            close = self.suggest(flag)
+            described.append(f"{flag} (did you mean {close}?)" if close else flag)
+        return (f"unrecognized arguments {', '.join(described)}; {self.prog} --help lists "
+                f"the flags")
+
+    def error(self, message):
+        unknown = self.unknown_flags(getattr(self, "_argv", []))
+        if unknown:
+            message = self.unrecognized(unknown)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
 
 def build_parser(model: str) -> argparse.ArgumentParser:
     """Parser for ``model`` ("gpt" or "hybrid"); parses without validating."""
     checks.check_model_name(model)
     script = "pretrain_gpt.py" if model == "gpt" else "pretrain_mamba.py"
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog=script,
         description=f"Packed-sequence (THD) {model} training, optionally under CUDA graphs.",
         allow_abbrev=False,
@@ -210,9 +264,18 @@ def _add_data_args(parser):
                    help="Data-loader worker processes per data iterator, reading and collating "
                         "micro-batches ahead of the loop; worth it when reading rows is slow. "
                         "0 (default) reads them in the loop: cheaper for in-memory rows.")
+    g.add_argument("--long-document-policy", choices=["truncate", "split", "reject"],
+                   default=None,
+                   help="A document with more training positions than a row holds: split "
+                        "(default) cuts it into row-sized pieces, each packed as a document; "
+                        "truncate keeps its first --seq-length + 1 tokens; reject stops the "
+                        "run naming its file:line.")
+    g.add_argument("--max-truncated-token-fraction", type=float, default=None,
+                   help="With --long-document-policy truncate: stop before training when "
+                        "truncation drops more than this fraction of a data file's tokens "
+                        "(default 0.05).")
     g.add_argument("--reject-long-documents", action="store_true",
-                   help="Error out on a document with more than --seq-length training "
-                        "positions instead of truncating it to --seq-length + 1 tokens.")
+                   help="Older spelling of --long-document-policy reject.")
 
 
 def _add_tokenizer_args(parser):
@@ -296,7 +359,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
 
 
 def parse_args(argv=None, model: str = "gpt") -> argparse.Namespace:
-    """Parse and validate; a bad value exits with usage, the message and code 2."""
+    """Parse and validate; a bad flag or value exits with one error line and code 2."""
     parser = build_parser(model)
     args = parser.parse_args(argv)
     try:

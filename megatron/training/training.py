@@ -272,14 +272,21 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
 
 
 def run_pretraining(model: str, model_provider: Callable, script: str, argv=None) -> None:
-    """Entry point of pretrain_gpt.py / pretrain_mamba.py: parse, check for CUDA, train.
+    """Entry point of pretrain_gpt.py / pretrain_mamba.py: parse, check the data (rank 0),
+    check for CUDA, train.
 
-    ``model`` is 'gpt' or 'hybrid'; hybrid models carry Mamba's per-token ``seq_idx``.
+    ``model`` is 'gpt' or 'hybrid'; hybrid models carry Mamba's per-token ``seq_idx``. A data
+    problem exits with code 1 and its message (``<script>: error: ...``), before any GPU work.
     """
     from megatron.training.arguments import parse_args
+    from megatron.training.datasets.preflight import run_data_check
     from megatron.training.packed_step import PackedForwardStep
 
     args = parse_args(argv, model=model)
+    try:
+        run_data_check(args)  # rank 0 only, before distributed start-up and the GPU
+    except ValueError as err:
+        raise SystemExit(f"{script}: error: {err}") from None
     require_cuda(script)
     pretrain(args, model_provider,
              PackedForwardStep.from_args(args, with_seq_idx=model == "hybrid"))

@@ -492,6 +492,46 @@ def test_data_sources_exclusive():
         validate("--data-path", "docs.jsonl")
 
 
+def test_long_document_policy_defaults_to_split_and_the_old_flag_means_reject():
+    args = validate()
+    assert (args.long_document_policy, args.max_truncated_token_fraction) == ("split", None)
+    assert validate("--reject-long-documents").long_document_policy == "reject"
+    assert validate("--reject-long-documents", "--long-document-policy",
+                    "reject").long_document_policy == "reject"
+    args = validate("--long-document-policy", "truncate", "--max-truncated-token-fraction", 0.2)
+    assert (args.long_document_policy, args.max_truncated_token_fraction) == ("truncate", 0.2)
+    assert validate_args(args, "gpt", world_size=1) is args  # validating twice is fine
+
+
+def test_reject_long_documents_contradicting_the_policy_is_rejected():
+    with pytest.raises(ValueError, match="--reject-long-documents is wrong: True. It is the older "
+                                         "spelling of --long-document-policy reject and "
+                                         "contradicts --long-document-policy split"):
+        validate("--reject-long-documents", "--long-document-policy", "split")
+
+
+def test_unknown_long_document_policy_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        parse("--long-document-policy", "drop")
+    assert "invalid choice: 'drop'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "nan", "inf"])
+def test_max_truncated_token_fraction_outside_0_1_is_rejected(bad):
+    with pytest.raises(ValueError, match=r"--max-truncated-token-fraction is wrong: .*\. Use a "
+                                         r"fraction in \[0, 1\]"):
+        validate("--long-document-policy", "truncate", "--max-truncated-token-fraction", bad)
+
+
+@pytest.mark.parametrize("policy", [[], ["--long-document-policy", "split"],
+                                    ["--long-document-policy", "reject"]])
+def test_max_truncated_token_fraction_without_truncation_is_rejected(policy):
+    with pytest.raises(ValueError, match=r"--max-truncated-token-fraction is wrong: 0\.1\. It "
+                                         r"limits what truncation drops, and "
+                                         r"--long-document-policy (split|reject) drops nothing"):
+        validate(*policy, "--max-truncated-token-fraction", 0.1)
+
+
 # ---------------------------------------------------------------- rejections: attention, graphs
 
 def test_te_backend_needs_te():
@@ -608,8 +648,51 @@ def test_parse_args_exits_2_with_message(capsys, monkeypatch):
         parse_args(BASE["gpt"] + ["--fp16"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: pretrain_gpt.py")
-    assert "--fp16 is wrong: True" in err
+    # One line, not the whole usage.
+    assert err.startswith("pretrain_gpt.py: error: --fp16 is wrong: True") and "usage" not in err
+    assert err.count("\n") == 1
+
+
+def _cli_error(capsys, argv, model="gpt"):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv, model=model)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    return captured.err.rstrip("\n")
+
+
+def test_flag_typo_is_one_line_with_the_closest_flag(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = [a if a != "--lr" else "--lrr" for a in BASE["gpt"]] + ["--swigl"]
+    assert _cli_error(capsys, BASE["gpt"] + ["--swigl"]) == (
+        "pretrain_gpt.py: error: unrecognized argument --swigl; did you mean --swiglu?")
+    assert _cli_error(capsys, BASE["gpt"] + ["--mock-doc-length-medain=64"]) == (
+        "pretrain_gpt.py: error: unrecognized argument --mock-doc-length-medain; did you mean "
+        "--mock-doc-length-median?")
+    # A misspelt required flag is reported as the typo, not as "required: --seq-length".
+    typo = [a if a != "--seq-length" else "--seq-lenght" for a in BASE["gpt"]]
+    assert _cli_error(capsys, typo) == (
+        "pretrain_gpt.py: error: unrecognized argument --seq-lenght; did you mean --seq-length?")
+    assert _cli_error(capsys, argv) == (
+        "pretrain_gpt.py: error: unrecognized arguments --lrr (did you mean --lr?), --swigl (did "
+        "you mean --swiglu?); pretrain_gpt.py --help lists the flags")
+    assert _cli_error(capsys, BASE["hybrid"] + ["--zzz-qqq"], model="hybrid") == (
+        "pretrain_mamba.py: error: unrecognized argument --zzz-qqq; pretrain_mamba.py --help "
+        "lists the flags")
+
+
+def test_other_parse_errors_are_one_line_too(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert _cli_error(capsys, BASE["gpt"] + ["--seq-length", "long"]) == (
+        "pretrain_gpt.py: error: argument --seq-length: invalid int value: 'long'")
+    assert _cli_error(capsys, BASE["gpt"] + ["4096"]) == (
+        "pretrain_gpt.py: error: unrecognized arguments: 4096")
+    no_lr = [a for a in BASE["gpt"] if a not in ("--lr", "1e-3")]
+    assert _cli_error(capsys, no_lr) == (
+        "pretrain_gpt.py: error: the following arguments are required: --lr")
+    # A negative number is a value, not an unknown flag.
+    assert parse_args(BASE["gpt"] + ["--init-method-std", "-0.02"]).init_method_std == -0.02
 
 
 def test_parse_args_returns_validated_args(monkeypatch):
@@ -646,10 +729,11 @@ ALLOWED_OPTIONS = [
     "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--help",
     "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern", "--init-method-std",
     "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval",
-    "--log-num-zeros-in-grad", "--lr", "--lr-decay-iters", "--lr-decay-style",
+    "--log-num-zeros-in-grad", "--long-document-policy", "--lr", "--lr-decay-iters", "--lr-decay-style",
     "--lr-warmup-iters", "--lr-wsd-decay-iters", "--lr-wsd-decay-style",
     "--make-vocab-size-divisible-by", "--mamba-head-dim", "--mamba-num-groups",
-    "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings", "--metrics-file",
+    "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings",
+    "--max-truncated-token-fraction", "--metrics-file",
     "--micro-batch-size", "--min-lr", "--mock-data", "--mock-doc-length-median",
     "--mock-doc-length-sigma", "--no-calculate-per-token-loss",
     "--no-check-for-nan-in-loss-and-grad", "--no-load-optim",

@@ -36,14 +36,27 @@ def test_rows_hold_cp_size_times_tokens_per_rank_with_cp_padded_documents():
 
 def test_rows_skip_empty_documents_and_truncate_or_reject_long_ones():
     stats = PackingStats()
-    rows = pack_rows_for_dynamic_cp(_documents([1, 40, 600]), (1, 2), 128, stats=stats)
+    rows = pack_rows_for_dynamic_cp(_documents([1, 40, 600]), (1, 2), 128, stats=stats,
+                                    long_document_policy="truncate")
     assert [r.cp_size for r in rows] == [1, 2]
-    assert (stats.skipped_empty, stats.truncated) == (1, 1)
+    assert (stats.skipped_empty, stats.truncated, stats.truncated_tokens) == (1, 1, 343)
     assert rows[1].num_documents == 1 and rows[1].loss_mask.sum() == 256
-    with pytest.raises(ValueError, match="doc:2 has 599 training positions, more than the "
-                                         "largest CP size holds \\(2 x 128 = 256\\)"):
-        pack_rows_for_dynamic_cp(_documents([1, 40, 600]), (1, 2), 128,
-                                 reject_long_documents=True)
+    for spelling in (dict(long_document_policy="reject"), dict(reject_long_documents=True)):
+        with pytest.raises(ValueError, match="doc:2 has 599 training positions, more than the "
+                                             "largest CP size holds \\(2 x 128 = 256\\)\\. Use "
+                                             "--long-document-policy split"):
+            pack_rows_for_dynamic_cp(_documents([1, 40, 600]), (1, 2), 128, **spelling)
+
+
+def test_long_documents_are_split_by_default_into_pieces_of_the_largest_size():
+    # 599 positions, largest size 2 x 128 = 256: pieces of 256, 256 and 87 positions.
+    stats = PackingStats()
+    rows = pack_rows_for_dynamic_cp(_documents([40, 600]), (1, 2), 128, stats=stats)
+    assert [(r.cp_size, r.num_documents) for r in rows] == [(1, 1), (2, 1), (2, 1), (1, 1)]
+    assert [int(r.loss_mask.sum()) for r in rows] == [39, 256, 256, 87]
+    assert (stats.split, stats.pieces, stats.truncated, stats.tokens) == (1, 3, 0, 39 + 599)
+    # Consecutive pieces share a token: every prediction of the document is in one piece.
+    assert rows[1].tokens[0] == 1 and rows[2].tokens[0] == 257 and rows[1].labels[255] == 257
 
 
 def test_every_micro_batch_of_an_iteration_runs_once_on_its_group():
@@ -87,8 +100,10 @@ def test_mock_documents_are_deterministic_bounded_walks():
     docs = mock_documents(5_000, 300, 50, seed=7, doc_length_median=64, doc_length_sigma=1.5)
     again = mock_documents(5_000, 300, 50, seed=7, doc_length_median=64, doc_length_sigma=1.5)
     assert all(np.array_equal(a.input_ids, b.input_ids) for a, b in zip(docs, again))
-    assert sum(len(d.input_ids) - 1 for d in docs) >= 5_000
-    assert all(2 <= len(d.input_ids) <= 301 for d in docs)
+    # Positions count at most a row (300) each; lengths are as drawn, longer ones are the
+    # packer's to cut (its long-document policy).
+    assert sum(min(len(d.input_ids), 301) - 1 for d in docs) >= 5_000
+    assert all(len(d.input_ids) >= 2 for d in docs) and max(len(d.input_ids) for d in docs) > 301
     for doc in docs:
         ids = doc.input_ids
         assert ids.min() >= 1 and ids.max() < 50

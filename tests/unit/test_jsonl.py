@@ -61,13 +61,74 @@ BAD_LINES = [
 def test_bad_line_names_path_line_and_problem(tmp_path, line, message):
     path = write(tmp_path, GOOD_LINE, "", line)
     documents = read_jsonl_documents(path, vocab_size=100)
-    with pytest.raises(ValueError, match=re.escape(f"{path}:3: ") + ".*" + message):
+    # JSON syntax errors also give the column: path:3:col.
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3:") + r"(\d+:)? .*" + message):
         list(documents)
 
 
 def test_missing_file_fails_at_call_time(tmp_path):
-    with pytest.raises(ValueError, match=r"does not exist.*--data-path"):
+    with pytest.raises(ValueError, match=r"--data-path / --valid-data-path is wrong: .*nope\.jsonl"
+                                         r"' does not exist"):
         read_jsonl_documents(tmp_path / "nope.jsonl", vocab_size=10)
+
+
+JSON_FAULTS = [
+    # (line, column of the fault, reason and fix)
+    ('{"input_ids": [1, 2', 20, r"Expecting ',' delimiter\. The line ends before the JSON object "
+                               r"does: write each object whole, on one line"),
+    ("{'input_ids': [1, 2]}", 2, r"Expecting property name enclosed in double quotes\. Write keys "
+                                 r"in double quotes"),
+    ('{"input_ids": [1, 2,]}', 20, r"a comma before '\]'\. Remove the trailing comma"),
+    ('{"input_ids": [1, 2], }', 21, r"a comma before '\}'\. Remove the trailing comma"),
+    ('{"input_ids": [1, 2]} {"input_ids": [3]}', 23, r"Extra data\. Put one JSON object per line"),
+    ('{"input_ids": [1 2]}', 18, r"Expecting ',' delimiter\. Separate list items"),
+    ('  {"input_ids": [1, x]}', 21, r"Expecting value\. Write a JSON value here"),
+]
+
+
+@pytest.mark.parametrize("line, column, message", JSON_FAULTS, ids=[f[0] for f in JSON_FAULTS])
+def test_json_syntax_error_names_file_line_and_the_faults_column(tmp_path, line, column, message):
+    path = write(tmp_path, GOOD_LINE, line)
+    with pytest.raises(ValueError) as error:
+        list(read_jsonl_documents(path, vocab_size=100))
+    first, excerpt, caret = str(error.value).split("\n")
+    assert re.match(re.escape(f"{path}:2:{column}: JSON is wrong: ") + message, first), first
+    # The caret stands under the fault in the excerpt of the line.
+    assert excerpt == "    " + line and caret == "    " + " " * (column - 1) + "^"
+
+
+def test_json_error_excerpt_of_a_long_line_is_cut_around_the_fault(tmp_path):
+    line = '{"input_ids": [' + ", ".join(map(str, range(200))) + ', x]}'
+    path = write(tmp_path, line)
+    with pytest.raises(ValueError) as error:
+        list(read_jsonl_documents(path, vocab_size=1000))
+    first, excerpt, caret = str(error.value).split("\n")
+    column = line.index("x") + 1
+    assert first.startswith(f"{path}:1:{column}: JSON is wrong: Expecting value")
+    assert excerpt.startswith("    ...") and excerpt.endswith("x]}") and len(excerpt) < 80
+    assert excerpt[caret.index("^")] == "x"
+
+
+def test_utf8_error_names_file_line_and_column(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(GOOD_LINE.encode() + b'\n{"input_ids": [1, \xff2]}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2:19: text is wrong: byte 0xff is not "
+                                                   "UTF-8. Save the file as UTF-8.")):
+        list(read_jsonl_documents(path, vocab_size=100))
+
+
+def test_byte_order_mark_is_named_with_its_fix(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\ufeff" + GOOD_LINE + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:1:1: JSON is wrong: Unexpected UTF-8 "
+                                                   "BOM") + ".*without a byte-order mark"):
+        list(read_jsonl_documents(path, vocab_size=100))
+
+
+def test_windows_line_endings_are_read(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"input_ids": [1, 2]}\r\n{"input_ids": [3, 4]}\r\n')
+    assert [d.input_ids.tolist() for d in read_jsonl_documents(path, vocab_size=10)] == [[1, 2], [3, 4]]
 
 
 def test_directory_is_rejected(tmp_path):

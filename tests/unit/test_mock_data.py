@@ -150,3 +150,44 @@ def test_segment_multiple_pads_every_document_for_context_parallelism():
             gap = slice(starts[d] + n, row.cu_seqlens[d + 1])
             assert (row.tokens[gap] == 0).all() and (row.loss_mask[gap] == 0).all()
         assert row.num_documents <= ref.num_documents
+
+
+def test_long_draws_give_the_same_rows_under_split_and_truncate():
+    """A drawn document longer than a row enters as its first seq_length + 1 tokens under both
+    (a mock row never continues into the next), so the rows, and golden values recorded on
+    them, do not depend on the policy."""
+    split = MockPackedDataset(40, 256, V, seed=4, doc_length_median=200, doc_length_sigma=1.0)
+    truncate = MockPackedDataset(40, 256, V, seed=4, doc_length_median=200,
+                                 doc_length_sigma=1.0, long_document_policy="truncate")
+    assert split.long_document_policy == "split"
+    assert all(same_row(split[i], truncate[i]) for i in range(40))
+    assert split.packing_stats().split > 0 and truncate.packing_stats().truncated > 0
+
+
+def test_reject_policy_names_the_mock_row_and_the_fixes():
+    data = MockPackedDataset(1, 64, V, seed=0, doc_length_median=5000, long_document_policy="reject")
+    with pytest.raises(ValueError, match=r"document length is wrong: mock row 0 drew a document of "
+                                         r"\d+ tokens \(\d+ training positions\), more than "
+                                         r"--seq-length 64\. Use --long-document-policy split or "
+                                         r"truncate, or lower --mock-doc-length-median"):
+        data[0]
+    # Short documents only: nothing to reject.
+    assert MockPackedDataset(1, 100, V, seed=0, doc_length_median=11, doc_length_sigma=0.0,
+                             long_document_policy="reject")[0].num_documents == 10
+
+
+def test_packing_stats_count_the_rows_as_built():
+    data = MockPackedDataset(30, 256, V, seed=2, doc_length_median=200, doc_length_sigma=1.0,
+                             long_document_policy="truncate")
+    stats = data.packing_stats()
+    rows = [data[i] for i in range(30)]
+    assert stats.rows == 30 and stats.documents == sum(r.num_documents for r in rows)
+    assert stats.tokens == sum(int(r.loss_mask.sum()) for r in rows)
+    assert stats.tokens + stats.padding_tokens == 30 * 256
+    assert stats.truncated > 0 and stats.truncated_tokens > 0 and stats.longest > 257
+    assert data.packing_stats(5).rows == 5
+
+
+def test_bad_long_document_policy_is_rejected():
+    with pytest.raises(ValueError, match="long-document policy is wrong: 'clip'"):
+        MockPackedDataset(4, S, V, seed=0, long_document_policy="clip")

@@ -82,26 +82,106 @@ def test_padding_tail_is_pad_ids_without_loss():
     assert row.cu_seqlens.tolist() == [0, 3, 8]
 
 
-def test_long_document_is_truncated_by_default():
+def test_long_document_is_truncated_under_truncate():
     ids = np.arange(1, 16)
     stats = PackingStats()
-    (row,) = pack_documents([doc(ids, mask=np.ones(15))], 10, stats=stats)
+    (row,) = pack_documents([doc(ids, mask=np.ones(15))], 10, long_document_policy="truncate",
+                            stats=stats)
     assert row.tokens.tolist() == ids[:10].tolist()
     assert row.labels.tolist() == ids[1:11].tolist()
     assert row.cu_seqlens.tolist() == [0, 10]
     assert stats.truncated == 1 and stats.documents == 1
+    # 15 tokens, 11 kept: 4 tokens (training positions) dropped of the document's 14.
+    assert (stats.truncated_tokens, stats.tokens, stats.longest) == (4, 10, 15)
+    assert stats.truncated_fraction == pytest.approx(4 / 14)
+    assert stats.split == 0
 
 
-def test_long_document_is_rejected_with_flag():
-    rows = pack_documents([doc(np.arange(1, 16), origin="train.jsonl:7")], 10, reject_long_documents=True)
-    with pytest.raises(ValueError, match=r"train\.jsonl:7 has 15 tokens.*--seq-length 10.*--reject-long-documents"):
+@pytest.mark.parametrize("spelling", [dict(long_document_policy="reject"),
+                                      dict(reject_long_documents=True)])
+def test_long_document_is_rejected_under_reject(spelling):
+    rows = pack_documents([doc(np.arange(1, 16), origin="train.jsonl:7")], 10, **spelling)
+    with pytest.raises(ValueError, match=r"train\.jsonl:7 has 15 tokens \(14 training positions\), "
+                                         r"more than --seq-length 10\. Use --long-document-policy "
+                                         r"split .* or truncate, or raise --seq-length"):
         list(rows)
 
 
 def test_document_of_exactly_seq_length_plus_one_tokens_is_kept_whole():
+    for policy in ("truncate", "split", "reject"):
+        stats = PackingStats()
+        (row,) = pack_documents([doc(np.arange(1, 12))], 10, long_document_policy=policy,
+                                stats=stats)
+        assert row.labels[-1] == 11 and (stats.truncated, stats.split) == (0, 0)
+
+
+def test_long_document_is_split_by_default_into_row_sized_pieces():
+    # 26 tokens = 25 positions; rows of 10: pieces of 10, 10 and 5 positions, consecutive
+    # pieces sharing one token, so every (token -> next token) prediction is kept exactly once.
+    ids = np.arange(1, 27)
+    mask = (np.arange(26) % 3 != 0).astype(np.float32)
     stats = PackingStats()
-    (row,) = pack_documents([doc(np.arange(1, 12))], 10, reject_long_documents=True, stats=stats)
-    assert row.labels[-1] == 11 and stats.truncated == 0
+    rows = list(pack_documents([doc(ids, mask=mask, origin="t.jsonl:4"), doc([90, 91, 92])],
+                               10, stats=stats))
+    assert [r.cu_seqlens.tolist() for r in rows] == [[0, 10], [0, 10], [0, 5, 7, 10]]
+    assert [r.num_documents for r in rows] == [1, 1, 2]
+    tokens = np.concatenate([r.tokens[:10] for r in rows[:2]] + [rows[2].tokens[:5]])
+    labels = np.concatenate([r.labels[:10] for r in rows[:2]] + [rows[2].labels[:5]])
+    masks = np.concatenate([r.loss_mask[:10] for r in rows[:2]] + [rows[2].loss_mask[:5]])
+    assert tokens.tolist() == ids[:-1].tolist() and labels.tolist() == ids[1:].tolist()
+    assert masks.tolist() == mask[1:].tolist()  # the same targets as the whole document
+    # Each piece is a document of its own: positions restart, attention stops at the cut.
+    assert rows[1].position_ids[:10].tolist() == list(range(10))
+    assert (stats.split, stats.pieces, stats.documents, stats.truncated) == (1, 3, 4, 0)
+    assert (stats.truncated_tokens, stats.tokens, stats.longest) == (0, 27, 26)
+
+
+def test_split_pieces_name_their_origin():
+    from megatron.training.datasets.packing import admit_document
+
+    pieces = admit_document(doc(np.arange(1, 23), origin="d.jsonl:3"), 10, policy="split",
+                            stats=PackingStats(), too_long=str)
+    assert [p.origin for p in pieces] == ["d.jsonl:3 piece 1/3", "d.jsonl:3 piece 2/3",
+                                          "d.jsonl:3 piece 3/3"]
+    assert [p.input_ids.tolist()[0] for p in pieces] == [1, 11, 21]
+    assert [len(p.input_ids) for p in pieces] == [11, 11, 2]
+
+
+def test_split_pieces_are_padded_like_documents_for_context_parallelism():
+    stats = PackingStats()
+    rows = list(pack_documents([doc(np.arange(1, 16))], 8, stats=stats, segment_multiple=4))
+    # 14 positions: pieces of 8 and 6, the second padded to 8 inside its segment.
+    assert [r.cu_seqlens.tolist() for r in rows] == [[0, 8], [0, 8]]
+    assert [r.cu_seqlens_actual.tolist() for r in rows] == [[0, 8], [0, 6]]
+    assert (stats.tokens, stats.split) == (14, 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(long_document_policy="drop"), r"long-document policy is wrong: 'drop'.*truncate, split, reject"),
+    (dict(long_document_policy="split", reject_long_documents=True),
+     r"'split' together with reject_long_documents"),
+])
+def test_bad_long_document_policy_is_rejected_at_call_time(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pack_documents(docs_of_lengths(3), 10, **kwargs)
+
+
+def test_truncated_fraction_check_names_both_fixes():
+    from megatron.training.datasets.packing import check_truncated_fraction
+
+    stats = PackingStats()
+    list(pack_documents([doc(np.arange(1, 31)), doc(np.arange(1, 11))], 10,
+                        long_document_policy="truncate", stats=stats))
+    # 29 + 9 positions in the data, 19 dropped: 50%.
+    assert stats.truncated_fraction == pytest.approx(19 / 38)
+    check_truncated_fraction(stats, 0.5, "t.jsonl")  # at the limit: allowed
+    with pytest.raises(ValueError, match=r"truncation is wrong: t\.jsonl: cutting 1 long "
+                                         r"documents to a row drops 19 of 38 tokens \(50\.00%\), "
+                                         r"more than --max-truncated-token-fraction 0\.05\. Raise "
+                                         r"--seq-length \(the longest document has 30 tokens\) or "
+                                         r"use --long-document-policy split"):
+        check_truncated_fraction(stats, None, "t.jsonl")  # None: the default 0.05
+    check_truncated_fraction(PackingStats(), 0.0, "empty.jsonl")
 
 
 def test_empty_and_one_token_documents_are_skipped_and_counted():

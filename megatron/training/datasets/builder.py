@@ -14,8 +14,10 @@ from megatron.training.datasets.packed_row_dataset import PackedRowDataset
 from megatron.training.datasets.packing import (
     Document,
     PackingStats,
+    check_truncated_fraction,
     collate_packed_rows,
     pack_documents,
+    resolve_long_document_policy,
 )
 from megatron.training.datasets.sampler import MicroBatchSampler
 from megatron.training.tokenizer import tokenizer_from_args
@@ -43,24 +45,34 @@ def _segment_multiple(args: Namespace) -> int:
     return 2 * cp if cp > 1 else 1
 
 
+def _long_document_policy(args: Namespace) -> str:
+    """--long-document-policy (--reject-long-documents is its older spelling of reject)."""
+    return resolve_long_document_policy(getattr(args, "long_document_policy", None),
+                                        getattr(args, "reject_long_documents", False))
+
+
 def _pack(documents, args: Namespace, stats: PackingStats) -> list:
     """Rows of the run's layout: ``--seq-length`` rows, or dynamic-CP rows of every size."""
+    policy = _long_document_policy(args)
     if getattr(args, "dynamic_cp_sizes", None):
         return pack_rows_for_dynamic_cp(
             documents, args.dynamic_cp_sizes, args.dynamic_cp_tokens_per_rank,
-            reject_long_documents=args.reject_long_documents, stats=stats)
-    return list(pack_documents(documents, args.seq_length,
-                               reject_long_documents=args.reject_long_documents, stats=stats,
-                               segment_multiple=_segment_multiple(args)))
+            long_document_policy=policy, stats=stats)
+    return list(pack_documents(documents, args.seq_length, long_document_policy=policy,
+                               stats=stats, segment_multiple=_segment_multiple(args)))
 
 
 def _pack_jsonl(path: str, args: Namespace, stats: PackingStats) -> list:
+    """Rows of one data file; the data check before training (preflight.py) packs with it
+    too, so its numbers are the run's. Stops on more truncation than
+    --max-truncated-token-fraction allows."""
     # Chat conversations ("messages") are rendered with --tokenizer-model: datasets/chat.py.
     documents = read_documents(path, args.vocab_size, tokenizer_from_args(args))
     if not args.sft:
         # Pretraining on packed documents: every real token is a target.
         documents = (Document(d.input_ids, None, d.origin) for d in documents)
     rows = _pack(documents, args, stats)
+    check_truncated_fraction(stats, getattr(args, "max_truncated_token_fraction", None), path)
     if not rows:
         raise ValueError(
             f"JSONL data is wrong: {path} holds no document with at least 2 tokens "
@@ -73,14 +85,16 @@ def build_datasets(args: Namespace):
     """Build ``(train_dataset, valid_dataset or None, PackingStats or None)``.
 
     Reads ``args.``: seq_length, vocab_size, seed, data_path, valid_data_path, mock_data,
-    mock_doc_length_median, mock_doc_length_sigma, reject_long_documents, sft, train_iters,
+    mock_doc_length_median, mock_doc_length_sigma, long_document_policy (or the older
+    reject_long_documents), max_truncated_token_fraction, sft, train_iters,
     global_batch_size, eval_iters, eval_interval.
 
     Train holds ``train_iters * global_batch_size`` samples; valid holds
     ``eval_iters * global_batch_size * (train_iters // eval_interval + 1)`` when
     ``eval_interval > 0`` and ``eval_iters > 0``, else there is no valid dataset. With
-    ``--mock-data`` valid rows come from ``seed + 1`` and the stats are None; with JSONL the
-    valid set exists only if ``valid_data_path`` is given, and the stats are the training file's.
+    ``--mock-data`` valid rows come from ``seed + 1`` and the stats are None (dynamic CP: the
+    training document pool's); with JSONL the valid set exists only if ``valid_data_path`` is
+    given, and the stats are the training file's.
     Datasets yield `PackedRow`; JSONL files are read and packed here, once.
     """
     if args.mock_data and args.data_path:
@@ -93,16 +107,17 @@ def build_datasets(args: Namespace):
     train_samples, valid_samples = _sample_counts(args)
 
     if args.mock_data and getattr(args, "dynamic_cp_sizes", None):
-        def mock(num_samples: int, seed: int) -> PackedRowDataset:
+        def mock(num_samples: int, seed: int, stats: PackingStats) -> PackedRowDataset:
             # A document pool of about one size-1 micro-batch per sample (capped), cycled.
             positions = min(num_samples, 4096) * args.dynamic_cp_tokens_per_rank
             documents = mock_documents(
                 positions, args.seq_length, args.vocab_size, seed,
                 args.mock_doc_length_median, args.mock_doc_length_sigma)
-            return PackedRowDataset(_pack(documents, args, PackingStats()), num_samples, seed)
+            return PackedRowDataset(_pack(documents, args, stats), num_samples, seed)
 
-        valid = mock(valid_samples, args.seed + 1) if valid_samples > 0 else None
-        return mock(train_samples, args.seed), valid, None
+        valid = mock(valid_samples, args.seed + 1, PackingStats()) if valid_samples > 0 else None
+        stats = PackingStats()  # of the training pool
+        return mock(train_samples, args.seed, stats), valid, stats
 
     if args.mock_data:
         def mock(num_samples: int, seed: int) -> MockPackedDataset:
@@ -114,6 +129,7 @@ def build_datasets(args: Namespace):
                 doc_length_median=args.mock_doc_length_median,
                 doc_length_sigma=args.mock_doc_length_sigma,
                 segment_multiple=_segment_multiple(args),
+                long_document_policy=_long_document_policy(args),
             )
 
         valid = mock(valid_samples, args.seed + 1) if valid_samples > 0 else None
@@ -199,8 +215,10 @@ def describe_packing(stats: PackingStats | None) -> str:
         return "packing: synthetic rows (--mock-data), no packing statistics"
     slots = stats.tokens + stats.padding_tokens
     padding = 100.0 * stats.padding_tokens / slots if slots else 0.0
+    split = f"split {stats.split}" + (f" into {stats.pieces} pieces" if stats.split else "")
     return (
         f"packing: {stats.documents} documents into {stats.rows} rows "
         f"({stats.documents / max(stats.rows, 1):.1f} per row), skipped {stats.skipped_empty} empty, "
-        f"truncated {stats.truncated}, padding {padding:.1f}% of {slots} positions"
+        f"{split}, truncated {stats.truncated} ({stats.truncated_tokens} tokens lost, "
+        f"{100 * stats.truncated_fraction:.2f}%), padding {padding:.1f}% of {slots} positions"
     )

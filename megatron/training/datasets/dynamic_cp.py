@@ -18,39 +18,36 @@ from megatron.training.datasets.packing import (
     Document,
     PackedRow,
     PackingStats,
+    admit_document,
     collate_packed_rows,
     pack_documents,
-    tokens_to_pack,
+    resolve_long_document_policy,
 )
 
 
 def pack_rows_for_dynamic_cp(documents: Iterable[Document], cp_sizes: Sequence[int],
-                             tokens_per_rank: int, *, reject_long_documents: bool = False,
+                             tokens_per_rank: int, *, long_document_policy: str | None = None,
+                             reject_long_documents: bool = False,
                              stats: PackingStats | None = None) -> List[PackedRow]:
     """Pack documents, in order, into dynamic-CP rows (`PackedRow.cp_size` set).
 
     Documents with fewer than 2 tokens are skipped; one longer than the largest size holds
-    (``max(cp_sizes) * tokens_per_rank`` positions) is truncated to it, or rejected with
-    ValueError under ``reject_long_documents``. Host only.
+    (``max(cp_sizes) * tokens_per_rank`` positions) follows ``long_document_policy``
+    (`admit_lengths`: split into pieces of that size by default, or truncated to it, or a
+    ValueError under ``reject``). Host only.
     """
+    policy = resolve_long_document_policy(long_document_policy, reject_long_documents)
     stats = stats if stats is not None else PackingStats()
     longest = max(cp_sizes) * tokens_per_rank
     kept = []
     for document in documents:
-        num_tokens = tokens_to_pack(
-            document, longest, reject_long_documents=reject_long_documents, stats=stats,
-            too_long=lambda n: (
-                f"document length is wrong: {document.origin} has {n - 1} training positions, "
-                f"more than the largest CP size holds ({max(cp_sizes)} x {tokens_per_rank} = "
-                f"{longest}). Drop --reject-long-documents to truncate it, or add a larger "
-                f"--dynamic-cp-sizes entry."))
-        if num_tokens == 0:
-            continue
-        if num_tokens < len(document.input_ids):  # truncated: the plan sees the kept length
-            document = replace(document, input_ids=document.input_ids[:num_tokens],
-                               loss_mask=None if document.loss_mask is None
-                               else document.loss_mask[:num_tokens])
-        kept.append(document)
+        kept += admit_document(
+            document, longest, policy=policy, stats=stats,
+            too_long=lambda n, origin=document.origin: (
+                f"document length is wrong: {origin} has {n - 1} training positions, more "
+                f"than the largest CP size holds ({max(cp_sizes)} x {tokens_per_rank} = "
+                f"{longest}). Use --long-document-policy split (pieces of {longest}) or "
+                f"truncate, or add a larger --dynamic-cp-sizes entry."))
     plan = pack_for_dynamic_cp([len(d.input_ids) - 1 for d in kept], cp_sizes, tokens_per_rank)
     rows = []
     for micro_batch in plan:

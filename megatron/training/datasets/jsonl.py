@@ -7,7 +7,8 @@ One JSON object per line::
 ``input_ids`` is required: JSON integers in ``[0, vocab_size)`` (``true``/``false`` and floats
 such as ``3.0`` are rejected: they mean the tokenizer output was mangled). ``loss_mask`` is
 optional, one 0/1 per token, where 1 marks the token as a prediction target. Blank lines are
-skipped. Every error names ``path:line``.
+skipped. Every error names ``path:line`` (``path:line:col`` for text that is not JSON or not
+UTF-8, with an excerpt of the line and a caret under the fault) and what to do.
 """
 
 import json
@@ -19,17 +20,91 @@ import numpy as np
 from megatron.training.datasets.packing import Document
 
 
-def _check_path(path: str) -> None:
+def check_data_path(path: str, flag: str = "--data-path / --valid-data-path") -> None:
+    """ValueError naming ``flag`` and ``path`` unless ``path`` is an existing file."""
     if not os.path.exists(path):
         raise ValueError(
-            f"JSONL data path is wrong: {path!r} does not exist. "
-            f"Pass an existing pre-tokenized .jsonl file (--data-path / --valid-data-path)."
+            f"{flag} is wrong: {path!r} does not exist. "
+            f"Pass an existing pre-tokenized .jsonl file."
         )
     if not os.path.isfile(path):
         raise ValueError(
-            f"JSONL data path is wrong: {path!r} is not a file. "
+            f"{flag} is wrong: {path!r} is not a file. "
             f"Pass a single pre-tokenized .jsonl file, not a directory."
         )
+
+
+EXCERPT_WIDTH = 30
+"""Characters shown on each side of the fault in a JSON error's excerpt."""
+
+
+def excerpt_with_caret(text: str, column: int) -> str:
+    """Two indented lines: ``text`` around 1-based ``column`` (cut to `EXCERPT_WIDTH` characters
+    each side, ``...`` where cut) and a caret under that column."""
+    index = column - 1
+    start, end = max(0, index - EXCERPT_WIDTH), min(len(text), index + EXCERPT_WIDTH)
+    head, tail = ("..." if start > 0 else ""), ("..." if end < len(text) else "")
+    shown = head + text[start:end].replace("\t", " ") + tail
+    return f"    {shown}\n    {' ' * (len(head) + index - start)}^"
+
+
+def _trailing_comma(error: json.JSONDecodeError, text: str) -> int | None:
+    """Index of the comma when the parser stopped at a ``]`` / ``}`` right after one (it
+    reports the bracket; the comma is the fault), else None."""
+    if error.pos < len(text) and text[error.pos] in "]}" and error.msg in (
+            "Expecting value", "Expecting property name enclosed in double quotes"):
+        before = text[:error.pos].rstrip()
+        if before.endswith(","):
+            return len(before) - 1
+    return None
+
+
+def _json_fix(error: json.JSONDecodeError, text: str) -> str:
+    """What to do about one JSON syntax error in the line ``text``."""
+    if error.msg.startswith("Unexpected UTF-8 BOM"):
+        return "Save the file as UTF-8 without a byte-order mark"
+    if error.pos >= len(text.rstrip()):
+        return ("The line ends before the JSON object does: write each object whole, on one "
+                "line (JSONL, not pretty-printed JSON)")
+    if error.msg == "Extra data":
+        return "Put one JSON object per line"
+    if error.msg.startswith("Expecting property name"):
+        return "Write keys in double quotes (JSON, not Python)"
+    if error.msg == "Expecting value":
+        return "Write a JSON value here: a number, a list, a string in double quotes"
+    if error.msg == "Expecting ',' delimiter":
+        return "Separate list items and key-value pairs with commas"
+    if error.msg == "Expecting ':' delimiter":
+        return "Write each key as \"key\": value"
+    return "Write one valid JSON object per line"
+
+
+def json_error(path: str, line_number: int, text: str, error: json.JSONDecodeError) -> ValueError:
+    """The error for a line that is not JSON: ``path:line:col`` (col: 1-based, within the
+    line), the parser's reason, the fix, then the line's excerpt with a caret under the
+    fault. ``text`` is the one line given to ``json.loads``, without its line break, so the
+    column of a line that ends too early is just past its last character. A comma before a
+    closing bracket is reported at the comma, not at the bracket where the parser stopped."""
+    comma = _trailing_comma(error, text)
+    if comma is not None:
+        column, reason = comma + 1, f"a comma before '{text[error.pos]}'"
+        fix = "Remove the trailing comma"
+    else:
+        column, reason, fix = error.pos + 1, error.msg, _json_fix(error, text)
+    return ValueError(f"{path}:{line_number}:{column}: JSON is wrong: {reason}. {fix}.\n"
+                      f"{excerpt_with_caret(text, column)}")
+
+
+def _decode_line(raw: bytes, path: str, line_number: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        good = raw[:error.start].decode("utf-8")
+        column = len(good) + 1
+        text = (good + raw[error.start:].decode("utf-8", errors="replace")).rstrip("\r\n")
+        raise ValueError(
+            f"{path}:{line_number}:{column}: text is wrong: byte 0x{raw[error.start]:02x} is not "
+            f"UTF-8. Save the file as UTF-8.\n{excerpt_with_caret(text, column)}") from None
 
 
 def _parse_input_ids(value, where: str, vocab_size: int) -> np.ndarray:
@@ -90,23 +165,22 @@ def read_jsonl_documents(path: str | os.PathLike, vocab_size: int) -> Iterator[D
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size is wrong: {vocab_size!r}. Set --vocab-size to a positive integer.")
     path = os.fspath(path)
-    _check_path(path)
+    check_data_path(path)
     return _iter_documents(path, vocab_size)
 
 
 def _iter_documents(path: str, vocab_size: int) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as stream:
-        for line_number, line in enumerate(stream, start=1):
+    with open(path, "rb") as stream:
+        for line_number, raw in enumerate(stream, start=1):
+            line = _decode_line(raw, path, line_number)
             if not line.strip():
                 continue
             where = f"{path}:{line_number}"
+            text = line.rstrip("\r\n")  # a fault at the line's end is at its last column + 1
             try:
-                record = json.loads(line)
+                record = json.loads(text)
             except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{where}: JSON is wrong: {error.msg} at column {error.colno}. "
-                    f"Write one JSON object per line."
-                ) from None
+                raise json_error(path, line_number, text, error) from None
             if not isinstance(record, dict):
                 raise ValueError(
                     f"{where}: record is wrong: a JSON {type(record).__name__}, not an object. "

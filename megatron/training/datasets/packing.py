@@ -4,7 +4,8 @@ A document of ``L`` tokens gives ``L - 1`` training positions: position ``j`` re
 ``input_ids[j]`` and predicts ``input_ids[j + 1]``. A row holds whole documents back to back,
 each its own segment of ``cu_seqlens`` with positions restarting at 0, so attention (and
 Mamba's scan) never crosses a document boundary. The unused end of a row is one more segment
-of pad tokens whose loss mask is 0.
+of pad tokens whose loss mask is 0. A document longer than a row follows the long-document
+policy (`admit_lengths`, the one admission rule every packer applies).
 
 Everything here is host-side numpy until `collate_packed_rows` hands torch CPU tensors to the
 training loop.
@@ -83,15 +84,26 @@ class PackedRow:
         return len(self.cu_seqlens) - 1
 
 
+LONG_DOCUMENT_POLICIES = ("truncate", "split", "reject")
+"""What a packer does with a document longer than a row (``--long-document-policy``)."""
+
+DEFAULT_LONG_DOCUMENT_POLICY = "split"
+
+
 @dataclass
 class PackingStats:
     """Counters filled by `pack_documents` (they accumulate if one object is reused).
 
     Attributes:
-        documents: documents packed into rows (truncated ones included, skipped ones not).
+        documents: documents packed into rows (a split document counts once per piece,
+            truncated ones once, skipped ones not).
         rows: rows produced.
         skipped_empty: documents with fewer than 2 tokens: nothing to predict, so skipped.
-        truncated: documents cut to ``seq_length + 1`` tokens.
+        truncated: documents cut to ``seq_length + 1`` tokens (policy ``truncate``).
+        truncated_tokens: tokens those cuts dropped (each one a training position lost).
+        split: documents cut into row-sized pieces (policy ``split``).
+        pieces: the pieces they became (each packed as a document of its own).
+        longest: token count of the longest document read (before any cut).
         padding_tokens: positions filled by padding tails.
         tokens: training positions holding real tokens (so ``tokens + padding_tokens`` is
             ``rows * seq_length``).
@@ -101,8 +113,61 @@ class PackingStats:
     rows: int = 0
     skipped_empty: int = 0
     truncated: int = 0
+    truncated_tokens: int = 0
+    split: int = 0
+    pieces: int = 0
+    longest: int = 0
     padding_tokens: int = 0
     tokens: int = 0
+
+    @property
+    def truncated_fraction(self) -> float:
+        """Share of the data's training positions that truncation dropped (0.0 when none)."""
+        total = self.tokens + self.truncated_tokens
+        return self.truncated_tokens / total if total else 0.0
+
+
+def check_long_document_policy(policy: str) -> str:
+    """``policy`` if it is one of `LONG_DOCUMENT_POLICIES`, else ValueError."""
+    if policy not in LONG_DOCUMENT_POLICIES:
+        raise ValueError(f"long-document policy is wrong: {policy!r}. Set "
+                         f"--long-document-policy to one of {', '.join(LONG_DOCUMENT_POLICIES)}.")
+    return policy
+
+
+def resolve_long_document_policy(policy: str | None, reject_long_documents: bool = False) -> str:
+    """The policy a packer applies: ``policy`` when given, else ``reject`` for the older
+    ``reject_long_documents=True``, else `DEFAULT_LONG_DOCUMENT_POLICY`."""
+    if policy is None:
+        return "reject" if reject_long_documents else DEFAULT_LONG_DOCUMENT_POLICY
+    check_long_document_policy(policy)
+    if reject_long_documents and policy != "reject":
+        raise ValueError(f"long-document policy is wrong: {policy!r} together with "
+                         f"reject_long_documents. Give one: --long-document-policy reject is "
+                         f"the same as --reject-long-documents.")
+    return policy
+
+
+DEFAULT_MAX_TRUNCATED_TOKEN_FRACTION = 0.05
+"""``--max-truncated-token-fraction`` when not given."""
+
+
+def check_truncated_fraction(stats: PackingStats, max_fraction: float | None, where: str) -> None:
+    """ValueError when truncation dropped more than ``max_fraction`` (None: the default 0.05)
+    of ``where``'s training positions (``--max-truncated-token-fraction``), naming the two
+    fixes."""
+    if max_fraction is None:
+        max_fraction = DEFAULT_MAX_TRUNCATED_TOKEN_FRACTION
+    fraction = stats.truncated_fraction
+    if fraction <= max_fraction:
+        return
+    total = stats.tokens + stats.truncated_tokens
+    raise ValueError(
+        f"truncation is wrong: {where}: cutting {stats.truncated} long documents to a row "
+        f"drops {stats.truncated_tokens} of {total} tokens ({100 * fraction:.2f}%), more than "
+        f"--max-truncated-token-fraction {max_fraction:g}. Raise --seq-length (the longest "
+        f"document has {stats.longest} tokens) or use --long-document-policy split (long "
+        f"documents become row-sized pieces, nothing dropped).")
 
 
 def check_seq_length(seq_length: int) -> None:
@@ -174,22 +239,61 @@ def pad_to_multiple(positions, multiple: int):
     return -(-positions // multiple) * multiple
 
 
-def tokens_to_pack(document: Document, max_positions: int, *, reject_long_documents: bool,
-                   stats: PackingStats, too_long: Callable[[int], str]) -> int:
-    """How many of ``document``'s tokens a packer takes: 0 for fewer than 2 tokens (nothing
-    to predict; counted in ``stats.skipped_empty``), all of them up to ``max_positions + 1``;
-    a longer document is cut to that (counted in ``stats.truncated``) or, under
-    ``reject_long_documents``, refused with ``ValueError(too_long(its token count))``."""
-    num_tokens = len(document.input_ids)
+def piece_bounds(num_tokens: int, max_positions: int) -> list[tuple[int, int]]:
+    """``[start, end)`` token ranges of the pieces a ``split`` cuts a document of
+    ``num_tokens`` tokens into: ``max_positions`` training positions each (the last one the
+    rest), consecutive pieces sharing one token. Position ``j`` of the document (token ``j``
+    predicts token ``j + 1``) lands in exactly one piece, so no prediction is lost."""
+    return [(start, min(start + max_positions + 1, num_tokens))
+            for start in range(0, num_tokens - 1, max_positions)]
+
+
+def admit_lengths(num_tokens: int, max_positions: int, *, policy: str, stats: PackingStats,
+                  too_long: Callable[[int], str]) -> list[tuple[int, int]]:
+    """The one admission rule of every packer (static, dynamic CP, mock): the ``[start, end)``
+    token ranges a document of ``num_tokens`` tokens enters rows as, for rows of
+    ``max_positions`` training positions.
+
+    Fewer than 2 tokens: none (nothing to predict; ``stats.skipped_empty``). Up to
+    ``max_positions + 1`` tokens: the whole document. Longer, by ``policy`` (see
+    `LONG_DOCUMENT_POLICIES`): ``truncate`` keeps the first ``max_positions + 1`` tokens
+    (``stats.truncated``, ``stats.truncated_tokens``); ``split`` returns `piece_bounds`
+    (``stats.split``, ``stats.pieces``); ``reject`` raises ``ValueError(too_long(num_tokens))``.
+    """
+    stats.longest = max(stats.longest, num_tokens)
     if num_tokens < 2:
         stats.skipped_empty += 1
-        return 0
+        return []
     if num_tokens - 1 <= max_positions:
-        return num_tokens
-    if reject_long_documents:
+        return [(0, num_tokens)]
+    if policy == "reject":
         raise ValueError(too_long(num_tokens))
-    stats.truncated += 1
-    return max_positions + 1
+    if policy == "truncate":
+        stats.truncated += 1
+        stats.truncated_tokens += num_tokens - (max_positions + 1)
+        return [(0, max_positions + 1)]
+    check_long_document_policy(policy)
+    bounds = piece_bounds(num_tokens, max_positions)
+    stats.split += 1
+    stats.pieces += len(bounds)
+    return bounds
+
+
+def admit_document(document: Document, max_positions: int, *, policy: str, stats: PackingStats,
+                   too_long: Callable[[int], str]) -> list[Document]:
+    """`admit_lengths` applied to ``document``: the documents it enters rows as (itself, its
+    truncated head or its pieces). A piece's origin is the document's plus
+    ``" piece k/n"``; its ``loss_mask`` is the document's over the same tokens."""
+    bounds = admit_lengths(len(document.input_ids), max_positions, policy=policy, stats=stats,
+                           too_long=too_long)
+    if bounds == [(0, len(document.input_ids))]:
+        return [document]
+    pieces = []
+    for k, (start, end) in enumerate(bounds):
+        origin = document.origin if len(bounds) == 1 else f"{document.origin} piece {k + 1}/{len(bounds)}"
+        mask = None if document.loss_mask is None else document.loss_mask[start:end]
+        pieces.append(Document(document.input_ids[start:end], mask, origin))
+    return pieces
 
 
 def _shift(document: Document, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -207,6 +311,7 @@ def pack_documents(
     documents: Iterable[Document],
     seq_length: int,
     *,
+    long_document_policy: str | None = None,
     reject_long_documents: bool = False,
     stats: PackingStats | None = None,
     segment_multiple: int = 1,
@@ -215,10 +320,12 @@ def pack_documents(
 
     A document goes into the current row if its ``L - 1`` positions fit, else the row is closed
     (padded) and a new one starts. Documents with fewer than 2 tokens are skipped and counted.
-    A document with more than ``seq_length`` positions is cut to ``seq_length + 1`` tokens
-    (counted in ``stats.truncated``), or rejected with ValueError when
-    ``reject_long_documents`` is set. ``stats`` is complete once the iterator is exhausted.
-    A bad ``seq_length`` raises at call time; document errors raise while iterating.
+    A document with more than ``seq_length`` positions follows ``long_document_policy``
+    (`admit_lengths`; default ``split``): cut into row-sized pieces, each packed as a document
+    of its own (``split``), cut to ``seq_length + 1`` tokens (``truncate``), or a ValueError
+    naming its origin (``reject``; ``reject_long_documents=True`` is the older spelling).
+    ``stats`` is complete once the iterator is exhausted. A bad ``seq_length`` or policy
+    raises at call time; document errors raise while iterating.
 
     ``segment_multiple`` (context parallelism: ``2 * cp``) pads every document's segment with
     pad positions (loss 0) to a multiple of it; ``seq_length`` must be a multiple too. The
@@ -229,8 +336,9 @@ def pack_documents(
     if segment_multiple < 1 or seq_length % segment_multiple:
         raise ValueError(f"segment multiple is wrong: {segment_multiple} for seq_length "
                          f"{seq_length}. It must be >= 1 and divide --seq-length.")
+    policy = resolve_long_document_policy(long_document_policy, reject_long_documents)
     stats = stats if stats is not None else PackingStats()
-    return _pack(iter(documents), seq_length, reject_long_documents, stats, segment_multiple)
+    return _pack(iter(documents), seq_length, policy, stats, segment_multiple)
 
 
 def _pad_segment(parts: tuple, length: int) -> tuple:
@@ -245,7 +353,7 @@ def _pad_segment(parts: tuple, length: int) -> tuple:
 
 
 def _pack(
-    documents: Iterator[Document], seq_length: int, reject_long_documents: bool,
+    documents: Iterator[Document], seq_length: int, policy: str,
     stats: PackingStats, segment_multiple: int,
 ) -> Iterator[PackedRow]:
     pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -261,29 +369,29 @@ def _pack(
         stats.padding_tokens += seq_length - sum(actual)
         return row
 
+    def too_long(document: Document) -> Callable[[int], str]:
+        return lambda n: (
+            f"document length is wrong: {document.origin} has {n} tokens ({n - 1} training "
+            f"positions), more than --seq-length {seq_length}. Use --long-document-policy "
+            f"split (row-sized pieces) or truncate, or raise --seq-length to at least {n - 1}.")
+
     for document in documents:
-        num_tokens = tokens_to_pack(
-            document, seq_length, reject_long_documents=reject_long_documents, stats=stats,
-            too_long=lambda n: (
-                f"document length is wrong: {document.origin} has {n} tokens ({n - 1} "
-                f"training positions), more than --seq-length {seq_length}. Drop "
-                f"--reject-long-documents to truncate it to {seq_length + 1} tokens, or raise "
-                f"--seq-length."))
-        if num_tokens == 0:
-            continue
-        positions = num_tokens - 1
-        padded = pad_to_multiple(positions, segment_multiple)
-        if used + padded > seq_length:
-            yield close_row()
-            pending, actual, used = [], [], 0
-        pending.append(_pad_segment(_shift(document, num_tokens), padded))
-        actual.append(positions)
-        used += padded
-        stats.documents += 1
-        if used == seq_length:
-            # Exact fit: hand the row out now instead of holding it until the next document.
-            yield close_row()
-            pending, actual, used = [], [], 0
+        for piece in admit_document(document, seq_length, policy=policy, stats=stats,
+                                    too_long=too_long(document)):
+            num_tokens = len(piece.input_ids)
+            positions = num_tokens - 1
+            padded = pad_to_multiple(positions, segment_multiple)
+            if used + padded > seq_length:
+                yield close_row()
+                pending, actual, used = [], [], 0
+            pending.append(_pad_segment(_shift(piece, num_tokens), padded))
+            actual.append(positions)
+            used += padded
+            stats.documents += 1
+            if used == seq_length:
+                # Exact fit: hand the row out now instead of holding it until the next one.
+                yield close_row()
+                pending, actual, used = [], [], 0
     if pending:
         yield close_row()
 

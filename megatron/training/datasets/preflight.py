@@ -1,0 +1,95 @@
+"""The data check before training: run on rank 0 before distributed start-up or any GPU work.
+
+`run_data_check` (called once, by ``run_pretraining``) checks that every ``--data-path`` /
+``--valid-data-path`` is an existing file, then reads and packs each file exactly as training
+will (`builder._pack_jsonl`: the same reader, long-document policy and packer), so a bad line,
+a too-long document under ``--long-document-policy reject`` or more truncation than
+``--max-truncated-token-fraction`` allows stops the run with a ValueError naming the file (and
+``file:line`` where there is one) and the fix, before any GPU is touched. A run that passes
+prints one summary line, the packer's own statistics (`builder.describe_packing`).
+
+``--mock-data`` has no file to check: the summary counts the synthetic rows (the first
+`MOCK_ROWS_CHECKED` when there are more). Other ranks skip the check; they read the data
+later anyway.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from megatron.training.datasets.builder import _pack_jsonl, build_datasets, describe_packing
+from megatron.training.datasets.jsonl import check_data_path
+from megatron.training.datasets.mock import MockPackedDataset
+from megatron.training.datasets.packing import PackingStats
+
+MOCK_ROWS_CHECKED = 10_000
+"""Synthetic rows the summary counts at most (about 0.3 s for 4096-position rows)."""
+
+
+@dataclass
+class DataCheck:
+    """What the check found.
+
+    Attributes:
+        train: packing statistics of the training data (``--data-path``, or the mock rows).
+        valid: those of ``--valid-data-path``; None without one.
+        line: the one summary line printed.
+    """
+
+    train: PackingStats
+    valid: PackingStats | None
+    line: str
+
+
+def is_first_rank(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process runs the check: ``RANK`` unset, empty or ``"0"``."""
+    rank = (os.environ if environ is None else environ).get("RANK")
+    return rank in (None, "", "0")
+
+
+def _describe(stats: PackingStats) -> str:
+    return describe_packing(stats).removeprefix("packing: ")
+
+
+def check_data(args) -> DataCheck:
+    """Check the run's data from its parsed arguments and return the statistics; raises
+    ValueError (naming the flag or ``file:line`` and the fix) on the first problem."""
+    if args.mock_data:
+        return _check_mock(args)
+    files = [("--data-path", args.data_path)]
+    if args.valid_data_path:
+        files.append(("--valid-data-path", args.valid_data_path))
+    for flag, path in files:  # all paths first: a typo fails before a long read
+        check_data_path(path, flag)
+    parts, found = [], []
+    for flag, path in files:
+        stats = PackingStats()
+        _pack_jsonl(path, args, stats)  # the training packer: errors name path:line
+        found.append(stats)
+        parts.append(f"{flag} {path}: {_describe(stats)}")
+    return DataCheck(found[0], found[1] if len(found) > 1 else None,
+                     "data check: " + "; ".join(parts))
+
+
+def _check_mock(args) -> DataCheck:
+    train, _, stats = build_datasets(args)  # lazy rows; dynamic CP packs its document pool
+    if stats is not None:
+        scope = "document pool"
+    else:
+        rows = len(train)
+        if isinstance(train, MockPackedDataset):
+            rows = min(rows, MOCK_ROWS_CHECKED)
+            stats = train.packing_stats(rows)
+        scope = f"first {rows} of {len(train)} rows" if rows < len(train) else f"{rows} rows"
+    return DataCheck(stats, None, f"data check: --mock-data ({scope}): {_describe(stats)}")
+
+
+def run_data_check(args, print_fn: Callable[[str], None] | None = None,
+                   environ: Mapping[str, str] | None = None) -> DataCheck | None:
+    """On the first rank (`is_first_rank`): `check_data` and print its summary line; returns
+    the `DataCheck`. On other ranks: nothing, returns None."""
+    if not is_first_rank(environ):
+        return None
+    result = check_data(args)
+    (print_fn or (lambda line: print(line, flush=True)))(result.line)
+    return result

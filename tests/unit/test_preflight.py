@@ -1,0 +1,207 @@
+"""The data check before training (datasets/preflight.py): paths, file:line errors, the one
+summary line, the truncation limit, the long-document policies, rank 0 only, and its place in
+run_pretraining (before any GPU work)."""
+
+import json
+import re
+
+import pytest
+
+from megatron.training import argument_checks, training
+from megatron.training.arguments import parse_args
+from megatron.training.datasets.preflight import check_data, is_first_rank, run_data_check
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "16", "--train-iters", "2", "--lr", "1e-3", "--vocab-size", "100"]
+
+
+@pytest.fixture(autouse=True)
+def cpu_only(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+
+
+def write_jsonl(path, *records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def doc(n, start=1):
+    return {"input_ids": list(range(start, start + n))}
+
+
+def args_for(*extra):
+    return parse_args(BASE + [str(x) for x in extra])
+
+
+def test_missing_data_path_names_the_flag_and_path(tmp_path):
+    missing = tmp_path / "train.jsonl"
+    with pytest.raises(ValueError, match=re.escape(f"--data-path is wrong: '{missing}' does not "
+                                                   "exist. Pass an existing pre-tokenized .jsonl")):
+        check_data(args_for("--data-path", missing))
+
+
+def test_missing_valid_path_fails_before_the_training_file_is_read(tmp_path):
+    train = write_jsonl(tmp_path / "t.jsonl", doc(5), "{not json")
+    missing = tmp_path / "valid.jsonl"
+    with pytest.raises(ValueError, match=re.escape(f"--valid-data-path is wrong: '{missing}' "
+                                                   "does not exist")):
+        check_data(args_for("--data-path", train, "--valid-data-path", missing))
+
+
+def test_directory_is_not_a_data_file(tmp_path):
+    with pytest.raises(ValueError, match=r"--data-path is wrong: .* is not a file"):
+        check_data(args_for("--data-path", tmp_path))
+
+
+def test_bad_json_names_file_line_and_the_faults_column(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5), "", '{"input_ids": [1, 2,]}')
+    with pytest.raises(ValueError) as error:
+        check_data(args_for("--data-path", path))
+    first, excerpt, caret = str(error.value).split("\n")
+    assert first == (f"{path}:3:20: JSON is wrong: a comma before ']'. Remove the trailing "
+                     "comma.")
+    assert excerpt[caret.index("^")] == ","
+
+
+def test_bad_record_names_file_line_and_the_fix(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5), {"input_ids": [1, 200]})
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: input_ids is wrong: element 1 is "
+                                                   "200, not below the vocab size 100. Set "
+                                                   "--vocab-size")):
+        check_data(args_for("--data-path", path))
+
+
+def test_summary_line_counts_documents_rows_empty_split_and_truncation(tmp_path):
+    # Rows of 16 positions: documents of 10 and 5 positions, one of 1 token (skipped), one of
+    # 40 tokens (39 positions): split into 16 + 16 + 7.
+    path = write_jsonl(tmp_path / "t.jsonl", doc(11), doc(6), doc(1), doc(40))
+    result = check_data(args_for("--data-path", path))
+    stats = result.train
+    assert (stats.documents, stats.rows, stats.skipped_empty) == (5, 4, 1)
+    assert (stats.split, stats.pieces, stats.truncated, stats.truncated_tokens) == (1, 3, 0, 0)
+    assert result.valid is None
+    assert result.line == (
+        f"data check: --data-path {path}: 5 documents into 4 rows (1.2 per row), skipped 1 "
+        f"empty, split 1 into 3 pieces, truncated 0 (0 tokens lost, 0.00%), padding 15.6% of "
+        f"64 positions")
+
+
+def test_truncation_within_the_limit_is_reported_as_count_and_percent(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", *[doc(17)] * 19, doc(18))
+    result = check_data(args_for("--data-path", path, "--long-document-policy", "truncate"))
+    # 20 documents, 16 + 17 positions in the last: 1 token of 321 dropped.
+    assert (result.train.truncated, result.train.truncated_tokens) == (1, 1)
+    assert "truncated 1 (1 tokens lost, 0.31%)" in result.line
+
+
+def test_truncation_over_the_limit_stops_naming_both_fixes(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(40))
+    args = args_for("--data-path", path, "--long-document-policy", "truncate")
+    with pytest.raises(ValueError, match=re.escape(
+            f"truncation is wrong: {path}: cutting 1 long documents to a row drops 23 of 43 "
+            f"tokens (53.49%), more than --max-truncated-token-fraction 0.05. Raise "
+            f"--seq-length (the longest document has 40 tokens) or use --long-document-policy "
+            f"split")):
+        check_data(args)
+    args = args_for("--data-path", path, "--long-document-policy", "truncate",
+                    "--max-truncated-token-fraction", 0.6)
+    assert "truncated 1 (23 tokens lost, 53.49%)" in check_data(args).line
+
+
+def test_reject_policy_names_the_first_too_long_document(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(30), doc(40))
+    with pytest.raises(ValueError, match=re.escape(
+            f"document length is wrong: {path}:2 has 30 tokens (29 training positions), more "
+            f"than --seq-length 16. Use --long-document-policy split")):
+        check_data(args_for("--data-path", path, "--long-document-policy", "reject"))
+
+
+def test_valid_file_is_checked_and_summarised_on_the_same_line(tmp_path):
+    train = write_jsonl(tmp_path / "t.jsonl", doc(5))
+    valid = write_jsonl(tmp_path / "v.jsonl", doc(6), doc(7))
+    result = check_data(args_for("--data-path", train, "--valid-data-path", valid))
+    assert result.valid.documents == 2
+    assert f"; --valid-data-path {valid}: 2 documents into 1 rows" in result.line
+    assert result.line.count("\n") == 0
+    bad = write_jsonl(tmp_path / "bad.jsonl", doc(5), "[1, 2]")
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:2: record is wrong")):
+        check_data(args_for("--data-path", train, "--valid-data-path", bad))
+
+
+def test_a_file_without_trainable_documents_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", doc(1), doc(0))
+    with pytest.raises(ValueError, match="holds no document with at least 2 tokens"):
+        check_data(args_for("--data-path", path))
+
+
+def test_mock_data_skips_files_and_summarises_its_rows():
+    result = check_data(args_for("--mock-data", "--mock-doc-length-median", 6))
+    assert result.train.rows == 2  # train_iters x global batch size
+    assert result.line.startswith("data check: --mock-data (2 rows): ")
+    assert f"{result.train.documents} documents into 2 rows" in result.line
+
+
+def test_mock_data_summary_is_capped(monkeypatch):
+    from megatron.training.datasets import preflight
+
+    monkeypatch.setattr(preflight, "MOCK_ROWS_CHECKED", 3)
+    result = check_data(args_for("--mock-data", "--train-iters", 10))
+    assert result.train.rows == 3 and "(first 3 of 10 rows)" in result.line
+
+
+def test_mock_data_follows_the_reject_policy():
+    with pytest.raises(ValueError, match=r"mock row 0 drew a document of \d+ tokens"):
+        check_data(args_for("--mock-data", "--mock-doc-length-median", 400,
+                            "--long-document-policy", "reject"))
+
+
+@pytest.mark.parametrize("rank, runs", [(None, True), ("", True), ("0", True), ("1", False),
+                                        ("7", False)])
+def test_only_the_first_rank_checks(tmp_path, rank, runs):
+    environ = {} if rank is None else {"RANK": rank}
+    assert is_first_rank(environ) is runs
+    lines = []
+    result = run_data_check(args_for("--data-path", tmp_path / "missing.jsonl"), lines.append,
+                            environ) if not runs else None
+    if runs:
+        path = write_jsonl(tmp_path / "t.jsonl", doc(5))
+        result = run_data_check(args_for("--data-path", path), lines.append, environ)
+        assert lines == [result.line]
+    else:  # another rank does not even look at the (missing) file
+        assert result is None and lines == []
+
+
+class GPUTouched(Exception):
+    pass
+
+
+def _no_gpu(script):
+    raise GPUTouched(script)
+
+
+def test_run_pretraining_checks_the_data_before_any_gpu_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(training, "require_cuda", _no_gpu)
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5), '{"input_ids": [1, 2')
+    with pytest.raises(SystemExit) as exit_info:
+        training.run_pretraining("gpt", None, "pretrain_gpt.py", BASE + ["--data-path", path])
+    assert str(exit_info.value).startswith(
+        f"pretrain_gpt.py: error: {path}:2:20: JSON is wrong: Expecting ',' delimiter")
+    # Good data: one summary line, then the CUDA check (where training would start).
+    good = write_jsonl(tmp_path / "good.jsonl", doc(5), doc(40))
+    with pytest.raises(GPUTouched):
+        training.run_pretraining("gpt", None, "pretrain_gpt.py", BASE + ["--data-path", good])
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"data check: --data-path {good}: 4 documents into 4 rows (1.0 per row), "
+                   f"skipped 0 empty, split 1 into 3 pieces, truncated 0 (0 tokens lost, "
+                   f"0.00%), padding 32.8% of 64 positions"]
+
+
+def test_run_pretraining_on_another_rank_skips_the_check(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(training, "require_cuda", _no_gpu)
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(GPUTouched):
+        training.run_pretraining("gpt", None, "pretrain_gpt.py",
+                                 BASE + ["--data-path", str(tmp_path / "missing.jsonl")])
+    assert capsys.readouterr().out == ""
