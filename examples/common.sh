@@ -7,6 +7,8 @@
 # Every other knob is an environment variable with a default, below; docs/slurm.md lists them.
 # `--dry-run` as the first argument (or DRY_RUN=1) prints the launch and exits 0; any other
 # arguments are appended to the training flags (after EXTRA_ARGS, so they win).
+# Where the training flags run Transformer Engine with context parallelism (CP > 1, or
+# --dynamic-cp-sizes with a size > 1), te_patches/ goes on PYTHONPATH (TE_PATCHES, below).
 
 # Die with the repository's error shape: "<what> is wrong: <value>. <what to do>."
 die() {
@@ -27,6 +29,62 @@ quote_words() {
 single_quote() {
   local s=$1
   printf "'%s'" "${s//\'/\'\\\'\'}"
+}
+
+# Status 0 (true) if the training flags run context parallelism, which on packed data runs in
+# Transformer Engine: a --context-parallel-size above 1, or a --dynamic-cp-sizes set with a
+# size above 1 (the last spelling of a flag wins, as in argparse).
+uses_te_context_parallel() {
+  local cp=1 sizes="" word expect="" size
+  for word in "$@"; do
+    case "$expect" in
+      cp) cp=$word; expect=""; continue ;;
+      sizes)
+        case "$word" in
+          [0-9]*) sizes+=" $word"; continue ;;
+          *) expect="" ;;
+        esac ;;
+    esac
+    case "$word" in
+      --context-parallel-size) expect=cp ;;
+      --context-parallel-size=*) cp=${word#*=} ;;
+      --dynamic-cp-sizes) sizes=""; expect=sizes ;;
+      --dynamic-cp-sizes=*) sizes=" ${word#*=}" ;;
+    esac
+  done
+  case "$cp" in ''|*[!0-9]*) cp=1 ;; esac
+  if [ "$cp" -gt 1 ]; then return 0; fi
+  for size in $sizes; do
+    case "$size" in ''|*[!0-9]*) continue ;; esac
+    if [ "$size" -gt 1 ]; then return 0; fi
+  done
+  return 1
+}
+
+# TE_PATCHES_ON=1 where te_patches/ (docs/te-patches.md: a sync-free THD context-parallel
+# backward for Transformer Engine) belongs on PYTHONPATH for these training flags.
+# TE_PATCHES: auto (default: with TE context parallelism), 1 (always) or 0 (never; e.g. with
+# a TE release te_patches does not know, which it refuses).
+decide_te_patches() {
+  TE_PATCHES=${TE_PATCHES:-auto}
+  TE_PATCHES_ON=0
+  case "$TE_PATCHES" in
+    1) TE_PATCHES_ON=1 ;;
+    0) ;;
+    auto) if uses_te_context_parallel "$@"; then TE_PATCHES_ON=1; fi ;;
+    *) die "TE_PATCHES" "$TE_PATCHES" "Use auto, 1 or 0" ;;
+  esac
+}
+
+# Export (and with an argument "print", echo) PYTHONPATH with te_patches/ first, when on.
+apply_te_patches() {
+  if [ "$TE_PATCHES_ON" != 1 ]; then return 0; fi
+  if [ "${1:-}" = print ]; then
+    # Printed for a shell to read back: PYTHONPATH is expanded where the line runs.
+    echo "export PYTHONPATH=$(printf '%q' "$REPO_DIR/te_patches")\${PYTHONPATH:+:\$PYTHONPATH}"
+    return 0
+  fi
+  export PYTHONPATH="$REPO_DIR/te_patches${PYTHONPATH:+:$PYTHONPATH}"
 }
 
 # GPUs of this machine (0 without nvidia-smi); local launches only.
@@ -91,6 +149,7 @@ set_defaults() {
   SEED=${SEED:-1234}
   TP=${TP:-1}
   PP=${PP:-1}
+  CP=${CP:-1}                                   # --context-parallel-size (needs TE)
 
   CUDA_GRAPH_IMPL=${CUDA_GRAPH_IMPL:-local}     # none: eager; transformer_engine: TE graphs (PP=1)
   CUDA_GRAPH_MAX_PACKED_SEQS=${CUDA_GRAPH_MAX_PACKED_SEQS:-64}
@@ -104,9 +163,12 @@ set_defaults() {
   PROFILE_STEP_END=${PROFILE_STEP_END:-12}
   EXTRA_ARGS=${EXTRA_ARGS:-}
 
-  local world=$((NNODES * GPUS_PER_NODE)) model_parallel=$((TP * PP))
+  local world=$((NNODES * GPUS_PER_NODE)) model_parallel=$((TP * PP * CP))
   if [ "$model_parallel" -lt 1 ] || [ $((world % model_parallel)) -ne 0 ]; then
-    die "TP x PP" "$TP x $PP" "It must divide NNODES x GPUS_PER_NODE = $world"
+    if [ "$CP" = 1 ]; then
+      die "TP x PP" "$TP x $PP" "It must divide NNODES x GPUS_PER_NODE = $world"
+    fi
+    die "TP x PP x CP" "$TP x $PP x $CP" "It must divide NNODES x GPUS_PER_NODE = $world"
   fi
   DATA_PARALLEL=$((world / model_parallel))
   # Four micro-batches per iteration by default (gradient accumulation).
@@ -143,6 +205,7 @@ build_python_args() {
     --log-interval "$LOG_INTERVAL" --metrics-file "$METRICS_FILE"
     --tensorboard-dir "$LOG_DIR/tensorboard"
   )
+  if [ "$CP" != 1 ]; then PY_ARGS+=(--context-parallel-size "$CP"); fi
   if [ -n "$SAVE_INTERVAL" ]; then PY_ARGS+=(--save-interval "$SAVE_INTERVAL"); fi
   if [ -n "$LOAD_DIR" ]; then PY_ARGS+=(--load "$LOAD_DIR"); fi
   if [ "$CUDA_GRAPH_IMPL" != none ]; then
@@ -231,15 +294,18 @@ launch() {
   CLI_ARGS=("$@")
   set_defaults "$mode"
   build_launch "$mode"
+  decide_te_patches "${PY_ARGS[@]}"
   export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron: keep TP/PP communication in issue order
   export NCCL_NVLS_ENABLE=0              # NVLink SHARP (multicast) off
   if [ "$DRY_RUN" = 1 ]; then
     echo "# $RUN_NAME ($mode, $NNODES node(s) x $GPUS_PER_NODE GPU(s)): dry run, nothing is launched"
     echo "cd $(printf '%q' "$REPO_DIR")"
     echo "export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0"
+    apply_te_patches print
     echo "$LAUNCH_TEXT 2>&1 | tee -a $(printf '%q' "$LOG_FILE")"
     exit 0
   fi
+  apply_te_patches
   if [ "$mode" = slurm ] && [ -z "${SLURM_JOB_ID:-}" ]; then
     die "SLURM_JOB_ID" "unset" "Submit with sbatch, or print the launch with --dry-run"
   fi

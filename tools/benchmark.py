@@ -12,6 +12,12 @@ out of the medians. All rows of a table come from the same invocation on the sam
         --pipeline-model-parallel-size 2
     python tools/benchmark.py --presets gpt-small --variants eager te-layer-graphs --nproc 2 \
         --dynamic-cp-sets 1 2 1,2 --tokens-per-rank 2048 --extra-args="--attention-backend te"
+    python tools/benchmark.py --presets hybrid-small --from-metrics eager=runs/eager.jsonl \
+        layer-graphs=runs/graphs.jsonl --warmup 10 --log-interval 10
+
+--from-metrics trains nothing: it tabulates the metrics files of finished runs (one row per
+VARIANT=FILE, speedup against the row named eager), as examples/local/train_hybrid_synthetic.sh
+does after its eager reference and graphed runs.
 
 --dynamic-cp-sets runs every preset and variant once per set of dynamic CP sizes (a row
 label ``preset cp1,2``), with ``--seq-length`` = tokens per rank x the set's largest size, so
@@ -21,7 +27,12 @@ every set holds the same positions per rank: a single-size set measures one grap
 and reports the GPU-busy time of a step (union of its kernel intervals) and the ratio
 step time / GPU-busy time: 1.0 is the physical limit, a launch-bound step is far above it.
 
-Prints a Markdown table; --json FILE also writes the rows.
+Prints a Markdown table; --json FILE also writes the rows. A configuration that fails
+(training exits non-zero, or leaves no metrics) does not stop the others: its row shows the
+error, its log tail goes to stderr, and the exit status is 1.
+
+Each run starts torchrun with ``--standalone``: the rendezvous store binds a free port
+itself, so several benchmarks can share one machine without a port race.
 """
 
 import argparse
@@ -92,6 +103,8 @@ COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size"
 
 
 def _free_port() -> int:
+    """A port that was free a moment ago (tools/soak.py uses it; benchmark runs do not: they
+    start torchrun with --standalone, which binds its own)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -113,27 +126,79 @@ def dynamic_cp_flags(cp_set: str, tokens_per_rank: int) -> list:
     return ["--dynamic-cp-sizes", *map(str, sizes), "--seq-length", str(tokens_per_rank * sizes[-1])]
 
 
-def run_one(preset: str, variant: str, args, cp_set: str = "") -> dict:
-    """Train one configuration; return its summary row (raises with the log on failure)."""
+class RunFailed(RuntimeError):
+    """One configuration failed: ``summary`` is one line for the table, ``log`` its tail."""
+
+    def __init__(self, summary: str, log: str = ""):
+        super().__init__(summary)
+        self.summary, self.log = summary, log
+
+
+def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = "") -> list:
+    """The torchrun command of one configuration. ``--standalone``: torchrun's rendezvous
+    store binds a free port itself (``localhost:0``) and the ranks reuse that store, so no
+    port is chosen before it is bound (benchmarks side by side cannot race for one)."""
     script, model_flags = PRESETS[preset]
     dynamic_cp = dynamic_cp_flags(cp_set, args.tokens_per_rank) if cp_set else []
     profile = (["--profile", "--profile-step-start", str(args.steps - 1),
                 "--profile-step-end", str(args.steps + 1)] if args.profile else [])
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", str(args.nproc), os.path.join(REPO, script), *model_flags,
+            *COMMON, *variant_flags(variant), *profile, "--train-iters", str(args.steps),
+            "--global-batch-size", str(args.global_batch_size),
+            "--mock-doc-length-median", str(args.doc_length_median),
+            "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
+            "--log-interval", str(args.log_interval), "--metrics-file", metrics,
+            *shlex.split(args.extra_args), *dynamic_cp]
+
+
+def failure_summary(output: str, returncode: int) -> str:
+    """One line for the table: the last error-looking line of a failed run's output."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error:" in ln or " is wrong: " in ln]
+    last = (errors or lines or [""])[-1]
+    text = f"exit {returncode}: {last}" if last else f"exit {returncode}"
+    return text.replace("|", "/")[:200]
+
+
+def run_one(preset: str, variant: str, args, cp_set: str = "") -> dict:
+    """Train one configuration; return its summary row (raises RunFailed on failure)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-               "--master-port", str(_free_port()), os.path.join(REPO, script), *model_flags,
-               *COMMON, *variant_flags(variant), *profile, "--train-iters", str(args.steps),
-               "--global-batch-size", str(args.global_batch_size),
-               "--mock-doc-length-median", str(args.doc_length_median),
-               "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
-               "--log-interval", str(args.log_interval), "--metrics-file", metrics,
-               *shlex.split(args.extra_args), *dynamic_cp]
+        cmd = launch_command(preset, variant, args, metrics, cp_set)
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        output = proc.stdout + proc.stderr
         if proc.returncode != 0:
-            raise RuntimeError(f"{preset}/{variant} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            raise RunFailed(failure_summary(output, proc.returncode), output[-4000:])
+        records = read_metrics(metrics, output[-4000:])
+    return summarise(preset, variant, args, records, cp_set, output[-4000:])
+
+
+def read_metrics(path: str, log: str = "") -> list:
+    """The records of a metrics file; RunFailed when it is missing or not complete JSON."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        raise RunFailed(f"no metrics file {path}", log) from None
+    except OSError as error:
+        raise RunFailed(f"metrics file {path} cannot be read ({error.strerror})", log) from None
+    except json.JSONDecodeError as error:
+        raise RunFailed(f"metrics file {path} is truncated or not JSON lines ({error.msg})",
+                        log) from None
+
+
+def summarise(preset: str, variant: str, args, records: list, cp_set: str = "",
+              log: str = "") -> dict:
+    """The summary row of one configuration's metrics records; RunFailed when they lack what
+    the row needs (e.g. no record past --warmup)."""
+    try:
+        return _summarise(preset, variant, args, records, cp_set)
+    except (KeyError, IndexError, ValueError, ZeroDivisionError) as error:
+        raise RunFailed(f"metrics incomplete ({type(error).__name__}: {error})", log) from None
+
+
+def _summarise(preset: str, variant: str, args, records: list, cp_set: str) -> dict:
     train = [r for r in records if r.get("split", "train") == "train"]
     # One record per log interval (the mean of its iterations); --warmup is a multiple of it.
     timed = [r for r in train if r["iteration"] > args.warmup and "gpu busy (ms)" not in r]
@@ -166,11 +231,16 @@ def format_table(rows: list) -> str:
     step IQR is the interquartile range of the timed steps: how much a step varies (the
     document count per micro-batch changes every step), to read differences against.
     """
-    eager = {r["preset"]: r["tokens_per_sec"] for r in rows if r["variant"] == "eager"}
+    eager = {r["preset"]: r["tokens_per_sec"] for r in rows
+             if r["variant"] == "eager" and not r.get("error")}
     lines = ["| preset | variant | step (ms) | step IQR (ms) | tokens/s | speedup | "
              "peak mem (GiB) | fallback rate | capture (s) | graph mem (MiB) | GPU busy (ms) | step / busy |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['preset']} | {r['variant']} | failed: {r['error']} |"
+                         + " - |" * 9)
+            continue
         base = eager.get(r["preset"])
         speedup = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['preset']} | {r['variant']} | {r['step_ms']:.1f} | "
@@ -183,22 +253,27 @@ def format_table(rows: list) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["hybrid-small", "gpt-small"],
-                        help=f"names from {sorted(PRESETS)} or groups {sorted(PRESET_GROUPS)}")
-    parser.add_argument("--variants", nargs="+", default=["eager"], choices=sorted(VARIANTS))
+                        help=f"names from {sorted(PRESETS)} or groups {sorted(PRESET_GROUPS)}; "
+                             f"with --from-metrics, the first names the rows")
+    parser.add_argument("--variants", nargs="+", default=["eager"], choices=sorted(VARIANTS),
+                        help="flag sets on top of each preset; speedups are against eager")
     parser.add_argument("--capacities", nargs="*", type=int, default=[],
                         help="add a layer-graphs variant per capacity (capacity sweep)")
     parser.add_argument("--profile", action="store_true",
                         help="report GPU-busy time and step/busy from the last two iterations")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="training iterations per run")
     parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
     parser.add_argument("--log-interval", type=int, default=1,
                         help="training's --log-interval: step times are means over it; with 1 "
                              "every step waits for the GPU when it is logged")
-    parser.add_argument("--global-batch-size", type=int, default=4)
-    parser.add_argument("--doc-length-median", type=int, default=512)
-    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--global-batch-size", type=int, default=4,
+                        help="training's --global-batch-size")
+    parser.add_argument("--doc-length-median", type=int, default=512,
+                        help="median synthetic document length in tokens (--mock-doc-length-median)")
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes) per run")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                         help="pipeline stages (divides --nproc); metrics come from the last stage")
     parser.add_argument("--extra-args", default="",
@@ -208,8 +283,14 @@ def main(argv=None) -> int:
                         help="run everything once per set of dynamic CP sizes, e.g. 1 2 1,2")
     parser.add_argument("--tokens-per-rank", type=int, default=2048,
                         help="positions per rank with --dynamic-cp-sets")
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--from-metrics", nargs="+", default=[], metavar="VARIANT=FILE",
+                        help="train nothing: tabulate these metrics files of finished runs, one "
+                             "row each (--warmup, --log-interval, --nproc and "
+                             "--global-batch-size describe those runs)")
     args = parser.parse_args(argv)
+    if args.from_metrics:
+        return tabulate_metrics_files(parser, args)
     presets = [p for name in args.presets for p in PRESET_GROUPS.get(name, [name])]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
@@ -228,13 +309,46 @@ def main(argv=None) -> int:
     for preset in presets:
         for cp_set in args.dynamic_cp_sets or [""]:
             for variant in variants:
-                rows.append(run_one(preset, variant, args, cp_set))
-                print(f"done: {rows[-1]['preset']}/{variant} {rows[-1]['step_ms']:.1f} ms/step",
-                      flush=True)
+                label = f"{preset} cp{cp_set}" if cp_set else preset
+                try:
+                    rows.append(run_one(preset, variant, args, cp_set))
+                    print(f"done: {label}/{variant} {rows[-1]['step_ms']:.1f} ms/step", flush=True)
+                except RunFailed as failed:
+                    rows.append({"preset": label, "variant": variant, "error": failed.summary})
+                    print(f"failed: {label}/{variant}: {failed.summary}\n{failed.log}",
+                          file=sys.stderr, flush=True)
+    return report(rows, args)
+
+
+def tabulate_metrics_files(parser, args) -> int:
+    """--from-metrics: one row per VARIANT=FILE, from the files alone."""
+    if args.log_interval < 1 or args.warmup % args.log_interval:
+        parser.error(f"--log-interval is wrong: {args.log_interval}. It must divide --warmup "
+                     f"({args.warmup}).")
+    rows = []
+    for spec in args.from_metrics:
+        variant, sep, path = spec.partition("=")
+        if not sep or not variant or not path:
+            parser.error(f"--from-metrics is wrong: {spec}. Give VARIANT=FILE, e.g. "
+                         f"eager=runs/eager.jsonl.")
+        try:
+            rows.append(summarise(args.presets[0], variant, args, read_metrics(path)))
+        except RunFailed as failed:
+            rows.append({"preset": args.presets[0], "variant": variant, "error": failed.summary})
+    return report(rows, args)
+
+
+def report(rows: list, args) -> int:
+    """Print the table (and write --json); 1 when a row failed."""
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    failed = [f"{r['preset']}/{r['variant']}" for r in rows if r.get("error")]
+    if failed:
+        print(f"benchmark: {len(failed)} of {len(rows)} runs failed: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -6,6 +6,7 @@ capacity whose predicted eager-fallback rate is at most the target. CPU only.
 
     python tools/capacity_advisor.py --data-path train.jsonl --seq-length 4096 --vocab-size 32000
     python tools/capacity_advisor.py --mock-data --seq-length 4096 --vocab-size 32000
+    CAPACITY=$(python tools/capacity_advisor.py --mock-data ... --print-capacity)   # for scripts
 """
 
 import argparse
@@ -146,19 +147,29 @@ def format_report(
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data-path", help="pre-tokenized JSONL file (see docs/data-format.md)")
+    source.add_argument("--data-path", default=None,
+                        help="pre-tokenized JSONL file (see docs/data-format.md)")
     source.add_argument("--mock-data", action="store_true", help="built-in synthetic packed rows")
-    parser.add_argument("--seq-length", type=int, required=True)
-    parser.add_argument("--vocab-size", type=int, required=True)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--target-fallback-rate", type=float, default=0.01)
-    parser.add_argument("--reject-long-documents", action="store_true")
-    parser.add_argument("--mock-doc-length-median", type=float, default=512)
-    parser.add_argument("--mock-doc-length-sigma", type=float, default=1.0)
+    parser.add_argument("--seq-length", type=int, required=True,
+                        help="training's --seq-length (tokens per packed row)")
+    parser.add_argument("--vocab-size", type=int, required=True, help="training's --vocab-size")
+    parser.add_argument("--micro-batch-size", type=int, default=1,
+                        help="training's --micro-batch-size (rows per micro-batch)")
+    parser.add_argument("--target-fallback-rate", type=float, default=0.01,
+                        help="largest acceptable share of micro-batches that run eager")
+    parser.add_argument("--reject-long-documents", action="store_true",
+                        help="as training's flag: refuse documents longer than --seq-length")
+    parser.add_argument("--mock-doc-length-median", type=float, default=512,
+                        help="with --mock-data: training's --mock-doc-length-median")
+    parser.add_argument("--mock-doc-length-sigma", type=float, default=1.0,
+                        help="with --mock-data: training's --mock-doc-length-sigma")
     parser.add_argument("--num-samples", type=int, default=2000, help="mock rows to draw")
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=int, default=1234, help="training's --seed")
+    parser.add_argument("--print-capacity", action="store_true",
+                        help="print only the recommended capacity (one integer), for scripts")
     return parser.parse_args(argv)
 
 
@@ -195,6 +206,9 @@ def main(argv=None) -> int:
     segments, documents = micro_batch_counts(
         (dataset[i] for i in range(len(dataset))), args.micro_batch_size
     )
+    if args.print_capacity:
+        print(recommend_capacity(segments, args.target_fallback_rate)[0])
+        return 0
     print(header)
     print(format_report(segments, documents, args.micro_batch_size, args.seq_length, args.target_fallback_rate))
     return 0

@@ -13,6 +13,9 @@ Each run is ``PATH[:LABEL]`` (the label defaults to the file name without its ex
 Training loss is a line per run, validation loss markers of the same colour, the golden
 values a dashed black line; ``--step-time`` adds a panel of ``iteration_time_ms`` per run with
 its median in the legend. Needs matplotlib (``pip install -e ".[plot]"``), not torch.
+
+A missing, unreadable or cut-off input file (a metrics line that is not complete JSON, e.g.
+while its run is still writing) is named in one line on stderr, with exit status 1.
 """
 
 import argparse
@@ -30,6 +33,10 @@ Curve = Tuple[List[int], List[float]]  # (steps, values), steps ascending
 GOLDEN_METRIC = "lm loss"
 
 
+class InputFileError(ValueError):
+    """An input file is missing, unreadable or not complete JSON; the message names it."""
+
+
 @dataclass(frozen=True)
 class Run:
     """One run's curves, ready to plot."""
@@ -43,11 +50,49 @@ class Run:
     """Training ``iteration_time_ms`` per iteration."""
 
 
+def _open_text(path: str, what: str):
+    try:
+        return open(path)
+    except FileNotFoundError:
+        raise InputFileError(f"{what} is wrong: {path} does not exist. Check the path.") from None
+    except OSError as error:
+        raise InputFileError(f"{what} is wrong: {path} cannot be read ({error.strerror}). "
+                             f"Check the path and its permissions.") from None
+
+
 def read_records(path: str) -> List[dict]:
     """Every record of a metrics file, in file order (the format of ``metrics.read_metrics``,
-    read here without importing torch)."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    read here without importing torch). Raises InputFileError naming the file and line when
+    the file is missing or a line is not a complete JSON object (a truncated file)."""
+    records = []
+    with _open_text(path, "metrics file") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InputFileError(
+                    f"metrics file is wrong: {path} line {number} is not complete JSON "
+                    f"({error.msg}): the file is truncated or not a --metrics-file. Pass a "
+                    f"complete metrics file.") from None
+            if not isinstance(record, dict):
+                raise InputFileError(f"metrics file is wrong: {path} line {number} is not a JSON "
+                                     f"object. Pass a --metrics-file of a training run.")
+            records.append(record)
+    return records
+
+
+def read_golden(path: str) -> dict:
+    """A golden-values JSON file; InputFileError naming it when missing or not JSON."""
+    with _open_text(path, "golden values file") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as error:
+            raise InputFileError(
+                f"golden values file is wrong: {path} is not complete JSON ({error.msg} at line "
+                f"{error.lineno}): the file is truncated or not a golden-values file. Pass a "
+                f"complete Megatron golden-values file.") from None
 
 
 def curve_from_records(records: Sequence[dict], key: str = "lm_loss",
@@ -162,7 +207,8 @@ def plot(runs: Sequence[Run], out: str, golden: Optional[Curve] = None,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN.jsonl[:LABEL]",
                         help="metrics files (--metrics-file), each with an optional label")
     parser.add_argument("--out", required=True, help="PNG to write")
@@ -175,14 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    runs = [load_run(*parse_run_spec(spec)) for spec in args.runs]
+    try:
+        runs = [load_run(*parse_run_spec(spec)) for spec in args.runs]
+        golden = golden_curve(read_golden(args.golden)) if args.golden else None
+    except (InputFileError, ValueError) as error:
+        print(f"plot_metrics: {error}", file=sys.stderr)
+        return 1
     for run in runs:
         if not run.loss[0]:
             print(f"warning: {run.label}: no training records with lm_loss", file=sys.stderr)
-    golden = None
-    if args.golden:
-        with open(args.golden) as f:
-            golden = golden_curve(json.load(f))
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     plot(runs, args.out, golden=golden, step_time=args.step_time)

@@ -13,6 +13,9 @@ A step whose GPU-idle time is mostly under one frame is waiting on that code: a 
 (``cudaStreamSynchronize``, ``aten::item``) or eager work launched too slowly.
 
     python tools/step_gaps.py /tmp/traces/trace_iter20_rank0.json --top 20
+
+A missing, unreadable or cut-off trace (not complete JSON), or one without GPU kernels, is
+named in one line on stderr, with exit status 1.
 """
 
 import argparse
@@ -72,7 +75,8 @@ def analyse(trace: dict, min_gap_us: float) -> dict:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     busy = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES]
     if not busy:
-        raise ValueError("no GPU kernels in the trace: was it recorded with CUDA activity?")
+        raise ValueError("trace is wrong: it holds no GPU kernels. Record it with CUDA "
+                         "activity (--profile --profile-trace-dir on a GPU run).")
     host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
     threads = defaultdict(list)
     for e in host:
@@ -95,15 +99,41 @@ def _table(title: str, times: Dict[str, float], idle_us: float, top: int) -> str
     return "\n".join(lines)
 
 
+def read_trace(path: str) -> dict:
+    """The Chrome trace at ``path``; ValueError naming the file when it is missing, unreadable
+    or not complete JSON (a trace cut off while it was written)."""
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"trace is wrong: {path} does not exist. Pass a "
+                         f"trace_iter<N>_rank<R>.json from --profile-trace-dir.") from None
+    except OSError as error:
+        raise ValueError(f"trace is wrong: {path} cannot be read ({error.strerror}). Check the "
+                         f"path and its permissions.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        where = f" at line {error.lineno}" if isinstance(error, json.JSONDecodeError) else ""
+        raise ValueError(f"trace is wrong: {path} is not complete JSON{where}: the file is "
+                         f"truncated or not a Chrome trace. Profile the iteration again.") from None
+    if not isinstance(trace, dict):
+        raise ValueError(f"trace is wrong: {path} is not a Chrome trace object. Pass a "
+                         f"trace_iter<N>_rank<R>.json from --profile-trace-dir.")
+    return trace
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("trace", help="trace_iter<N>_rank<R>.json from --profile-trace-dir")
     parser.add_argument("--min-gap-us", type=float, default=20.0,
                         help="shorter gaps between GPU work are launch latency, not waiting")
-    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--top", type=int, default=15, help="frames listed per table")
     args = parser.parse_args(argv)
-    with open(args.trace) as f:
-        result = analyse(json.load(f), args.min_gap_us)
+    try:
+        result = analyse(read_trace(args.trace), args.min_gap_us)
+    except ValueError as error:
+        print(f"step_gaps: {error}", file=sys.stderr)
+        return 1
     span, idle = result["span_us"], result["idle_us"]
     print(f"iteration span {span / 1000:.2f} ms, GPU busy {(span - idle) / 1000:.2f} ms, "
           f"GPU idle {idle / 1000:.2f} ms in {result['gaps']} gaps >= {args.min_gap_us:g} us")

@@ -318,7 +318,10 @@ def _add_cuda_graph_args(parser):
                         "micro-batch is padded to the smallest captured one that fits (PP=1).")
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
                    help="Eager steps before capture.")
-    g.add_argument("--cuda-graph-granularity", choices=["layer", "chunk"], default="layer")
+    g.add_argument("--cuda-graph-granularity", choices=["layer", "chunk"], default="layer",
+                   help="layer: a forward and a backward graph per layer; chunk: one graph pair "
+                        "per pipeline model chunk and in-flight micro-batch (local impl; prefer "
+                        "it with pipeline parallelism).")
 
 
 def _add_distributed_args(parser):

@@ -1,9 +1,14 @@
 """The launch scripts under examples/: syntax, and the --dry-run launch command, whose training
-flags must pass the real parser and validate_args (so a typo in a script fails here) (CPU)."""
+flags must pass the real parser and validate_args (so a typo in a script fails here); every
+script's --dry-run runs nothing; te_patches on PYTHONPATH exactly where Transformer Engine runs
+context parallelism; the first-run script (capacity from the advisor, eager reference, graphed
+run, both tokens/s) end to end with a fake torchrun (CPU)."""
 
+import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,13 +20,19 @@ EXAMPLES = REPO / "examples"
 SCRIPTS = sorted(p for p in EXAMPLES.rglob("*") if p.suffix in (".sh", ".sbatch"))
 SBATCH = {"gpt": "examples/slurm/sft_gpt.sbatch", "hybrid": "examples/slurm/sft_hybrid.sbatch"}
 LOCAL = {"gpt": "examples/local/run_gpt.sh", "hybrid": "examples/local/run_hybrid.sh"}
+SYNTHETIC = "examples/local/train_hybrid_synthetic.sh"
+SOURCED = {"examples/common.sh"}  # sourced by the scripts, not run
 MODEL_OF_SCRIPT = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
 KNOBS = ("NNODES", "GPUS_PER_NODE", "LAUNCHER", "CONTAINER_IMAGE", "CONTAINER_MOUNTS",
          "DATA_PATH", "VALID_DATA_PATH", "SAVE_DIR", "LOG_DIR", "SEQ_LENGTH", "MICRO_BATCH_SIZE",
          "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "TP", "PP", "CUDA_GRAPH_IMPL",
          "CUDA_GRAPH_MAX_PACKED_SEQS", "CUDA_GRAPH_WARMUP_STEPS", "CUDA_GRAPH_SCOPE", "NSYS",
          "NSYS_OUTPUT", "EXTRA_ARGS", "DRY_RUN", "MASTER_ADDR", "MASTER_PORT", "REPO_DIR",
-         "RUN_NAME", "LAUNCH_MODE", "LOAD_DIR", "SAVE_INTERVAL", "WORLD_SIZE")
+         "RUN_NAME", "LAUNCH_MODE", "LOAD_DIR", "SAVE_INTERVAL", "WORLD_SIZE", "CP",
+         "TE_PATCHES", "NGPUS", "EAGER_ITERS", "CUDA_GRAPH_GRANULARITY", "TARGET_FALLBACK_RATE",
+         "OUT_DIR", "JOB_TAG", "LOG_INTERVAL", "SEED", "PYTHON")
+TE_PATCHES_EXPORT = (f"export PYTHONPATH={REPO / 'te_patches'}"
+                     "${PYTHONPATH:+:$PYTHONPATH}")
 
 
 @pytest.fixture
@@ -236,3 +247,250 @@ def test_a_submitted_job_runs_srun_tees_the_log_and_keeps_its_exit_code(fake_bin
     log = (tmp_path / "run" / "logs" / "sft_hybrid_77.log").read_text()
     assert "--node-rank 0 --master-addr fakehost1" in log
     assert "--hybrid-override-pattern M-M-M*-M-M-M*-M- " in log  # the quoting survived
+
+
+# --- every script: --dry-run runs nothing ------------------------------------------------------
+
+def _recording_tools(bin_dir: Path, calls: Path, names=("torchrun", "srun", "nsys", "python",
+                                                        "python3", "scontrol")):
+    """Fake tools on PATH that only record that they were called."""
+    bin_dir.mkdir(exist_ok=True)
+    for name in names:
+        tool = bin_dir / name
+        tool.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+        tool.chmod(0o755)
+
+
+RUNNABLE = [p for p in SCRIPTS if str(p.relative_to(REPO)) not in SOURCED]
+
+
+@pytest.mark.parametrize("script", RUNNABLE, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_script_dry_run_prints_and_runs_nothing(script, tmp_path):
+    calls = tmp_path / "calls"
+    _recording_tools(tmp_path / "bin", calls)
+    out_dir = tmp_path / "out"
+    env = {"GPUS_PER_NODE": "1", "NGPUS": "1", "SAVE_DIR": str(out_dir), "OUT_DIR": str(out_dir),
+           "PYTHON": str(tmp_path / "bin" / "python3")}
+    proc = run_script(str(script.relative_to(REPO)), "--dry-run", env=env,
+                      fake_bin=tmp_path / "bin")
+    assert proc.returncode == 0, proc.stderr
+    assert "dry run, nothing is launched" in proc.stdout
+    assert any(ln.split(" ", 1)[0] in ("srun", "torchrun") for ln in proc.stdout.splitlines())
+    assert not calls.exists(), calls.read_text()  # no launcher, no python, nothing
+    assert not out_dir.exists()
+
+
+# --- te_patches on PYTHONPATH where TE runs context parallelism --------------------------------
+
+@pytest.mark.parametrize("env, args, on", [
+    ({}, [], False),
+    ({"CP": "2", "GPUS_PER_NODE": "2"}, [], True),
+    ({"GPUS_PER_NODE": "2"}, ["--context-parallel-size", "2"], True),
+    ({"GPUS_PER_NODE": "2", "EXTRA_ARGS": "--context-parallel-size=2"}, [], True),
+    ({"GPUS_PER_NODE": "2"}, ["--dynamic-cp-sizes", "1", "2", "--seed", "3"], True),
+    ({"GPUS_PER_NODE": "2"}, ["--dynamic-cp-sizes", "1"], False),
+    ({"CP": "2", "GPUS_PER_NODE": "2"}, ["--context-parallel-size", "1"], False),  # last wins
+    ({"CP": "2", "GPUS_PER_NODE": "2", "TE_PATCHES": "0"}, [], False),
+    ({"TE_PATCHES": "1"}, [], True),
+])
+def test_te_patches_go_on_pythonpath_with_te_context_parallelism(env, args, on):
+    out = dry_run(LOCAL["gpt"], env, *args)
+    assert (TE_PATCHES_EXPORT in out.splitlines()) == on, out
+    assert ("te_patches" in out) == on
+
+
+def test_cp_knob_reaches_the_command_and_the_world_check():
+    line = launch_line(dry_run(SBATCH["hybrid"], {"CP": "2", "GPUS_PER_NODE": "4"}))
+    launcher, script, argv = split_launch(line)
+    args = build_parser(MODEL_OF_SCRIPT[script]).parse_args(argv)  # CP validation needs TE
+    assert args.context_parallel_size == 2 and args.global_batch_size == 8  # DP = 2
+    proc = run_script(SBATCH["gpt"], env={"DRY_RUN": "1", "CP": "3"})
+    assert proc.returncode == 1
+    assert "TP x PP x CP is wrong: 1 x 1 x 3. It must divide NNODES x GPUS_PER_NODE = 8" in proc.stderr
+
+
+def test_bad_te_patches_knob_is_refused():
+    proc = run_script(SBATCH["gpt"], env={"DRY_RUN": "1", "TE_PATCHES": "yes"})
+    assert proc.returncode == 1 and "TE_PATCHES is wrong: yes. Use auto, 1 or 0" in proc.stderr
+
+
+def test_a_submitted_cp_job_trains_with_te_patches_on_pythonpath(fake_bin, tmp_path):
+    srun = fake_bin / "srun"
+    srun.write_text('#!/bin/bash\nfor a in "$@"; do last=$a; done\n'
+                    'SLURM_NODEID=0 bash -c "$last"\n')
+    torchrun = fake_bin / "torchrun"
+    torchrun.write_text('#!/bin/bash\necho "PYTHONPATH=$PYTHONPATH"\n')
+    for tool in (srun, torchrun):
+        tool.chmod(0o755)
+    env = {"SLURM_JOB_ID": "78", "SAVE_DIR": str(tmp_path / "run"), "CP": "2",
+           "PYTHONPATH": "/elsewhere"}
+    proc = run_script(SBATCH["gpt"], env=env, fake_bin=fake_bin)
+    assert proc.returncode == 0, proc.stderr
+    log = (tmp_path / "run" / "logs" / "sft_gpt_78.log").read_text()
+    assert f"PYTHONPATH={REPO / 'te_patches'}:/elsewhere" in log
+
+
+# --- examples/local/train_hybrid_synthetic.sh ---------------------------------------------------
+
+def _synthetic_dry_run(env=None, *args):
+    out = dry_run(SYNTHETIC, {"NGPUS": "2", **(env or {})}, *args)
+    lines = out.splitlines()
+    runs = [ln for ln in lines if ln.startswith("torchrun ")]
+    capacity = [ln for ln in lines if ln.startswith("CAPACITY=")]
+    summary = [ln for ln in lines if "tools/benchmark.py" in ln]
+    assert len(runs) == 2 and len(capacity) == 1 and len(summary) == 1, out
+    return out, runs, capacity[0], summary[0]
+
+
+def test_synthetic_dry_run_eager_reference_then_graphs_with_the_advised_capacity():
+    out, (eager, graphs), capacity, summary = _synthetic_dry_run()
+    assert "dry run, nothing is launched" in out and "te_patches" not in out
+    eager_args, launcher = validated(eager, world_size=2)
+    assert launcher[:5] == ["torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node"]
+    assert eager_args.cuda_graph_impl == "none" and "--cuda-graph" not in eager
+    assert eager_args.train_iters == 30 and eager_args.model == "hybrid"
+    # The capacity is the advisor's, read from the same synthetic data at run time.
+    assert '--cuda-graph-max-packed-seqs "$CAPACITY"' in graphs
+    graph_args, _ = validated(graphs.replace('"$CAPACITY"', "11"), world_size=2)
+    assert (graph_args.cuda_graph_impl, graph_args.cuda_graph_granularity) == ("local", "layer")
+    assert graph_args.cuda_graph_max_packed_seqs == 11 and graph_args.train_iters == 200
+    assert graph_args.hybrid_override_pattern == "M-M-M*-M-M-M*-M-"
+    advisor = shlex.split(capacity.removeprefix("CAPACITY=$(").removesuffix(")"))
+    assert advisor[1] == "tools/capacity_advisor.py" and "--print-capacity" in advisor
+    for flag, value in (("--seq-length", graph_args.seq_length),
+                        ("--vocab-size", graph_args.vocab_size),
+                        ("--mock-doc-length-median", graph_args.mock_doc_length_median),
+                        ("--seed", graph_args.seed),
+                        ("--micro-batch-size", graph_args.micro_batch_size)):
+        assert float(flag_value(advisor, flag)) == float(value), flag
+    assert "--mock-data" in advisor
+    # Both runs are the same model and data; only the graph flags and the length differ.
+    strip = {"--train-iters", "--lr-decay-iters", "--metrics-file", "--cuda-graph-impl",
+             "--cuda-graph-granularity", "--cuda-graph-max-packed-seqs",
+             "--cuda-graph-warmup-steps"}
+    assert ({k: v for k, v in vars(eager_args).items() if f"--{k.replace('_', '-')}" not in strip}
+            == {k: v for k, v in vars(graph_args).items() if f"--{k.replace('_', '-')}" not in strip})
+    words = shlex.split(summary)
+    assert words[1] == "tools/benchmark.py" and "--from-metrics" in words
+    assert f"eager={eager_args.metrics_file}" in words
+    assert f"layer-graphs={graph_args.metrics_file}" in words
+
+
+def test_synthetic_knobs_chunk_graphs_fixed_capacity_and_extra_flags():
+    env = {"CUDA_GRAPH_GRANULARITY": "chunk", "CUDA_GRAPH_MAX_PACKED_SEQS": "32",
+           "EAGER_ITERS": "20", "TRAIN_ITERS": "50"}
+    out, (eager, graphs), capacity, summary = _synthetic_dry_run(env, "--log-interval", "5")
+    assert capacity == "CAPACITY=32"
+    graph_args, _ = validated(graphs.replace('"$CAPACITY"', "32"), world_size=2)
+    assert graph_args.cuda_graph_granularity == "chunk" and graph_args.train_iters == 50
+    eager_args, _ = validated(eager, world_size=2)
+    assert eager_args.train_iters == 20
+    assert eager_args.log_interval == graph_args.log_interval == 5  # arguments win
+    assert "chunk-graphs=" in summary
+
+
+def test_synthetic_with_context_parallelism_puts_te_patches_on_pythonpath():
+    out, *_ = _synthetic_dry_run({}, "--context-parallel-size", "2")
+    assert TE_PATCHES_EXPORT in out.splitlines()
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"CUDA_GRAPH_GRANULARITY": "block"}, "CUDA_GRAPH_GRANULARITY is wrong: block. Use layer or chunk"),
+    ({"EAGER_ITERS": "10"}, "EAGER_ITERS / TRAIN_ITERS is wrong: 10 / 200. Both must exceed LOG_INTERVAL (10)"),
+    ({"NGPUS": "two"}, "NGPUS is wrong: two"),
+])
+def test_synthetic_rejects_bad_knobs(env, message):
+    proc = run_script(SYNTHETIC, "--dry-run", env={"NGPUS": "1", **env})
+    assert proc.returncode == 1 and message in proc.stderr
+
+
+def test_the_advisor_command_prints_the_recommended_capacity(capsys):
+    """What the script's CAPACITY=$(...) line reads: one integer, the report's recommendation."""
+    import tools.capacity_advisor as advisor
+    _, _, capacity, _ = _synthetic_dry_run()
+    argv = shlex.split(capacity.removeprefix("CAPACITY=$(").removesuffix(")"))[2:]
+    argv = [a for a in argv if a != "--print-capacity"] + ["--num-samples", "400"]
+    assert advisor.main([*argv, "--print-capacity"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip().isdigit() and printed.count("\n") == 1
+    assert advisor.main(argv) == 0
+    report = capsys.readouterr().out
+    assert f"recommended: --cuda-graph-max-packed-seqs {printed.strip()} " in report
+
+
+FAKE_TORCHRUN = r'''#!{python}
+"""Records its command line and writes the metrics file a training run would."""
+import json, sys
+argv = sys.argv[1:]
+with open({calls!r}, "a") as f:
+    f.write(" ".join(argv) + "\n")
+graphs = "--cuda-graph-impl" in argv
+if graphs and {fail_graphs!r}:
+    print("RuntimeError: CUDA error: out of memory", file=sys.stderr)
+    sys.exit(3)
+iters = int(argv[argv.index("--train-iters") + 1])
+interval = int(argv[argv.index("--log-interval") + 1])
+with open(argv[argv.index("--metrics-file") + 1], "w") as f:
+    for it in range(interval, iters + 1, interval):
+        f.write(json.dumps({{"iteration": it, "lm_loss": 5.0, "iteration_time_ms": 100.0,
+                            "tokens_per_sec": (3000.0 if graphs else 1000.0) if it > interval
+                            else 10.0, "mem_max_allocated_bytes": 2**30}}) + "\n")
+'''
+
+
+def _fake_torchrun(tmp_path, fail_graphs=False):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "torchrun_calls"
+    tool = bin_dir / "torchrun"
+    tool.write_text(FAKE_TORCHRUN.format(python=sys.executable, calls=str(calls),
+                                         fail_graphs=fail_graphs))
+    tool.chmod(0o755)
+    return bin_dir, calls
+
+
+def test_synthetic_runs_eager_then_graphs_and_prints_both_tokens_per_sec(tmp_path):
+    bin_dir, calls = _fake_torchrun(tmp_path)
+    env = {"NGPUS": "1", "CUDA_GRAPH_MAX_PACKED_SEQS": "16", "OUT_DIR": str(tmp_path / "out"),
+           "JOB_TAG": "t", "PYTHON": sys.executable, "EAGER_ITERS": "20", "TRAIN_ITERS": "40"}
+    proc = run_script(SYNTHETIC, env=env, fake_bin=bin_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    eager, graphs = calls.read_text().splitlines()
+    assert "--cuda-graph-impl" not in eager and "--train-iters 20" in eager
+    assert "--cuda-graph-max-packed-seqs 16" in graphs and "--train-iters 40" in graphs
+    table = proc.stdout[proc.stdout.index("tokens/s, eager reference vs layer graphs"):]
+    assert "| hybrid-small | eager | 100.0 |" in table and "| 1,000 | 1.00x |" in table
+    assert "| hybrid-small | layer-graphs | 100.0 |" in table and "| 3,000 | 3.00x |" in table
+    assert (tmp_path / "out" / "eager_t.jsonl").exists()
+    assert (tmp_path / "out" / "layer_graphs_t.jsonl").exists()
+
+
+def test_synthetic_stops_when_the_graph_run_fails(tmp_path):
+    bin_dir, calls = _fake_torchrun(tmp_path, fail_graphs=True)
+    env = {"NGPUS": "1", "CUDA_GRAPH_MAX_PACKED_SEQS": "16", "OUT_DIR": str(tmp_path / "out"),
+           "JOB_TAG": "t", "PYTHON": sys.executable}
+    proc = run_script(SYNTHETIC, env=env, fake_bin=bin_dir)
+    assert proc.returncode == 3
+    assert "tokens/s, eager reference" not in proc.stdout
+    assert len(calls.read_text().splitlines()) == 2
+
+
+# --- --help of the graph flags and of the capacity advisor --------------------------------------
+
+def test_every_graph_flag_has_help_text():
+    parser = build_parser("hybrid")
+    graph_actions = [a for a in parser._actions
+                     if any("graph" in opt or "dynamic-cp" in opt for opt in a.option_strings)]
+    assert {"--cuda-graph-impl", "--cuda-graph-granularity", "--cuda-graph-max-packed-seqs",
+            "--cuda-graph-warmup-steps"} <= {o for a in graph_actions for o in a.option_strings}
+    for action in graph_actions:
+        assert action.help and action.help.strip(), action.option_strings
+
+
+def test_capacity_advisor_help_shows_defaults(capsys):
+    import tools.capacity_advisor as advisor
+    with pytest.raises(SystemExit) as done:
+        advisor.parse_args(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.01)" in text and "(default: 2000)" in text and "--print-capacity" in text

@@ -2,12 +2,16 @@
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
 from tools.plot_metrics import (  # noqa: E402
+    build_parser,
     golden_curve,
     load_curve,
     load_run,
@@ -114,3 +118,46 @@ def test_cli(two_runs, tmp_path, capsys):
                  "--step-time", "--out", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
     _assert_png(out)
+
+
+# --- missing or truncated input files: one line naming the file, exit 1, no traceback ----------
+
+def _cli(*argv):
+    """The tool as a program, in a fresh interpreter."""
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, str(repo / "tools" / "plot_metrics.py"), *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_missing_metrics_file_is_named_in_one_line(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    proc = _cli(f"{missing}:eager", "--out", str(tmp_path / "x.png"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"plot_metrics: metrics file is wrong: {missing} does not exist. Check the path."]
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_a_truncated_metrics_file_is_named_with_its_line(tmp_path, capsys):
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text('{"iteration": 1, "lm_loss": 5.0}\n{"iteration": 2, "lm_lo')
+    assert main([str(cut), "--out", str(tmp_path / "x.png")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"plot_metrics: metrics file is wrong: {cut} line 2 "
+                                               "is not complete JSON")
+    assert "truncated" in err[0]
+
+
+def test_a_truncated_golden_file_is_named(two_runs, tmp_path):
+    eager, _, _ = two_runs
+    golden = tmp_path / "golden_values.json"
+    golden.write_text('{"lm loss": {"start_step": 1, "values": {"1": 10.')
+    proc = _cli(eager, "--golden", str(golden), "--out", str(tmp_path / "x.png"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"golden values file is wrong: {golden} is not complete JSON" in lines[0]
+
+
+def test_help_shows_the_defaults():
+    text = " ".join(build_parser().format_help().split())
+    assert "(default: None)" in text and "(default: False)" in text

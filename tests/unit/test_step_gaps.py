@@ -1,5 +1,9 @@
+import json
 import os
+import subprocess
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import step_gaps  # noqa: E402
@@ -31,7 +35,6 @@ def test_idle_time_goes_to_the_innermost_host_frame():
 
 
 def test_main_prints_the_tables(tmp_path, capsys):
-    import json
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": [
         _event("kernel", "k", 0, 10), _event("kernel", "k", 100, 10),
@@ -39,3 +42,44 @@ def test_main_prints_the_tables(tmp_path, capsys):
     assert step_gaps.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "GPU idle 0.09 ms in 1 gaps" in out and "| `cudaStreamSynchronize` | 0.09 | 100% |" in out
+
+
+# --- missing or truncated traces: one line naming the file, exit 1, no traceback ----------------
+
+def _cli(*argv):
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "step_gaps.py")
+    return subprocess.run([sys.executable, tool, *argv], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_missing_trace_is_named_in_one_line(tmp_path):
+    missing = tmp_path / "trace_iter9_rank0.json"
+    proc = _cli(str(missing))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"step_gaps: trace is wrong: {missing} does not exist. Pass a "
+        "trace_iter<N>_rank<R>.json from --profile-trace-dir."]
+
+
+def test_a_truncated_trace_is_named_in_one_line(tmp_path, capsys):
+    cut = tmp_path / "trace.json"
+    cut.write_text('{"traceEvents": [{"ph": "X", "cat": "kernel", "ts": 0, "du')
+    assert step_gaps.main([str(cut)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith(f"step_gaps: trace is wrong: {cut} is not complete JSON")
+    assert "truncated" in err[0]
+
+
+def test_a_trace_without_kernels_says_so(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [_event("python_function", "f", 0, 10)]}))
+    assert step_gaps.main([str(path)]) == 1
+    assert "holds no GPU kernels" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        step_gaps.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 20.0)" in text and "(default: 15)" in text
