@@ -239,7 +239,8 @@ def _check_virtual_pipeline(args, model: str):
                         "exclusive; give one")
     if model == "hybrid":
         fail(flag, vpp if vpp is not None else per_stage,
-             "megatron-core 0.16.1's MambaStack does not support interleaved pipelines; drop it")
+             "hybrid models split into interleaved stages only with '|' stage marks in the "
+             "pattern, which this fork does not build yet; drop it")
     pp = args.pipeline_model_parallel_size
     if pp == 1:
         fail(flag, vpp if vpp is not None else per_stage,

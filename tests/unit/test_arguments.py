@@ -357,7 +357,7 @@ def test_vpp_needs_two_chunks():
 
 
 def test_vpp_rejected_for_hybrid():
-    with pytest.raises(ValueError, match="MambaStack does not support interleaved"):
+    with pytest.raises(ValueError, match=r"interleaved stages only with '\|' stage marks"):
         validate("--pipeline-model-parallel-size", 2, "--virtual-pipeline-model-parallel-size",
                  2, world_size=2, model="hybrid")
 
