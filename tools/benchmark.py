@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -100,14 +99,6 @@ VARIANTS = {
 
 COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size", "1",
           "--vocab-size", "32000", "--seed", "1234"]
-
-
-def _free_port() -> int:
-    """A port that was free a moment ago (tools/soak.py uses it; benchmark runs do not: they
-    start torchrun with --standalone, which binds its own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def variant_flags(variant: str) -> list:

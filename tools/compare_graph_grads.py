@@ -153,7 +153,8 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, model_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", choices=["gpt", "hybrid"], default="gpt")
     parser.add_argument("--capacity", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=2,

@@ -104,7 +104,8 @@ class SyncWatch:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, train_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("script", choices=sorted(SCRIPTS))
     parser.add_argument("--iteration", type=int, default=5, help="1-based iteration to check")
     opts = parser.parse_args(own)

@@ -145,7 +145,8 @@ def preprocess(input_path: str, output_path: str, tokenizer, progress: bool = Tr
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--input", required=True, help="JSONL of conversations ('messages')")
     parser.add_argument("--output", required=True, help="pre-tokenized JSONL to write")
     parser.add_argument("--tokenizer-type", default=TOKENIZER_TYPES[0],

@@ -28,7 +28,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tools.benchmark import COMMON, PRESETS, VARIANTS, _free_port  # noqa: E402
+from tools.benchmark import COMMON, PRESETS, VARIANTS  # noqa: E402
 
 
 def window_means(values: list, window: int) -> list:
@@ -74,8 +74,9 @@ def check_run(graphs: list, eager: list, *, window: int, loss_atol: float, memor
 
 def _launch(preset: str, variant: str, args, gpu: int, metrics: str, log) -> subprocess.Popen:
     script, model_flags = PRESETS[preset]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-           "--master-port", str(_free_port()), os.path.join(REPO, script), *model_flags,
+    # --standalone: torchrun's rendezvous binds a free port itself (runs start side by side).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           os.path.join(REPO, script), *model_flags,
            *COMMON, *VARIANTS[variant], "--train-iters", str(args.steps),
            "--global-batch-size", str(args.global_batch_size), "--log-interval", "1",
            "--mock-doc-length-median", str(args.doc_length_median),
@@ -85,7 +86,8 @@ def _launch(preset: str, variant: str, args, gpu: int, metrics: str, log) -> sub
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", default="hybrid-small", choices=sorted(PRESETS))
     parser.add_argument("--variants", nargs="+", default=["chunk-graphs", "te-layer-graphs"],
                         choices=sorted(v for v in VARIANTS if v != "eager"))

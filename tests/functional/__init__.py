@@ -1,4 +1,4 @@
 """Functional tests: Megatron-style cases run by ``python -m tests.functional.run``.
 
-Not pytest tests (they train on the GPU machine); ``conftest.py`` keeps pytest out of here.
+Not pytest tests (they train on GPUs); ``conftest.py`` keeps pytest out of here.
 """

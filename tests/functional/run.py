@@ -123,7 +123,7 @@ def main(argv=None, root: Path = CASES_ROOT) -> int:
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < case.nproc:
         seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        print(f"[{case.name}] needs the GPU machine: {case.nproc} CUDA device(s), {seen} visible "
+        print(f"[{case.name}] needs a machine with GPUs: {case.nproc} CUDA device(s), {seen} visible "
               "(see docs/functional-tests.md)", file=sys.stderr)
         return 1
 

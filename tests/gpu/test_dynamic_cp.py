@@ -1,7 +1,7 @@
 """Dynamic context parallelism (issue 7): a micro-batch's own CP group, and training with
 graph banks per CP size through pretrain_gpt.py / pretrain_mamba.py.
 
-Skipped without Transformer Engine (docs/te-on-device.md) or with fewer GPUs than a test
+Skipped without Transformer Engine (`pip install -e ".[te]"`) or with fewer GPUs than a test
 needs (2; the CP = 4 cases need the x4 machine).
 """
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 pytest.importorskip("transformer_engine.pytorch",
-                    reason="needs Transformer Engine (docs/te-on-device.md)")
+                    reason="needs Transformer Engine (pip install -e '.[te]')")
 
 from tests.gpu.launch import (  # noqa: E402
     REPO,

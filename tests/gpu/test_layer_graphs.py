@@ -18,7 +18,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
 from megatron.core.transformer.module import Float16Module
 from megatron.packed_graphs.core_patches import apply_core_patches
-from megatron.packed_graphs.dispatch import Reason
 from megatron.training.argument_checks import is_importable
 from megatron.training.arguments import parse_args
 from megatron.training.config import ddp_config_from_args, transformer_config_from_args

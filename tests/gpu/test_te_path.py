@@ -1,13 +1,13 @@
 """Transformer Engine path on packed sequences (one GPU): TE THD attention without host syncs.
 
-Skipped where Transformer Engine is not importable (docs/te-on-device.md installs it).
+Skipped where Transformer Engine is not importable (`pip install -e ".[te]"`).
 """
 
 import pytest
 import torch
 
 te = pytest.importorskip("transformer_engine.pytorch",
-                         reason="needs Transformer Engine (docs/te-on-device.md)")
+                         reason="needs Transformer Engine (pip install -e '.[te]')")
 
 from megatron.core.tensor_parallel.random import get_all_rng_states  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402

@@ -1,4 +1,4 @@
-"""PackedMambaMixer's contract on the host side (the kernels run on the GPU machine)."""
+"""PackedMambaMixer's contract on the host side (the kernels need a GPU)."""
 
 import inspect
 

@@ -8,7 +8,6 @@ import torch
 
 from megatron.training.datasets.chat import read_documents
 from megatron.training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
-from megatron.training.datasets.jsonl import read_jsonl_documents
 from megatron.training.datasets.mock import MockPackedDataset, mock_documents
 from megatron.training.datasets.packed_row_dataset import PackedRowDataset
 from megatron.training.datasets.packing import (
