@@ -61,7 +61,7 @@ def _pack(documents, args: Namespace, stats: PackingStats) -> list:
                                stats=stats, segment_multiple=_segment_multiple(args)))
 
 
-def _pack_jsonl(path: str, args: Namespace, stats: PackingStats) -> list:
+def pack_jsonl_file(path: str, args: Namespace, stats: PackingStats) -> list:
     """Rows of one data file; the data check before training (preflight.py) packs with it
     too, so its numbers are the run's. Stops on more truncation than
     --max-truncated-token-fraction allows."""
@@ -135,10 +135,10 @@ def build_datasets(args: Namespace):
         return mock(train_samples, args.seed), valid, None
 
     stats = PackingStats()
-    train = PackedRowDataset(_pack_jsonl(args.data_path, args, stats), train_samples, args.seed)
+    train = PackedRowDataset(pack_jsonl_file(args.data_path, args, stats), train_samples, args.seed)
     valid = None
     if args.valid_data_path and valid_samples > 0:
-        valid_rows = _pack_jsonl(args.valid_data_path, args, PackingStats())
+        valid_rows = pack_jsonl_file(args.valid_data_path, args, PackingStats())
         valid = PackedRowDataset(valid_rows, valid_samples, args.seed + 1)
     return train, valid, stats
 

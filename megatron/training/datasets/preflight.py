@@ -2,7 +2,7 @@
 
 `run_data_check` (called once, by ``run_pretraining``) checks that every ``--data-path`` /
 ``--valid-data-path`` is an existing file, then reads and packs each file exactly as training
-will (`builder._pack_jsonl`: the same reader, long-document policy and packer), so a bad line,
+will (`builder.pack_jsonl_file`: the same reader, long-document policy and packer), so a bad line,
 a too-long document under ``--long-document-policy reject`` or more truncation than
 ``--max-truncated-token-fraction`` allows stops the run with a ValueError naming the file (and
 ``file:line`` where there is one) and the fix, before any GPU is touched. A run that passes
@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from megatron.training.datasets.builder import _pack_jsonl, build_datasets, describe_packing
+from megatron.training.datasets.builder import pack_jsonl_file, build_datasets, describe_packing
 from megatron.training.datasets.jsonl import check_data_path
 from megatron.training.datasets.mock import MockPackedDataset
 from megatron.training.datasets.packing import PackingStats
@@ -64,7 +64,7 @@ def check_data(args) -> DataCheck:
     parts, found = [], []
     for flag, path in files:
         stats = PackingStats()
-        _pack_jsonl(path, args, stats)  # the training packer: errors name path:line
+        pack_jsonl_file(path, args, stats)  # the training packer: errors name path:line
         found.append(stats)
         parts.append(f"{flag} {path}: {_describe(stats)}")
     return DataCheck(found[0], found[1] if len(found) > 1 else None,
