@@ -177,8 +177,11 @@ def _tokens_per_rank(args) -> int:
     return tokens // args.tensor_model_parallel_size if args.sequence_parallel else tokens
 
 
-def pretrain(args, model_provider: Callable, forward_step) -> dict:
-    """Train ``args.train_iters`` iterations. Returns the last iteration's metrics record."""
+def pretrain(args, model_provider: Callable, forward_step,
+             packed_rows: dict | None = None) -> dict:
+    """Train ``args.train_iters`` iterations. Returns the last iteration's metrics record.
+
+    ``packed_rows``: rows of data files packed already (the data check's, by path)."""
     initialize_distributed(args)
     patches = apply_core_patches()
     set_seeds(args.seed, args.deterministic_mode, args.te_rng_tracker)
@@ -202,7 +205,7 @@ def pretrain(args, model_provider: Callable, forward_step) -> dict:
             args.load, model, optimizer, scheduler, load_optim=not args.no_load_optim,
             load_rng=not args.no_load_rng, finetune=args.finetune)
 
-    train_ds, valid_ds, stats = build_datasets(args)
+    train_ds, valid_ds, stats = build_datasets(args, packed_rows)
     if stats is not None:
         print_rank_0(f" > packed training data: {describe_packing(stats)}")
     # Every pipeline stage and virtual chunk reads the same micro-batch sequence itself:
@@ -284,9 +287,10 @@ def run_pretraining(model: str, model_provider: Callable, script: str, argv=None
 
     args = parse_args(argv, model=model)
     try:
-        run_data_check(args)  # rank 0 only, before distributed start-up and the GPU
+        check = run_data_check(args)  # rank 0 only, before distributed start-up and the GPU
     except ValueError as err:
         raise SystemExit(f"{script}: error: {err}") from None
     require_cuda(script)
     pretrain(args, model_provider,
-             PackedForwardStep.from_args(args, with_seq_idx=model == "hybrid"))
+             PackedForwardStep.from_args(args, with_seq_idx=model == "hybrid"),
+             packed_rows=check.rows if check else None)

@@ -205,3 +205,21 @@ def test_run_pretraining_on_another_rank_skips_the_check(tmp_path, monkeypatch, 
         training.run_pretraining("gpt", None, "pretrain_gpt.py",
                                  BASE + ["--data-path", str(tmp_path / "missing.jsonl")])
     assert capsys.readouterr().out == ""
+
+
+def test_training_reuses_the_rows_the_check_packed(tmp_path, monkeypatch):
+    from megatron.training.datasets import builder
+
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(9), doc(3))
+    args = args_for("--sft", "--data-path", path)
+    check = check_data(args)
+    assert list(check.rows) == [path]
+    fresh, _, _ = builder.build_datasets(args)
+
+    def packed_again(*a, **k):
+        raise AssertionError("rank 0 packed the file a second time")
+
+    monkeypatch.setattr(builder, "pack_jsonl_file", packed_again)
+    reused, _, _ = builder.build_datasets(args, check.rows)
+    assert reused.rows == check.rows[path] and len(reused) == len(fresh)
+    assert [row.tokens.tolist() for row in fresh.rows] == [row.tokens.tolist() for row in reused.rows]

@@ -80,7 +80,7 @@ def pack_jsonl_file(path: str, args: Namespace, stats: PackingStats) -> list:
     return rows
 
 
-def build_datasets(args: Namespace):
+def build_datasets(args: Namespace, packed_rows: dict | None = None):
     """Build ``(train_dataset, valid_dataset or None, PackingStats or None)``.
 
     Reads ``args.``: seq_length, vocab_size, seed, data_path, valid_data_path, mock_data,
@@ -134,12 +134,18 @@ def build_datasets(args: Namespace):
         valid = mock(valid_samples, args.seed + 1) if valid_samples > 0 else None
         return mock(train_samples, args.seed), valid, None
 
+    packed_rows = packed_rows or {}
+
+    def rows(path: str, stats: PackingStats) -> list:
+        # The data check packed this file already (rank 0): its rows, else pack now.
+        return packed_rows[path] if path in packed_rows else pack_jsonl_file(path, args, stats)
+
     stats = PackingStats()
-    train = PackedRowDataset(pack_jsonl_file(args.data_path, args, stats), train_samples, args.seed)
+    train = PackedRowDataset(rows(args.data_path, stats), train_samples, args.seed)
     valid = None
     if args.valid_data_path and valid_samples > 0:
-        valid_rows = pack_jsonl_file(args.valid_data_path, args, PackingStats())
-        valid = PackedRowDataset(valid_rows, valid_samples, args.seed + 1)
+        valid = PackedRowDataset(rows(args.valid_data_path, PackingStats()), valid_samples,
+                                 args.seed + 1)
     return train, valid, stats
 
 

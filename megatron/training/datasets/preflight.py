@@ -14,7 +14,7 @@ later anyway.
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from megatron.training.datasets.builder import pack_jsonl_file, build_datasets, describe_packing
@@ -34,11 +34,14 @@ class DataCheck:
         train: packing statistics of the training data (``--data-path``, or the mock rows).
         valid: those of ``--valid-data-path``; None without one.
         line: the one summary line printed.
+        rows: the packed rows of each data file, by path, for training to reuse (rank 0 then
+            reads and packs each file once).
     """
 
     train: PackingStats
     valid: PackingStats | None
     line: str
+    rows: dict = field(default_factory=dict)
 
 
 def is_first_rank(environ: Mapping[str, str] | None = None) -> bool:
@@ -61,14 +64,14 @@ def check_data(args) -> DataCheck:
         files.append(("--valid-data-path", args.valid_data_path))
     for flag, path in files:  # all paths first: a typo fails before a long read
         check_data_path(path, flag)
-    parts, found = [], []
+    parts, found, rows = [], [], {}
     for flag, path in files:
         stats = PackingStats()
-        pack_jsonl_file(path, args, stats)  # the training packer: errors name path:line
+        rows[path] = pack_jsonl_file(path, args, stats)  # training's packer: errors name path:line
         found.append(stats)
         parts.append(f"{flag} {path}: {_describe(stats)}")
     return DataCheck(found[0], found[1] if len(found) > 1 else None,
-                     "data check: " + "; ".join(parts))
+                     "data check: " + "; ".join(parts), rows)
 
 
 def _check_mock(args) -> DataCheck:
