@@ -82,6 +82,7 @@ def build_parser(model: str) -> argparse.ArgumentParser:
         prog=script,
         description=f"Packed-sequence (THD) {model} training, optionally under CUDA graphs.",
         allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_model_args(parser, model)
     _add_hybrid_args(parser)
