@@ -141,14 +141,17 @@ def keep_saved_tensor_observer_armed_until_capture() -> None:
     0.19.2 arms it when a CudaGraphManager is built and disarms it at the end of every
     schedule (``create_cudagraphs``), captured or not. This fork runs eager warm-up
     iterations first, so the recording iteration ran with the observer off and buffers
-    saved for backward were not tagged. Upstream's own ``_enable_saved_tensors_observer``
-    re-arms it and does nothing once graphs exist.
+    saved for backward were not tagged. Re-armed only where it was armed (a local-graph
+    manager exists): eager and TE-graph runs never pay for it. Upstream's own
+    ``_enable_saved_tensors_observer`` does nothing once graphs exist.
     """
     def create_cudagraphs(cls):
+        armed = cls._saved_tensors_observer is not None
         try:
             return UPSTREAM_CREATE_CUDAGRAPHS(cls)
         finally:
-            cls._enable_saved_tensors_observer()
+            if armed:
+                cls._enable_saved_tensors_observer()
 
     cuda_graphs._CudagraphGlobalRecord.create_cudagraphs = classmethod(create_cudagraphs)
 

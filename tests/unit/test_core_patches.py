@@ -148,6 +148,9 @@ def test_saved_tensor_observer_is_rearmed_until_the_capture():
             record._saved_tensors_observer[1]
     finally:
         record._disable_saved_tensors_observer()
+    # Never armed (eager or TE-graph runs: no local-graph manager): the schedule leaves it off.
+    cuda_graphs.create_cudagraphs()
+    assert record._saved_tensors_observer is None
 
 
 def test_aliasing_check_names_the_clashing_runners():
