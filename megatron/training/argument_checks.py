@@ -12,9 +12,8 @@ import warnings
 
 from megatron.core.transformer.enums import CudaGraphModule
 
-# Layer symbols of --hybrid-override-pattern that this fork builds (megatron-core's Symbols
-# also has 'E', MoE, which this fork does not support).
-HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP"}
+# Layer symbols of --hybrid-override-pattern that this fork builds ('E' needs --num-experts).
+HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
 
 FULL_ITERATION = ("Whole-iteration CUDA graphs for packed data are not available yet in this "
                   "fork; use layer or chunk granularity (--cuda-graph-impl local with "
@@ -25,10 +24,21 @@ FULL_ITERATION = ("Whole-iteration CUDA graphs for packed data are not available
 REFUSED_GRAPH_IMPLS = {"full_iteration": FULL_ITERATION}
 
 # Names of CudaGraphModule this fork rejects, with the reason.
+_PARTIAL_MOE = ("Partial MoE graphs are not built by this fork: MoE layers are captured whole, "
+                "with drop-and-pad (--moe-expert-capacity-factor with "
+                "--moe-pad-expert-input-to-capacity); omit the flag")
 UNSUPPORTED_MODULES = {
-    "moe": "MoE is not supported by this fork",
-    "moe_router": "MoE is not supported by this fork",
-    "moe_preprocess": "MoE is not supported by this fork",
+    "moe": _PARTIAL_MOE,
+    "moe_router": _PARTIAL_MOE,
+    "moe_preprocess": _PARTIAL_MOE,
+}
+
+# --moe-token-dispatcher-type values megatron-core has and this fork refuses, with the reason.
+REFUSED_DISPATCHERS = {
+    "allgather": "The allgather dispatcher reads token counts back to the host (.cpu() / "
+                 ".item()) in every MoE layer, on every path; use alltoall",
+    "flex": "The flex dispatcher needs DeepEP or HybridEP, which this fork does not build, and "
+            "DeepEP reads the token count back to the host in every MoE layer; use alltoall",
 }
 
 # Names of the deprecated CudaGraphScope that are no CudaGraphModule, with the reason.
@@ -88,14 +98,10 @@ def check_hybrid(args, model: str):
              "A hybrid model needs one character per layer, e.g. 'M-M*M-'")
     allowed = "".join(HYBRID_SYMBOLS)
     for char in pattern:
-        if char == "E":
-            fail("--hybrid-override-pattern", repr(pattern),
-                 "'E' (MoE) is not supported by this fork; use only the characters "
-                 f"{allowed!r}")
         if char not in HYBRID_SYMBOLS:
             fail("--hybrid-override-pattern", repr(pattern),
                  f"Character {char!r} is not a layer symbol; use only {allowed!r} "
-                 "(M Mamba, * attention, - MLP)")
+                 "(M Mamba, * attention, - MLP, E MoE)")
     if args.num_layers is None:
         args.num_layers = len(pattern)
     elif args.num_layers != len(pattern):
@@ -578,6 +584,139 @@ def check_cuda_graphs(args):
     if args.model == "gpt" and "mamba" in args.cuda_graph_modules:
         fail(flag, "mamba",
              "A gpt model has no Mamba layers; use attn and/or mlp")
+
+
+# MoE flags and their defaults: any other value needs MoE layers (--num-experts).
+_MOE_FLAG_DEFAULTS = {
+    "--moe-router-topk": 2,
+    "--moe-ffn-hidden-size": None,
+    "--moe-shared-expert-intermediate-size": None,
+    "--moe-router-load-balancing-type": "aux_loss",
+    "--moe-aux-loss-coeff": 0.0,
+    "--moe-z-loss-coeff": None,
+    "--moe-router-score-function": "softmax",
+    "--moe-router-dtype": None,
+    "--moe-token-dispatcher-type": "alltoall",
+    "--moe-expert-capacity-factor": None,
+    "--moe-pad-expert-input-to-capacity": False,
+    "--moe-grouped-gemm": False,
+    "--expert-model-parallel-size": 1,
+}
+
+DROPLESS_SYNCS = ("Dropless alltoall reads the per-expert token counts back to the host in "
+                  "every MoE layer, and a capacity without padding sizes its output from the "
+                  "routing map; graphs need drop-and-pad: add --moe-expert-capacity-factor "
+                  "<f> --moe-pad-expert-input-to-capacity, or run without graphs")
+
+
+def _value(args, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"), _MOE_FLAG_DEFAULTS.get(flag))
+
+
+def _uses_te_backend(args) -> bool:
+    backend = getattr(args, "attention_backend", "auto")
+    return backend == "te" or (backend == "auto" and is_importable("transformer_engine"))
+
+
+def check_moe(args, model: str):
+    """MoE flags (Megatron's names); fills moe_ffn_hidden_size. Runs after the graph checks.
+
+    Refused: what megatron-core cannot run here, and what this fork cannot graph, each with
+    the reason (docs/moe.md)."""
+    experts = getattr(args, "num_experts", None)
+    pattern = args.hybrid_override_pattern or ""
+    if experts is None:
+        if model == "hybrid" and "E" in pattern:
+            fail("--hybrid-override-pattern", repr(pattern),
+                 "Its 'E' layers are MoE layers; add --num-experts")
+        for flag, default in _MOE_FLAG_DEFAULTS.items():
+            if _value(args, flag) != default:
+                fail(flag, _value(args, flag),
+                     "It configures MoE layers; add --num-experts or drop the flag")
+        args.moe_ffn_hidden_size = None
+        return
+    if model == "hybrid" and "E" not in pattern:
+        fail("--num-experts", experts,
+             f"--hybrid-override-pattern {pattern!r} has no 'E' (MoE) layer; add one or drop "
+             "--num-experts")
+    _at_least(args, "--num-experts", 1)
+    topk = args.moe_router_topk
+    if not 1 <= topk <= experts:
+        fail("--moe-router-topk", topk, f"Use a value in [1, --num-experts ({experts})]")
+    _at_least(args, "--moe-ffn-hidden-size", 1)
+    _at_least(args, "--moe-shared-expert-intermediate-size", 1)
+    _at_least(args, "--moe-aux-loss-coeff", 0.0)
+    _at_least(args, "--moe-z-loss-coeff", 0.0)
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.moe_router_load_balancing_type == "none" and args.moe_aux_loss_coeff > 0:
+        fail("--moe-aux-loss-coeff", args.moe_aux_loss_coeff,
+             "--moe-router-load-balancing-type none has no load-balancing loss to weigh; drop "
+             "the coefficient or choose aux_loss or seq_aux_loss")
+    dispatcher = args.moe_token_dispatcher_type
+    if dispatcher in REFUSED_DISPATCHERS:
+        fail("--moe-token-dispatcher-type", dispatcher, REFUSED_DISPATCHERS[dispatcher])
+    factor = args.moe_expert_capacity_factor
+    if factor is not None and not factor > 0:  # megatron-core reads a negative one as None
+        fail("--moe-expert-capacity-factor", factor,
+             "Use a positive factor, e.g. 1.25, or drop the flag for dropless routing")
+    if args.moe_pad_expert_input_to_capacity:
+        if factor is None:
+            fail("--moe-pad-expert-input-to-capacity", True,
+                 "It pads every expert to its capacity; add --moe-expert-capacity-factor")
+        if factor * topk > experts:
+            fail("--moe-expert-capacity-factor", factor,
+                 f"With --moe-pad-expert-input-to-capacity, capacity factor x top-k "
+                 f"({factor} x {topk}) above --num-experts ({experts}) gives each expert a "
+                 f"capacity above the micro-batch's token count, which megatron-core's "
+                 f"drop-and-pad permutation does not size for; use a factor <= "
+                 f"{experts / topk:g}")
+    if args.moe_grouped_gemm:
+        _require_package("transformer_engine", "--moe-grouped-gemm", True)
+        if not _uses_te_backend(args):
+            fail("--moe-grouped-gemm", True,
+                 f"Grouped GEMM experts come with the Transformer Engine layer spec, not "
+                 f"--attention-backend {args.attention_backend}; use te or auto, or drop it "
+                 "(SequentialMLP experts)")
+    _check_expert_parallel(args, experts)
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        fail("--tensor-model-parallel-size", args.tensor_model_parallel_size,
+             "MoE layers with tensor parallelism need --sequence-parallel (megatron-core "
+             "refuses the combination in training)")
+    _check_moe_graphs(args, model)
+
+
+def _check_expert_parallel(args, experts: int):
+    _at_least(args, "--expert-model-parallel-size", 1)
+    ep = args.expert_model_parallel_size
+    if experts % ep:
+        fail("--expert-model-parallel-size", ep,
+             f"It must divide --num-experts ({experts}): every rank holds the same number of "
+             "experts")
+    ranks = args.data_parallel_size * args.context_parallel_size
+    if ranks % ep:
+        fail("--expert-model-parallel-size", ep,
+             f"Expert-parallel ranks are taken from the data x context parallel ranks "
+             f"({args.data_parallel_size} x {args.context_parallel_size} = {ranks}); use a "
+             f"size that divides {ranks}")
+    if ep > 1 and getattr(args, "dynamic_cp_sizes", None):
+        fail("--expert-model-parallel-size", ep,
+             "Under dynamic CP ranks hold different token counts, so expert capacities differ "
+             "between the ranks of one expert-parallel all-to-all; use 1 or drop "
+             "--dynamic-cp-sizes")
+
+
+def _check_moe_graphs(args, model: str):
+    if args.cuda_graph_impl == "none":
+        return
+    if not (args.moe_expert_capacity_factor and args.moe_pad_expert_input_to_capacity):
+        fail("--cuda-graph-impl", args.cuda_graph_impl, DROPLESS_SYNCS)
+    if "mlp" in args.cuda_graph_modules:
+        layers = "every layer is" if model == "gpt" else "the 'E' layers are"
+        fail("--cuda-graph-modules", "mlp",
+             f"With --num-experts {layers} an MoE layer, and megatron-core refuses mlp graphs "
+             "in a model whose layers are all MoE (it counts hybrid '-' layers as MoE too); "
+             "drop mlp or capture whole layers")
 
 
 def check_dynamic_cp(args):

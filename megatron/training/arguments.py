@@ -86,6 +86,7 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     )
     _add_model_args(parser, model)
     _add_hybrid_args(parser)
+    _add_moe_args(parser)
     _add_parallelism_args(parser)
     _add_training_args(parser)
     _add_learning_rate_args(parser)
@@ -139,12 +140,51 @@ def _add_model_args(parser, model):
 def _add_hybrid_args(parser):
     g = parser.add_argument_group("hybrid", "Hybrid Mamba-Transformer (pretrain_mamba.py only).")
     g.add_argument("--hybrid-override-pattern", type=str, default=None,
-                   help="One character per layer: 'M' Mamba, '*' attention, '-' MLP.")
+                   help="One character per layer: 'M' Mamba, '*' attention, '-' MLP, 'E' MoE "
+                        "(needs --num-experts).")
     g.add_argument("--mamba-state-dim", type=int, default=128)
     g.add_argument("--mamba-head-dim", type=int, default=64)
     g.add_argument("--mamba-num-groups", type=int, default=8)
     g.add_argument("--mamba-num-heads", type=int, default=None,
                    help="Mamba heads (default: 2 * hidden size / --mamba-head-dim).")
+
+
+def _add_moe_args(parser):
+    g = parser.add_argument_group("mixture of experts", "MoE layers (docs/moe.md).")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="Routed experts per MoE layer. gpt: every layer's MLP is an MoE layer; "
+                        "hybrid: the 'E' layers of the pattern.")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="Inner width of each routed expert (default: --ffn-hidden-size).")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="Inner width of the shared expert every token also passes (default: "
+                        "no shared expert).")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "none"],
+                   help="Load-balancing loss; its weight is --moe-aux-loss-coeff.")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="Weight of the load-balancing loss (0: computed for nothing, so off).")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                   help="Weight of the router z-loss (default: off).")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
+                   default="softmax")
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
+                   help="Precision of the router's logits and scores (default: the model's).")
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall",
+                   choices=["alltoall", *checks.REFUSED_DISPATCHERS],
+                   help="alltoall (the only one this fork runs; the others sync with the host "
+                        "on every layer).")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Per-expert capacity, as a multiple of an even share of the routed "
+                        "tokens; tokens over it are dropped (default: dropless).")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Drop-and-pad: every expert gets exactly its capacity of rows (static "
+                        "shapes, no host sync; needed for CUDA graphs).")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="Transformer Engine's grouped GEMM for the local experts (TEGroupedMLP).")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="Expert parallelism: ranks that split the experts of a layer.")
 
 
 def _add_parallelism_args(parser):
@@ -356,6 +396,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     checks.check_data(args)
     checks.check_attention(args)
     checks.check_cuda_graphs(args)
+    checks.check_moe(args, model)
     checks.check_dynamic_cp(args)
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple

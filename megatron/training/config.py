@@ -98,6 +98,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         cuda_graph_warmup_steps=1,
         cuda_graph_granularity=args.cuda_graph_granularity,
     )
+    kwargs.update(moe_kwargs(args))
     if args.model == "hybrid":
         kwargs.update(
             mamba_state_dim=args.mamba_state_dim,
@@ -106,6 +107,29 @@ def transformer_config_from_args(args) -> TransformerConfig:
             mamba_num_heads=args.mamba_num_heads,
         )
     return PackedTransformerConfig(**kwargs)
+
+
+def moe_kwargs(args) -> dict:
+    """TransformerConfig fields of the MoE flags (each flag's dest is Megatron's; the config
+    names are megatron-core's). Empty without --num-experts."""
+    if getattr(args, "num_experts", None) is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_dtype=args.moe_router_dtype,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
 
 
 def optimizer_config_from_args(args) -> OptimizerConfig:

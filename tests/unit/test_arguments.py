@@ -266,12 +266,12 @@ def test_hybrid_needs_pattern():
 
 
 def test_pattern_rejects_unknown_char():
-    with pytest.raises(ValueError, match=r"Character 'X'.*'M\*-'"):
+    with pytest.raises(ValueError, match=r"Character 'X'.*'M\*-E'"):
         validate("--hybrid-override-pattern", "M*X-", model="hybrid")
 
 
-def test_pattern_rejects_moe():
-    with pytest.raises(ValueError, match="'E' \\(MoE\\) is not supported"):
+def test_pattern_moe_layer_needs_num_experts():
+    with pytest.raises(ValueError, match="Its 'E' layers are MoE layers; add --num-experts"):
         validate("--hybrid-override-pattern", "M*E-", model="hybrid")
 
 
@@ -597,9 +597,9 @@ FULL_ITERATION = "Whole-iteration CUDA graphs for packed data are not available 
 
 @pytest.mark.parametrize("flag", ["--cuda-graph-modules", "--cuda-graph-scope"])
 @pytest.mark.parametrize("name, reason", [
-    ("moe", "MoE is not supported"),
-    ("moe_router", "MoE is not supported"),
-    ("moe_preprocess", "MoE is not supported"),
+    ("moe", "Partial MoE graphs are not built by this fork"),
+    ("moe_router", "Partial MoE graphs are not built by this fork"),
+    ("moe_preprocess", "Partial MoE graphs are not built by this fork"),
     ("full_iteration", f"{FULL_ITERATION} in this fork; use layer or chunk granularity"),
     ("full_iteration_inference", "It is an inference graph scope"),
 ])
@@ -725,7 +725,7 @@ ALLOWED_OPTIONS = [
     "--cuda-graph-warmup-steps",
     "--data-path", "--deterministic-mode", "--distributed-backend",
     "--distributed-timeout-minutes", "--dynamic-cp-max-packed-seqs", "--dynamic-cp-sizes",
-    "--eval-interval", "--eval-iters", "--exit-interval",
+    "--eval-interval", "--eval-iters", "--exit-interval", "--expert-model-parallel-size",
     "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--help",
     "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern", "--init-method-std",
     "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval",
@@ -735,9 +735,14 @@ ALLOWED_OPTIONS = [
     "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings",
     "--max-truncated-token-fraction", "--metrics-file",
     "--micro-batch-size", "--min-lr", "--mock-data", "--mock-doc-length-median",
-    "--mock-doc-length-sigma", "--no-calculate-per-token-loss",
+    "--mock-doc-length-sigma",
+    "--moe-aux-loss-coeff", "--moe-expert-capacity-factor", "--moe-ffn-hidden-size",
+    "--moe-grouped-gemm", "--moe-pad-expert-input-to-capacity", "--moe-router-dtype",
+    "--moe-router-load-balancing-type", "--moe-router-score-function", "--moe-router-topk",
+    "--moe-shared-expert-intermediate-size", "--moe-token-dispatcher-type", "--moe-z-loss-coeff",
+    "--no-calculate-per-token-loss",
     "--no-check-for-nan-in-loss-and-grad", "--no-load-optim",
-    "--no-load-rng", "--normalization", "--num-attention-heads", "--num-layers",
+    "--no-load-rng", "--normalization", "--num-attention-heads", "--num-experts", "--num-layers",
     "--num-layers-per-virtual-pipeline-stage", "--num-query-groups", "--num-workers",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--profile",
     "--profile-step-end", "--profile-step-start", "--profile-trace-dir", "--rampup-batch-size",

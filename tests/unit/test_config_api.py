@@ -234,7 +234,7 @@ def test_modules_with_impl_none_are_still_checked():
     ("full_iteration", "Whole-iteration CUDA graphs for packed data are not available yet in "
                        "this fork; use layer or chunk granularity"),
     ("full_iteration_inference", "It is an inference graph scope"),
-    ("moe", "MoE is not supported"),
+    ("moe", "Partial MoE graphs are not built by this fork"),
 ])
 def test_module_names_are_checked_like_the_cli(name, match):
     with pytest.raises(ValueError, match=f"--cuda-graph-modules is wrong: '{name}'. {match}"):
@@ -291,7 +291,7 @@ def test_cuda_graph_modules_and_scope_keys_together_are_refused():
 @pytest.mark.parametrize("name, match", [
     ("full_iteration", "Whole-iteration CUDA graphs for packed data are not available yet"),
     ("full_iteration_inference", "It is an inference graph scope"),
-    ("moe_router", "MoE is not supported"),
+    ("moe_router", "Partial MoE graphs are not built by this fork"),
 ])
 def test_deprecated_scope_names_are_refused_with_their_reason(name, match):
     with pytest.warns(FutureWarning), pytest.raises(

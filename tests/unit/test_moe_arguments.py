@@ -1,0 +1,228 @@
+"""MoE flags: accepted values reach TransformerConfig; one test per rejection.
+
+CPU only; Transformer Engine is absent unless a test patches ``argument_checks.is_importable``.
+"""
+
+import pytest
+
+from megatron.training import argument_checks
+from megatron.training.arguments import build_parser, validate_args
+from megatron.training.config import transformer_config_from_args
+
+BASE = {
+    "gpt": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "256", "--train-iters", "10", "--lr", "1e-3", "--mock-data"],
+    "hybrid": ["--hybrid-override-pattern", "M*E-", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--mamba-head-dim", "16", "--seq-length", "256",
+               "--train-iters", "10", "--lr", "1e-3", "--mock-data"],
+}
+MOE = ["--num-experts", "8"]
+DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16"]
+
+
+def validate(*extra, model="gpt", world_size=1):
+    args = build_parser(model).parse_args(BASE[model] + [str(x) for x in extra])
+    return validate_args(args, model, world_size=world_size)
+
+
+@pytest.fixture(autouse=True)
+def no_optional_packages(monkeypatch):
+    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+
+
+@pytest.fixture
+def with_te(monkeypatch):
+    monkeypatch.setattr(argument_checks, "is_importable",
+                        lambda package: package == "transformer_engine")
+
+
+# ------------------------------------------------------------------------- accepted values
+
+def test_defaults_without_moe_leave_the_config_dense():
+    args = validate()
+    assert args.num_experts is None and args.moe_ffn_hidden_size is None
+    config = transformer_config_from_args(args)
+    assert config.num_moe_experts is None
+
+
+def test_flags_map_onto_transformer_config():
+    args = validate(*MOE, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 96,
+                    "--moe-shared-expert-intermediate-size", 128,
+                    "--moe-router-load-balancing-type", "seq_aux_loss",
+                    "--moe-aux-loss-coeff", 0.01, "--moe-z-loss-coeff", 0.001,
+                    "--moe-router-score-function", "sigmoid", "--moe-router-dtype", "fp32",
+                    *DROP_AND_PAD, "--expert-model-parallel-size", 2, world_size=2)
+    config = transformer_config_from_args(args)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 96)
+    assert config.moe_shared_expert_intermediate_size == 128
+    assert config.moe_router_load_balancing_type == "seq_aux_loss"
+    assert (config.moe_aux_loss_coeff, config.moe_z_loss_coeff) == (0.01, 0.001)
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_dtype == "fp32"
+    assert config.moe_token_dispatcher_type == "alltoall"
+    assert config.moe_expert_capacity_factor == 1.0 and config.moe_pad_expert_input_to_capacity
+    assert config.expert_model_parallel_size == 2 and not config.moe_grouped_gemm
+
+
+def test_expert_width_defaults_to_ffn_hidden_size():
+    assert validate(*MOE, "--ffn-hidden-size", 80).moe_ffn_hidden_size == 80
+
+
+def test_hybrid_moe_pattern():
+    args = validate(*MOE, model="hybrid")
+    assert args.num_layers == 4 and transformer_config_from_args(args).num_moe_experts == 8
+
+
+def test_graphs_with_drop_and_pad(with_te):
+    args = validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--attention-backend", "torch")
+    assert args.cuda_graph_impl == "local"
+
+
+def test_grouped_gemm_with_te(with_te):
+    assert validate(*MOE, "--moe-grouped-gemm", "--attention-backend", "te").moe_grouped_gemm
+
+
+# ------------------------------------------------------------------------- one per rejection
+
+@pytest.mark.parametrize("flag, value", [
+    ("--moe-router-topk", 4), ("--moe-ffn-hidden-size", 32),
+    ("--moe-shared-expert-intermediate-size", 32),
+    ("--moe-router-load-balancing-type", "none"), ("--moe-aux-loss-coeff", 0.01),
+    ("--moe-z-loss-coeff", 0.001), ("--moe-router-score-function", "sigmoid"),
+    ("--moe-router-dtype", "fp32"), ("--moe-expert-capacity-factor", 1.0),
+    ("--expert-model-parallel-size", 2),
+])
+def test_moe_flag_without_experts(flag, value):
+    with pytest.raises(ValueError, match=f"{flag} is wrong: {value}. It configures MoE layers; "
+                                         "add --num-experts"):
+        validate(flag, value)
+
+
+@pytest.mark.parametrize("flag", ["--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm"])
+def test_moe_switch_without_experts(flag):
+    with pytest.raises(ValueError, match=f"{flag} is wrong: True. It configures MoE layers"):
+        validate(flag)
+
+
+def test_hybrid_experts_without_an_e_layer():
+    with pytest.raises(ValueError, match="--num-experts is wrong: 8. --hybrid-override-pattern "
+                                         "'M\\*M-' has no 'E'"):
+        validate(*MOE, "--hybrid-override-pattern", "M*M-", model="hybrid")
+
+
+def test_num_experts_positive():
+    with pytest.raises(ValueError, match="--num-experts is wrong: 0. Use a value >= 1"):
+        validate("--num-experts", 0)
+
+
+@pytest.mark.parametrize("topk", [0, 9])
+def test_topk_range(topk):
+    with pytest.raises(ValueError, match=f"--moe-router-topk is wrong: {topk}. Use a value in "
+                                         r"\[1, --num-experts \(8\)\]"):
+        validate(*MOE, "--moe-router-topk", topk)
+
+
+@pytest.mark.parametrize("flag, value, minimum", [
+    ("--moe-ffn-hidden-size", 0, 1), ("--moe-shared-expert-intermediate-size", 0, 1),
+    ("--moe-aux-loss-coeff", -0.1, 0.0), ("--moe-z-loss-coeff", -0.1, 0.0),
+    ("--expert-model-parallel-size", 0, 1),
+])
+def test_moe_sizes_and_coefficients_bounded(flag, value, minimum):
+    with pytest.raises(ValueError, match=f"{flag} is wrong: {value}. Use a value >= {minimum}"):
+        validate(*MOE, flag, value)
+
+
+def test_aux_coefficient_with_no_balancing():
+    with pytest.raises(ValueError, match="--moe-aux-loss-coeff is wrong: 0.01. "
+                                         "--moe-router-load-balancing-type none has no"):
+        validate(*MOE, "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", 0.01)
+
+
+@pytest.mark.parametrize("dispatcher, reason", [
+    ("allgather", "reads token counts back to the host"),
+    ("flex", "needs DeepEP or HybridEP"),
+])
+def test_dispatchers_other_than_alltoall(dispatcher, reason):
+    with pytest.raises(ValueError, match=f"--moe-token-dispatcher-type is wrong: {dispatcher}. "
+                                         f"The {dispatcher} dispatcher.*{reason}.*use alltoall"):
+        validate(*MOE, "--moe-token-dispatcher-type", dispatcher)
+
+
+@pytest.mark.parametrize("factor", [0, -1])
+def test_capacity_factor_positive(factor):
+    with pytest.raises(ValueError, match=f"--moe-expert-capacity-factor is wrong: {factor}.0. "
+                                         "Use a positive factor"):
+        validate(*MOE, "--moe-expert-capacity-factor", factor)
+
+
+def test_pad_to_capacity_needs_a_capacity():
+    with pytest.raises(ValueError, match="--moe-pad-expert-input-to-capacity is wrong: True. "
+                                         "It pads every expert to its capacity; add "
+                                         "--moe-expert-capacity-factor"):
+        validate(*MOE, "--moe-pad-expert-input-to-capacity")
+
+
+def test_padded_capacity_above_the_token_count():
+    with pytest.raises(ValueError, match=r"--moe-expert-capacity-factor is wrong: 5.0. .*"
+                                         r"\(5.0 x 2\) above --num-experts \(8\).*<= 4"):
+        validate(*MOE, "--moe-expert-capacity-factor", 5, "--moe-pad-expert-input-to-capacity")
+
+
+def test_grouped_gemm_needs_te():
+    with pytest.raises(ValueError, match="--moe-grouped-gemm is wrong: True. It needs "
+                                         "transformer_engine"):
+        validate(*MOE, "--moe-grouped-gemm")
+
+
+def test_grouped_gemm_needs_the_te_spec(with_te):
+    with pytest.raises(ValueError, match="--moe-grouped-gemm is wrong: True. Grouped GEMM "
+                                         "experts come with the Transformer Engine layer spec, "
+                                         "not --attention-backend torch"):
+        validate(*MOE, "--moe-grouped-gemm", "--attention-backend", "torch")
+
+
+def test_expert_parallel_divides_experts():
+    with pytest.raises(ValueError, match="--expert-model-parallel-size is wrong: 3. It must "
+                                         "divide --num-experts \\(8\\)"):
+        validate(*MOE, "--expert-model-parallel-size", 3, world_size=3)
+
+
+def test_expert_parallel_divides_data_parallel():
+    with pytest.raises(ValueError, match="--expert-model-parallel-size is wrong: 4. "
+                                         "Expert-parallel ranks are taken from the data x "
+                                         "context parallel ranks \\(2 x 1 = 2\\)"):
+        validate(*MOE, "--expert-model-parallel-size", 4, world_size=2)
+
+
+def test_expert_parallel_with_dynamic_cp(with_te):
+    with pytest.raises(ValueError, match="--expert-model-parallel-size is wrong: 2. Under "
+                                         "dynamic CP"):
+        validate(*MOE, "--expert-model-parallel-size", 2, "--dynamic-cp-sizes", 1, 2,
+                 world_size=2)
+
+
+def test_tensor_parallel_moe_needs_sequence_parallel():
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size is wrong: 2. MoE layers "
+                                         "with tensor parallelism need --sequence-parallel"):
+        validate(*MOE, "--tensor-model-parallel-size", 2, world_size=2)
+
+
+@pytest.mark.parametrize("capacity", [[], ["--moe-expert-capacity-factor", "1.0"]])
+def test_graphs_need_drop_and_pad(capacity):
+    with pytest.raises(ValueError, match="--cuda-graph-impl is wrong: local. Dropless alltoall "
+                                         "reads the per-expert token counts back to the host"):
+        validate(*MOE, *capacity, *GRAPHS)
+
+
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_mlp_graphs_with_moe(model):
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: mlp. With "
+                                         "--num-experts .*megatron-core refuses mlp graphs"):
+        validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", "mlp", model=model)
+
+
+@pytest.mark.parametrize("name", ["moe", "moe_router", "moe_preprocess"])
+def test_partial_moe_graphs(name):
+    with pytest.raises(ValueError, match=f"--cuda-graph-modules is wrong: '{name}'. Partial "
+                                         "MoE graphs are not built by this fork"):
+        validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", name)
