@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 8 pretrain_mamba.py --sft --data-path data.jsonl \
         --hybrid-override-pattern "M-M*-M*-" --hidden-size 1024 --num-attention-heads 16 ...
 
-The pattern has one character per layer: 'M' Mamba, '*' attention, '-' MLP.
+The pattern has one character per layer: 'M' Mamba, '*' attention, '-' MLP, 'E' MoE
+(with --num-experts; docs/moe.md).
 See docs/quickstart.md and docs/flags.md.
 """
 
@@ -20,7 +21,9 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     backend = resolve_attention_backend(args.attention_backend)
     return HybridModel(
         config=config,
-        hybrid_stack_spec=hybrid_stack_spec(backend, args.normalization),
+        hybrid_stack_spec=hybrid_stack_spec(
+            backend, args.normalization, num_experts=getattr(args, "num_experts", None),
+            moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False)),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

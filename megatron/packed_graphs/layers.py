@@ -17,11 +17,12 @@ memory pool sees the captured order with gaps, never a reordering.
 
 from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.ssm.mlp_layer import MLPLayer
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.chunk_graphs import chunk_granularity
 from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
+from megatron.packed_graphs.moe import PackedMoEMaskMixin
 from megatron.packed_graphs.te_graphs import TEGraphDispatch
 
 
@@ -72,8 +73,16 @@ def recorded_cu_seqlens_shape(runner):
     return None if params is None or params.cu_seqlens_q is None else params.cu_seqlens_q.shape
 
 
-class GraphSafeTransformerLayer(LocalGraphDispatch, TEGraphDispatch, TransformerLayer):
-    """TransformerLayer with the per-micro-batch eager fallback (local and TE graphs)."""
+class GraphSafeTransformerLayer(LocalGraphDispatch, TEGraphDispatch, PackedMoEMaskMixin,
+                                TransformerLayer):
+    """TransformerLayer with the per-micro-batch eager fallback (local and TE graphs); an MoE
+    MLP gets the micro-batch's padding mask (moe.py)."""
+
+
+class GraphSafeMoELayer(LocalGraphDispatch, TEGraphDispatch, PackedMoEMaskMixin,
+                        MoETransformerLayer):
+    """Hybrid 'E' layer (megatron-core's MoETransformerLayer: pre-MLP norm + MoE) with the
+    per-micro-batch eager fallback and the micro-batch's padding mask."""
 
 
 class GraphSafeMLPLayer(LocalGraphDispatch, TEGraphDispatch, MLPLayer):

@@ -22,9 +22,12 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 @dataclass
 class PackedBatchParams(PackedSeqParams):
-    """PackedSeqParams plus per-token positions (see module doc)."""
+    """PackedSeqParams plus per-token positions and the padding mask (see module doc)."""
 
     position_ids: Optional[Tensor] = None
+    padding_mask: Optional[Tensor] = None
+    """bool ``[T]``, True on positions that hold no document (row padding), for the MoE
+    router (packed_graphs/moe.py); None = no padding information."""
 
 
 def build_seq_idx(cu_seqlens: Tensor, total_tokens: int) -> Tensor:

@@ -17,6 +17,11 @@ Each provider names its self-attention class (``provider.self_attention``).
 
 Where the provider does not fuse the norm into the following linear, the spec places a
 separate norm module in front (``input_layernorm`` / ``pre_mlp_layernorm`` / Mamba ``norm``).
+
+MoE (``num_experts``): the MLP is megatron-core's MoELayer from its own builder for the
+provider (SequentialMLP experts over the provider's linears; TEGroupedMLP with TE and
+``moe_grouped_gemm``), with the packed router `moe.PackedTopKRouter`; the norm in front is
+always a separate module (MoE does not fuse it).
 """
 
 import functools
@@ -34,8 +39,10 @@ from megatron.packed_graphs.attention import PackedSelfAttention, VarlenAttentio
 from megatron.packed_graphs.layers import (
     GraphSafeMambaLayer,
     GraphSafeMLPLayer,
+    GraphSafeMoELayer,
     GraphSafeTransformerLayer,
 )
+from megatron.packed_graphs.moe import moe_mlp_spec
 
 
 class VarlenSpecProvider(LocalSpecProvider):
@@ -103,11 +110,33 @@ def _mlp_spec(provider: BackendSpecProvider, normalization: str):
     return norm, mlp
 
 
-def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm") -> ModuleSpec:
-    """GPT TransformerLayer (attention + MLP) for packed sequences."""
+def _moe_spec(provider: BackendSpecProvider, normalization: str, num_experts: int,
+              grouped_gemm: bool):
+    """(norm in front, MoE builder)."""
+    return _norm(provider, normalization), moe_mlp_spec(provider, num_experts, grouped_gemm)
+
+
+def moe_layer_spec(provider: BackendSpecProvider, normalization: str, num_experts: int,
+                   grouped_gemm: bool = False) -> ModuleSpec:
+    """The hybrid 'E' layer: pre-MLP norm and an MoE layer (megatron-core's MoETransformerLayer,
+    as upstream's hybrid spec builds it)."""
+    norm, moe = _moe_spec(provider, normalization, num_experts, grouped_gemm)
+    return ModuleSpec(
+        module=GraphSafeMoELayer,
+        submodules=TransformerLayerSubmodules(pre_mlp_layernorm=norm, mlp=moe,
+                                              mlp_bda=get_bias_dropout_add),
+    )
+
+
+def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm",
+                   num_experts: int | None = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """GPT TransformerLayer (attention + MLP, or MoE with ``num_experts``) for packed sequences."""
     provider = backend_provider(attention_backend)
     attention = attention_layer_spec(provider, normalization).submodules
-    pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
+    if num_experts is None:
+        pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
+    else:
+        pre_mlp_norm, mlp = _moe_spec(provider, normalization, num_experts, moe_grouped_gemm)
     return ModuleSpec(
         module=GraphSafeTransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -121,8 +150,10 @@ def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm") -> Mo
     )
 
 
-def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm") -> ModuleSpec:
-    """`PackedHybridStack` spec: Mamba ('M'), attention ('*') and MLP ('-') layers.
+def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
+                      num_experts: int | None = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """`PackedHybridStack` spec: Mamba ('M'), attention ('*'), MLP ('-') and, with
+    ``num_experts``, MoE ('E') layers.
 
     Imports the Mamba modules on call: megatron-core's MambaMixer needs triton and mamba-ssm.
     """
@@ -161,6 +192,8 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm") ->
                     pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add
                 ),
             ),
+            moe_layer=(IdentityOp if num_experts is None else
+                       moe_layer_spec(provider, normalization, num_experts, moe_grouped_gemm)),
             final_norm=_norm(provider, normalization),
         ),
     )

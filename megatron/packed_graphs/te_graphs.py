@@ -5,7 +5,8 @@ takes only tensors as inputs, while a packed micro-batch reaches the layers as a
 `PackedBatchParams` dataclass with host ints in it. So:
 
 * `PackedGraphInputs` owns one static buffer per packed-metadata tensor (``cu_seqlens``
-  padded to the capacity, ``position_ids``, Mamba's ``seq_idx``, and ``cu_seqlens_padded``
+  padded to the capacity, ``position_ids``, Mamba's ``seq_idx``, the MoE ``padding_mask``,
+  and ``cu_seqlens_padded``
   when it is a tensor of its own) plus the host values fixed at capture (``max_seqlen``,
   whether the padded boundaries are ``cu_seqlens`` itself, as with CP). Every layer's graph reads the same buffers. A graphed micro-batch is copied
   into them once (`PackedGraphInputs.load`), before the model runs; the params it then
@@ -50,6 +51,7 @@ _GRAPH_FIELDS = {
     "cu_seqlens_padded": "cu_seqlens_q_padded",
     "position_ids": "position_ids",
     "seq_idx": "seq_idx",
+    "padding_mask": "padding_mask",
 }
 
 
@@ -111,6 +113,7 @@ class PackedGraphInputs:
             cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
             max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
             position_ids=tensors.get("position_ids"), seq_idx=tensors.get("seq_idx"),
+            padding_mask=tensors.get("padding_mask"),
             local_cp_size=self.local_cp_size, cp_group=self.cp_group,
         )
 

@@ -50,13 +50,17 @@ class PackedMicroBatch:
 
 def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen: bool,
                           capacity: Optional[int] = None, device=None,
-                          cp_size: int = 1, cp_rank: int = 0) -> PackedMicroBatch:
+                          cp_size: int = 1, cp_rank: int = 0,
+                          with_padding_mask: bool = False) -> PackedMicroBatch:
     """Move a collated micro-batch (see datasets.packing.collate_packed_rows) to the GPU.
 
     ``static_max_seqlen``: use the packed length T as ``max_seqlen`` (fixed across steps, as
     CUDA graphs need) instead of the true longest segment (tighter kernels in eager mode).
     ``capacity``: pad ``cu_seqlens`` to ``capacity + 1`` entries (on the host, before the copy)
     so the micro-batch matches a captured graph; the caller checked that it fits.
+    ``with_padding_mask`` (MoE models): the params carry the per-token ``padding_mask`` (bool
+    ``[T]``, this rank's positions, True = no document) for the MoE router; dense models
+    leave it None, so their graphs take no extra input.
     ``cp_size > 1``: keep this CP rank's ``T / cp`` positions (context_parallel.py); the
     params then carry the whole stream's CP-padded boundaries (as ``cu_seqlens_q`` and, the
     same tensor, ``cu_seqlens_q_padded``, which TE's CP path reads) and, for Mamba, the whole
@@ -73,14 +77,19 @@ def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen:
     total_tokens = tokens.numel()
     # The collate step measured the longest segment on the host already.
     max_seqlen = total_tokens if static_max_seqlen or cp_size > 1 else batch["max_seqlen"]
+    streams = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+               "position_ids": position_ids}
+    if with_padding_mask:
+        streams["padding_mask"] = move(_padding_mask(batch))
     if cp_size > 1:
         index = thd_partition_index(cu_seqlens, total_tokens, cp_size, cp_rank)
-        local = select_cp_tokens({"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-                                  "position_ids": position_ids}, index)
+        streams = select_cp_tokens(streams, index, tuple(streams))
         tokens, labels, loss_mask, position_ids = (
-            local[key] for key in ("tokens", "labels", "loss_mask", "position_ids"))
+            streams[key] for key in ("tokens", "labels", "loss_mask", "position_ids"))
     params = build_packed_batch_params(cu_seqlens, position_ids, max_seqlen,
                                        with_seq_idx=with_seq_idx and cp_size == 1)
+    if with_padding_mask:
+        params.padding_mask = streams["padding_mask"].reshape(-1)
     if cp_size > 1:
         # Each document's CP padding sits after its last token, so with causal attention no
         # real token sees it: the padded boundaries serve as the documents' own (TE's
@@ -97,6 +106,20 @@ def to_device_micro_batch(batch: dict, *, with_seq_idx: bool, static_max_seqlen:
                             batch["num_segments"], batch["num_documents"])
 
 
+def _padding_mask(batch: dict) -> Tensor:
+    """The micro-batch's bool padding mask (collate_packed_rows), on the host. A batch built
+    without one (a single row) gets it from its segments: everything past the documents."""
+    if "padding_mask" in batch:
+        return batch["padding_mask"]
+    if batch["tokens"].shape[0] != 1:
+        raise ValueError("micro-batch is wrong: several rows and no padding_mask. Collate rows "
+                         "with collate_packed_rows.")
+    end = int(batch["cu_seqlens"][batch["num_documents"]])
+    mask = torch.ones(batch["tokens"].shape, dtype=torch.bool)
+    mask[:, :end] = False
+    return mask
+
+
 def dummy_micro_batch(num_positions: int) -> dict:
     """A collated micro-batch of one all-padding segment (loss mask 0, no document): the
     layout TE graph banks are captured with (its boundaries cover the whole buffer, so fused
@@ -105,6 +128,7 @@ def dummy_micro_batch(num_positions: int) -> dict:
     return {"tokens": zeros, "labels": zeros, "loss_mask": zeros.float(),
             "position_ids": torch.arange(num_positions).unsqueeze(0),
             "cu_seqlens": torch.tensor([0, num_positions], dtype=torch.int32),
+            "padding_mask": torch.ones(1, num_positions, dtype=torch.bool),
             "num_segments": 1, "num_documents": 0, "max_seqlen": num_positions}
 
 
@@ -143,8 +167,9 @@ class PackedForwardStep:
 
     def __init__(self, *, with_seq_idx: bool, graphs: GraphSettings, cp_size: int = 1,
                  dynamic_cp_capacities: Optional[Dict[int, int]] = None,
-                 dynamic_cp_tokens_per_rank: int = 0):
+                 dynamic_cp_tokens_per_rank: int = 0, with_padding_mask: bool = False):
         self.with_seq_idx = with_seq_idx
+        self.with_padding_mask = with_padding_mask  # MoE models: the router's padding mask
         self.graphs = graphs
         self.cp_size = cp_size
         # Dynamic CP: graph capacity of every CP size's bank, and each rank's positions.
@@ -167,7 +192,8 @@ class PackedForwardStep:
         return cls(with_seq_idx=with_seq_idx, graphs=graph_settings_from_args(args),
                    cp_size=args.context_parallel_size,
                    dynamic_cp_capacities=dict(zip(sizes, args.dynamic_cp_max_packed_seqs or [])),
-                   dynamic_cp_tokens_per_rank=args.dynamic_cp_tokens_per_rank)
+                   dynamic_cp_tokens_per_rank=args.dynamic_cp_tokens_per_rank,
+                   with_padding_mask=getattr(args, "num_experts", None) is not None)
 
     def begin_iteration(self, micro_batches_per_chunk: List[List[dict]]) -> None:
         """Plan graph replay for this iteration; every chunk's list holds the same micro-batches."""
@@ -257,7 +283,7 @@ class PackedForwardStep:
         mb = to_device_micro_batch(
             batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.graphs.enabled,
             capacity=decision.capacity if decision.graphed else None,
-            cp_size=cp_size, cp_rank=cp_rank)
+            cp_size=cp_size, cp_rank=cp_rank, with_padding_mask=self.with_padding_mask)
         if turn is not None:
             mb.params.local_cp_size, mb.params.cp_group = cp_size, dynamic_cp_group(cp_size)
         return mb

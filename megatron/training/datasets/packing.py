@@ -405,6 +405,21 @@ def join_row_boundaries(per_row: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.int32)
 
 
+def row_padding_mask(row: PackedRow) -> np.ndarray:
+    """bool ``[S]``: True where a position of ``row`` holds no document token (the padding
+    tail past its documents, and each segment's own padding when ``cu_seqlens_actual`` is
+    set)."""
+    mask = np.ones(len(row.tokens), dtype=bool)
+    starts = row.cu_seqlens[:row.num_documents].astype(np.int64)
+    if row.cu_seqlens_actual is None:
+        ends = row.cu_seqlens[1:row.num_documents + 1].astype(np.int64)
+    else:
+        ends = starts + np.diff(row.cu_seqlens_actual)[:row.num_documents]
+    for start, end in zip(starts, ends):
+        mask[start:end] = False
+    return mask
+
+
 def collate_packed_rows(rows: Sequence[PackedRow]) -> dict:
     """Stack ``mbs`` rows into the micro-batch dict the model code reads.
 
@@ -419,6 +434,9 @@ def collate_packed_rows(rows: Sequence[PackedRow]) -> dict:
         ``num_segments``: host int, ``len(cu_seqlens) - 1`` (padding tails included): what a
             graph capacity must hold.
         ``num_documents``: host int, real documents in the micro-batch.
+        ``padding_mask``: bool ``[mbs, S]``, True on positions that hold no document: each
+            row's padding tail and, with ``segment_multiple > 1``, its segments' inner padding
+            (MoE routes none of them).
         ``max_seqlen``: host int, the longest segment (for eager attention; graphed runs use
             the fixed ``S`` instead).
         ``cu_seqlens_actual``: only when the rows were packed with ``segment_multiple > 1``:
@@ -441,6 +459,7 @@ def collate_packed_rows(rows: Sequence[PackedRow]) -> dict:
         "cu_seqlens": torch.from_numpy(cu_seqlens),
         "num_segments": len(cu_seqlens) - 1,
         "num_documents": sum(row.num_documents for row in rows),
+        "padding_mask": torch.from_numpy(np.stack([row_padding_mask(row) for row in rows])),
         "max_seqlen": int(np.diff(cu_seqlens).max()),
     }
     if rows[0].cu_seqlens_actual is not None:

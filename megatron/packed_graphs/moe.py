@@ -1,0 +1,122 @@
+"""MoE layers on packed (THD) micro-batches: padding never competes with documents.
+
+A packed row ends in a padding tail (loss mask 0) when its documents do not fill it. Upstream
+routes those positions like any token: they take expert capacity (under drop-and-pad a
+padding token can evict a document token) and, with dropless dispatch, expert compute and
+all-to-all traffic. megatron-core 0.19.2's ``padding_mask`` (True = padding) only takes them
+out of the aux loss, the z-loss and the expert-bias counts.
+
+* `PackedTopKRouter` (entered through the spec as the MoE layer's ``router``) takes them out
+  of the routing too: it routes without the capacity (upstream's routing, padding mask
+  included), zeroes the padding rows of the probabilities and the routing map, then applies
+  the capacity with upstream's ``apply_router_token_dropping``. Document tokens are routed
+  and dropped exactly as they would be without the padding (for the same capacity);
+  drop-and-pad fills unused slots with zero-probability rows, as upstream does. All of it
+  runs on the device: no host sync, the same shapes every step.
+* `PackedMoEMaskMixin` hands the MoE layer this rank's padding mask from
+  ``packed_seq_params.padding_mask`` (built once per micro-batch by the training step), so the
+  mask travels with the packed params into every graph path (local and TE layer graphs,
+  chunk graphs), not as a separate argument that a graph could drop.
+
+Expert-bias counts (``moe_router_enable_expert_bias``, not a flag of this fork) would count
+the routed map before the capacity is applied.
+"""
+
+import copy
+from functools import partial
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core.models.backends import BackendSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import (
+    apply_router_token_dropping,
+    router_gating_linear,
+)
+from megatron.core.transformer.moe.router import TopKRouter
+
+_ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+class PackedTopKRouter(TopKRouter):
+    """TopKRouter whose padding tokens (``padding_mask`` True) are routed to no expert and
+    take no expert capacity (see module doc)."""
+
+    def __init__(self, config, pg_collection=None, is_mtp_layer=False):
+        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        # Upstream drops by capacity inside routing(), before a padding mask could apply;
+        # routing runs on a copy of the config without the capacity and it is applied here.
+        self.capacity_factor = config.moe_expert_capacity_factor
+        if self.capacity_factor is not None:
+            self.config = copy.copy(config)
+            self.config.moe_expert_capacity_factor = None
+
+    def gating(self, input: Tensor) -> Tensor:
+        if input.device.type == "cuda":
+            return super().gating(input)
+        # Upstream moves CPU weights to CUDA unconditionally (router.py gating); training
+        # moves the whole model to the GPU first, so this branch serves CPU runs only.
+        dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
+        return router_gating_linear(input, self.weight, self.bias, dtype)
+
+    def routing(self, logits: Tensor, padding_mask: Optional[Tensor] = None):
+        probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+        if padding_mask is not None:
+            keep = ~padding_mask.reshape(-1, 1)
+            probs = probs * keep
+            routing_map = routing_map & keep
+        if self.capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs, routing_map, router_topk=self.topk, capacity_factor=self.capacity_factor,
+                drop_policy=self.config.moe_token_drop_policy,
+                pad_to_capacity=self.config.moe_pad_expert_input_to_capacity)
+        return probs, routing_map
+
+
+def moe_mlp_spec(provider: BackendSpecProvider, num_experts: int, grouped_gemm: bool):
+    """megatron-core's MoE builder for ``provider`` (SequentialMLP experts over the provider's
+    linears, or TEGroupedMLP with TE and grouped GEMM; shared experts from the same linears),
+    with `PackedTopKRouter` as its router."""
+    builder = get_moe_module_spec_for_backend(provider, num_experts=num_experts,
+                                              moe_grouped_gemm=grouped_gemm)
+    submodules = copy.copy(builder.keywords["submodules"])
+    submodules.router = PackedTopKRouter
+    return partial(builder.func, *builder.args, submodules=submodules)
+
+
+def layer_padding_mask(params, num_tokens: int, tp_group, sequence_parallel: bool):
+    """This rank's MoE padding mask, ``[1, num_tokens]`` bool (True = padding), from the
+    micro-batch's ``params.padding_mask`` (``[T]``, one entry per position this rank's
+    layers hold before sequence parallelism); None when the params carry none.
+
+    With sequence parallelism each TP rank holds a contiguous share of the positions.
+    """
+    mask = getattr(params, "padding_mask", None)
+    if mask is None:
+        return None
+    mask = mask.reshape(-1)
+    if sequence_parallel and tp_group.size() > 1:
+        mask = mask.view(tp_group.size(), -1)[tp_group.rank()]
+    if mask.numel() != num_tokens:
+        raise ValueError(f"packed_seq_params.padding_mask has {mask.numel()} entries for "
+                         f"{num_tokens} MoE tokens on this rank; build it from the same "
+                         "micro-batch")
+    return mask.view(1, -1)
+
+
+class PackedMoEMaskMixin:
+    """Mixin for a TransformerLayer: an MoE MLP gets the micro-batch's padding mask from the
+    packed params when no ``padding_mask`` argument is given."""
+
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
+                     packed_seq_params=None):
+        if padding_mask is None and isinstance(self.mlp, MoELayer):
+            padding_mask = layer_padding_mask(packed_seq_params, hidden_states.shape[0],
+                                              self.pg_collection.tp,
+                                              self.config.sequence_parallel)
+        return super()._forward_mlp(hidden_states, inference_context,
+                                    padding_mask=padding_mask,
+                                    packed_seq_params=packed_seq_params)

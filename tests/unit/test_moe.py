@@ -1,0 +1,281 @@
+"""MoE on packed micro-batches, on CPU with megatron-core's real modules.
+
+* The padding mask: built by the collate step and carried in the packed params.
+* `PackedTopKRouter` routes like upstream's TopKRouter without padding, routes no padding
+  token, and routes a padded row's documents exactly as without the padding (same capacity);
+  aux loss and z-loss ignore the padding.
+* GPT-MoE and hybrid models with 'E' layers build from the TE-free spec and run forward and
+  backward under drop-and-pad. megatron-core's alltoall dispatcher creates a CUDA stream in
+  its constructor for the dropless token-count copy (token_dispatcher.py:469) that
+  drop-and-pad never uses; the `cpu_moe` fixture stands a placeholder in for it. Dropless and
+  capacity-without-padding dispatch run that copy (token_dispatcher.py:922), so they need a
+  GPU (tests/gpu/test_moe.py).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.packed_graphs.layers import GraphSafeMoELayer, GraphSafeTransformerLayer
+from megatron.packed_graphs.moe import PackedTopKRouter, layer_padding_mask
+from megatron.packed_graphs.packed_seq import build_packed_batch_params
+from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
+from megatron.training.datasets.packing import Document, collate_packed_rows, pack_documents
+from megatron.training.packed_step import dummy_micro_batch, to_device_micro_batch
+
+HIDDEN, EXPERTS, TOPK = 32, 4, 2
+DROP_AND_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+
+
+def moe_config(**overrides):
+    settings = dict(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, bias_dropout_fusion=False, hidden_dropout=0.0,
+        attention_dropout=0.0, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        moe_ffn_hidden_size=16, moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    return TransformerConfig(**(settings | overrides))
+
+
+@pytest.fixture
+def cpu_moe(cpu_dist, monkeypatch):
+    """megatron-core's MoE modules on CPU (see module doc); a clean metrics tracker."""
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
+    get_moe_metrics_tracker().metrics.clear()
+    yield
+    get_moe_metrics_tracker().metrics.clear()
+
+
+def seeded(cls, config, seed=0):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    torch.manual_seed(seed)
+    router = cls(config=config, pg_collection=get_default_pg_collection())
+    router.set_layer_number(1)
+    return router
+
+
+# ------------------------------------------------------------------------------ padding mask
+
+def test_collate_marks_row_padding_tails():
+    docs = [Document(torch.arange(1, n + 1).numpy(), None, f"doc{n}") for n in (5, 3, 7)]
+    batch = collate_packed_rows(list(pack_documents(docs, seq_length=8)))
+    cu = batch["cu_seqlens"].tolist()
+    mask = batch["padding_mask"].reshape(-1)
+    assert batch["padding_mask"].dtype == torch.bool and mask.numel() == cu[-1]
+    # Exactly the positions past each row's documents are padding.
+    assert int(mask.sum()) == sum(8 - int(row.cu_seqlens[row.num_documents])
+                                  for row in pack_documents(docs, seq_length=8))
+    assert not mask[:cu[1]].any()
+
+
+def test_collate_marks_inner_cp_padding():
+    docs = [Document(torch.arange(1, n + 1).numpy(), None, f"doc{n}") for n in (6, 3)]
+    (row,) = pack_documents(docs, seq_length=16, segment_multiple=4)
+    mask = collate_packed_rows([row])["padding_mask"][0]
+    actual = (row.cu_seqlens_actual[1:] - row.cu_seqlens_actual[:-1])[:row.num_documents]
+    assert int((~mask).sum()) == int(actual.sum()) == 7  # 5 + 2 shifted positions
+
+
+def test_params_carry_this_ranks_padding_mask():
+    docs = [Document(torch.arange(1, n + 1).numpy(), None, f"doc{n}") for n in (6, 3)]
+    batch = collate_packed_rows(list(pack_documents(docs, seq_length=16, segment_multiple=4)))
+    cpu = torch.device("cpu")
+    whole = to_device_micro_batch(batch, with_seq_idx=False, static_max_seqlen=True,
+                                  device=cpu, with_padding_mask=True)
+    assert torch.equal(whole.params.padding_mask, batch["padding_mask"].reshape(-1))
+    rank1 = to_device_micro_batch(batch, with_seq_idx=False, static_max_seqlen=True,
+                                  device=cpu, cp_size=2, cp_rank=1, with_padding_mask=True)
+    # CP keeps the same positions of the mask as of the tokens.
+    assert rank1.params.padding_mask.numel() == 8
+    assert torch.equal(rank1.params.padding_mask, rank1.tokens.reshape(-1) == 0)
+    dense = to_device_micro_batch(batch, with_seq_idx=False, static_max_seqlen=True, device=cpu)
+    assert dense.params.padding_mask is None
+    dummy = to_device_micro_batch(dummy_micro_batch(8), with_seq_idx=False,
+                                  static_max_seqlen=True, device=cpu, with_padding_mask=True)
+    assert dummy.params.padding_mask.all()
+
+
+def test_layer_mask_is_the_sequence_parallel_share():
+    class Group:
+        def __init__(self, size, rank):
+            self._size, self._rank = size, rank
+
+        def size(self):
+            return self._size
+
+        def rank(self):
+            return self._rank
+
+    params = build_packed_batch_params(torch.tensor([0, 5, 8], dtype=torch.int32),
+                                       torch.arange(8), 8, with_seq_idx=False)
+    params.padding_mask = torch.arange(8) >= 5
+    assert layer_padding_mask(params, 8, Group(1, 0), False).tolist() == [[False] * 5 + [True] * 3]
+    assert layer_padding_mask(params, 4, Group(2, 1), True).tolist() == [[False, True, True, True]]
+    with pytest.raises(ValueError, match="padding_mask has 8 entries for 4 MoE tokens"):
+        layer_padding_mask(params, 4, Group(1, 0), False)
+    params.padding_mask = None
+    assert layer_padding_mask(params, 8, Group(1, 0), False) is None
+
+
+# ------------------------------------------------------------------------------ the router
+
+@pytest.mark.parametrize("capacity", [{}, DROP_AND_PAD, dict(moe_expert_capacity_factor=0.5)])
+def test_without_padding_the_router_routes_like_upstream(cpu_moe, capacity):
+    config = moe_config(**capacity)
+    ours, upstream = seeded(PackedTopKRouter, config), seeded(TopKRouter, config)
+    assert torch.equal(ours.weight, upstream.weight)
+    logits = torch.randn(16, 1, EXPERTS)
+    probs, routing_map = ours.routing(logits)
+    expected_probs, expected_map = upstream.routing(logits)
+    assert torch.equal(probs, expected_probs) and torch.equal(routing_map, expected_map)
+
+
+def _documents_and_padding(docs=8, pad=8, seed=1):
+    torch.manual_seed(seed)
+    hidden = torch.randn(docs + pad, 1, HIDDEN)
+    hidden[docs:] *= 10  # loud padding: upstream would give it high router scores
+    mask = torch.arange(docs + pad) >= docs
+    return hidden, mask.view(1, -1)
+
+
+def test_padding_is_routed_nowhere(cpu_moe):
+    router = seeded(PackedTopKRouter, moe_config())
+    hidden, mask = _documents_and_padding()
+    probs, routing_map = router(hidden, padding_mask=mask.transpose(0, 1))
+    assert not routing_map[8:].any() and not probs[8:].any()
+    assert (routing_map[:8].sum(dim=1) == TOPK).all()
+
+
+@pytest.mark.parametrize("pad_to_capacity", [False, True])
+def test_padded_row_routes_its_documents_like_the_documents_alone(cpu_moe, pad_to_capacity):
+    # 8 document tokens alone at factor 0.5 and with 8 padding tokens at factor 0.25 have the
+    # same capacity (2 per expert for 16 routed slots): tokens are dropped in both.
+    hidden, mask = _documents_and_padding()
+    padded = seeded(PackedTopKRouter, moe_config(
+        moe_expert_capacity_factor=0.25, moe_pad_expert_input_to_capacity=pad_to_capacity))
+    alone = seeded(PackedTopKRouter, moe_config(
+        moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=pad_to_capacity))
+    probs, routing_map = padded(hidden, padding_mask=mask.transpose(0, 1))
+    doc_probs, doc_map = alone(hidden[:8])
+    assert torch.equal(probs[:8], doc_probs)
+    assert not probs[8:].any()
+    if pad_to_capacity:  # unused slots hold zero-probability rows, as upstream fills them
+        assert torch.equal(routing_map[:8] & (probs[:8] > 0), doc_map & (doc_probs > 0))
+        assert (routing_map.sum(dim=0) == 2).all()
+    else:
+        assert torch.equal(routing_map[:8], doc_map) and not routing_map[8:].any()
+    assert doc_map.sum() < 8 * TOPK  # the capacity bites: documents overflow it
+    # Upstream's router lets the loud padding take capacity from the documents.
+    upstream = seeded(TopKRouter, moe_config(moe_expert_capacity_factor=0.25,
+                                             moe_pad_expert_input_to_capacity=pad_to_capacity))
+    upstream_probs, _ = upstream.routing(padded.gating(hidden), mask.transpose(0, 1))
+    assert not torch.equal(upstream_probs[:8], doc_probs)
+
+
+def test_aux_and_z_loss_ignore_padding(cpu_moe):
+    tracker = get_moe_metrics_tracker()
+    hidden, mask = _documents_and_padding()
+    values = []
+    for rows, padding in ((hidden, mask.transpose(0, 1)), (hidden[:8], None)):
+        router = seeded(PackedTopKRouter, moe_config())
+        router(rows, padding_mask=padding)
+        values.append({name: entry.values[0].clone() for name, entry in tracker.metrics.items()})
+        tracker.clear()
+    assert set(values[0]) == {"load_balancing_loss", "z_loss"}
+    for name in values[0]:
+        torch.testing.assert_close(values[0][name], values[1][name])
+
+
+# ------------------------------------------------------------------------------ models
+
+def _packed_params(num_documents_tokens=12, total=16):
+    cu = torch.tensor([0, 5, num_documents_tokens, total], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(5), torch.arange(num_documents_tokens - 5),
+                              torch.arange(total - num_documents_tokens)])
+    params = build_packed_batch_params(cu, position_ids, total, with_seq_idx=False)
+    params.padding_mask = torch.arange(total) >= num_documents_tokens
+    return params
+
+
+def test_gpt_moe_layer_builds_megatron_modules(cpu_moe):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    config = moe_config(moe_shared_expert_intermediate_size=16, **DROP_AND_PAD)
+    layer = build_module(gpt_layer_spec("torch", num_experts=EXPERTS), config=config,
+                         layer_number=1)
+    assert isinstance(layer, GraphSafeTransformerLayer) and layer.is_moe_layer
+    assert isinstance(layer.mlp, MoELayer) and isinstance(layer.mlp.router, PackedTopKRouter)
+    assert isinstance(layer.mlp.experts, SequentialMLP)
+    assert len(layer.mlp.experts.local_experts) == EXPERTS
+    assert isinstance(layer.mlp.shared_experts, SharedExpertMLP)
+    assert isinstance(layer.mlp.token_dispatcher, MoEAlltoAllTokenDispatcher)
+    assert layer.mlp.token_dispatcher.drop_and_pad
+
+
+def test_gpt_moe_model_forward_backward_on_cpu(cpu_moe):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = moe_config(moe_shared_expert_intermediate_size=16, **DROP_AND_PAD)
+    torch.manual_seed(0)
+    model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec("torch",
+                                                                          num_experts=EXPERTS),
+                     # megatron-core's RoPE table is built on the CUDA device
+                     vocab_size=64, max_sequence_length=16, position_embedding_type="none")
+    params = _packed_params()
+    tokens = torch.randint(1, 64, (1, 16))
+    losses = model(tokens, params.position_ids.view(1, -1), None, labels=tokens,
+                   packed_seq_params=params)
+    losses.sum().backward()
+    router = model.decoder.layers[0].mlp.router
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    expert = model.decoder.layers[0].mlp.experts.local_experts[0]
+    assert expert.linear_fc1.weight.grad is not None
+    # The aux loss was recorded for both layers, from the documents only.
+    assert (get_moe_metrics_tracker().metrics["load_balancing_loss"].values > 0).all()
+
+
+def test_padding_does_not_change_the_documents_outputs(cpu_moe):
+    """A layer's outputs on the documents do not depend on what the padding holds."""
+    config = moe_config(**DROP_AND_PAD)
+    torch.manual_seed(0)
+    layer = build_module(gpt_layer_spec("torch", num_experts=EXPERTS), config=config,
+                         layer_number=1)
+    params = _packed_params()
+    hidden = torch.randn(16, 1, HIDDEN)
+    out, _ = layer(hidden, attention_mask=None, packed_seq_params=params)
+    loud = hidden.clone()
+    loud[12:] = 50 * torch.randn(4, 1, HIDDEN)
+    out_loud, _ = layer(loud, attention_mask=None, packed_seq_params=params)
+    torch.testing.assert_close(out[:12], out_loud[:12])
+
+
+def test_hybrid_moe_model_forward_backward_on_cpu(cpu_moe):
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    config = moe_config(num_layers=3, **DROP_AND_PAD)
+    torch.manual_seed(0)
+    model = HybridModel(config=config,
+                        hybrid_stack_spec=hybrid_stack_spec("torch", num_experts=EXPERTS),
+                        vocab_size=64, max_sequence_length=16, hybrid_layer_pattern="*E-",
+                        position_embedding_type="none")
+    moe_layer = model.decoder.layers[1]
+    assert isinstance(moe_layer, GraphSafeMoELayer) and isinstance(moe_layer.mlp, MoELayer)
+    assert isinstance(moe_layer.mlp.router, PackedTopKRouter)
+    params = _packed_params()
+    tokens = torch.randint(1, 64, (1, 16))
+    losses = model(tokens, params.position_ids.view(1, -1), None, labels=tokens,
+                   packed_seq_params=params)
+    losses.sum().backward()
+    assert moe_layer.mlp.router.weight.grad.abs().sum() > 0
+    recorded = get_moe_metrics_tracker().metrics["load_balancing_loss"].values
+    assert recorded[1] > 0 and recorded[0] == recorded[2] == 0  # layer 2 is the 'E' layer
