@@ -27,6 +27,9 @@ METRIC_KEYS = (
 )
 
 
+# MoE losses (metrics.MoELosses): log-line names, metrics keys and TensorBoard tags, Megatron's.
+MOE_LOSS_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
 # TensorBoard tag -> metrics key; the tags are Megatron's.
 TENSORBOARD_TAGS = {
     "lm loss": "lm_loss",
@@ -36,6 +39,59 @@ TENSORBOARD_TAGS = {
     "throughput/tokens-per-sec": "tokens_per_sec",
     "mem-max-allocated-bytes": "mem_max_allocated_bytes",
 }
+
+
+def moe_loss_names(args) -> list:
+    """Megatron's names of the MoE losses this run records (its log-line and metrics keys)."""
+    if getattr(args, "num_experts", None) is None:
+        return []
+    names = []
+    if args.moe_aux_loss_coeff > 0:
+        names.append({"aux_loss": "load_balancing_loss",
+                      "seq_aux_loss": "seq_load_balancing_loss"}.get(
+            args.moe_router_load_balancing_type))
+    if args.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return [name for name in names if name]
+
+
+class MoELosses:
+    """The MoE aux losses of each iteration, as Megatron's training loop reports them.
+
+    megatron-core's routers add every MoE layer's unscaled aux loss (and z-loss) into
+    `get_moe_metrics_tracker()` on the device. After each iteration `after_step` lets the
+    tracker reduce them (pipeline, TP x CP, data-parallel average; collectives, no host read),
+    average over micro-batches and MoE layers and zero them, accumulating the step's values
+    on the device; `read` (at log points only, where the loop waits for the GPU anyway)
+    returns the mean per iteration since the last read. Every rank calls both.
+    """
+
+    def __init__(self, args):
+        self.names = moe_loss_names(args)
+        pattern = getattr(args, "hybrid_override_pattern", None)
+        self.num_layers = args.num_layers
+        # gpt: every layer is MoE; hybrid: the 'E' layers.
+        self.moe_layer_freq = [int(c == "E") for c in pattern] if pattern else 1
+        self._totals: dict = {}
+        self._iterations = 0
+
+    def after_step(self, num_microbatches: int, iteration: int) -> None:
+        if not self.names:
+            return
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        get_moe_metrics_tracker().report(
+            loss_scale=1.0 / num_microbatches, iteration=iteration, track_names=self.names,
+            force_initialize=True, num_layers=self.num_layers,
+            moe_layer_freq=self.moe_layer_freq, total_loss_dict=self._totals)
+        self._iterations += 1
+
+    def read(self) -> dict:
+        """{name: mean per iteration} since the last read (reads the device); {} without MoE."""
+        values = {name: float(self._totals[name]) / max(self._iterations, 1)
+                  for name in self.names if name in self._totals}
+        self._totals, self._iterations = {}, 0
+        return values
 
 
 class IntervalTimer:
@@ -105,6 +161,7 @@ class MetricsLogger:
             f"learning rate: {record['learning_rate']:.6E}",
             f"global batch size: {record['global_batch_size']:5d}",
             f"lm loss: {record['lm_loss']:.6E}",
+            *(f"{name}: {record[name]:.6E}" for name in MOE_LOSS_KEYS if name in record),
             f"grad norm: {record['grad_norm']:.3f}",
             f"num zeros: {record['num_zeros']}",
             f"tokens/s: {record['tokens_per_sec']:.0f}",
@@ -115,6 +172,9 @@ class MetricsLogger:
         if self._tb is not None:
             for tag, key in TENSORBOARD_TAGS.items():
                 self._tb.add_scalar(tag, record[key], record["iteration"])
+            for key in MOE_LOSS_KEYS:
+                if key in record:
+                    self._tb.add_scalar(key, record[key], record["iteration"])
 
     def log_valid(self, iteration: int, lm_loss: float) -> None:
         if not self.enabled:

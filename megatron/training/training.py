@@ -35,7 +35,7 @@ from megatron.training.datasets.builder import (
     describe_packing,
 )
 from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
-from megatron.training.metrics import IntervalTimer, MetricsLogger
+from megatron.training.metrics import IntervalTimer, MetricsLogger, MoELosses
 from megatron.training.profiling import StepProfiler
 from megatron.packed_graphs.core_patches import apply_core_patches, use_side_stream
 from megatron.packed_graphs.te_graphs import TELayerGraphs
@@ -225,6 +225,7 @@ def pretrain(args, model_provider: Callable, forward_step,
     # one. Times are per log interval (Megatron's "elapsed time per iteration"), measured
     # up to the log point, which waits for the GPU when it reads the loss.
     interval = IntervalTimer()
+    moe_losses = MoELosses(args)  # MoE aux losses, read at log points only
     while iteration < args.train_iters:
         profiler.begin(iteration + 1)
         # --rampup-batch-size grows the batch with the samples consumed (megatron-core).
@@ -234,6 +235,7 @@ def pretrain(args, model_provider: Callable, forward_step,
         lm_loss, grad_norm, num_zeros = train_step(args, forward_step, micro_batches, model,
                                                    optimizer, scheduler, batch)
         iteration += 1
+        moe_losses.after_step(num_microbatches, iteration)
         consumed_samples += batch
         # Dynamic-CP samples differ in length; the reader counts their positions.
         positions = micro_batches[0][0].get("iteration_positions", batch * args.seq_length)
@@ -245,6 +247,7 @@ def pretrain(args, model_provider: Callable, forward_step,
                 "consumed_samples": consumed_samples,
                 "global_batch_size": batch,
                 "lm_loss": lm_loss,
+                **moe_losses.read(),
                 "grad_norm": _to_float(grad_norm),
                 "num_zeros": int(num_zeros) if num_zeros is not None else 0,
                 "learning_rate": optimizer.param_groups[0]["lr"],
