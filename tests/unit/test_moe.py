@@ -9,7 +9,7 @@
   its constructor for the dropless token-count copy (token_dispatcher.py:469) that
   drop-and-pad never uses; the `cpu_moe` fixture stands a placeholder in for it. Dropless and
   capacity-without-padding dispatch run that copy (token_dispatcher.py:922), so they need a
-  GPU (tests/gpu/test_moe.py).
+  GPU (tests/gpu/test_moe_graphs.py).
 """
 
 import pytest
