@@ -47,6 +47,9 @@ class PackedTopKRouter(TopKRouter):
 
     def __init__(self, config, pg_collection=None, is_mtp_layer=False):
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        # [routed, dropped] token slots (token, expert) under the capacity, added up on the
+        # device (inside graphs too) until `read_dropped_token_fraction` reads and zeroes them.
+        self.register_buffer("token_slots", torch.zeros(2, dtype=torch.int64), persistent=False)
         # Upstream drops by capacity inside routing(), before a padding mask could apply;
         # routing runs on a copy of the config without the capacity and it is applied here.
         self.capacity_factor = config.moe_expert_capacity_factor
@@ -69,11 +72,36 @@ class PackedTopKRouter(TopKRouter):
             probs = probs * keep
             routing_map = routing_map & keep
         if self.capacity_factor is not None:
+            routed = routing_map.sum()
             probs, routing_map = apply_router_token_dropping(
                 probs, routing_map, router_topk=self.topk, capacity_factor=self.capacity_factor,
                 drop_policy=self.config.moe_token_drop_policy,
                 pad_to_capacity=self.config.moe_pad_expert_input_to_capacity)
+            # Pad-to-capacity slots carry zero probability: only weighted slots were kept.
+            kept = (routing_map & (probs != 0)).sum()
+            self.token_slots += torch.stack([routed, routed - kept])
         return probs, routing_map
+
+
+def read_dropped_token_fraction(model_chunks) -> float:
+    """Fraction of routed token slots the expert capacity dropped, over every MoE layer and
+    rank since the last call; zeroes the counts. Syncs: one all-reduce and a host read, so
+    call it at log points only, on every rank. Padding is never routed, so never counted.
+
+    Ranks that hold the same tokens (TP without sequence parallelism) count them alike in
+    both sums, which leaves the ratio exact.
+    """
+    # Every rank takes part in the all-reduce, also a pipeline stage without MoE layers.
+    slots = torch.zeros(2, dtype=torch.int64,
+                        device="cuda" if torch.cuda.is_available() else "cpu")
+    for chunk in model_chunks:
+        for router in (m for m in chunk.modules() if isinstance(m, PackedTopKRouter)):
+            slots += router.token_slots
+            router.token_slots.zero_()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(slots)
+    routed, dropped = slots.tolist()
+    return dropped / routed if routed else 0.0
 
 
 def moe_mlp_spec(provider: BackendSpecProvider, num_experts: int, grouped_gemm: bool):

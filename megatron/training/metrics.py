@@ -28,7 +28,8 @@ METRIC_KEYS = (
 
 
 # MoE losses (metrics.MoELosses): log-line names, metrics keys and TensorBoard tags, Megatron's.
-MOE_LOSS_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+MOE_LOSS_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss",
+                 "moe_dropped_token_fraction")  # the last: with a capacity factor
 
 # TensorBoard tag -> metrics key; the tags are Megatron's.
 TENSORBOARD_TAGS = {
@@ -66,8 +67,11 @@ class MoELosses:
     returns the mean per iteration since the last read. Every rank calls both.
     """
 
-    def __init__(self, args):
+    def __init__(self, args, model_chunks=()):
         self.names = moe_loss_names(args)
+        # With a capacity factor: the fraction of routed token slots it dropped (moe.py).
+        self.count_drops = getattr(args, "moe_expert_capacity_factor", None) is not None
+        self.model_chunks = model_chunks
         pattern = getattr(args, "hybrid_override_pattern", None)
         self.num_layers = args.num_layers
         # gpt: every layer is MoE; hybrid: the 'E' layers.
@@ -87,10 +91,15 @@ class MoELosses:
         self._iterations += 1
 
     def read(self) -> dict:
-        """{name: mean per iteration} since the last read (reads the device); {} without MoE."""
+        """{name: mean per iteration} since the last read, and the dropped-slot fraction with a
+        capacity factor (reads the device; every rank calls it); {} without MoE."""
         values = {name: float(self._totals[name]) / max(self._iterations, 1)
                   for name in self.names if name in self._totals}
         self._totals, self._iterations = {}, 0
+        if self.count_drops:
+            from megatron.packed_graphs.moe import read_dropped_token_fraction
+
+            values["moe_dropped_token_fraction"] = read_dropped_token_fraction(self.model_chunks)
         return values
 
 

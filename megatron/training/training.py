@@ -225,7 +225,7 @@ def pretrain(args, model_provider: Callable, forward_step,
     # one. Times are per log interval (Megatron's "elapsed time per iteration"), measured
     # up to the log point, which waits for the GPU when it reads the loss.
     interval = IntervalTimer()
-    moe_losses = MoELosses(args)  # MoE aux losses, read at log points only
+    moe_losses = MoELosses(args, model)  # MoE aux losses and drops, read at log points only
     while iteration < args.train_iters:
         profiler.begin(iteration + 1)
         # --rampup-batch-size grows the batch with the samples consumed (megatron-core).

@@ -334,3 +334,35 @@ def test_aux_losses_reach_the_log_line_and_metrics_file(cpu_moe, tmp_path, capsy
     assert f"load_balancing_loss: {values['load_balancing_loss']:.6E}" in line
     assert "lm loss: 2.500000E+00 | load_balancing_loss:" in line and "z_loss:" in line
     assert read_metrics(str(path))[0]["load_balancing_loss"] == values["load_balancing_loss"]
+
+
+def test_dropped_token_slots_are_counted_on_the_device(cpu_moe):
+    """With a capacity, each router adds up its routed (padding excluded) and dropped token
+    slots on the device; the logged value is their ratio, and reading zeroes the counts."""
+    from megatron.packed_graphs.moe import read_dropped_token_fraction
+    from megatron.training.metrics import MoELosses
+
+    router = seeded(PackedTopKRouter, moe_config(moe_expert_capacity_factor=0.25,
+                                                 moe_pad_expert_input_to_capacity=True))
+    hidden, mask = _documents_and_padding()
+    probs, routing_map = router(hidden, padding_mask=mask.transpose(0, 1))
+    kept = int((routing_map & (probs != 0)).sum())
+    assert 0 < kept < 8 * TOPK  # the capacity bites
+    assert router.token_slots.tolist() == [8 * TOPK, 8 * TOPK - kept]  # never the padding
+    router(hidden, padding_mask=mask.transpose(0, 1))  # a second micro-batch adds up
+    model = torch.nn.ModuleList([router])
+    losses = MoELosses(_loss_args(moe_expert_capacity_factor=0.25, moe_aux_loss_coeff=0.0,
+                                  moe_z_loss_coeff=None), [model])
+    assert losses.read() == {"moe_dropped_token_fraction": pytest.approx(1 - kept / (8 * TOPK))}
+    assert router.token_slots.tolist() == [0, 0]
+    assert read_dropped_token_fraction([model]) == 0.0  # nothing routed since
+
+
+def test_without_a_capacity_nothing_is_counted(cpu_moe):
+    from megatron.training.metrics import MoELosses
+
+    router = seeded(PackedTopKRouter, moe_config())
+    hidden, mask = _documents_and_padding()
+    router(hidden, padding_mask=mask.transpose(0, 1))
+    assert router.token_slots.tolist() == [0, 0]
+    assert "moe_dropped_token_fraction" not in MoELosses(_loss_args(), [router]).read()
