@@ -154,7 +154,8 @@ set_defaults() {
   CUDA_GRAPH_IMPL=${CUDA_GRAPH_IMPL:-local}     # none: eager; transformer_engine: TE graphs (PP=1)
   CUDA_GRAPH_MAX_PACKED_SEQS=${CUDA_GRAPH_MAX_PACKED_SEQS:-64}
   CUDA_GRAPH_WARMUP_STEPS=${CUDA_GRAPH_WARMUP_STEPS:-3}
-  CUDA_GRAPH_SCOPE=${CUDA_GRAPH_SCOPE:-}        # --cuda-graph-modules; empty: the whole layer
+  # --cuda-graph-modules; empty: the whole layer (CUDA_GRAPH_SCOPE: its older name)
+  CUDA_GRAPH_MODULES=${CUDA_GRAPH_MODULES:-${CUDA_GRAPH_SCOPE:-}}
   CUDA_GRAPH_GRANULARITY=${CUDA_GRAPH_GRANULARITY:-layer}  # chunk: one graph per pipeline chunk
 
   NSYS=${NSYS:-0}
@@ -213,9 +214,9 @@ build_python_args() {
               --cuda-graph-max-packed-seqs "$CUDA_GRAPH_MAX_PACKED_SEQS"
               --cuda-graph-warmup-steps "$CUDA_GRAPH_WARMUP_STEPS"
               --cuda-graph-granularity "$CUDA_GRAPH_GRANULARITY")
-    if [ -n "$CUDA_GRAPH_SCOPE" ]; then
+    if [ -n "$CUDA_GRAPH_MODULES" ]; then
       local modules
-      read -r -a modules <<< "$CUDA_GRAPH_SCOPE"
+      read -r -a modules <<< "$CUDA_GRAPH_MODULES"
       PY_ARGS+=(--cuda-graph-modules "${modules[@]}")
     fi
   fi

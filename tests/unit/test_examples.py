@@ -26,8 +26,8 @@ MODEL_OF_SCRIPT = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
 KNOBS = ("NNODES", "GPUS_PER_NODE", "LAUNCHER", "CONTAINER_IMAGE", "CONTAINER_MOUNTS",
          "DATA_PATH", "VALID_DATA_PATH", "SAVE_DIR", "LOG_DIR", "SEQ_LENGTH", "MICRO_BATCH_SIZE",
          "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "TP", "PP", "CUDA_GRAPH_IMPL",
-         "CUDA_GRAPH_MAX_PACKED_SEQS", "CUDA_GRAPH_WARMUP_STEPS", "CUDA_GRAPH_SCOPE", "NSYS",
-         "NSYS_OUTPUT", "EXTRA_ARGS", "DRY_RUN", "MASTER_ADDR", "MASTER_PORT", "REPO_DIR",
+         "CUDA_GRAPH_MAX_PACKED_SEQS", "CUDA_GRAPH_WARMUP_STEPS", "CUDA_GRAPH_MODULES",
+         "CUDA_GRAPH_SCOPE", "NSYS", "NSYS_OUTPUT", "EXTRA_ARGS", "DRY_RUN", "MASTER_ADDR", "MASTER_PORT", "REPO_DIR",
          "RUN_NAME", "LAUNCH_MODE", "LOAD_DIR", "SAVE_INTERVAL", "WORLD_SIZE", "CP",
          "TE_PATCHES", "NGPUS", "EAGER_ITERS", "CUDA_GRAPH_GRANULARITY", "TARGET_FALLBACK_RATE",
          "OUT_DIR", "JOB_TAG", "LOG_INTERVAL", "SEED", "PYTHON")
@@ -146,7 +146,7 @@ def test_local_dry_run(model):
 
 def test_env_overrides_reach_the_command():
     env = {"CUDA_GRAPH_MAX_PACKED_SEQS": "32", "CUDA_GRAPH_WARMUP_STEPS": "5",
-           "CUDA_GRAPH_SCOPE": "attn mlp", "NNODES": "2", "GPUS_PER_NODE": "4", "TP": "2",
+           "CUDA_GRAPH_MODULES": "attn mlp", "NNODES": "2", "GPUS_PER_NODE": "4", "TP": "2",
            "PP": "2", "SEQ_LENGTH": "2048", "MICRO_BATCH_SIZE": "2", "TRAIN_ITERS": "7",
            "DATA_PATH": "/data/train.jsonl", "VALID_DATA_PATH": "/data/valid.jsonl",
            "SAVE_DIR": "/ckpt/run1", "MASTER_PORT": "12345",
@@ -494,3 +494,8 @@ def test_capacity_advisor_help_shows_defaults(capsys):
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 0.01)" in text and "(default: 2000)" in text and "--print-capacity" in text
+
+
+def test_cuda_graph_scope_knob_is_the_older_name_of_cuda_graph_modules():
+    line = launch_line(dry_run(SBATCH["gpt"], {"CUDA_GRAPH_SCOPE": "attn"}))
+    assert "--cuda-graph-modules attn" in line and "--cuda-graph-scope" not in line
