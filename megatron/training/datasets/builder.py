@@ -83,6 +83,9 @@ def pack_jsonl_file(path: str, args: Namespace, stats: PackingStats) -> list:
 def build_datasets(args: Namespace, packed_rows: dict | None = None):
     """Build ``(train_dataset, valid_dataset or None, PackingStats or None)``.
 
+    ``packed_rows``: ``{path: (rows, PackingStats)}`` of files packed already (the data
+    check's on rank 0), used instead of reading them again.
+
     Reads ``args.``: seq_length, vocab_size, seed, data_path, valid_data_path, mock_data,
     mock_doc_length_median, mock_doc_length_sigma, long_document_policy (or the older
     reject_long_documents), max_truncated_token_fraction, sft, train_iters,
@@ -136,16 +139,18 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
 
     packed_rows = packed_rows or {}
 
-    def rows(path: str, stats: PackingStats) -> list:
-        # The data check packed this file already (rank 0): its rows, else pack now.
-        return packed_rows[path] if path in packed_rows else pack_jsonl_file(path, args, stats)
+    def rows(path: str) -> tuple:
+        # The data check packed this file already (rank 0): its rows and stats, else pack now.
+        if path in packed_rows:
+            return packed_rows[path]
+        stats = PackingStats()
+        return pack_jsonl_file(path, args, stats), stats
 
-    stats = PackingStats()
-    train = PackedRowDataset(rows(args.data_path, stats), train_samples, args.seed)
+    train_rows, stats = rows(args.data_path)
+    train = PackedRowDataset(train_rows, train_samples, args.seed)
     valid = None
     if args.valid_data_path and valid_samples > 0:
-        valid = PackedRowDataset(rows(args.valid_data_path, PackingStats()), valid_samples,
-                                 args.seed + 1)
+        valid = PackedRowDataset(rows(args.valid_data_path)[0], valid_samples, args.seed + 1)
     return train, valid, stats
 
 

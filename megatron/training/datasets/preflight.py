@@ -34,8 +34,8 @@ class DataCheck:
         train: packing statistics of the training data (``--data-path``, or the mock rows).
         valid: those of ``--valid-data-path``; None without one.
         line: the one summary line printed.
-        rows: the packed rows of each data file, by path, for training to reuse (rank 0 then
-            reads and packs each file once).
+        rows: ``{path: (packed rows, their PackingStats)}`` of each data file, for training
+            to reuse (rank 0 then reads and packs each file once).
     """
 
     train: PackingStats
@@ -67,7 +67,7 @@ def check_data(args) -> DataCheck:
     parts, found, rows = [], [], {}
     for flag, path in files:
         stats = PackingStats()
-        rows[path] = pack_jsonl_file(path, args, stats)  # training's packer: errors name path:line
+        rows[path] = pack_jsonl_file(path, args, stats), stats  # errors name path:line
         found.append(stats)
         parts.append(f"{flag} {path}: {_describe(stats)}")
     return DataCheck(found[0], found[1] if len(found) > 1 else None,
