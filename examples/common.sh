@@ -87,6 +87,19 @@ apply_te_patches() {
   export PYTHONPATH="$REPO_DIR/te_patches${PYTHONPATH:+:$PYTHONPATH}"
 }
 
+# The launch environment: Megatron's CUDA/NCCL settings and te_patches when on. With an
+# argument "print", echo it as shell lines instead of setting it.
+launch_environment() {
+  if [ "${1:-}" = print ]; then
+    echo "export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0"
+    apply_te_patches print
+    return 0
+  fi
+  export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron: keep TP/PP communication in issue order
+  export NCCL_NVLS_ENABLE=0              # NVLink SHARP (multicast) off
+  apply_te_patches
+}
+
 # GPUs of this machine (0 without nvidia-smi); local launches only.
 visible_gpus() {
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -296,17 +309,14 @@ launch() {
   set_defaults "$mode"
   build_launch "$mode"
   decide_te_patches "${PY_ARGS[@]}"
-  export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron: keep TP/PP communication in issue order
-  export NCCL_NVLS_ENABLE=0              # NVLink SHARP (multicast) off
   if [ "$DRY_RUN" = 1 ]; then
     echo "# $RUN_NAME ($mode, $NNODES node(s) x $GPUS_PER_NODE GPU(s)): dry run, nothing is launched"
     echo "cd $(printf '%q' "$REPO_DIR")"
-    echo "export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0"
-    apply_te_patches print
+    launch_environment print
     echo "$LAUNCH_TEXT 2>&1 | tee -a $(printf '%q' "$LOG_FILE")"
     exit 0
   fi
-  apply_te_patches
+  launch_environment
   if [ "$mode" = slurm ] && [ -z "${SLURM_JOB_ID:-}" ]; then
     die "SLURM_JOB_ID" "unset" "Submit with sbatch, or print the launch with --dry-run"
   fi

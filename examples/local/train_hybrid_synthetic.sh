@@ -116,14 +116,11 @@ EAGER_RUN=("${RUN[@]}")
 graph_flags "${CUDA_GRAPH_MAX_PACKED_SEQS:-0}"
 training "$TRAIN_ITERS" "$GRAPH_METRICS" "${GRAPH_FLAGS[@]}"
 decide_te_patches "${RUN[@]}"
-export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron: keep TP/PP communication in issue order
-export NCCL_NVLS_ENABLE=0              # NVLink SHARP (multicast) off
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "# ${NAME%.sh} ($NGPUS GPU(s)): dry run, nothing is launched"
   echo "cd $(printf '%q' "$REPO_DIR")"
-  echo "export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0"
-  apply_te_patches print
+  launch_environment print
   echo "mkdir -p $(printf '%q' "$OUT_DIR")"
   if [ -n "$CUDA_GRAPH_MAX_PACKED_SEQS" ]; then
     echo "CAPACITY=$(printf '%q' "$CUDA_GRAPH_MAX_PACKED_SEQS")"
@@ -138,7 +135,7 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 
-apply_te_patches
+launch_environment
 mkdir -p "$OUT_DIR"
 if [ -n "$CUDA_GRAPH_MAX_PACKED_SEQS" ]; then
   CAPACITY=$CUDA_GRAPH_MAX_PACKED_SEQS
