@@ -6,9 +6,9 @@ takes only tensors as inputs, while a packed micro-batch reaches the layers as a
 
 * `PackedGraphInputs` owns one static buffer per packed-metadata tensor (``cu_seqlens``
   padded to the capacity, ``position_ids``, Mamba's ``seq_idx``, the MoE ``padding_mask``,
-  and ``cu_seqlens_padded``
-  when it is a tensor of its own) plus the host values fixed at capture (``max_seqlen``,
-  whether the padded boundaries are ``cu_seqlens`` itself, as with CP). Every layer's graph reads the same buffers. A graphed micro-batch is copied
+  and ``cu_seqlens_padded`` when it is a tensor of its own) plus the host values fixed at
+  capture (``max_seqlen``, whether the padded boundaries are ``cu_seqlens`` itself, as with
+  CP). Every layer's graph reads the same buffers. A graphed micro-batch is copied
   into them once (`PackedGraphInputs.load`), before the model runs; the params it then
   carries point at the buffers, so no layer's replay copies anything.
 * `TEGraphDispatch` (a layer mixin, see layers.py) splits the params into those tensors at
