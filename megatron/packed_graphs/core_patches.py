@@ -39,7 +39,6 @@ Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
 
 import contextlib
 import dataclasses
-import inspect
 from typing import Callable
 
 import torch
@@ -472,8 +471,3 @@ def use_side_stream() -> None:
     blocking stream"). megatron-core's local graphs switch streams likewise for capture.
     """
     torch.cuda.set_stream(torch.cuda.Stream())
-
-
-def upstream_source(function) -> str:
-    """Source text of an upstream function (sentinel tests read what a patch relies on)."""
-    return inspect.getsource(function)
