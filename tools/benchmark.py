@@ -14,6 +14,9 @@ out of the medians. All rows of a table come from the same invocation on the sam
         --dynamic-cp-sets 1 2 1,2 --tokens-per-rank 2048 --extra-args="--attention-backend te"
     python tools/benchmark.py --presets hybrid-small --from-metrics eager=runs/eager.jsonl \
         layer-graphs=runs/graphs.jsonl --warmup 10 --log-interval 10
+    python tools/benchmark.py --presets moe --variants eager layer-graphs chunk-graphs --profile
+    python tools/benchmark.py --presets moe --variants eager layer-graphs --nproc 4 \
+        --expert-model-parallel-size 4 --global-batch-size 16 --moe-experts sequential grouped-gemm
 
 --from-metrics trains nothing: it tabulates the metrics files of finished runs (one row per
 VARIANT=FILE, speedup against the row named eager), as examples/local/train_hybrid_synthetic.sh
@@ -26,6 +29,14 @@ every set holds the same positions per rank: a single-size set measures one grap
 --profile profiles the last two iterations of every run (excluded from the step-time median)
 and reports the GPU-busy time of a step (union of its kernel intervals) and the ratio
 step time / GPU-busy time: 1.0 is the physical limit, a launch-bound step is far above it.
+
+MoE presets (group ``moe``) train drop-and-pad MoE layers, the mode CUDA graphs capture
+(docs/moe.md). --expert-model-parallel-size applies to them only (row label ``ep<N>``);
+--moe-experts grouped-gemm runs them again with TE attention and TE's grouped GEMM experts
+(row label ``grouped-gemm``; needs Transformer Engine). A table with an MoE row adds two
+columns: the dropped-token fraction (mean of the metrics file's moe_dropped_token_fraction
+over the timed steps) and the rerun rate (micro-batches rerun per micro-batch, from
+moe_rerun_micro_batches; "-" when the run does not write it).
 
 Prints a Markdown table; --json FILE also writes the rows. A configuration that fails
 (training exits non-zero, or leaves no metrics) does not stop the others: its row shows the
@@ -47,6 +58,18 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HYBRID_PATTERN_16 = "M-M-M*-M-M-M*-M-"  # 7 Mamba, 2 attention, 7 MLP layers
+# Nemotron-H-like: hybrid-small with every MLP an MoE layer (7 Mamba, 2 attention, 7 MoE).
+HYBRID_MOE_PATTERN_16 = HYBRID_PATTERN_16.replace("-", "E")
+
+# Drop-and-pad MoE (alltoall dispatcher, every expert padded to its capacity): static shapes
+# and no host read, so graphs capture whole MoE layers. capacity factor x top-k <= experts.
+# SequentialMLP experts; --moe-experts grouped-gemm adds GROUPED_GEMM.
+MOE = ["--num-experts", "16", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "1024",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.25",
+       "--moe-pad-expert-input-to-capacity", "--moe-aux-loss-coeff", "1e-2"]
+# Grouped GEMM experts come with the TE layer spec, so these runs pin TE attention.
+GROUPED_GEMM = ["--attention-backend", "te", "--moe-grouped-gemm"]
+MOE_EXPERTS = {"sequential": [], "grouped-gemm": GROUPED_GEMM}
 
 PRESETS = {
     # The foundation's default small configs (the eager baseline of docs/benchmarks.md).
@@ -75,10 +98,18 @@ PRESETS = {
     "hybrid-24x2048x4096": ("pretrain_mamba.py", [
         "--hybrid-override-pattern", "M-M-M*-M-M-M*-M-M-M-M*-M", "--hidden-size", "2048",
         "--num-attention-heads", "16", "--seq-length", "4096"]),
+    # MoE: 16 experts, top-2, drop-and-pad (MOE).
+    "gpt-moe-small": ("pretrain_gpt.py", [
+        "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+        "--num-query-groups", "8", "--swiglu", "--seq-length", "4096", *MOE]),
+    "hybrid-moe-small": ("pretrain_mamba.py", [
+        "--hybrid-override-pattern", HYBRID_MOE_PATTERN_16, "--hidden-size", "1024",
+        "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "4096", *MOE]),
 }
 PRESET_GROUPS = {
     "sweep": ["gpt-8x512x2048", "gpt-16x1024x4096", "gpt-24x2048x4096",
               "hybrid-8x512x2048", "hybrid-16x1024x4096", "hybrid-24x2048x4096"],
+    "moe": ["gpt-moe-small", "hybrid-moe-small"],
 }
 
 # Variants are extra flags on top of a preset.
@@ -99,6 +130,31 @@ VARIANTS = {
 
 COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size", "1",
           "--vocab-size", "32000", "--seed", "1234"]
+
+# Metrics-file keys of MoE runs: the dropped-slot fraction per log interval (metrics.MoELosses)
+# and the micro-batches rerun over the interval (dropless reruns).
+DROPPED_KEY = "moe_dropped_token_fraction"
+RERUN_KEY = "moe_rerun_micro_batches"
+
+
+def num_experts(preset: str) -> int | None:
+    """--num-experts of a preset; None for a dense one."""
+    flags = PRESETS[preset][1]
+    return int(flags[flags.index("--num-experts") + 1]) if "--num-experts" in flags else None
+
+
+def is_moe(preset: str) -> bool:
+    return preset in PRESETS and num_experts(preset) is not None
+
+
+def row_label(preset: str, args, cp_set: str = "", experts: str = "sequential") -> str:
+    """A row's preset column: the preset, then what this run changes about it."""
+    label = preset
+    if is_moe(preset):
+        label += "" if experts == "sequential" else f" {experts}"
+        ep = args.expert_model_parallel_size
+        label += f" ep{ep}" if ep > 1 else ""
+    return f"{label} cp{cp_set}" if cp_set else label
 
 
 def variant_flags(variant: str) -> list:
@@ -125,17 +181,21 @@ class RunFailed(RuntimeError):
         self.summary, self.log = summary, log
 
 
-def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = "") -> list:
+def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = "",
+                   experts: str = "sequential") -> list:
     """The torchrun command of one configuration. ``--standalone``: torchrun's rendezvous
     store binds a free port itself (``localhost:0``) and the ranks reuse that store, so no
-    port is chosen before it is bound (benchmarks side by side cannot race for one)."""
+    port is chosen before it is bound (benchmarks side by side cannot race for one).
+    ``experts`` (a MOE_EXPERTS key) and --expert-model-parallel-size reach MoE presets only."""
     script, model_flags = PRESETS[preset]
     dynamic_cp = dynamic_cp_flags(cp_set, args.tokens_per_rank) if cp_set else []
+    moe = ([*MOE_EXPERTS[experts], "--expert-model-parallel-size",
+            str(args.expert_model_parallel_size)] if is_moe(preset) else [])
     profile = (["--profile", "--profile-step-start", str(args.steps - 1),
                 "--profile-step-end", str(args.steps + 1)] if args.profile else [])
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
             "--nproc-per-node", str(args.nproc), os.path.join(REPO, script), *model_flags,
-            *COMMON, *variant_flags(variant), *profile, "--train-iters", str(args.steps),
+            *COMMON, *variant_flags(variant), *moe, *profile, "--train-iters", str(args.steps),
             "--global-batch-size", str(args.global_batch_size),
             "--mock-doc-length-median", str(args.doc_length_median),
             "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
@@ -152,17 +212,18 @@ def failure_summary(output: str, returncode: int) -> str:
     return text.replace("|", "/")[:200]
 
 
-def run_one(preset: str, variant: str, args, cp_set: str = "") -> dict:
+def run_one(preset: str, variant: str, args, cp_set: str = "",
+            experts: str = "sequential") -> dict:
     """Train one configuration; return its summary row (raises RunFailed on failure)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        cmd = launch_command(preset, variant, args, metrics, cp_set)
+        cmd = launch_command(preset, variant, args, metrics, cp_set, experts)
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         output = proc.stdout + proc.stderr
         if proc.returncode != 0:
             raise RunFailed(failure_summary(output, proc.returncode), output[-4000:])
         records = read_metrics(metrics, output[-4000:])
-    return summarise(preset, variant, args, records, cp_set, output[-4000:])
+    return summarise(preset, variant, args, records, cp_set, output[-4000:], experts)
 
 
 def read_metrics(path: str, log: str = "") -> list:
@@ -180,16 +241,19 @@ def read_metrics(path: str, log: str = "") -> list:
 
 
 def summarise(preset: str, variant: str, args, records: list, cp_set: str = "",
-              log: str = "") -> dict:
+              log: str = "", experts: str = "sequential") -> dict:
     """The summary row of one configuration's metrics records; RunFailed when they lack what
-    the row needs (e.g. no record past --warmup)."""
+    the row needs (e.g. no record past --warmup). An MoE row (an MoE preset, or records with
+    MoE keys) has ``moe`` True, ``dropped_token_fraction`` and ``rerun_rate`` (None where the
+    run did not write the key)."""
     try:
-        return _summarise(preset, variant, args, records, cp_set)
+        return _summarise(preset, variant, args, records, cp_set, experts)
     except (KeyError, IndexError, ValueError, ZeroDivisionError) as error:
         raise RunFailed(f"metrics incomplete ({type(error).__name__}: {error})", log) from None
 
 
-def _summarise(preset: str, variant: str, args, records: list, cp_set: str) -> dict:
+def _summarise(preset: str, variant: str, args, records: list, cp_set: str,
+               experts: str) -> dict:
     train = [r for r in records if r.get("split", "train") == "train"]
     # One record per log interval (the mean of its iterations); --warmup is a multiple of it.
     timed = [r for r in train if r["iteration"] > args.warmup and "gpu busy (ms)" not in r]
@@ -198,8 +262,8 @@ def _summarise(preset: str, variant: str, args, records: list, cp_set: str) -> d
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     micro_batches = args.global_batch_size // (args.nproc // args.pipeline_model_parallel_size)
     capture = next((r for r in records if "graph capture (s)" in r), {})
-    return {
-        "preset": f"{preset} cp{cp_set}" if cp_set else preset,
+    row = {
+        "preset": row_label(preset, args, cp_set, experts),
         "variant": variant,
         "step_ms": statistics.median(times),
         "step_iqr_ms": quartiles[2] - quartiles[0],
@@ -214,6 +278,20 @@ def _summarise(preset: str, variant: str, args, records: list, cp_set: str) -> d
         "graph_mem_mib": sum(v for k, v in capture.items() if k.startswith("graph memory")),
         "gpu_busy_ms": statistics.median(busy) if busy else None,
     }
+    if is_moe(preset) or any(DROPPED_KEY in r or RERUN_KEY in r for r in timed):
+        row |= moe_summary(timed, args.log_interval * micro_batches)
+    return row
+
+
+def moe_summary(timed: list, micro_batches_per_record: int) -> dict:
+    """MoE columns of the timed records: the mean dropped-slot fraction, and the micro-batches
+    rerun per micro-batch (``micro_batches_per_record``: log interval x micro-batches per step)."""
+    dropped = [r[DROPPED_KEY] for r in timed if DROPPED_KEY in r]
+    reruns = any(RERUN_KEY in r for r in timed)
+    return {"moe": True,
+            "dropped_token_fraction": statistics.fmean(dropped) if dropped else None,
+            "rerun_rate": (sum(r.get(RERUN_KEY, 0) for r in timed)
+                           / (len(timed) * micro_batches_per_record)) if reruns else None}
 
 
 def format_table(rows: list) -> str:
@@ -221,16 +299,24 @@ def format_table(rows: list) -> str:
 
     step IQR is the interquartile range of the timed steps: how much a step varies (the
     document count per micro-batch changes every step), to read differences against.
+
+    A table with an MoE row adds *dropped tokens* (mean dropped-slot fraction over the timed
+    steps) and *rerun rate* (micro-batches rerun per micro-batch); "-" where a row has none.
     """
     eager = {r["preset"]: r["tokens_per_sec"] for r in rows
              if r["variant"] == "eager" and not r.get("error")}
-    lines = ["| preset | variant | step (ms) | step IQR (ms) | tokens/s | speedup | "
-             "peak mem (GiB) | fallback rate | capture (s) | graph mem (MiB) | GPU busy (ms) | step / busy |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    columns = ["preset", "variant", "step (ms)", "step IQR (ms)", "tokens/s", "speedup",
+               "peak mem (GiB)", "fallback rate", "capture (s)", "graph mem (MiB)",
+               "GPU busy (ms)", "step / busy"]
+    moe = any(r.get("moe") for r in rows)
+    if moe:
+        columns += ["dropped tokens", "rerun rate"]
+    lines = ["| " + " | ".join(columns) + " |",
+             "| --- | --- |" + " ---: |" * (len(columns) - 2)]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['preset']} | {r['variant']} | failed: {r['error']} |"
-                         + " - |" * 9)
+                         + " - |" * (len(columns) - 3))
             continue
         base = eager.get(r["preset"])
         speedup = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
@@ -239,8 +325,14 @@ def format_table(rows: list) -> str:
                      f"{r['tokens_per_sec']:,.0f} | {speedup} | {r['peak_mem_gib']:.2f} | "
                      f"{r['fallback_rate']:.1%} | {r['capture_s']:.2f} | {r['graph_mem_mib']:.0f} | "
                      + (f"{r['gpu_busy_ms']:.1f} | {r['step_ms'] / r['gpu_busy_ms']:.2f} |"
-                        if r.get("gpu_busy_ms") else "- | - |"))
+                        if r.get("gpu_busy_ms") else "- | - |")
+                     + (f" {_percent(r.get('dropped_token_fraction'), '.2%')} | "
+                        f"{_percent(r.get('rerun_rate'), '.1%')} |" if moe else ""))
     return "\n".join(lines)
+
+
+def _percent(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def main(argv=None) -> int:
@@ -267,6 +359,15 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes) per run")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                         help="pipeline stages (divides --nproc); metrics come from the last stage")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="MoE presets only: ranks that split each layer's experts (divides "
+                             "the data-parallel ranks, --nproc / pipeline stages, and the "
+                             "preset's experts)")
+    parser.add_argument("--moe-experts", nargs="+", default=["sequential"],
+                        choices=sorted(MOE_EXPERTS),
+                        help="MoE presets only: run each once per expert implementation; "
+                             "grouped-gemm = --attention-backend te --moe-grouped-gemm (needs "
+                             "Transformer Engine)")
     parser.add_argument("--extra-args", default="",
                         help="more training flags for every run, one string: "
                              "--extra-args=\"--no-check-for-nan-in-loss-and-grad\"")
@@ -295,20 +396,51 @@ def main(argv=None) -> int:
     if args.nproc % args.pipeline_model_parallel_size:
         parser.error(f"--pipeline-model-parallel-size is wrong: {args.pipeline_model_parallel_size}. "
                      f"It must divide --nproc ({args.nproc}).")
+    check_moe_options(parser, args, presets)
     variants = args.variants + [f"layer-graphs-c{c}" for c in args.capacities]
     rows = []
     for preset in presets:
-        for cp_set in args.dynamic_cp_sets or [""]:
-            for variant in variants:
-                label = f"{preset} cp{cp_set}" if cp_set else preset
-                try:
-                    rows.append(run_one(preset, variant, args, cp_set))
-                    print(f"done: {label}/{variant} {rows[-1]['step_ms']:.1f} ms/step", flush=True)
-                except RunFailed as failed:
-                    rows.append({"preset": label, "variant": variant, "error": failed.summary})
-                    print(f"failed: {label}/{variant}: {failed.summary}\n{failed.log}",
-                          file=sys.stderr, flush=True)
+        for experts in args.moe_experts if is_moe(preset) else ["sequential"]:
+            for cp_set in args.dynamic_cp_sets or [""]:
+                for variant in variants:
+                    rows.append(run_row(preset, variant, args, cp_set, experts))
     return report(rows, args)
+
+
+def check_moe_options(parser, args, presets: list) -> None:
+    """--expert-model-parallel-size and --moe-experts against the presets and --nproc."""
+    moe = [p for p in presets if is_moe(p)]
+    ep = args.expert_model_parallel_size
+    data_parallel = args.nproc // args.pipeline_model_parallel_size
+    if ep < 1 or data_parallel % ep:
+        parser.error(f"--expert-model-parallel-size is wrong: {ep}. It must divide the "
+                     f"data-parallel ranks, --nproc / --pipeline-model-parallel-size "
+                     f"({args.nproc} / {args.pipeline_model_parallel_size} = {data_parallel}); "
+                     f"raise --nproc or lower it.")
+    for preset in moe:
+        if num_experts(preset) % ep:
+            parser.error(f"--expert-model-parallel-size is wrong: {ep}. It must divide "
+                         f"{preset}'s {num_experts(preset)} experts.")
+    given = [flag for flag, changed in (("--expert-model-parallel-size", ep != 1),
+                                        ("--moe-experts", args.moe_experts != ["sequential"]))
+             if changed]
+    if given and not moe:
+        parser.error(f"{given[0]} is wrong: no MoE preset in {presets}. Add one "
+                     f"({', '.join(p for p in PRESETS if is_moe(p))} or group moe) or drop it.")
+
+
+def run_row(preset: str, variant: str, args, cp_set: str, experts: str) -> dict:
+    """Train one configuration; its summary row, or its error row (log tail to stderr)."""
+    label = row_label(preset, args, cp_set, experts)
+    try:
+        row = run_one(preset, variant, args, cp_set, experts)
+        print(f"done: {label}/{variant} {row['step_ms']:.1f} ms/step", flush=True)
+        return row
+    except RunFailed as failed:
+        print(f"failed: {label}/{variant}: {failed.summary}\n{failed.log}", file=sys.stderr,
+              flush=True)
+        row = {"preset": label, "variant": variant, "error": failed.summary}
+        return (row | {"moe": True}) if is_moe(preset) else row
 
 
 def tabulate_metrics_files(parser, args) -> int:
@@ -325,7 +457,9 @@ def tabulate_metrics_files(parser, args) -> int:
         try:
             rows.append(summarise(args.presets[0], variant, args, read_metrics(path)))
         except RunFailed as failed:
-            rows.append({"preset": args.presets[0], "variant": variant, "error": failed.summary})
+            row = {"preset": row_label(args.presets[0], args), "variant": variant,
+                   "error": failed.summary}
+            rows.append((row | {"moe": True}) if is_moe(args.presets[0]) else row)
     return report(rows, args)
 
 

@@ -1,8 +1,10 @@
 """tools/benchmark.py: the table, variant flags, a failed row, the torchrun launch without a
-port race, --from-metrics, --help (CPU)."""
+port race, --from-metrics, --help, the MoE presets (every launch command through the real
+training parser; expert parallelism against --nproc; the MoE columns) (CPU)."""
 
 import json
 import os
+import re
 import sys
 from argparse import Namespace
 
@@ -62,7 +64,7 @@ def test_dynamic_cp_sets_keep_the_positions_per_rank():
 def _args(**over):
     base = dict(steps=30, warmup=5, log_interval=1, global_batch_size=4, doc_length_median=512,
                 nproc=2, pipeline_model_parallel_size=1, extra_args="", tokens_per_rank=2048,
-                profile=False)
+                profile=False, expert_model_parallel_size=1)
     return Namespace(**{**base, **over})
 
 
@@ -148,3 +150,180 @@ def test_help_shows_the_defaults(capsys):
     for default in ("training iterations per run (default: 30)", "(default: 5)",
                     "(default: 2048)", "(default: ['eager'])"):
         assert default in text
+
+
+# ------------------------------------------------------------------------------ MoE presets
+
+MODEL_OF_SCRIPT = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
+MOE_PRESETS = benchmark.PRESET_GROUPS["moe"]
+NEEDS_TE = {"te-layer-graphs"}
+
+
+def _validated(cmd, world_size):
+    """Parse and validate a launch command's training flags with the training scripts' parser."""
+    from megatron.training.arguments import build_parser, validate_args
+
+    at = next(i for i, w in enumerate(cmd) if os.path.basename(w) in MODEL_OF_SCRIPT)
+    model = MODEL_OF_SCRIPT[os.path.basename(cmd[at])]
+    args = build_parser(model).parse_args(cmd[at + 1:])
+    return validate_args(args, model, world_size=world_size)
+
+
+@pytest.fixture
+def te_importable(monkeypatch):
+    from megatron.training import argument_checks
+
+    def set_te(present):
+        monkeypatch.setattr(argument_checks, "is_importable",
+                            lambda package: present and package == "transformer_engine")
+    set_te(False)
+    return set_te
+
+
+def test_moe_presets_are_drop_and_pad_without_grouped_gemm():
+    assert set(MOE_PRESETS) == {"gpt-moe-small", "hybrid-moe-small"}
+    assert [p for p in benchmark.PRESETS if benchmark.is_moe(p)] == MOE_PRESETS
+    for preset in MOE_PRESETS:
+        flags = benchmark.PRESETS[preset][1]
+        value = dict(zip(flags, flags[1:]))
+        assert (value["--num-experts"], value["--moe-router-topk"]) == ("16", "2")
+        assert value["--moe-token-dispatcher-type"] == "alltoall"
+        assert "--moe-expert-capacity-factor" in flags
+        assert "--moe-pad-expert-input-to-capacity" in flags
+        assert "--moe-grouped-gemm" not in flags and "--attention-backend" not in flags
+    pattern = benchmark.PRESETS["hybrid-moe-small"][1]
+    pattern = pattern[pattern.index("--hybrid-override-pattern") + 1]
+    assert set(pattern) == {"M", "*", "E"} and pattern.count("E") == 7
+    assert benchmark.num_experts("gpt-small") is None
+
+
+CONFIGS = [(preset, variant, experts, ep)
+           for preset in benchmark.PRESETS
+           for variant in [*benchmark.VARIANTS, "layer-graphs-c16"]
+           for experts in (benchmark.MOE_EXPERTS if benchmark.is_moe(preset) else ["sequential"])
+           for ep in ((1, 4) if benchmark.is_moe(preset) else (1,))]
+
+
+@pytest.mark.parametrize("preset,variant,experts,ep", CONFIGS,
+                         ids=["-".join(map(str, c)) for c in CONFIGS])
+def test_every_launch_command_passes_the_training_parser(te_importable, preset, variant,
+                                                         experts, ep):
+    """Every preset x variant (x expert implementation x EP for MoE) as the tool launches it,
+    with --profile; without TE wherever the run does not need it."""
+    needs_te = variant in NEEDS_TE or experts == "grouped-gemm"
+    te_importable(needs_te)
+    args = _args(nproc=ep, expert_model_parallel_size=ep, global_batch_size=4 * ep, profile=True)
+    cmd = benchmark.launch_command(preset, variant, args, "/tmp/m.jsonl", "", experts)
+    parsed = _validated(cmd, world_size=ep)
+    assert parsed.train_iters == 30 and parsed.metrics_file == "/tmp/m.jsonl"
+    if benchmark.is_moe(preset):
+        assert parsed.num_experts == 16 and parsed.expert_model_parallel_size == ep
+        assert parsed.moe_grouped_gemm == (experts == "grouped-gemm")
+        assert (parsed.attention_backend == "te") == (experts == "grouped-gemm")
+    else:
+        assert parsed.num_experts is None and "--expert-model-parallel-size" not in cmd
+
+
+def test_grouped_gemm_rows_need_transformer_engine(te_importable):
+    cmd = benchmark.launch_command("gpt-moe-small", "eager", _args(nproc=1), "/tmp/m.jsonl",
+                                   experts="grouped-gemm")
+    with pytest.raises(ValueError, match="--attention-backend is wrong: te. It needs "
+                                         "transformer_engine"):
+        _validated(cmd, world_size=1)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--expert-model-parallel-size", "4"], r"It must divide the data-parallel ranks.*\(1 / 1 = 1\)"),
+    (["--expert-model-parallel-size", "4", "--nproc", "4", "--pipeline-model-parallel-size",
+      "2"], r"\(4 / 2 = 2\)"),
+    (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size is wrong: 0"),
+    (["--expert-model-parallel-size", "3", "--nproc", "3"],
+     "--expert-model-parallel-size is wrong: 3. It must divide gpt-moe-small's 16 experts"),
+])
+def test_expert_parallel_size_is_checked_against_nproc_and_experts(argv, match, capsys):
+    with pytest.raises(SystemExit) as done:
+        benchmark.main(["--presets", "moe", *argv])
+    assert done.value.code == 2 and re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flag", [["--expert-model-parallel-size", "2", "--nproc", "2"],
+                                  ["--moe-experts", "grouped-gemm"]])
+def test_moe_options_need_an_moe_preset(flag, capsys):
+    with pytest.raises(SystemExit):
+        benchmark.main(["--presets", "gpt-small", "hybrid-small", *flag])
+    assert f"{flag[0]} is wrong: no MoE preset in ['gpt-small', 'hybrid-small']" in \
+        capsys.readouterr().err
+
+
+def _moe_metrics(path, dropped, reruns=None):
+    with open(path, "w") as f:
+        for it, fraction in enumerate(dropped, 1):
+            record = {"iteration": it, "lm_loss": 5.0, "iteration_time_ms": 100.0,
+                      "tokens_per_sec": 1000.0, "mem_max_allocated_bytes": 2**30,
+                      "load_balancing_loss": 1.01, benchmark.DROPPED_KEY: fraction}
+            if reruns is not None:
+                record[benchmark.RERUN_KEY] = reruns[it - 1]
+            f.write(json.dumps(record) + "\n")
+
+
+def test_moe_rows_average_dropped_tokens_and_reruns_over_the_timed_steps(tmp_path):
+    # Steps 1-2 are warm-up: their 50% drops are left out.
+    _moe_metrics(tmp_path / "m.jsonl", [0.5, 0.5, 0.01, 0.03], reruns=[4, 4, 1, 0])
+    records = benchmark.read_metrics(str(tmp_path / "m.jsonl"))
+    row = benchmark.summarise("hybrid-moe-small", "eager", _args(warmup=2, nproc=1), records)
+    assert row["moe"] and row["dropped_token_fraction"] == pytest.approx(0.02)
+    # 1 rerun over 2 timed steps x 4 micro-batches
+    assert row["rerun_rate"] == pytest.approx(1 / 8)
+    _moe_metrics(tmp_path / "n.jsonl", [0.0, 0.0, 0.0])
+    row = benchmark.summarise("gpt-moe-small", "eager", _args(warmup=1, nproc=1),
+                              benchmark.read_metrics(str(tmp_path / "n.jsonl")))
+    assert row["dropped_token_fraction"] == 0.0 and row["rerun_rate"] is None
+    dense = benchmark.summarise("gpt-small", "eager", _args(warmup=1, nproc=1),
+                                benchmark.read_metrics(str(tmp_path / "n.jsonl")))
+    assert dense["moe"]  # MoE keys in the records make an MoE row under any name
+
+
+def test_moe_columns_appear_only_in_tables_with_an_moe_row():
+    moe = _row("layer-graphs", 100.0, 3000.0, busy=90.0) | dict(
+        preset="gpt-moe-small", moe=True, dropped_token_fraction=0.0123, rerun_rate=None)
+    failed = {"preset": "hybrid-moe-small", "variant": "eager", "error": "exit 1: boom",
+              "moe": True}
+    lines = benchmark.format_table([_row("eager", 300.0, 1000.0), moe, failed]).splitlines()
+    assert lines[0].endswith("| step / busy | dropped tokens | rerun rate |")
+    assert lines[1].count("---") == 14
+    assert lines[2].endswith("| - | - | - | - |")  # a dense row in an MoE table
+    assert lines[3].endswith("| 90.0 | 1.11 | 1.23% | - |")
+    assert lines[4] == "| hybrid-moe-small | eager | failed: exit 1: boom |" + " - |" * 11
+    dense = benchmark.format_table([_row("eager", 300.0, 1000.0)]).splitlines()
+    assert dense[0].endswith("| GPU busy (ms) | step / busy |") and "dropped" not in dense[0]
+
+
+def test_moe_runs_carry_experts_and_expert_parallelism_in_command_and_label(monkeypatch,
+                                                                            capsys):
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        _moe_metrics(cmd[cmd.index("--metrics-file") + 1], [0.01] * 10,
+                     reruns=None if "--moe-grouped-gemm" in cmd else [0] * 10)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    assert benchmark.main(["--presets", "gpt-moe-small", "gpt-small", "--variants", "eager",
+                           "--nproc", "4", "--global-batch-size", "16", "--steps", "10",
+                           "--expert-model-parallel-size", "4",
+                           "--moe-experts", "sequential", "grouped-gemm"]) == 0
+    out = capsys.readouterr().out
+    assert "| gpt-moe-small ep4 | eager |" in out
+    assert "| gpt-moe-small grouped-gemm ep4 | eager |" in out
+    assert "| gpt-small | eager |" in out  # dense: once, without EP
+    assert len(commands) == 3
+    sequential, grouped, dense = commands
+    assert sequential[sequential.index("--expert-model-parallel-size") + 1] == "4"
+    assert "--moe-grouped-gemm" not in sequential
+    assert grouped[grouped.index("--attention-backend") + 1] == "te"
+    assert "--moe-grouped-gemm" in grouped and "--expert-model-parallel-size" in grouped
+    assert "--expert-model-parallel-size" not in dense and "--num-experts" not in dense
+    rows = {ln.split(" | ")[0]: ln for ln in out.splitlines() if ln.startswith("| gpt")}
+    assert rows["| gpt-moe-small ep4"].endswith("| 1.00% | 0.0% |")
+    assert rows["| gpt-moe-small grouped-gemm ep4"].endswith("| 1.00% | - |")
