@@ -35,8 +35,9 @@ MoE presets (group ``moe``) train drop-and-pad MoE layers, the mode CUDA graphs 
 --moe-experts grouped-gemm runs them again with TE attention and TE's grouped GEMM experts
 (row label ``grouped-gemm``; needs Transformer Engine). A table with an MoE row adds two
 columns: the dropped-token fraction (mean of the metrics file's moe_dropped_token_fraction
-over the timed steps) and the rerun rate (micro-batches rerun per micro-batch, from
-moe_rerun_micro_batches; "-" when the run does not write it).
+over the timed steps) and the rerun rate (micro-batches rerun eager after a capacity
+overflow, per micro-batch, from "eager moe_overflow_rerun"; "-" when the run does not write
+it).
 
 Prints a Markdown table; --json FILE also writes the rows. A configuration that fails
 (training exits non-zero, or leaves no metrics) does not stop the others: its row shows the
@@ -132,9 +133,10 @@ COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size"
           "--vocab-size", "32000", "--seed", "1234"]
 
 # Metrics-file keys of MoE runs: the dropped-slot fraction per log interval (metrics.MoELosses)
-# and the micro-batches rerun over the interval (dropless reruns).
+# and the micro-batches rerun eager and dropless after an expert-capacity overflow (the graph
+# runtime's eager count for reason moe_rerun.RERUN_REASON; written only where reruns are on).
 DROPPED_KEY = "moe_dropped_token_fraction"
-RERUN_KEY = "moe_rerun_micro_batches"
+RERUN_KEY = "eager moe_overflow_rerun"
 
 
 def num_experts(preset: str) -> int | None:

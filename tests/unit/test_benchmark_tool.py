@@ -284,6 +284,13 @@ def test_moe_rows_average_dropped_tokens_and_reruns_over_the_timed_steps(tmp_pat
     assert dense["moe"]  # MoE keys in the records make an MoE row under any name
 
 
+def test_the_rerun_key_is_the_graph_runtimes_eager_count_of_moe_reruns():
+    moe_rerun = pytest.importorskip("megatron.packed_graphs.moe_rerun",
+                                    reason="dropless MoE reruns are not built in this tree")
+    # runtime.py logs each eager reason's micro-batches as "eager <reason>".
+    assert benchmark.RERUN_KEY == f"eager {moe_rerun.RERUN_REASON}"
+
+
 def test_moe_columns_appear_only_in_tables_with_an_moe_row():
     moe = _row("layer-graphs", 100.0, 3000.0, busy=90.0) | dict(
         preset="gpt-moe-small", moe=True, dropped_token_fraction=0.0123, rerun_rate=None)
