@@ -50,10 +50,15 @@ def golden_of(losses, start=1, **kw):
 
 # ----------------------------------------------------------------------------------- the cases
 
+MOE_CASES = ["gpt_moe/gpt_moe_eager", "gpt_moe/gpt_moe_layer_graphs",
+             "hybrid_moe/hybrid_moe_chunk_graphs", "hybrid_moe/hybrid_moe_eager"]
+GRAPH_FLAGS = {"--cuda-graph-impl", "--cuda-graph-max-packed-seqs", "--cuda-graph-warmup-steps"}
+
+
 def test_the_required_cases_exist():
     assert set(CASES) >= {"gpt/gpt_eager", "gpt/gpt_layer_graphs", "gpt/gpt_ckpt_resume",
                           "hybrid/hybrid_eager", "hybrid/hybrid_layer_graphs",
-                          "hybrid/hybrid_chunk_graphs_pp2"}
+                          "hybrid/hybrid_chunk_graphs_pp2", *MOE_CASES}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -79,19 +84,46 @@ def test_case_args_pass_the_real_cli(name, tmp_path):
         assert args.train_iters == 50
 
 
-@pytest.mark.parametrize("graphs,eager", [("gpt/gpt_layer_graphs", "gpt/gpt_eager"),
-                                          ("hybrid/hybrid_layer_graphs", "hybrid/hybrid_eager")])
-def test_graph_case_shares_its_eager_twins_golden_file(graphs, eager):
+@pytest.mark.parametrize("graphs,eager,graph_flags", [
+    ("gpt/gpt_layer_graphs", "gpt/gpt_eager", GRAPH_FLAGS),
+    ("hybrid/hybrid_layer_graphs", "hybrid/hybrid_eager", GRAPH_FLAGS),
+    ("gpt_moe/gpt_moe_layer_graphs", "gpt_moe/gpt_moe_eager", GRAPH_FLAGS),
+    ("hybrid_moe/hybrid_moe_chunk_graphs", "hybrid_moe/hybrid_moe_eager",
+     GRAPH_FLAGS | {"--cuda-graph-granularity"})])
+def test_graph_case_shares_its_eager_twins_golden_file(graphs, eager, graph_flags):
     graph_case, eager_case = load_case(CASES_ROOT / graphs), load_case(CASES_ROOT / eager)
     assert graph_case.shares_golden and not eager_case.shares_golden
     assert graph_case.golden == eager_case.golden == CASES_ROOT / eager / GOLDEN_NAME
     # Same training apart from the graph flags, so eager's golden values are graphs' reference.
     extra = {k: v for k, v in graph_case.model_args.items() if k not in eager_case.model_args}
-    assert set(extra) == {"--cuda-graph-impl", "--cuda-graph-max-packed-seqs",
-                          "--cuda-graph-warmup-steps"}
+    assert set(extra) == graph_flags
+    assert {k: v for k, v in eager_case.model_args.items()
+            if graph_case.model_args.get(k) != v} == {}
+    assert graph_case.metrics == eager_case.metrics
     assert graph_case.model_args["--global-batch-size"] == 4  # accumulation under graphs
     assert graph_case.tolerances["lm loss"] == gv.Tolerance(atol=5e-3)
     assert eager_case.tolerances["lm loss"] == gv.Tolerance(atol=2e-3)
+
+
+@pytest.mark.parametrize("name", MOE_CASES)
+def test_moe_cases_are_small_drop_and_pad_and_compare_the_moe_metrics(name, tmp_path):
+    case = load_case(CASES_ROOT / name)
+    (plan,) = plan_runs(case, case_variables(tmp_path))
+    args = validate_args(build_parser(case.model).parse_args(plan.argv), case.model,
+                         world_size=case.nproc)
+    assert (args.hidden_size, args.num_experts, args.moe_router_topk) == (256, 8, 2)
+    # Drop-and-pad with the alltoall dispatcher, SequentialMLP experts, TE-free attention.
+    assert args.moe_token_dispatcher_type == "alltoall"
+    assert args.moe_expert_capacity_factor > 0 and args.moe_pad_expert_input_to_capacity
+    assert not args.moe_grouped_gemm and args.attention_backend == "torch"
+    assert args.moe_aux_loss_coeff > 0 and args.moe_z_loss_coeff > 0
+    assert {"lm loss", "load_balancing_loss", "moe_dropped_token_fraction"} <= set(case.metrics)
+    assert case.tolerances["moe_dropped_token_fraction"].reduce == "median"
+    if case.model == "hybrid":
+        assert set(args.hybrid_override_pattern) == {"M", "*", "E"}
+    if "graphs" in name:
+        granularity = "chunk" if "chunk" in name else "layer"
+        assert (args.cuda_graph_impl, args.cuda_graph_granularity) == ("local", granularity)
 
 
 def test_resolve_case_accepts_name_folder_and_yaml():
@@ -222,6 +254,35 @@ def test_metrics_to_golden_layout():
     assert golden["mem-max-allocated-bytes"]["values"] == {"1": 2048, "2": 4096}
 
 
+def moe_record(step, loss, aux, dropped):
+    return record(step, loss) | {"load_balancing_loss": aux, "z_loss": 2.5,
+                                 "moe_dropped_token_fraction": dropped}
+
+
+def test_moe_metrics_are_recorded_only_from_runs_that_write_them():
+    golden = gv.metrics_to_golden([moe_record(1, 6.9, 1.02, 0.05), moe_record(2, 6.5, 1.01, 0.04)])
+    assert golden["load_balancing_loss"]["values"] == {"1": 1.02, "2": 1.01}
+    assert golden["z_loss"]["values"] == {"1": 2.5, "2": 2.5}
+    assert golden["moe_dropped_token_fraction"]["values"] == {"1": 0.05, "2": 0.04}
+    assert set(golden_of([6.9, 6.5])) == {"lm loss", "num-zeros", "iteration-time",
+                                          "mem-max-allocated-bytes"}  # dense: unchanged
+    # A record without the key (a run that stopped logging it) is NaN, which fails a comparison.
+    partial = gv.metrics_to_golden([moe_record(1, 6.9, 1.02, 0.05), record(2, 6.5)])
+    assert math.isnan(partial["load_balancing_loss"]["values"]["2"])
+
+
+def test_a_case_comparing_the_aux_loss_fails_on_a_run_without_it():
+    golden = gv.metrics_to_golden([moe_record(1, 6.9, 1.02, 0.05)])
+    tolerances = gv.resolve_tolerances({"load_balancing_loss": {"atol": 2e-3}})
+    ok, missing = gv.compare(golden, golden_of([6.9]), ["lm loss", "load_balancing_loss"],
+                             tolerances)
+    assert ok.ok and not missing.ok
+    assert missing.summary() == "load_balancing_loss: not in the run's metrics"
+    (close,) = gv.compare(golden, gv.metrics_to_golden([moe_record(1, 6.9, 1.0215, 0.05)]),
+                          ["load_balancing_loss"], tolerances)
+    assert close.ok
+
+
 def test_metrics_to_golden_rejects_repeats_and_empty():
     with pytest.raises(ValueError, match="not strictly increasing"):
         gv.metrics_to_golden([record(1, 1.0), record(2, 1.0), record(1, 1.0)])
@@ -349,8 +410,9 @@ def cases_copy(tmp_path):
     return root
 
 
-def fake_gpu_and_training(monkeypatch, losses_of_runs):
-    """Pretend CUDA is there and training wrote ``losses_of_runs`` (one list per run)."""
+def fake_gpu_and_training(monkeypatch, losses_of_runs, moe=None):
+    """Pretend CUDA is there and training wrote ``losses_of_runs`` (one list per run); with
+    ``moe`` = (aux loss, dropped fraction), every record has the MoE metrics too."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -361,7 +423,8 @@ def fake_gpu_and_training(monkeypatch, losses_of_runs):
         calls.append([plan.name for plan in plans])
         runs, step = [], 1
         for losses in losses_of_runs:
-            runs.append([record(step + i, v) for i, v in enumerate(losses)])
+            runs.append([moe_record(step + i, v, *moe) if moe else record(step + i, v)
+                         for i, v in enumerate(losses)])
             step += len(losses)
         return gv.concat_runs(runs)
 
@@ -386,6 +449,29 @@ def test_runner_records_then_compares(cases_copy, tmp_path, monkeypatch, capsys)
     assert runner.main(argv, root=cases_copy) == 1
     err = capsys.readouterr().err
     assert "FAILED: lm loss do not match" in err
+
+
+def test_runner_records_and_compares_the_moe_metrics(cases_copy, tmp_path, monkeypatch,
+                                                    capsys):
+    losses = [7.0 - i / 100 for i in range(50)]
+    fake_gpu_and_training(monkeypatch, [losses], moe=(1.02, 0.05))
+    assert runner.main(["hybrid_moe/hybrid_moe_eager", "--record", "--workdir",
+                        str(tmp_path / "e")], root=cases_copy) == 0
+    written = gv.read_golden(cases_copy / "hybrid_moe" / "hybrid_moe_eager" / GOLDEN_NAME)
+    assert written["load_balancing_loss"]["values"]["50"] == 1.02 and "z_loss" in written
+    graphs = ["hybrid_moe/hybrid_moe_chunk_graphs", "--workdir", str(tmp_path / "g")]
+    fake_gpu_and_training(monkeypatch, [losses], moe=(1.024, 0.055))
+    assert runner.main(graphs, root=cases_copy) == 0
+    fake_gpu_and_training(monkeypatch, [losses], moe=(1.04, 0.05))
+    assert runner.main(graphs, root=cases_copy) == 1
+    assert "FAILED: load_balancing_loss do not match" in capsys.readouterr().err
+    fake_gpu_and_training(monkeypatch, [losses], moe=(1.02, 0.2))  # drops counted wrong
+    assert runner.main(graphs, root=cases_copy) == 1
+    assert "FAILED: moe_dropped_token_fraction do not match" in capsys.readouterr().err
+    fake_gpu_and_training(monkeypatch, [losses])  # the MoE metrics missing from the log
+    assert runner.main(graphs, root=cases_copy) == 1
+    err = capsys.readouterr().err
+    assert "FAILED: load_balancing_loss, moe_dropped_token_fraction do not match" in err
 
 
 def test_runner_ckpt_resume_records_both_halves(cases_copy, tmp_path, monkeypatch):
