@@ -18,13 +18,19 @@ out of the aux loss, the z-loss and the expert-bias counts.
   mask travels with the packed params into every graph path (local and TE layer graphs,
   chunk graphs), not as a separate argument that a graph could drop.
 
+* `dropless_moe` (``--moe-capacity-overflow rerun``) switches the MoE layers of some model
+  chunks to upstream's dropless alltoall for the enclosed eager calls: no capacity, every
+  routed token reaches its experts. It syncs with the host (dropless dispatch reads token
+  counts back), so it runs eager only; moe_rerun.py uses it to rerun overflowed micro-batches.
+
 Expert-bias counts (``moe_router_enable_expert_bias``, not a flag of this fork) would count
 the routed map before the capacity is applied.
 """
 
 import copy
+from contextlib import contextmanager
 from functools import partial
-from typing import Optional
+from typing import Iterator, List, Optional
 
 import torch
 from torch import Tensor
@@ -37,6 +43,7 @@ from megatron.core.transformer.moe.moe_utils import (
     router_gating_linear,
 )
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -56,6 +63,13 @@ class PackedTopKRouter(TopKRouter):
         if self.capacity_factor is not None:
             self.config = copy.copy(config)
             self.config.moe_expert_capacity_factor = None
+        # Set inside `dropless_moe`: route without the capacity (eager calls only).
+        self.dropless = False
+        # int64 [2] device buffer shared by the routers of a model (moe_rerun.OverflowMonitor):
+        # max over routers of [slots dropped, peak tokens routed to one expert] in the current
+        # forward call. Its address is baked into graphs, so it is set before any capture.
+        self.overflow_counter: Optional[Tensor] = None
+        self.num_tokens: Optional[int] = None  # of the last call (static under graphs)
 
     def gating(self, input: Tensor) -> Tensor:
         if input.device.type == "cuda":
@@ -67,19 +81,36 @@ class PackedTopKRouter(TopKRouter):
 
     def routing(self, logits: Tensor, padding_mask: Optional[Tensor] = None):
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+        documents_map = routing_map
         if padding_mask is not None:
             keep = ~padding_mask.reshape(-1, 1)
             probs = probs * keep
-            routing_map = routing_map & keep
-        if self.capacity_factor is not None:
-            routed = routing_map.sum()
+            documents_map = routing_map & keep
+        if self.capacity_factor is None:
+            # Dropless dispatch sizes its rows as tokens x top-k (static): padding keeps its
+            # slots, at probability zero, and adds nothing to any output or gradient.
+            return probs, routing_map
+        # The demand before the capacity: what overflow detection and the advisor read.
+        self.num_tokens = routing_map.shape[0]  # host int: the capacity's token count
+        loads = documents_map.sum(dim=0)
+        routed = loads.sum()
+        if self.dropless:  # as without a capacity (above)
+            if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("dropless MoE routing inside a CUDA graph capture: dropless "
+                                   "dispatch syncs with the host; run the micro-batch eager")
+            dropped = torch.zeros_like(routed)
+        else:
             probs, routing_map = apply_router_token_dropping(
-                probs, routing_map, router_topk=self.topk, capacity_factor=self.capacity_factor,
+                probs, documents_map, router_topk=self.topk,
+                capacity_factor=self.capacity_factor,
                 drop_policy=self.config.moe_token_drop_policy,
                 pad_to_capacity=self.config.moe_pad_expert_input_to_capacity)
             # Pad-to-capacity slots carry zero probability: only weighted slots were kept.
-            kept = (routing_map & (probs != 0)).sum()
-            self.token_slots += torch.stack([routed, routed - kept])
+            dropped = routed - (routing_map & (probs != 0)).sum()
+        self.token_slots += torch.stack([routed, dropped])
+        if self.overflow_counter is not None:
+            torch.maximum(self.overflow_counter, torch.stack([dropped, loads.max()]),
+                          out=self.overflow_counter)
         return probs, routing_map
 
 
@@ -102,6 +133,53 @@ def read_dropped_token_fraction(model_chunks) -> float:
         torch.distributed.all_reduce(slots)
     routed, dropped = slots.tolist()
     return dropped / routed if routed else 0.0
+
+
+def packed_routers(module: torch.nn.Module) -> List[PackedTopKRouter]:
+    """The `PackedTopKRouter` of every MoE layer in ``module``, in module order."""
+    return [m for m in module.modules() if isinstance(m, PackedTopKRouter)]
+
+
+# Dispatcher attributes a dropless call changes and a drop-and-pad call reads without setting
+# (the all-to-all splits stay None under drop-and-pad): restored when the scope ends.
+_DISPATCHER_STATE = ("drop_and_pad", "config", "cuda_sync_point", "input_splits",
+                     "output_splits", "output_splits_tp")
+
+
+@contextmanager
+def dropless_moe(modules) -> Iterator[None]:
+    """Within the block, every MoE layer of ``modules`` (a module or a list of them) routes
+    without its capacity and dispatches with upstream's dropless alltoall: no token dropped.
+
+    For eager calls only: dropless dispatch reads token counts back to the host in every MoE
+    layer (the router raises if asked inside a graph capture, and a graph replay would keep
+    its captured drop-and-pad). Only the forward needs the scope: backward replays what the
+    forward recorded. Routers keep counting routed slots (none dropped) and their peak load.
+    """
+    modules = modules if isinstance(modules, (list, tuple)) else [modules]
+    layers = [m for module in modules for m in module.modules() if isinstance(m, MoELayer)]
+    saved = []
+    try:
+        for layer in layers:
+            router, dispatcher = layer.router, layer.token_dispatcher
+            if not isinstance(router, PackedTopKRouter) or not isinstance(
+                    dispatcher, MoEAlltoAllTokenDispatcher):
+                raise TypeError(f"dropless_moe needs PackedTopKRouter and the alltoall "
+                                f"dispatcher, not {type(router).__name__} and "
+                                f"{type(dispatcher).__name__}")
+            saved.append((router, router.dropless, dispatcher,
+                          {name: getattr(dispatcher, name) for name in _DISPATCHER_STATE}))
+            router.dropless = True
+            dropless_config = copy.copy(dispatcher.config)
+            dropless_config.moe_expert_capacity_factor = None
+            dropless_config.moe_pad_expert_input_to_capacity = False
+            dispatcher.config, dispatcher.drop_and_pad = dropless_config, False
+        yield
+    finally:
+        for router, dropless, dispatcher, state in reversed(saved):
+            router.dropless = dropless
+            for name, value in state.items():
+                setattr(dispatcher, name, value)
 
 
 def moe_mlp_spec(provider: BackendSpecProvider, num_experts: int, grouped_gemm: bool):

@@ -147,12 +147,18 @@ def _documents_and_padding(docs=8, pad=8, seed=1):
     return hidden, mask.view(1, -1)
 
 
-def test_padding_is_routed_nowhere(cpu_moe):
-    router = seeded(PackedTopKRouter, moe_config())
+@pytest.mark.parametrize("capacity", [{}, DROP_AND_PAD])
+def test_padding_gets_no_weight_and_no_capacity(cpu_moe, capacity):
+    router = seeded(PackedTopKRouter, moe_config(**capacity))
     hidden, mask = _documents_and_padding()
     probs, routing_map = router(hidden, padding_mask=mask.transpose(0, 1))
-    assert not routing_map[8:].any() and not probs[8:].any()
-    assert (routing_map[:8].sum(dim=1) == TOPK).all()
+    assert not probs[8:].any()
+    if capacity:  # padding holds only the zero-probability fill of drop-and-pad
+        assert (routing_map.sum(dim=0) == 8).all()  # capacity ceil(16 x 2 / 4 x 1.0)
+        assert ((routing_map[:8] & (probs[:8] > 0)).sum(dim=1) == TOPK).all()
+    else:  # dropless dispatch lays out tokens x top-k rows: padding keeps its slots
+        assert (routing_map.sum(dim=1) == TOPK).all()
+        assert ((probs[:8] > 0).sum(dim=1) == TOPK).all()
 
 
 @pytest.mark.parametrize("pad_to_capacity", [False, True])
