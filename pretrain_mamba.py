@@ -4,7 +4,8 @@
         --hybrid-override-pattern "M-M*-M*-" --hidden-size 1024 --num-attention-heads 16 ...
 
 The pattern has one character per layer: 'M' Mamba, '*' attention, '-' MLP, 'E' MoE
-(with --num-experts; docs/moe.md).
+(with --num-experts; docs/moe.md), '+' multi-latent attention (with --multi-latent-attention;
+docs/mla.md).
 See docs/quickstart.md and docs/flags.md.
 """
 
@@ -23,7 +24,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(
             backend, args.normalization, num_experts=getattr(args, "num_experts", None),
-            moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False)),
+            moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+            multi_latent_attention=getattr(args, "multi_latent_attention", False)),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -22,6 +22,10 @@ MoE (``num_experts``): the MLP is megatron-core's MoELayer from its own builder 
 provider (SequentialMLP experts over the provider's linears; TEGroupedMLP with TE and
 ``moe_grouped_gemm``), with the packed router `moe.PackedTopKRouter`; the norm in front is
 always a separate module (MoE does not fuse it).
+
+MLA (``multi_latent_attention``, TE only): the self-attention is `mla.PackedMLASelfAttention`
+(megatron-core's MLA with graph-safe fused yarn RoPE) behind a separate input norm; in hybrid
+models it is the '+' layer.
 """
 
 import functools
@@ -42,6 +46,7 @@ from megatron.packed_graphs.layers import (
     GraphSafeMoELayer,
     GraphSafeTransformerLayer,
 )
+from megatron.packed_graphs.mla import mla_attention_submodules
 from megatron.packed_graphs.moe import moe_mlp_spec
 
 
@@ -129,10 +134,15 @@ def moe_layer_spec(provider: BackendSpecProvider, normalization: str, num_expert
 
 
 def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm",
-                   num_experts: int | None = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
-    """GPT TransformerLayer (attention + MLP, or MoE with ``num_experts``) for packed sequences."""
+                   num_experts: int | None = None, moe_grouped_gemm: bool = False,
+                   multi_latent_attention: bool = False) -> ModuleSpec:
+    """GPT TransformerLayer (attention + MLP, or MoE with ``num_experts``) for packed sequences;
+    MLA self-attention with ``multi_latent_attention``."""
     provider = backend_provider(attention_backend)
-    attention = attention_layer_spec(provider, normalization).submodules
+    if multi_latent_attention:
+        attention = mla_attention_submodules(provider, normalization)
+    else:
+        attention = attention_layer_spec(provider, normalization).submodules
     if num_experts is None:
         pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
     else:
@@ -151,9 +161,10 @@ def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm",
 
 
 def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
-                      num_experts: int | None = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
-    """`PackedHybridStack` spec: Mamba ('M'), attention ('*'), MLP ('-') and, with
-    ``num_experts``, MoE ('E') layers.
+                      num_experts: int | None = None, moe_grouped_gemm: bool = False,
+                      multi_latent_attention: bool = False) -> ModuleSpec:
+    """`PackedHybridStack` spec: Mamba ('M'), attention ('*'), MLP ('-'), with
+    ``num_experts`` MoE ('E') and with ``multi_latent_attention`` MLA ('+') layers.
 
     Imports the Mamba modules on call: megatron-core's MambaMixer needs triton and mamba-ssm.
     """
@@ -194,6 +205,9 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
             ),
             moe_layer=(IdentityOp if num_experts is None else
                        moe_layer_spec(provider, normalization, num_experts, moe_grouped_gemm)),
+            mla_layer=(ModuleSpec(module=GraphSafeTransformerLayer,
+                                  submodules=mla_attention_submodules(provider, normalization))
+                       if multi_latent_attention else IdentityOp),
             final_norm=_norm(provider, normalization),
         ),
     )

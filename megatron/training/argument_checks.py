@@ -12,8 +12,10 @@ import warnings
 
 from megatron.core.transformer.enums import CudaGraphModule
 
-# Layer symbols of --hybrid-override-pattern that this fork builds ('E' needs --num-experts).
-HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
+# Layer symbols of --hybrid-override-pattern that this fork builds ('E' needs --num-experts,
+# '+' --multi-latent-attention).
+HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE",
+                  "+": "multi-latent attention"}
 
 FULL_ITERATION = ("Whole-iteration CUDA graphs for packed data are not available yet in this "
                   "fork; use layer or chunk granularity (--cuda-graph-impl local with "
@@ -101,7 +103,7 @@ def check_hybrid(args, model: str):
         if char not in HYBRID_SYMBOLS:
             fail("--hybrid-override-pattern", repr(pattern),
                  f"Character {char!r} is not a layer symbol; use only {allowed!r} "
-                 "(M Mamba, * attention, - MLP, E MoE)")
+                 "(M Mamba, * attention, - MLP, E MoE, + multi-latent attention)")
     if args.num_layers is None:
         args.num_layers = len(pattern)
     elif args.num_layers != len(pattern):
@@ -780,3 +782,89 @@ def check_dynamic_cp(args):
         fail("--dynamic-cp-max-packed-seqs", _as_typed(capacities),
              f"Give one positive capacity per --dynamic-cp-sizes entry ({len(sizes)})")
     args.dynamic_cp_max_packed_seqs = list(capacities)
+
+
+# MLA flags and their defaults: any other value needs --multi-latent-attention.
+_MLA_FLAG_DEFAULTS = {
+    "--q-lora-rank": None,
+    "--kv-lora-rank": 32,
+    "--qk-head-dim": 128,
+    "--qk-pos-emb-head-dim": 64,
+    "--v-head-dim": 128,
+    "--qk-layernorm": False,
+    "--rope-type": None,
+    "--rotary-scaling-factor": 1.0,
+    "--original-max-position-embeddings": 4096,
+    "--beta-fast": 32.0,
+    "--beta-slow": 1.0,
+    "--mscale": 1.0,
+    "--mscale-all-dim": 0.0,
+}
+
+MLA_NEEDS_TE = ("Multi-latent attention on packed (THD) data runs only on Transformer Engine "
+                "attention: megatron-core's TE-free MLA core attention takes no packed "
+                "sequences")
+
+
+def _mla_value(args, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"), _MLA_FLAG_DEFAULTS[flag])
+
+
+def check_mla(args, model: str):
+    """--multi-latent-attention and its flags (Megatron's names). Runs after the attention
+    and parallelism checks. Refused, with the reason: what packed MLA cannot run (no TE
+    attention, unfused RoPE) and flags that would be ignored (docs/mla.md)."""
+    enabled = getattr(args, "multi_latent_attention", False)
+    pattern = args.hybrid_override_pattern or ""
+    if not enabled:
+        args.multi_latent_attention = False
+        if model == "hybrid" and "+" in pattern:
+            fail("--hybrid-override-pattern", repr(pattern),
+                 "Its '+' layers are multi-latent attention layers; add "
+                 "--multi-latent-attention")
+        for flag, default in _MLA_FLAG_DEFAULTS.items():
+            if _mla_value(args, flag) != default:
+                fail(flag, _mla_value(args, flag),
+                     "It configures multi-latent attention; add --multi-latent-attention or "
+                     "drop the flag")
+        return
+    if model == "hybrid":
+        if "+" not in pattern:
+            fail("--multi-latent-attention", True,
+                 f"--hybrid-override-pattern {pattern!r} has no '+' (MLA) layer; add one or "
+                 "drop --multi-latent-attention")
+        if "*" in pattern:
+            fail("--hybrid-override-pattern", repr(pattern),
+                 "megatron-core builds one attention kind per hybrid model; use '+' (MLA) or "
+                 "'*' (standard attention) layers, not both")
+    _require_package("transformer_engine", "--multi-latent-attention", True)
+    if not _uses_te_backend(args):
+        fail("--attention-backend", args.attention_backend, f"{MLA_NEEDS_TE}; use te or auto")
+    if not is_importable("triton"):
+        fail("--multi-latent-attention", True,
+             "Its fused yarn RoPE is a Triton kernel and triton is not importable; install "
+             "PyTorch's CUDA build, which ships it")
+    for flag in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                 "--v-head-dim", "--original-max-position-embeddings"):
+        _at_least(args, flag, 1)
+    if args.qk_pos_emb_head_dim % 4:
+        fail("--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim,
+             "The fused MLA RoPE kernel rotates channel pairs in two halves; use a multiple "
+             "of 4, e.g. 64")
+    if args.rope_type == "rope":
+        fail("--rope-type", "rope",
+             "Packed MLA runs megatron-core's fused yarn RoPE, the only MLA RoPE that reads "
+             "no cu_seqlens back to the host (the unfused THD RoPE calls .tolist()); use "
+             "yarn (with --rotary-scaling-factor 1 it rotates like plain RoPE)")
+    if args.rotary_percent != 1.0:
+        fail("--rotary-percent", args.rotary_percent,
+             "MLA rotates all --qk-pos-emb-head-dim channels and ignores it; drop the flag")
+    if args.num_query_groups != args.num_attention_heads:
+        fail("--num-query-groups", args.num_query_groups,
+             "MLA gives every head its own key and value from the latent and has no "
+             "key/value groups; drop the flag")
+    for flag in ("--rotary-scaling-factor", "--beta-fast", "--beta-slow"):
+        if not _mla_value(args, flag) > 0:
+            fail(flag, _mla_value(args, flag), "Use a positive value")
+    _at_least(args, "--mscale", 0.0)
+    _at_least(args, "--mscale-all-dim", 0.0)

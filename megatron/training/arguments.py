@@ -87,6 +87,7 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     _add_model_args(parser, model)
     _add_hybrid_args(parser)
     _add_moe_args(parser)
+    _add_mla_args(parser)
     _add_parallelism_args(parser)
     _add_training_args(parser)
     _add_learning_rate_args(parser)
@@ -141,7 +142,8 @@ def _add_hybrid_args(parser):
     g = parser.add_argument_group("hybrid", "Hybrid Mamba-Transformer (pretrain_mamba.py only).")
     g.add_argument("--hybrid-override-pattern", type=str, default=None,
                    help="One character per layer: 'M' Mamba, '*' attention, '-' MLP, 'E' MoE "
-                        "(needs --num-experts).")
+                        "(needs --num-experts), '+' multi-latent attention (needs "
+                        "--multi-latent-attention).")
     g.add_argument("--mamba-state-dim", type=int, default=128)
     g.add_argument("--mamba-head-dim", type=int, default=64)
     g.add_argument("--mamba-num-groups", type=int, default=8)
@@ -185,6 +187,38 @@ def _add_moe_args(parser):
                    help="Transformer Engine's grouped GEMM for the local experts (TEGroupedMLP).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Expert parallelism: ranks that split the experts of a layer.")
+
+
+def _add_mla_args(parser):
+    g = parser.add_argument_group(
+        "multi-latent attention", "MLA (DeepSeek / Moonlight style), Transformer Engine "
+        "attention only (docs/mla.md).")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="MLA self-attention: gpt: every layer; hybrid: the '+' layers.")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="Rank of the compressed query (default: no query compression).")
+    g.add_argument("--kv-lora-rank", type=int, default=32,
+                   help="Rank of the compressed key/value latent.")
+    g.add_argument("--qk-head-dim", type=int, default=128,
+                   help="Per-head query/key width without the RoPE part.")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                   help="Per-head width of the decoupled RoPE part of query and key.")
+    g.add_argument("--v-head-dim", type=int, default=128, help="Per-head value width.")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="RMSNorm on the query and key/value latents (DeepSeek's latent norms).")
+    g.add_argument("--rope-type", choices=["yarn", "rope"], default=None,
+                   help="MLA RoPE kind (default: yarn, the only one packed MLA runs).")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                   help="Yarn context-extension factor (1: plain RoPE frequencies).")
+    g.add_argument("--original-max-position-embeddings", type=int, default=4096,
+                   help="Yarn: the context length the frequencies were trained for.")
+    g.add_argument("--beta-fast", type=float, default=32.0,
+                   help="Yarn: rotations above which a channel keeps its frequency.")
+    g.add_argument("--beta-slow", type=float, default=1.0,
+                   help="Yarn: rotations below which a channel is fully interpolated.")
+    g.add_argument("--mscale", type=float, default=1.0, help="Yarn attention-scale factor.")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help="Yarn attention-scale factor applied to all channels.")
 
 
 def _add_parallelism_args(parser):
@@ -397,6 +431,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     checks.check_attention(args)
     checks.check_cuda_graphs(args)
     checks.check_moe(args, model)
+    checks.check_mla(args, model)
     checks.check_dynamic_cp(args)
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple

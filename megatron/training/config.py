@@ -24,7 +24,7 @@ import yaml
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.enums import CudaGraphModule
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.training import argument_checks as checks
 from megatron.training.arguments import build_parser, validate_args
 from megatron.packed_graphs.attention import resolve_attention_backend
@@ -53,6 +53,11 @@ class PackedTransformerConfig(TransformerConfig):
 
     cuda_graph_granularity: str = "layer"
     """'layer': one graph per layer; 'chunk': one per model chunk (packed_graphs/chunk_graphs.py)."""
+
+
+@dataclass
+class PackedMLATransformerConfig(PackedTransformerConfig, MLATransformerConfig):
+    """PackedTransformerConfig with megatron-core's MLA fields (--multi-latent-attention)."""
 
 
 def transformer_config_from_args(args) -> TransformerConfig:
@@ -99,6 +104,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         cuda_graph_granularity=args.cuda_graph_granularity,
     )
     kwargs.update(moe_kwargs(args))
+    kwargs.update(mla_kwargs(args))
     if args.model == "hybrid":
         kwargs.update(
             mamba_state_dim=args.mamba_state_dim,
@@ -106,6 +112,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
             mamba_num_groups=args.mamba_num_groups,
             mamba_num_heads=args.mamba_num_heads,
         )
+    if getattr(args, "multi_latent_attention", False):
+        return PackedMLATransformerConfig(**kwargs)
     return PackedTransformerConfig(**kwargs)
 
 
@@ -129,6 +137,30 @@ def moe_kwargs(args) -> dict:
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_grouped_gemm=args.moe_grouped_gemm,
         expert_model_parallel_size=args.expert_model_parallel_size,
+    )
+
+
+def mla_kwargs(args) -> dict:
+    """MLATransformerConfig fields of the MLA flags (Megatron's names; yarn RoPE, fused by the
+    TE backend's ``apply_rope_fusion``). Empty without --multi-latent-attention."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        qk_layernorm=args.qk_layernorm,
+        rope_type="yarn",
+        rotary_base=args.rotary_base,
+        rotary_scaling_factor=args.rotary_scaling_factor,
+        original_max_position_embeddings=args.original_max_position_embeddings,
+        beta_fast=args.beta_fast,
+        beta_slow=args.beta_slow,
+        mscale=args.mscale,
+        mscale_all_dim=args.mscale_all_dim,
     )
 
 

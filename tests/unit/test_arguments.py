@@ -266,7 +266,7 @@ def test_hybrid_needs_pattern():
 
 
 def test_pattern_rejects_unknown_char():
-    with pytest.raises(ValueError, match=r"Character 'X'.*'M\*-E'"):
+    with pytest.raises(ValueError, match=r"Character 'X'.*'M\*-E\+'"):
         validate("--hybrid-override-pattern", "M*X-", model="hybrid")
 
 
@@ -719,7 +719,7 @@ def test_format_args_is_megatron_style():
 
 ALLOWED_OPTIONS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--attention-backend", "--attention-dropout",
-    "--bf16", "--calculate-per-token-loss", "--clip-grad", "--context-parallel-size",
+    "--beta-fast", "--beta-slow", "--bf16", "--calculate-per-token-loss", "--clip-grad", "--context-parallel-size",
     "--cuda-graph-capacity-ladder", "--cuda-graph-granularity", "--cuda-graph-impl",
     "--cuda-graph-max-packed-seqs", "--cuda-graph-modules", "--cuda-graph-scope",
     "--cuda-graph-warmup-steps",
@@ -728,7 +728,7 @@ ALLOWED_OPTIONS = [
     "--eval-interval", "--eval-iters", "--exit-interval", "--expert-model-parallel-size",
     "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--help",
     "--hidden-dropout", "--hidden-size", "--hybrid-override-pattern", "--init-method-std",
-    "--kv-channels", "--layernorm-epsilon", "--load", "--log-interval",
+    "--kv-channels", "--kv-lora-rank", "--layernorm-epsilon", "--load", "--log-interval",
     "--log-num-zeros-in-grad", "--long-document-policy", "--lr", "--lr-decay-iters", "--lr-decay-style",
     "--lr-warmup-iters", "--lr-wsd-decay-iters", "--lr-wsd-decay-style",
     "--make-vocab-size-divisible-by", "--mamba-head-dim", "--mamba-num-groups",
@@ -740,17 +740,22 @@ ALLOWED_OPTIONS = [
     "--moe-grouped-gemm", "--moe-pad-expert-input-to-capacity", "--moe-router-dtype",
     "--moe-router-load-balancing-type", "--moe-router-score-function", "--moe-router-topk",
     "--moe-shared-expert-intermediate-size", "--moe-token-dispatcher-type", "--moe-z-loss-coeff",
+    "--mscale", "--mscale-all-dim", "--multi-latent-attention",
     "--no-calculate-per-token-loss",
     "--no-check-for-nan-in-loss-and-grad", "--no-load-optim",
     "--no-load-rng", "--normalization", "--num-attention-heads", "--num-experts", "--num-layers",
     "--num-layers-per-virtual-pipeline-stage", "--num-query-groups", "--num-workers",
+    "--original-max-position-embeddings",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--profile",
-    "--profile-step-end", "--profile-step-start", "--profile-trace-dir", "--rampup-batch-size",
-    "--reject-long-documents", "--rotary-base", "--rotary-percent", "--save", "--save-interval",
+    "--profile-step-end", "--profile-step-start", "--profile-trace-dir", "--q-lora-rank",
+    "--qk-head-dim", "--qk-layernorm", "--qk-pos-emb-head-dim", "--rampup-batch-size",
+    "--reject-long-documents", "--rope-type", "--rotary-base", "--rotary-percent",
+    "--rotary-scaling-factor", "--save", "--save-interval",
     "--seed", "--seq-length", "--sequence-parallel", "--sft", "--swiglu", "--te-rng-tracker",
     "--tensor-model-parallel-size", "--tensorboard-dir", "--tokenizer-model", "--tokenizer-type",
     "--train-iters",
-    "--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--valid-data-path",
+    "--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--v-head-dim",
+    "--valid-data-path",
     "--virtual-pipeline-model-parallel-size", "--vocab-size", "--weight-decay", "-h",
 ]
 

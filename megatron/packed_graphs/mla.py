@@ -1,0 +1,170 @@
+"""Multi-latent attention (DeepSeek / Moonlight style) on packed (THD) micro-batches.
+
+`PackedMLASelfAttention` is megatron-core's `MLASelfAttention`, entered through the layer
+spec, with what packed data under CUDA graphs needs:
+
+* RoPE: upstream's fused yarn kernels (``apply_rope_fusion``; the only sync-free MLA RoPE on
+  THD), over `mla_rope.GraphSafeYarnRotaryEmbedding` tables that no later micro-batch frees,
+  with one more boundary at the end of the stream (the zero-valid tail segment) and a table
+  as long as the stream, so no row reads outside it (see mla_rope.py);
+* dynamic CP: a micro-batch with its own CP group (``packed_seq_params.cp_group``) runs the
+  fused RoPE with that group's size and rank, as `te_attention.DynamicCPSelfAttention` does
+  for standard attention; the core attention (`PackedTEDotProductAttention`) switches TE's
+  CP group itself. megatron-core 0.19.2 refuses ``local_cp_size`` in MLA; the RoPE here
+  never reads it;
+* V padding: upstream pads V to the query head size on THD so that TE may choose
+  FlashAttention (``pad_value=True``, the default). ``pad_value=False`` (a spec param) hands
+  TE the narrower V, which leaves TE's cuDNN backend (tools/mla_costs.py measures both).
+
+THD MLA needs Transformer Engine attention: the spec builder refuses other backends, as the
+command line does.
+"""
+
+import copy
+from typing import Optional
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import BackendSpecProvider
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention,
+    MLASelfAttentionSubmodules,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
+from megatron.packed_graphs.mla_rope import GraphSafeYarnRotaryEmbedding, cover_all_rows
+
+def graph_safe_rotary(config, cp_group) -> GraphSafeYarnRotaryEmbedding:
+    """The yarn rotary embedding upstream MLA builds from ``config``, graph-safe."""
+    return GraphSafeYarnRotaryEmbedding(
+        config.qk_pos_emb_head_dim, rotary_base=config.rotary_base,
+        scaling_factor=config.rotary_scaling_factor,
+        original_max_position_embeddings=config.original_max_position_embeddings,
+        beta_fast=config.beta_fast, beta_slow=config.beta_slow, mscale=config.mscale,
+        mscale_all_dim=config.mscale_all_dim, cp_group=cp_group)
+
+
+def rope_params(params, rows: int, cp_size: int):
+    """The packed params upstream MLA's RoPE reads, for ``rows`` physical rows on this rank.
+
+    A shallow copy of ``params`` whose padded boundaries (which upstream's RoPE prefers) end
+    in the zero-valid tail segment (`cover_all_rows`), whose ``max_seqlen`` is the whole
+    stream (``rows * cp_size``: the RoPE table length, the same for every micro-batch of a
+    bank), and without ``local_cp_size`` (the caller already set the micro-batch's group).
+    Attention keeps ``params`` as they are. No host sync.
+    """
+    if params is None or params.qkv_format != "thd":
+        return params
+    boundaries = (params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None
+                  else params.cu_seqlens_q)
+    covered = cover_all_rows(boundaries, rows, cp_size)
+    rope = copy.copy(params)
+    rope.cu_seqlens_q_padded = rope.cu_seqlens_kv_padded = covered
+    rope.max_seqlen_q = rope.max_seqlen_kv = rows * cp_size
+    rope.local_cp_size = None
+    return rope
+
+
+class PackedMLASelfAttention(MLASelfAttention):
+    """MLASelfAttention for packed micro-batches under CUDA graphs (see module doc).
+
+    forward: hidden states ``[T_local (/ TP with SP), 1, H]`` and THD ``packed_seq_params``
+    (``max_seqlen`` host ints, boundaries on the device) -> ``([T_local, 1, H], bias)``.
+    No host sync. ``pad_value``: pad V to the query head size on THD (upstream's choice).
+    """
+
+    def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.padding,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, pp_layer_offset=None,
+                 name=None, pad_value: bool = True):
+        if config.rope_type != "yarn" or not config.apply_rope_fusion:
+            raise ValueError(
+                f"MLA RoPE is wrong: rope_type {config.rope_type!r}, apply_rope_fusion "
+                f"{config.apply_rope_fusion}. Packed MLA needs the fused yarn RoPE (upstream's "
+                f"unfused THD RoPE reads cu_seqlens back to the host).")
+        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection,
+                         pp_layer_offset=pp_layer_offset, name=name)
+        self.rotary_pos_emb = graph_safe_rotary(config, self.pg_collection.cp)
+        self.pad_value = pad_value
+
+    def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
+        group = micro_batch_cp_group(packed_seq_params)
+        if group is None:
+            return super().forward(hidden_states, attention_mask, *args,
+                                   packed_seq_params=packed_seq_params, **kwargs)
+        static = self.pg_collection
+        self.pg_collection = copy.copy(static)  # fields are init=False: no dataclasses.replace
+        self.pg_collection.cp = group
+        try:
+            return super().forward(hidden_states, attention_mask, *args,
+                                   packed_seq_params=packed_seq_params, **kwargs)
+        finally:
+            self.pg_collection = static
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    position_ids=None, packed_seq_params=None,
+                                    inference_context=None, *, inference_params=None):
+        rows = hidden_states.shape[0]
+        if self.config.sequence_parallel:  # the up projections gather the sequence
+            rows *= self.pg_collection.tp.size()
+        params = rope_params(packed_seq_params, rows, self.pg_collection.cp.size())
+        return super().get_query_key_value_tensors(
+            hidden_states, key_value_states, position_ids, params,
+            inference_context=inference_context, inference_params=inference_params)
+
+    def _run_core_attention(self, query, key, value, attention_mask, packed_seq_params=None,
+                            attn_mask_type=None, **extra_kwargs):
+        if self.pad_value:
+            return super()._run_core_attention(query, key, value, attention_mask,
+                                               packed_seq_params=packed_seq_params,
+                                               attn_mask_type=attn_mask_type, **extra_kwargs)
+        return self.core_attention(query, key, value, attention_mask,
+                                   packed_seq_params=packed_seq_params,
+                                   attn_mask_type=attn_mask_type or self.attn_mask_type,
+                                   **extra_kwargs)
+
+
+def _require_te(provider: BackendSpecProvider) -> None:
+    from megatron.packed_graphs.specs import VarlenSpecProvider
+
+    if isinstance(provider, VarlenSpecProvider):
+        raise ValueError(f"--attention-backend is wrong: {provider.attention_backend}. "
+                         f"Packed multi-latent attention runs only on Transformer Engine "
+                         f"attention; use te (or auto with Transformer Engine installed).")
+
+
+def mla_self_attention_spec(provider: BackendSpecProvider, pad_value: bool = True) -> ModuleSpec:
+    """`PackedMLASelfAttention` over ``provider``'s TE modules (upstream's TE MLA layout).
+
+    The Q/KV up projections are left to megatron-core's resolver, which fuses the latent
+    norms into them when the config asks for ``qk_layernorm``.
+    """
+    _require_te(provider)
+    return ModuleSpec(
+        module=PackedMLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, "pad_value": pad_value},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=provider.column_parallel_linear(),
+            linear_q_down_proj=provider.linear(),
+            linear_kv_down_proj=provider.linear(),
+            core_attention=provider.core_attention(),
+            linear_proj=provider.row_parallel_linear(),
+            q_layernorm=IdentityOp,
+            kv_layernorm=IdentityOp,
+        ),
+    )
+
+
+def mla_attention_submodules(provider: BackendSpecProvider, normalization: str,
+                             pad_value: bool = True) -> TransformerLayerSubmodules:
+    """Input norm + MLA self-attention + residual: the attention half of a layer (the hybrid
+    '+' layer on its own). The norm stays a module of its own: MLA's down projections do not
+    fuse it."""
+    return TransformerLayerSubmodules(
+        input_layernorm=provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False),
+        self_attention=mla_self_attention_spec(provider, pad_value),
+        self_attn_bda=get_bias_dropout_add,
+    )

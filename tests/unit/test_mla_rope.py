@@ -1,0 +1,247 @@
+"""Graph-safe MLA RoPE (packed_graphs/mla_rope.py) on CPU.
+
+The fused kernel itself runs here too: megatron-core's Triton kernel under Triton's CPU
+interpreter (``TRITON_INTERPRET=1``, a subprocess), so the torch mirror of its row -> table-row
+map is checked against the kernel, including the read before the table that a row past the
+last boundary makes.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron.packed_graphs.capacity import pad_cu_seqlens
+from megatron.packed_graphs.mla import rope_params
+from megatron.packed_graphs.mla_rope import (
+    GraphSafeYarnRotaryEmbedding,
+    cover_all_rows,
+    fused_rope_table_rows,
+)
+from megatron.packed_graphs.packed_seq import build_packed_batch_params
+
+YARN = dict(rotary_base=10000, scaling_factor=40.0, original_max_position_embeddings=4096,
+            beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+
+
+def cu(*bounds):
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+# ------------------------------------------------------------------ the row -> table-row map
+
+def test_rows_past_the_last_boundary_read_before_the_table():
+    assert fused_rope_table_rows(cu(0, 3, 5), 8).tolist() == [0, 1, 2, 0, 1, -1, -1, -1]
+
+
+def test_zero_length_capacity_segments_are_skipped():
+    padded = pad_cu_seqlens(cu(0, 3, 8), 6)  # [0, 3, 8, 8, 8, 8, 8]
+    assert fused_rope_table_rows(padded, 8).tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+
+
+def test_the_tail_segment_covers_every_row():
+    covered = cover_all_rows(pad_cu_seqlens(cu(0, 3, 5), 4), 8)
+    assert covered.tolist() == [0, 3, 5, 5, 5, 8] and covered.dtype == torch.int32
+    assert fused_rope_table_rows(covered, 8).tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+
+
+def test_the_tail_segment_is_empty_when_the_boundaries_cover_the_stream():
+    full = pad_cu_seqlens(cu(0, 3, 8), 4)
+    assert cover_all_rows(full, 8)[-2:].tolist() == [8, 8]
+    assert torch.equal(fused_rope_table_rows(cover_all_rows(full, 8), 8),
+                       fused_rope_table_rows(full, 8))
+
+
+def test_context_parallel_rows_read_their_document_positions():
+    # Documents of 8 and 4 positions over CP 2: rank r keeps chunks r and 3 - r of each.
+    bounds = cu(0, 8, 12)
+    rank0 = fused_rope_table_rows(bounds, 6, cp_size=2, cp_rank=0).tolist()
+    rank1 = fused_rope_table_rows(bounds, 6, cp_size=2, cp_rank=1).tolist()
+    assert rank0 == [0, 1, 6, 7, 0, 3]
+    assert rank1 == [2, 3, 4, 5, 1, 2]
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_every_covered_row_reads_inside_a_stream_long_table(cp_size):
+    """Hazards 1 and 2 together: with the tail segment, every row of any layout (documents,
+    an uncovered tail, capacity padding) reads a table row in [0, rows * cp_size)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = 64
+    for _ in range(50):
+        cuts = torch.randint(1, 8, (6,), generator=generator) * 2 * cp_size
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), cuts.cumsum(0)])
+        bounds = bounds[bounds <= rows * cp_size].to(torch.int32)
+        bounds = pad_cu_seqlens(bounds, 10)
+        for rank in range(cp_size):
+            read = fused_rope_table_rows(cover_all_rows(bounds, rows, cp_size), rows, cp_size,
+                                         rank)
+            assert read.min() >= 0 and read.max() < rows * cp_size
+
+
+# ---------------------------------------------------------- the kernel in Triton's interpreter
+
+_KERNEL_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import megatron.core.fusions.fused_mla_yarn_rope_apply as fused
+
+    D, E, H = 4, 4, 2  # qk_head_dim, RoPE width, heads
+    results = []
+    for bounds, rows, cp_size, cp_rank in json.loads(sys.argv[1]):
+        table_rows = rows * cp_size + 1
+        # cos row r holds r + 1; the row before the table holds 0; sin is 0. The rotated
+        # query then shows the table row each physical row read, plus 1.
+        cos = torch.arange(table_rows + 1, dtype=torch.float32)[:, None].repeat(1, E)
+        sin = torch.zeros(table_rows + 1, E)
+        q = torch.zeros(rows, H, D + E)
+        q[..., D::2] = 1.0
+        bounds = torch.tensor(bounds, dtype=torch.int32)
+        fused.rotary_fwd_q_kernel.fn[(rows, 1)](
+            q, cos[1:], sin[1:], D, E, H, None, bounds.numel() - 1, bounds, q.stride(0),
+            q.stride(1), cp_rank, cp_size, BLOCK_H=H)
+        results.append((q[:, 0, D] - 1).to(torch.int64).tolist())
+    print(json.dumps(results))
+""")
+
+
+def _kernel_reads(cases):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", _KERNEL_SCRIPT, json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise AssertionError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_mirror_matches_the_triton_kernel():
+    pytest.importorskip("triton")
+    cases = [
+        ([0, 3, 5], 8, 1, 0),                  # rows past the end: the read before the table
+        ([0, 3, 5, 5, 5, 8], 8, 1, 0),         # capacity padding + the tail segment
+        ([0, 3, 8, 8, 8], 8, 1, 0),            # the training layout: padding tail is a segment
+        ([0, 8, 12, 12], 6, 2, 0),             # CP 2, rank 0
+        ([0, 8, 12, 12], 6, 2, 1),             # CP 2, rank 1
+        ([0, 8, 12], 8, 2, 1),                 # CP 2, rows past the end
+    ]
+    kernel = _kernel_reads(cases)
+    for (bounds, rows, cp_size, cp_rank), reads in zip(cases, kernel):
+        mirror = fused_rope_table_rows(cu(*bounds), rows, cp_size, cp_rank).tolist()
+        assert reads == mirror, (bounds, cp_size, cp_rank)
+    assert -1 in kernel[0] and -1 not in kernel[1]
+
+
+# ------------------------------------------------------------------- graph-safe yarn tables
+
+def _reference_yarn(dim, rows, *, rotary_base, scaling_factor, original_max_position_embeddings,
+                    beta_fast, beta_slow, mscale, mscale_all_dim):
+    """DeepSeek's yarn, written out: blend interpolated and original frequencies over a
+    linear ramp between the channels of beta_slow and beta_fast rotations."""
+    def channel(rotations):
+        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(rotary_base))
+    low = max(math.floor(channel(beta_fast)), 0)
+    high = min(math.ceil(channel(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    original = 1.0 / rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = original / scaling_factor * ramp + original * (1 - ramp)
+    attention = lambda m: 0.1 * m * math.log(scaling_factor) + 1.0
+    scale = attention(mscale) / attention(mscale_all_dim)
+    angles = torch.outer(torch.arange(rows, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def test_tables_hold_yarn_values():
+    rope = GraphSafeYarnRotaryEmbedding(64, **YARN)
+    cos, sin = rope.get_cached_cos_sin(300, dtype=torch.float32, packed_seq=True)
+    ref_cos, ref_sin = _reference_yarn(64, 300, **YARN)
+    assert cos.shape == (300, 1, 1, 64) and cos.is_contiguous() and sin.is_contiguous()
+    torch.testing.assert_close(cos[:, 0, 0], ref_cos, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin[:, 0, 0], ref_sin, rtol=1e-5, atol=1e-5)
+
+
+def test_scaling_factor_one_is_plain_rope():
+    rope = GraphSafeYarnRotaryEmbedding(16, rotary_base=50000, scaling_factor=1.0)
+    cos, _ = rope.get_cached_cos_sin(10, dtype=torch.float32, packed_seq=True)
+    inv_freq = 1.0 / 50000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    torch.testing.assert_close(cos[:, 0, 0, :8], torch.outer(torch.arange(10.0), inv_freq).cos())
+
+
+def test_a_table_is_never_replaced_under_a_reader():
+    """The hazard of upstream's cache: a longer or differently typed request must leave the
+    tensors handed out earlier alive and unchanged (a captured graph reads them)."""
+    rope = GraphSafeYarnRotaryEmbedding(32, **YARN)
+    first_cos, first_sin = rope.get_cached_cos_sin(100, dtype=torch.bfloat16, packed_seq=True)
+    kept = first_cos.clone(), first_sin.clone()
+    again, _ = rope.get_cached_cos_sin(64, dtype=torch.bfloat16, packed_seq=True)
+    assert again.data_ptr() == first_cos.data_ptr()  # same storage, no rebuild
+    longer, _ = rope.get_cached_cos_sin(5000, dtype=torch.bfloat16, packed_seq=True)
+    rope.get_cached_cos_sin(100, dtype=torch.float32, packed_seq=False)
+    assert longer.data_ptr() != first_cos.data_ptr()
+    assert any(cos.data_ptr() == first_cos.data_ptr() for cos, _ in rope._retired)
+    assert torch.equal(first_cos, kept[0]) and torch.equal(first_sin, kept[1])
+    assert torch.equal(longer[:100], first_cos)  # a row's value does not depend on the length
+    assert rope.table_rows(torch.bfloat16) == 8192 and rope.table_rows(torch.float32) == 128
+
+
+def test_tables_survive_casting_the_module():
+    rope = GraphSafeYarnRotaryEmbedding(32, **YARN)
+    cos, _ = rope.get_cached_cos_sin(16, dtype=torch.float32, packed_seq=True)
+    rope.to(torch.bfloat16)  # what Float16Module does to the model
+    assert rope.get_cached_cos_sin(16, dtype=torch.float32, packed_seq=True)[0].data_ptr() == \
+        cos.data_ptr()
+
+
+def test_offsets_are_refused():
+    rope = GraphSafeYarnRotaryEmbedding(32, **YARN)
+    with pytest.raises(ValueError, match="MLA RoPE offset is wrong: 3"):
+        rope.get_cached_cos_sin(16, offset=3, packed_seq=True)
+
+
+class _TwoRankGroup:
+    """Stands in for a CP process group of two ranks (only its size is read)."""
+
+    def size(self):
+        return 2
+
+
+def test_unpacked_data_under_cp_is_refused():
+    rope = GraphSafeYarnRotaryEmbedding(32, cp_group=_TwoRankGroup(), **YARN)
+    with pytest.raises(ValueError, match="unpacked data with context parallelism"):
+        rope.get_cached_cos_sin(16, packed_seq=False)
+    assert rope.get_cached_cos_sin(16, packed_seq=True)[0].shape[0] == 16
+
+
+# ------------------------------------------------------------------ the params RoPE reads
+
+def test_rope_params_cover_the_stream_and_leave_attention_alone():
+    bounds = pad_cu_seqlens(cu(0, 3, 5), 4)
+    params = build_packed_batch_params(bounds, torch.arange(8), max_seqlen=5,
+                                       with_seq_idx=False)
+    params.local_cp_size = 1
+    rope = rope_params(params, rows=8, cp_size=1)
+    assert rope.cu_seqlens_q_padded.tolist() == [0, 3, 5, 5, 5, 8]
+    assert rope.cu_seqlens_kv_padded is rope.cu_seqlens_q_padded
+    assert (rope.max_seqlen_q, rope.max_seqlen_kv, rope.local_cp_size) == (8, 8, None)
+    # The micro-batch's own params (what attention reads) are untouched.
+    assert params.cu_seqlens_q_padded is None and params.local_cp_size == 1
+    assert params.max_seqlen_q == 5 and rope.cu_seqlens_q is params.cu_seqlens_q
+
+
+def test_rope_params_prefer_the_cp_padded_boundaries():
+    bounds = cu(0, 8, 12, 12)
+    params = build_packed_batch_params(cu(0, 5, 9, 9), torch.arange(6), max_seqlen=12,
+                                       with_seq_idx=False)
+    params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = bounds
+    rope = rope_params(params, rows=6, cp_size=2)
+    assert rope.cu_seqlens_q_padded.tolist() == [0, 8, 12, 12, 12]
+    assert rope.max_seqlen_q == 12
+
+
+def test_rope_params_pass_unpacked_params_through():
+    assert rope_params(None, rows=8, cp_size=1) is None
