@@ -601,6 +601,7 @@ _MOE_FLAG_DEFAULTS = {
     "--moe-token-dispatcher-type": "alltoall",
     "--moe-expert-capacity-factor": None,
     "--moe-pad-expert-input-to-capacity": False,
+    "--moe-capacity-overflow": "drop",
     "--moe-grouped-gemm": False,
     "--expert-model-parallel-size": 1,
 }
@@ -673,6 +674,8 @@ def check_moe(args, model: str):
                  f"capacity above the micro-batch's token count, which megatron-core's "
                  f"drop-and-pad permutation does not size for; use a factor <= "
                  f"{experts / topk:g}")
+    if args.moe_capacity_overflow == "rerun":
+        _check_overflow_rerun(args)
     if args.moe_grouped_gemm:
         _require_package("transformer_engine", "--moe-grouped-gemm", True)
         if not _uses_te_backend(args):
@@ -686,6 +689,20 @@ def check_moe(args, model: str):
              "MoE layers with tensor parallelism need --sequence-parallel (megatron-core "
              "refuses the combination in training)")
     _check_moe_graphs(args, model)
+
+
+def _check_overflow_rerun(args):
+    """--moe-capacity-overflow rerun: the dropless mode of graphed MoE layers."""
+    if args.cuda_graph_impl == "none":
+        fail("--moe-capacity-overflow", "rerun",
+             "It reruns micro-batches whose MoE layers overflowed their graphs' drop-and-pad "
+             "capacity; without CUDA graphs MoE layers run dropless directly: drop the flag "
+             "and --moe-expert-capacity-factor, or add --cuda-graph-impl")
+    if not (args.moe_expert_capacity_factor and args.moe_pad_expert_input_to_capacity):
+        fail("--moe-capacity-overflow", "rerun",
+             "It reruns micro-batches that overflowed the drop-and-pad capacity, which needs "
+             "one: add --moe-expert-capacity-factor <f> --moe-pad-expert-input-to-capacity "
+             "(tools/capacity_advisor.py --moe-router-loads suggests f)")
 
 
 def _check_expert_parallel(args, experts: int):

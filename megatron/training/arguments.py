@@ -183,6 +183,10 @@ def _add_moe_args(parser):
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="Drop-and-pad: every expert gets exactly its capacity of rows (static "
                         "shapes, no host sync; needed for CUDA graphs).")
+    g.add_argument("--moe-capacity-overflow", choices=["drop", "rerun"], default="drop",
+                   help="Tokens over an expert's drop-and-pad capacity under CUDA graphs: drop "
+                        "them, or rerun the micro-batches that overflowed eager and dropless "
+                        "before the optimizer step, so no token is dropped.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="Transformer Engine's grouped GEMM for the local experts (TEGroupedMLP).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,

@@ -78,6 +78,13 @@ def test_graphs_with_drop_and_pad(with_te):
     assert args.cuda_graph_impl == "local"
 
 
+def test_capacity_overflow_rerun_with_graphs_and_drop_and_pad(with_te):
+    assert validate(*MOE).moe_capacity_overflow == "drop"
+    args = validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--attention-backend", "torch",
+                    "--moe-capacity-overflow", "rerun")
+    assert args.moe_capacity_overflow == "rerun"
+
+
 def test_grouped_gemm_with_te(with_te):
     assert validate(*MOE, "--moe-grouped-gemm", "--attention-backend", "te").moe_grouped_gemm
 
@@ -90,7 +97,7 @@ def test_grouped_gemm_with_te(with_te):
     ("--moe-router-load-balancing-type", "none"), ("--moe-aux-loss-coeff", 0.01),
     ("--moe-z-loss-coeff", 0.001), ("--moe-router-score-function", "sigmoid"),
     ("--moe-router-dtype", "fp32"), ("--moe-expert-capacity-factor", 1.0),
-    ("--expert-model-parallel-size", 2),
+    ("--expert-model-parallel-size", 2), ("--moe-capacity-overflow", "rerun"),
 ])
 def test_moe_flag_without_experts(flag, value):
     with pytest.raises(ValueError, match=f"{flag} is wrong: {value}. It configures MoE layers; "
@@ -166,6 +173,22 @@ def test_padded_capacity_above_the_token_count():
     with pytest.raises(ValueError, match=r"--moe-expert-capacity-factor is wrong: 5.0. .*"
                                          r"\(5.0 x 2\) above --num-experts \(8\).*<= 4"):
         validate(*MOE, "--moe-expert-capacity-factor", 5, "--moe-pad-expert-input-to-capacity")
+
+
+def test_capacity_overflow_rerun_needs_graphs():
+    with pytest.raises(ValueError, match="--moe-capacity-overflow is wrong: rerun. It reruns "
+                                         "micro-batches .* without CUDA graphs MoE layers run "
+                                         "dropless directly"):
+        validate(*MOE, *DROP_AND_PAD, "--moe-capacity-overflow", "rerun")
+
+
+@pytest.mark.parametrize("capacity", [[], ["--moe-expert-capacity-factor", "1.0"]])
+def test_capacity_overflow_rerun_needs_drop_and_pad(with_te, capacity):
+    with pytest.raises(ValueError, match="--moe-capacity-overflow is wrong: rerun. .*needs one: "
+                                         "add --moe-expert-capacity-factor <f> "
+                                         "--moe-pad-expert-input-to-capacity"):
+        validate(*MOE, *capacity, *GRAPHS, "--attention-backend", "torch",
+                 "--moe-capacity-overflow", "rerun")
 
 
 def test_grouped_gemm_needs_te():
