@@ -1,18 +1,30 @@
-"""Recommend ``--cuda-graph-max-packed-seqs`` from the data a run will read.
+"""Recommend ``--cuda-graph-max-packed-seqs`` from the data a run will read, or, for MoE,
+``--moe-expert-capacity-factor`` from measured router loads.
 
-Packs the data with the training code, counts ``cu_seqlens`` segments per micro-batch (the
-padding tail included: a graph capacity must hold every segment), and picks the smallest
-capacity whose predicted eager-fallback rate is at most the target. CPU only.
+Graph capacity: packs the data with the training code, counts ``cu_seqlens`` segments per
+micro-batch (the padding tail included: a graph capacity must hold every segment), and picks
+the smallest capacity whose predicted eager-fallback rate is at most the target.
+
+MoE capacity (``--moe-router-loads``): reads peak expert loads (the most tokens one expert of
+one MoE layer received from one rank, per micro-batch, before the capacity) and picks the
+smallest drop-and-pad capacity factor whose predicted overflow rate is at most the target:
+with ``--moe-capacity-overflow rerun`` that is the share of micro-batches rerun eager. The
+loads come from a training run (`moe_rerun.MoEOverflowRerun.router_load_record`, e.g. a
+warm-up with a generous factor) or any dump in the same JSON format (`read_router_loads`).
+CPU only.
 
     python tools/capacity_advisor.py --data-path train.jsonl --seq-length 4096 --vocab-size 32000
     python tools/capacity_advisor.py --mock-data --seq-length 4096 --vocab-size 32000
     CAPACITY=$(python tools/capacity_advisor.py --mock-data ... --print-capacity)   # for scripts
+    python tools/capacity_advisor.py --moe-router-loads router_loads.json --target-overflow-rate 0.01
 """
 
 import argparse
+import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -146,6 +158,120 @@ def format_report(
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------ MoE capacity
+
+ROUND_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+"""Capacity factors whose overflow rate the MoE report always shows (those allowed)."""
+
+
+@dataclass(frozen=True)
+class RouterLoads:
+    """Peak expert loads of sampled micro-batches and the shape that sizes the capacity."""
+
+    num_experts: int
+    topk: int
+    tokens_per_rank: int  # tokens one rank's MoE layer routes per micro-batch, padding included
+    peak_loads: np.ndarray  # int64, one per micro-batch
+    micro_batches_per_iteration: int = 0  # 0: unknown
+
+    @property
+    def max_factor(self) -> float:
+        """The largest factor drop-and-pad takes (factor x top-k <= experts), to 2 decimals."""
+        return math.floor(100 * self.num_experts / self.topk + 1e-9) / 100
+
+
+def expert_capacity(loads: RouterLoads, factor: float) -> int:
+    """Rows per expert under drop-and-pad at ``factor`` (megatron-core's get_capacity)."""
+    return math.ceil(loads.tokens_per_rank * loads.topk / loads.num_experts * factor)
+
+
+def read_router_loads(path: str) -> RouterLoads:
+    """A router-load JSON: ``num_experts``, ``moe_router_topk``, ``tokens_per_rank``, optional
+    ``micro_batches_per_iteration``, and the loads as one of ``peak_loads`` (a list, one int
+    per micro-batch, or ``{"load": micro-batches}``) or ``expert_loads`` (per micro-batch, the
+    token count of every expert, nested per layer or rank as you like: its maximum counts)."""
+    with open(path) as f:
+        record = json.load(f)
+    missing = [key for key in ("num_experts", "moe_router_topk", "tokens_per_rank")
+               if not isinstance(record.get(key), int) or record[key] < 1]
+    if missing:
+        raise ValueError(f"router loads are wrong: {path} lacks a positive integer "
+                         f"{', '.join(missing)}. Write them with the loads (format: "
+                         "tools/capacity_advisor.py read_router_loads).")
+    if "peak_loads" in record:
+        peaks = record["peak_loads"]
+        if isinstance(peaks, dict):
+            peaks = np.repeat([int(load) for load in peaks], [int(n) for n in peaks.values()])
+    elif "expert_loads" in record:
+        peaks = [int(np.max(np.asarray(sample))) for sample in record["expert_loads"]]
+    else:
+        raise ValueError(f"router loads are wrong: {path} has neither peak_loads nor "
+                         "expert_loads. Add one.")
+    peaks = np.asarray(peaks, dtype=np.int64)
+    if peaks.size == 0:
+        raise ValueError(f"router loads are wrong: {path} holds no micro-batch. Record loads "
+                         "over at least one iteration.")
+    return RouterLoads(record["num_experts"], record["moe_router_topk"],
+                       record["tokens_per_rank"], peaks,
+                       int(record.get("micro_batches_per_iteration", 0)))
+
+
+def recommend_capacity_factor(loads: RouterLoads, target_overflow_rate: float):
+    """``(factor, capacity, overflow rate)``: the smallest factor, to 2 decimals, whose
+    capacity overflows at most ``target_overflow_rate`` of the micro-batches (one overflows
+    when its peak load exceeds the capacity), capped at `RouterLoads.max_factor`."""
+    if not 0.0 <= target_overflow_rate < 1.0:
+        raise ValueError(f"target overflow rate is wrong: {target_overflow_rate}. Set "
+                         "--target-overflow-rate in [0, 1), e.g. 0.01.")
+    needed, _ = recommend_capacity(loads.peak_loads, target_overflow_rate)
+    share = loads.tokens_per_rank * loads.topk / loads.num_experts
+    # The capacity is rounded up: any factor above (needed - 1) / share holds ``needed``.
+    factor = math.floor(100 * (needed - 1) / share) / 100
+    while expert_capacity(loads, factor) < needed:
+        factor = round(factor + 0.01, 2)
+    factor = max(0.01, min(factor, loads.max_factor))
+    capacity = expert_capacity(loads, factor)
+    return factor, capacity, fallback_rate(loads.peak_loads, capacity)
+
+
+def iteration_rerun_rate(loads: RouterLoads, rate: float) -> float:
+    """Share of iterations with at least one overflowing micro-batch, micro-batches taken
+    as independent; nan when the micro-batches per iteration are unknown."""
+    n = loads.micro_batches_per_iteration
+    return 1.0 - (1.0 - rate) ** n if n else float("nan")
+
+
+def format_moe_report(loads: RouterLoads, target_overflow_rate: float) -> str:
+    """The printed MoE report: peak-load percentiles, overflow rates at round factors, flags."""
+    share = loads.tokens_per_rank * loads.topk / loads.num_experts
+    peaks = loads.peak_loads
+    lines = [f"{peaks.size} micro-batches; {loads.num_experts} experts, top-{loads.topk}, "
+             f"{loads.tokens_per_rank} tokens per rank: an even share is {share:g} per expert",
+             "",
+             f"{'peak expert load':<18}" + "".join(f"{'P' + str(p):>8}" for p in PERCENTILES)
+             + f"{'max':>8}"]
+    cells = [int(np.percentile(peaks, p, method="higher")) for p in PERCENTILES]
+    lines.append(f"{'tokens':<18}" + "".join(f"{c:>8}" for c in cells + [int(peaks.max())]))
+    lines.append(f"{'x even share':<18}" + "".join(f"{c / share:>8.2f}"
+                                                   for c in cells + [int(peaks.max())]))
+    factor, capacity, rate = recommend_capacity_factor(loads, target_overflow_rate)
+    lines += ["", f"{'factor':>8}{'capacity':>10}  overflowing micro-batches  iterations"]
+    for f in sorted({x for x in ROUND_FACTORS if x <= loads.max_factor} | {factor}):
+        cap = expert_capacity(loads, f)
+        r = fallback_rate(peaks, cap)
+        marker = "  <- recommended" if f == factor else ""
+        lines.append(f"{f:>8g}{cap:>10}  {100 * r:24.2f}%  "
+                     f"{100 * iteration_rerun_rate(loads, r):9.2f}%{marker}")
+    lines += ["", f"recommended: --moe-expert-capacity-factor {factor:g} "
+                  f"--moe-pad-expert-input-to-capacity --moe-capacity-overflow rerun   "
+                  f"(predicted overflow {100 * rate:.2f}% of micro-batches, target "
+                  f"{100 * target_overflow_rate:.2f}%)"]
+    if rate > target_overflow_rate:
+        lines.append(f"the target is out of reach: drop-and-pad allows factors up to "
+                     f"{loads.max_factor:g} (factor x top-k <= experts)")
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -153,9 +279,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--data-path", default=None,
                         help="pre-tokenized JSONL file (see docs/data-format.md)")
     source.add_argument("--mock-data", action="store_true", help="built-in synthetic packed rows")
-    parser.add_argument("--seq-length", type=int, required=True,
-                        help="training's --seq-length (tokens per packed row)")
-    parser.add_argument("--vocab-size", type=int, required=True, help="training's --vocab-size")
+    source.add_argument("--moe-router-loads", default=None, metavar="JSON",
+                        help="MoE: suggest --moe-expert-capacity-factor from these router "
+                             "loads (see read_router_loads)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="training's --seq-length (tokens per packed row); needed with "
+                             "--data-path and --mock-data")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="training's --vocab-size; needed with --data-path and --mock-data")
     parser.add_argument("--micro-batch-size", type=int, default=1,
                         help="training's --micro-batch-size (rows per micro-batch)")
     parser.add_argument("--target-fallback-rate", type=float, default=0.01,
@@ -168,13 +299,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --mock-data: training's --mock-doc-length-sigma")
     parser.add_argument("--num-samples", type=int, default=2000, help="mock rows to draw")
     parser.add_argument("--seed", type=int, default=1234, help="training's --seed")
+    parser.add_argument("--target-overflow-rate", type=float, default=0.01,
+                        help="with --moe-router-loads: largest acceptable share of "
+                             "micro-batches that overflow an expert's capacity")
     parser.add_argument("--print-capacity", action="store_true",
-                        help="print only the recommended capacity (one integer), for scripts")
-    return parser.parse_args(argv)
+                        help="print only the recommended capacity (one integer; with "
+                             "--moe-router-loads the capacity factor), for scripts")
+    args = parser.parse_args(argv)
+    if not args.moe_router_loads:
+        for flag in ("--seq-length", "--vocab-size"):
+            if getattr(args, flag[2:].replace("-", "_")) is None:
+                parser.error(f"{flag} is required with --data-path and --mock-data")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.moe_router_loads:
+        loads = read_router_loads(args.moe_router_loads)
+        if args.print_capacity:
+            print(f"{recommend_capacity_factor(loads, args.target_overflow_rate)[0]:g}")
+        else:
+            print(args.moe_router_loads)
+            print(format_moe_report(loads, args.target_overflow_rate))
+        return 0
     recommend_capacity([1], args.target_fallback_rate)  # reject a bad target before packing
     if args.mock_data:
         dataset = MockPackedDataset(

@@ -102,3 +102,109 @@ def test_ladder_suggested_only_when_the_top_capacity_is_far_above_typical_counts
     assert ca.mean_padded_capacity(counts, [8, 16, 256]) == pytest.approx(0.6 * 8 + 0.35 * 16 + 0.05 * 256)
     assert ca.suggest_ladder([10] * 10, 16) == []  # the top is the typical count already
     assert ca.suggest_ladder(counts, 24) == [8]  # 16 is not worth it below a top of 24
+
+
+# ------------------------------------------------------------------------------ MoE capacity
+
+def router_loads(peaks, experts=8, topk=2, tokens=1024, per_iteration=0):
+    return ca.RouterLoads(experts, topk, tokens, np.asarray(peaks, dtype=np.int64), per_iteration)
+
+
+# An even share is 1024 x 2 / 8 = 256 tokens per expert; 90 micro-batches peak at it, 9 at
+# 300, one at 400.
+PEAKS = [256] * 90 + [300] * 9 + [400]
+
+
+@pytest.mark.parametrize("target, factor, capacity, rate", [
+    (0.0, 1.56, 400, 0.0),    # 256 x 1.56 = 399.4 -> 400; 1.55 -> 397 would drop
+    (0.01, 1.17, 300, 0.01),  # 256 x 1.17 = 299.5 -> 300
+    (0.1, 1.0, 256, 0.1),
+])
+def test_capacity_factor_on_a_known_load_distribution(target, factor, capacity, rate):
+    loads = router_loads(PEAKS)
+    assert ca.recommend_capacity_factor(loads, target) == (factor, capacity, pytest.approx(rate))
+    assert ca.expert_capacity(loads, round(factor - 0.01, 2)) < capacity
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_capacity_factor_is_the_smallest_meeting_the_target(seed):
+    rng = np.random.default_rng(seed)
+    tokens = int(rng.integers(64, 4096))
+    loads = router_loads(rng.integers(1, tokens // 2, size=int(rng.integers(1, 300))),
+                         experts=16, topk=4, tokens=tokens)
+    for target in (0.0, 0.01, 0.2):
+        factor, capacity, rate = ca.recommend_capacity_factor(loads, target)
+        assert capacity == ca.expert_capacity(loads, factor)
+        assert rate == fallback_rate(loads.peak_loads, capacity) <= target
+        if factor > 0.01:
+            lower = ca.expert_capacity(loads, round(factor - 0.01, 2))
+            assert fallback_rate(loads.peak_loads, lower) > target
+
+
+def test_capacity_factor_is_capped_where_drop_and_pad_stops():
+    # 3 experts, top-2: factor x 2 <= 3 caps it at 1.5, a capacity of every token.
+    loads = router_loads([1024], experts=3, topk=2)
+    assert loads.max_factor == 1.5
+    assert ca.recommend_capacity_factor(loads, 0.0) == (1.5, 1024, 0.0)
+    # 7 experts, top-3: 2.33 (x 3 = 6.99 <= 7) leaves each expert a token short of all.
+    loads = router_loads([1024], experts=7, topk=3)
+    factor, capacity, rate = ca.recommend_capacity_factor(loads, 0.0)
+    assert (factor, capacity, rate) == (2.33, 1023, 1.0)
+    assert "the target is out of reach" in ca.format_moe_report(loads, 0.0)
+
+
+def test_bad_overflow_target_is_rejected():
+    with pytest.raises(ValueError, match="target overflow rate is wrong: 1.0. Set "
+                                         r"--target-overflow-rate in \[0, 1\)"):
+        ca.recommend_capacity_factor(router_loads(PEAKS), 1.0)
+
+
+def write(tmp_path, record):
+    path = tmp_path / "loads.json"
+    path.write_text(json.dumps(record))
+    return str(path)
+
+
+SHAPE = {"num_experts": 8, "moe_router_topk": 2, "tokens_per_rank": 1024}
+
+
+@pytest.mark.parametrize("loads", [
+    {"peak_loads": [256, 300, 300]},
+    {"peak_loads": {"300": 2, "256": 1}},
+    {"expert_loads": [[[256, 0], [10, 20]], [300, 5], [[1, 2], [300, 3]]]},  # per layer, expert
+])
+def test_router_load_formats(tmp_path, loads):
+    read = ca.read_router_loads(write(tmp_path, SHAPE | loads))
+    assert sorted(read.peak_loads.tolist()) == [256, 300, 300]
+    assert (read.num_experts, read.topk, read.tokens_per_rank) == (8, 2, 1024)
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"peak_loads": [1]}, "lacks a positive integer num_experts, moe_router_topk, "
+                          "tokens_per_rank"),
+    (SHAPE | {"tokens_per_rank": 0, "peak_loads": [1]}, "lacks a positive integer tokens_per_rank"),
+    (SHAPE, "has neither peak_loads nor expert_loads"),
+    (SHAPE | {"peak_loads": []}, "holds no micro-batch"),
+])
+def test_bad_router_loads_are_rejected(tmp_path, record, message):
+    with pytest.raises(ValueError, match=f"router loads are wrong: .*{message}"):
+        ca.read_router_loads(write(tmp_path, record))
+
+
+def test_moe_cli_prints_the_factor_and_the_report(tmp_path, capsys):
+    path = write(tmp_path, SHAPE | {"micro_batches_per_iteration": 4, "peak_loads": PEAKS})
+    assert main(["--moe-router-loads", path, "--print-capacity"]) == 0
+    assert capsys.readouterr().out == "1.17\n"
+    assert main(["--moe-router-loads", path, "--target-overflow-rate", "0"]) == 0
+    report = capsys.readouterr().out
+    assert ("recommended: --moe-expert-capacity-factor 1.56 --moe-pad-expert-input-to-capacity "
+            "--moe-capacity-overflow rerun") in report
+    # Overflow at factor 1.25 (capacity 320): 1% of micro-batches, 1 - 0.99^4 of iterations.
+    assert re.search(r"1\.25\s+320\s+1\.00%\s+3\.94%", report)
+    assert "an even share is 256 per expert" in report
+
+
+def test_data_modes_still_need_the_row_shape():
+    with pytest.raises(SystemExit) as done:
+        ca.parse_args(["--mock-data", "--vocab-size", "100"])
+    assert done.value.code == 2

@@ -263,3 +263,26 @@ def test_caching_iterator_replays_the_iteration():
     assert list(source.replay()) == [0, 1] == list(source.replay())
     source.clear()
     assert next(source) == 2 and list(source.replay()) == [2]
+
+
+def test_measured_loads_size_a_capacity_that_does_not_overflow(cpu_moe, tmp_path):
+    """A warm-up measurement through tools/capacity_advisor.py: the factor it suggests for
+    no overflow holds the uniform micro-batch (12 tokens on one expert) without a rerun."""
+    import json
+
+    from tools.capacity_advisor import read_router_loads, recommend_capacity_factor
+
+    model = build("gpt", CAPACITY)
+    batches = micro_batches()
+    rerun = MoEOverflowRerun([model], max_micro_batches=8)
+    rerun.after_forward_backward(run_iteration(model, batches), lambda eager: run_iteration(
+        model, batches))
+    path = tmp_path / "loads.json"
+    path.write_text(json.dumps(rerun.router_load_record()))
+    factor, capacity, rate = recommend_capacity_factor(read_router_loads(str(path)), 0.0)
+    assert (factor, capacity, rate) == (2.76, DOCS, 0.0)  # ceil(16 x 2 / 8 x 2.76) = 12
+
+    sized = build("gpt", dict(CAPACITY, moe_expert_capacity_factor=factor))
+    check = MoEOverflowRerun([sized], max_micro_batches=8)
+    run_iteration(sized, batches)
+    assert all(dropped == 0 for dropped, _ in check.read_rows())
