@@ -20,7 +20,6 @@ Training flags after ``--`` describe the model; graph flags are added by the too
 import argparse
 import os
 import sys
-from contextlib import nullcontext
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -72,19 +71,14 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     from megatron.packed_graphs.core_patches import (
         apply_core_patches,
         forward_inputs_reused_as_grad_buffers,
-        use_side_stream,
     )
-    from megatron.packed_graphs.te_graphs import TELayerGraphs
-    from megatron.packed_graphs.dispatch import disable_cuda_graphs_this_step
+    from megatron.packed_graphs.plan import Reason, StepGraphPlan
+    from megatron.packed_graphs.runtime import GraphRuntime
     from megatron.training.arguments import parse_args
     from megatron.training.config import ddp_config_from_args, transformer_config_from_args
     from megatron.training.datasets.mock import MockPackedDataset
     from megatron.training.datasets.packing import collate_packed_rows
-    from megatron.training.packed_step import (
-        PackedForwardStep,
-        masked_lm_loss,
-        to_device_micro_batch,
-    )
+    from megatron.training.packed_step import PackedForwardStep
 
     apply_core_patches()
     args = parse_args(model_argv + [
@@ -93,8 +87,7 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
         "--cuda-graph-granularity", granularity,
         "--cuda-graph-max-packed-seqs", str(capacity), "--cuda-graph-warmup-steps", "1"],
         model=kind)
-    if impl == "transformer_engine":
-        use_side_stream()  # before DDP, as training does
+    GraphRuntime.prepare(args)  # before DDP, as training does
     module = pretrain_gpt if kind == "gpt" else pretrain_mamba
     config = transformer_config_from_args(args)
     model = DistributedDataParallel(
@@ -103,34 +96,33 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     config.no_sync_func = model.no_sync
     with_seq_idx = kind == "hybrid"
     step = PackedForwardStep.from_args(args, with_seq_idx=with_seq_idx)
-    if impl == "transformer_engine":
-        step.te_graphs = TELayerGraphs([model], config, args.seq_length)
+    runtime = GraphRuntime.from_args(args, [model], config)
     data = MockPackedDataset(64, args.seq_length, args.vocab_size, seed=7, doc_length_median=128)
     batches = [collate_packed_rows([data[i]]) for i in range(64)]
 
+    def schedule(forward_step, planned):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(planned[0]), model=model,
+            num_microbatches=len(planned[0]), seq_length=args.seq_length, micro_batch_size=1)
+
     source = iter(batches)
     for _ in range(2):  # eager warm-up iteration, then the capture iteration
-        iteration = [[next(source) for _ in range(micro_batches)]]
-        step.begin_iteration(iteration)
         model.zero_grad_buffer()
-        get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(iteration[0]), model=model,
-            num_microbatches=micro_batches, seq_length=args.seq_length, micro_batch_size=1)
-        step.end_iteration()
+        with runtime.iteration([[next(source) for _ in range(micro_batches)]], step) as it:
+            it.run(schedule)
 
     def grads(sequence, graphed):
         model.zero_grad_buffer()
         if isinstance(graphed, bool):
             graphed = [graphed] * len(sequence)
         for batch, replay in zip(sequence, graphed):
-            mb = to_device_micro_batch(dict(batch), with_seq_idx=with_seq_idx,
-                                       static_max_seqlen=True, capacity=capacity)
-            if replay and step.te_graphs is not None:
-                mb.params = step.te_graphs.load(mb.params)
-            with nullcontext() if replay else disable_cuda_graphs_this_step():
-                output = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                               packed_seq_params=mb.params)
-            loss, _, _ = masked_lm_loss(mb.loss_mask, output)
+            # The runtime's plan for a lone micro-batch (it replays: the batches fit), or eager.
+            plan = (runtime.plan([[batch]])[0][0] if replay
+                    else StepGraphPlan.eager(Reason.FORCED))
+            if replay and not plan.uses_graphs:
+                raise ValueError(f"a compared micro-batch does not fit the capacity: {plan}")
+            output, loss_func = runtime.run_micro_batch(step, model, dict(batch), plan)
+            loss, _, _ = loss_func(output)
             loss.backward()
         return {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
 

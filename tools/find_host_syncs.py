@@ -16,6 +16,7 @@ The training arguments after ``--`` are the script's own; ``--train-iters`` is r
 """
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -75,30 +76,25 @@ def format_report(sites: "OrderedDict[str, dict]", iteration: int) -> str:
 
 
 class SyncWatch:
-    """Wraps a PackedForwardStep; runs one iteration under sync debug mode 'warn'."""
+    """The training loop's iteration hook: runs one iteration's step (planning, schedule,
+    optimizer step) under sync debug mode 'warn'."""
 
-    def __init__(self, inner, iteration: int, stacks: list):
-        self.inner, self.iteration, self.stacks = inner, iteration, stacks
-        self._current = 0
+    def __init__(self, iteration: int):
+        self.iteration = iteration
 
-    def begin_iteration(self, micro_batches):
+    @contextlib.contextmanager
+    def __call__(self, iteration: int):
         import torch
 
-        self._current += 1
-        self.inner.begin_iteration(micro_batches)
-        if self._current == self.iteration:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
-
-    def end_iteration(self):
-        import torch
-
-        if self._current == self.iteration:
+        if iteration != self.iteration:
+            yield
+            return
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
             torch.cuda.set_sync_debug_mode(0)
-        return self.inner.end_iteration()
-
-    def __call__(self, data_iterator, model):
-        return self.inner(data_iterator, model)
 
 
 def main(argv=None) -> int:
@@ -135,7 +131,7 @@ def main(argv=None) -> int:
     warnings.showwarning = record
     warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}.*")
     step = PackedForwardStep.from_args(args, with_seq_idx=model_kind == "hybrid")
-    pretrain(args, module.model_provider, SyncWatch(step, opts.iteration, stacks))
+    pretrain(args, module.model_provider, step, iteration_hook=SyncWatch(opts.iteration))
     print(format_report(group_syncs(stacks), opts.iteration))
     return 0
 

@@ -9,17 +9,18 @@ so recording, capture, RNG registration and parameter gradients are megatron-cor
 What is ours (docs/cuda-graphs.md, "Chunk granularity"):
 
 * **Slots.** A chunk keeps up to S micro-batches between forward and backward, S read off
-  megatron-core's schedule (`slots.slot_counts`); it gets S runners. The k-th graphed
-  forward of a chunk replays runner ``k mod S``: backward runs in forward order, so with at
-  most S in flight that runner is free again. Eager micro-batches take no slot. Any
+  megatron-core's schedule (`slots.slot_counts`); it gets S runners. Which slot a micro-batch
+  replays is in its graph plan (``plan.key.slot``, `dispatch.assign_chunk_slots`): the k-th
+  graphed forward of an iteration takes slot ``k mod S``; backward runs in forward order, so
+  with at most S in flight that runner is free again. Eager micro-batches take no slot. Any
   micro-batch count per iteration replays the same S runners; nothing is re-captured.
 * **A memory pool per slot** (``runner.mempool``, set before the end-of-iteration capture).
   All runners of one pool must replay in capture order; one slot's forward and backward
   always alternate, different slots interleave freely. Static input and grad buffers come
   from megatron-core's shared pool and stay private to their runner
   (``keep_buffers_private``, core_patches.keep_chunk_graph_buffers_private).
-* **Capture of exactly S runners.** In the capture iteration only the first S forwards of a
-  chunk are recorded; later ones run eager.
+* **Capture of exactly S runners.** In the capture iteration only the first S graphed
+  forwards of a chunk are recorded; the plan sends later ones eager (`Reason.SLOT_CAP`).
 * **The received activation is a graph input** on later pipeline stages (upstream reads it
   from ``self.input_tensor``, an address a graph would bake in), and the schedule gets a
   fresh tensor object over the static output, so freeing its ``.data`` after the send
@@ -36,7 +37,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import MakeViewlessTensor
 
 from megatron.packed_graphs import core_patches
-from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
+from megatron.packed_graphs.plan import Mode, StepGraphPlan, active_plan, graphs_bypassed
 from megatron.packed_graphs.slots import PipelineShape, slot_counts
 
 
@@ -60,32 +61,40 @@ def chunk_slot_count(config, chunk: int) -> int:
 class ChunkGraphDispatch:
     """Mixin for a block (a GraphableMegatronModule); put it first in the bases."""
 
-    def _chunk_graphed_call(self) -> bool:
-        """Training, chunk granularity, and this micro-batch not planned eager."""
-        return self.training and chunk_granularity(self.config) and not cuda_graphs_bypassed()
+    def _chunk_plan(self) -> Optional[StepGraphPlan]:
+        """The running micro-batch's plan when this call goes through the chunk's graphs."""
+        if not (self.training and chunk_granularity(self.config)):
+            return None
+        plan = active_plan()
+        if plan is None:
+            raise RuntimeError(
+                "a training call of a chunk-graph block needs the graph runtime's plan for its "
+                "micro-batch (GraphRuntime runs each micro-batch under one)")
+        return plan if plan.uses_graphs else None
 
     def __call__(self, *args, **kwargs):
-        if not self._chunk_graphed_call():
+        plan = self._chunk_plan()
+        if plan is None:
             return super().__call__(*args, **kwargs)
         if not self.pre_process:
             # The schedule's received activation, made an argument so the graph copies it in.
             kwargs["hidden_states"] = self.input_tensor
         slots = self._chunk_slots()
         manager = self.cudagraph_manager
-        if not core_patches.local_graphs_created():
-            if slots.recorded == slots.count:
-                return super().__call__(*args, **kwargs)  # the capture needs S runners only
+        if plan.mode is Mode.CAPTURE:
             output = manager(self, args, core_patches.unshare_cached_graph_inputs(kwargs))
-            slots.record(manager)
+            slots.record(manager, plan.key.slot)
         else:
-            slots.select(manager)
+            slots.select(manager, plan.key.slot)
             output = manager(self, args, kwargs)
         output = output[0] if isinstance(output, tuple) else output
         # A new tensor object over the static output: the schedule may free its .data.
         return MakeViewlessTensor.apply(output, True)
 
     def forward(self, hidden_states, *args, **kwargs):
-        if self._chunk_graphed_call() and not self.pre_process:
+        # Also reached from megatron-core's end-of-iteration capture, outside any plan.
+        graphed = self.training and chunk_granularity(self.config) and not graphs_bypassed()
+        if graphed and not self.pre_process:
             self.input_tensor = hidden_states  # upstream forward reads the input from here
         return super().forward(hidden_states, *args, **kwargs)
 
@@ -94,43 +103,40 @@ class ChunkGraphDispatch:
         if slots is None:
             if not hasattr(self, "cudagraph_manager"):  # HybridStack is no GraphableMegatronModule
                 self.cudagraph_manager = CudaGraphManager(self.config)
-            chunk = getattr(self, "vp_stage", None) or 0
-            slots = self.chunk_slots = ChunkSlots(chunk_slot_count(self.config, chunk))
+            slots = self.chunk_slots = ChunkSlots()
         return slots
 
 
 class ChunkSlots:
-    """The S runners of one chunk, their memory pools, and which one replays next."""
+    """The runners of one chunk, one per slot, each with its own memory pool."""
 
-    def __init__(self, count: int):
-        self.count = count
+    def __init__(self):
         self.runners: List = []
-        self.graphed_forwards = 0
 
     @property
     def recorded(self) -> int:
         return len(self.runners)
 
-    def record(self, manager) -> None:
-        """After a recording call: the runner it created gets the next slot and its pool.
+    def record(self, manager, slot: int) -> None:
+        """After a recording call for ``slot``: the runner it created gets that slot and a pool.
 
         At PP == 1 megatron-core reuses one runner (matched by arguments), created once.
         """
         runner = manager.cudagraph_runners[-1]
-        if runner not in self.runners:
-            runner.mempool = torch.cuda.graph_pool_handle()  # this slot's own pool
-            runner.keep_buffers_private = True  # slots replay out of capture order
-            self.runners.append(runner)
-        self.graphed_forwards += 1
+        if runner in self.runners:
+            return
+        if slot != len(self.runners):
+            raise RuntimeError(f"chunk graph slot {slot} recorded after {len(self.runners)} "
+                               "slots; the capture iteration records slots in order")
+        runner.mempool = torch.cuda.graph_pool_handle()  # this slot's own pool
+        runner.keep_buffers_private = True  # slots replay out of capture order
+        self.runners.append(runner)
 
-    def select(self, manager) -> Optional[int]:
-        """Before a replay: put the runner of this forward's slot first (upstream takes [0])."""
+    def select(self, manager, slot: int) -> Optional[int]:
+        """Before a replay: put the runner of ``slot`` first (upstream replays runners[0])."""
         if manager.reuse_cudagraphs:
             return None  # PP == 1: a single runner
-        slot = self.graphed_forwards % self.count
-        runner = self.runners[slot]
-        core_patches.replay_runner_first(manager, runner, self.runners)
-        self.graphed_forwards += 1
+        core_patches.replay_runner_first(manager, self.runners[slot], self.runners)
         return slot
 
 

@@ -37,6 +37,7 @@ Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
   count on the device since 0.18.0 (#4663); the fork uses upstream's.
 """
 
+import collections
 import contextlib
 import dataclasses
 from typing import Callable
@@ -60,8 +61,9 @@ UPSTREAM_CHECK_SUPPORTED_TYPE = cuda_graphs._check_supported_type
 UPSTREAM_GET_GRAD_NORM = clip_grads.get_grad_norm_fp32
 UPSTREAM_CLIP_BY_TOTAL_NORM = clip_grads.clip_grad_by_total_norm_fp32
 
-# Filled by the capture-statistics patch: one entry per graph capture.
-capture_log: list = []
+# Filled by the capture-statistics patch, one entry per graph capture; the graph runtime
+# empties it after each capture iteration, and it keeps the last few at most.
+capture_log: collections.deque = collections.deque(maxlen=4)
 
 # Which patches apply_core_patches applied, and why the others were not needed.
 applied_patches: dict = {}

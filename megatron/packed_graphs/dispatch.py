@@ -1,104 +1,83 @@
-"""One decision per micro-batch: replay CUDA graphs, or run eager, and why.
+"""The one graph-or-eager decision: a `StepGraphPlan` for every micro-batch of an iteration.
 
-`plan_iteration` decides on the host, before the schedule runs, for every micro-batch of a
-training iteration; the decision travels with the micro-batch, so every pipeline stage and
-virtual chunk (which all read the same micro-batches) makes the same choice. Inside the
-model the graphable layers only *read* it, through `cuda_graphs_bypassed()`, at megatron-
-core's single dispatch site (`GraphableMegatronModule.__call__`, see layers.py).
+Pure host functions of the frozen `GraphRuntimeConfig`, the iteration number, what has been
+captured and the micro-batches' segment counts (and CP sizes): no device work, no state.
+The runtime (runtime.py) calls them before the schedule runs; every pipeline stage and
+virtual chunk reads the same micro-batches, so every stage makes the same choice.
 
 ``grep -n "Reason\\." megatron/`` finds every fallback.
 """
 
-import enum
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Collection, List, Optional, Sequence, Tuple
 
 from megatron.packed_graphs.capacity import fits_capacity
+from megatron.packed_graphs.plan import (
+    Granularity,
+    GraphKey,
+    GraphRuntimeConfig,
+    Mode,
+    Reason,
+    StepGraphPlan,
+)
+
+# What has been captured: (CP size, capacity) pairs.
+Captured = Collection[Tuple[int, int]]
 
 
-class Reason(str, enum.Enum):
-    GRAPHED = "graphed"  # replays (or, in the capture iteration, is recorded for capture)
-    OVERFLOW = "overflow"  # more packed segments than --cuda-graph-max-packed-seqs
-    WARMUP = "warmup"  # an eager iteration before capture (--cuda-graph-warmup-steps)
-    DEFERRED = "deferred"  # capture postponed: an overflow in the would-be capture iteration
-    DISABLED = "disabled"  # --cuda-graph-impl none
-
-
-@dataclass(frozen=True)
-class GraphDecision:
-    reason: Reason
-    capacity: Optional[int] = None  # graphed: pad cu_seqlens to this many segments
-
-    @property
-    def graphed(self) -> bool:
-        return self.reason is Reason.GRAPHED
-
-    @property
-    def is_fallback(self) -> bool:
-        """An eager micro-batch that graphs would have run (counted in the log line)."""
-        return self.reason in (Reason.OVERFLOW, Reason.DEFERRED)
-
-
-@dataclass(frozen=True)
-class GraphSettings:
-    """Host-static graph settings, from the CLI (see docs/cuda-graphs.md)."""
-
-    enabled: bool
-    capacity: int
-    warmup_iterations: int
-    # With pipeline parallelism megatron-core hands out graph runners round-robin in call
-    # order; the capture iteration must record every micro-batch, so it may not overflow.
-    capture_needs_all_micro_batches: bool
-    # Smaller capacities below `capacity`, ascending (--cuda-graph-capacity-ladder; PP=1).
-    ladder: Tuple[int, ...] = ()
-
-    @property
-    def capacities(self) -> Tuple[int, ...]:
-        """Every capacity a graph may be captured for, ascending; `capacity` is the last."""
-        return tuple(self.ladder) + (self.capacity,)
-
-
-def plan_iteration(settings: GraphSettings, iteration: int, captured: Sequence[int],
-                   segment_counts: Sequence[int]) -> List[GraphDecision]:
-    """Decisions for one training iteration's micro-batches (host only, no device work).
+def plan_iteration(config: GraphRuntimeConfig, iteration: int, captured: Captured,
+                   segment_counts: Sequence[int], cp_sizes: Optional[Sequence[int]] = None,
+                   *, training: bool = True) -> List[StepGraphPlan]:
+    """Plans for one iteration's micro-batches, in order (one per micro-batch).
 
     ``iteration`` counts training iterations of this process from 0; ``captured`` holds the
-    capacities graphs exist for (empty before capture). Before capture, iterations below the
-    warm-up count run eager; the first later iteration records graphs for every micro-batch
-    that fits (see `capture_capacities`). After capture each micro-batch is padded to the
-    smallest captured capacity that fits it, or runs eager.
+    (CP size, capacity) pairs graphs exist for (empty before capture); ``cp_sizes`` is each
+    micro-batch's CP size under dynamic CP (default: the static size). Before capture,
+    iterations below the warm-up count run eager; the first later iteration captures graphs
+    for every micro-batch that fits (`capture_capacities`; CP banks: every bank). After
+    capture each micro-batch replays the smallest captured capacity of its CP size that
+    fits, or runs eager. Evaluation (``training=False``) runs eager. Chunk slots are
+    assigned per chunk afterwards (`plan_chunks`).
     """
     n = len(segment_counts)
-    if not settings.enabled:
-        return [GraphDecision(Reason.DISABLED)] * n
+    sizes = list(cp_sizes) if cp_sizes is not None else [config.cp_size] * n
+    if not config.enabled:
+        return [StepGraphPlan.eager(Reason.DISABLED)] * n
+    if not training:
+        return [StepGraphPlan.eager(Reason.EVAL)] * n
     if captured:
-        return [_smallest_fit(count, captured) for count in segment_counts]
-    if iteration < settings.warmup_iterations:
-        return [GraphDecision(Reason.WARMUP)] * n
-    fits = [fits_capacity(count, settings.capacity) for count in segment_counts]
-    if settings.capture_needs_all_micro_batches and not all(fits):
-        return [GraphDecision(Reason.DEFERRED)] * n
-    return capture_capacities(settings.capacities, segment_counts)
+        return [_smallest_fit(config, count, size, captured, Mode.REPLAY)
+                for count, size in zip(segment_counts, sizes)]
+    if iteration < config.warmup_iterations:
+        return [StepGraphPlan.eager(Reason.WARMUP)] * n
+    if config.granularity is Granularity.CP_BANK:
+        # Every bank is captured in this iteration, whatever this rank's micro-batches are.
+        banks = [(size, capacity) for size, capacity in config.bank_capacities]
+        return [_smallest_fit(config, count, size, banks, Mode.CAPTURE)
+                for count, size in zip(segment_counts, sizes)]
+    fits = [fits_capacity(count, config.capacity) for count in segment_counts]
+    if config.capture_needs_all_micro_batches and not all(fits):
+        return [StepGraphPlan.eager(Reason.DEFERRED)] * n
+    return capture_capacities(config, segment_counts)
 
 
-def capture_capacities(capacities: Sequence[int],
-                       segment_counts: Sequence[int]) -> List[GraphDecision]:
-    """Capacities for the capture iteration: record as many ladder capacities as possible.
+def capture_capacities(config: GraphRuntimeConfig,
+                       segment_counts: Sequence[int]) -> List[StepGraphPlan]:
+    """Plans for the capture iteration: record as many ladder capacities as possible.
 
     A capacity is captured only if a micro-batch of this iteration is padded to it. The top
     capacity comes first (it bounds the fallback rate), taking the fullest micro-batch that
     fits; then each smaller capacity, ascending, takes the emptiest micro-batch left that fits
     (greedy, which covers the most capacities). The rest go to the smallest capacity that fits.
     """
-    decisions: List[Optional[GraphDecision]] = [None] * len(segment_counts)
+    capacities = config.capacities
+    plans: List[Optional[StepGraphPlan]] = [None] * len(segment_counts)
     left = sorted(range(len(segment_counts)), key=lambda i: segment_counts[i])  # emptiest first
 
     def fitting(capacity):
         return [i for i in left if fits_capacity(segment_counts[i], capacity)]
 
     def take(i, capacity):
-        decisions[i] = GraphDecision(Reason.GRAPHED, capacity)
+        plans[i] = StepGraphPlan.graphed(Mode.CAPTURE, _key(config, capacity, config.cp_size))
         left.remove(i)
 
     for i in fitting(capacities[-1])[-1:]:
@@ -106,31 +85,59 @@ def capture_capacities(capacities: Sequence[int],
     for rung in capacities[:-1]:
         for i in fitting(rung)[:1]:
             take(i, rung)
+    pairs = [(config.cp_size, capacity) for capacity in capacities]
     for i in left:
-        decisions[i] = _smallest_fit(segment_counts[i], capacities)
-    return decisions
+        plans[i] = _smallest_fit(config, segment_counts[i], config.cp_size, pairs, Mode.CAPTURE)
+    return plans
 
 
-def _smallest_fit(count: int, capacities: Sequence[int]) -> GraphDecision:
-    for capacity in sorted(capacities):
+def _key(config: GraphRuntimeConfig, capacity: int, cp_size: int) -> GraphKey:
+    return GraphKey(config.granularity, capacity, cp_size)
+
+
+def _smallest_fit(config: GraphRuntimeConfig, count: int, cp_size: int, captured: Captured,
+                  mode: Mode) -> StepGraphPlan:
+    for capacity in sorted(c for size, c in captured if size == cp_size):
         if fits_capacity(count, capacity):
-            return GraphDecision(Reason.GRAPHED, capacity)
-    return GraphDecision(Reason.OVERFLOW)
+            return StepGraphPlan.graphed(mode, _key(config, capacity, cp_size))
+    return StepGraphPlan.eager(Reason.OVERFLOW)
 
 
-_bypass_depth = 0
+def assign_chunk_slots(plans: Sequence[StepGraphPlan], slots: int) -> List[StepGraphPlan]:
+    """One model chunk's plans with its slots (chunk granularity; ``slots``: the chunk's S).
+
+    A chunk's backward passes run in the order of its forward passes, and at most S of its
+    micro-batches are in flight, so the k-th graphed micro-batch of an iteration replays
+    slot ``k mod S``: no slot is taken twice at once. In the capture iteration the first S
+    graphed micro-batches record one runner each; the rest run eager (`Reason.SLOT_CAP`).
+    """
+    out, graphed = [], 0
+    for plan in plans:
+        if not plan.uses_graphs:
+            out.append(plan)
+        elif plan.mode is Mode.CAPTURE and graphed >= slots:
+            out.append(StepGraphPlan.eager(Reason.SLOT_CAP))
+        else:
+            out.append(plan.with_slot(graphed % slots))
+            graphed += 1
+    return out
 
 
-@contextmanager
-def disable_cuda_graphs_this_step():
-    """Run the enclosed model calls eager (no graph replay, no graph recording)."""
-    global _bypass_depth
-    _bypass_depth += 1
-    try:
-        yield
-    finally:
-        _bypass_depth -= 1
+def plan_chunks(config: GraphRuntimeConfig, plans: Sequence[StepGraphPlan],
+                num_chunks: int) -> List[List[StepGraphPlan]]:
+    """The iteration's plans per model chunk (every chunk runs the same micro-batches).
+
+    Chunk granularity gives each chunk its own slots (`assign_chunk_slots`); otherwise every
+    chunk follows the same plans.
+    """
+    if config.granularity is Granularity.CHUNK and config.enabled:
+        return [assign_chunk_slots(plans, config.slots_per_chunk[chunk])
+                for chunk in range(num_chunks)]
+    return [list(plans) for _ in range(num_chunks)]
 
 
-def cuda_graphs_bypassed() -> bool:
-    return _bypass_depth > 0
+def micro_batch_reasons(plans_per_chunk: Sequence[Sequence[StepGraphPlan]]) -> List[Reason]:
+    """Each micro-batch's reason for the statistics: the first chunk's that ran it eager, else
+    GRAPHED (chunks differ only where a chunk ran out of capture slots)."""
+    return [next((p.reason for p in column if not p.uses_graphs), Reason.GRAPHED)
+            for column in zip(*plans_per_chunk)]

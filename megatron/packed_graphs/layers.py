@@ -5,9 +5,10 @@ serves ``transformer_engine``. Only the configured implementation's hooks ever f
 
 megatron-core's ``GraphableMegatronModule.__call__`` asks ``_should_call_local_cudagraph``
 whether to go through the layer's CudaGraphManager. These subclasses answer "no" when the
-current micro-batch was planned eager (`dispatch.disable_cuda_graphs_this_step`) and in
-evaluation, where graphs are not used (a forward-only replay would also advance the runner
-rotation of pipeline-parallel runs out of step with the captured order).
+running micro-batch's plan is eager (`plan.graphs_bypassed`, set by the graph runtime) and
+in evaluation, where graphs are not used (a forward-only replay would also advance the
+runner rotation of pipeline-parallel runs out of step with the captured order). Without a
+plan (a model called outside the runtime) megatron-core decides alone.
 
 With pipeline parallelism the manager replays its runners round-robin, one per call, in the
 order they were captured. A bypassed micro-batch still takes its turn (`_skip_runner`), so
@@ -21,8 +22,8 @@ from megatron.core.transformer.transformer_layer import MoETransformerLayer, Tra
 
 from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.chunk_graphs import chunk_granularity
-from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
 from megatron.packed_graphs.moe import PackedMoEMaskMixin
+from megatron.packed_graphs.plan import graphs_bypassed
 from megatron.packed_graphs.te_graphs import TEGraphDispatch
 
 
@@ -33,7 +34,7 @@ class LocalGraphDispatch:
         # The runner turn is taken here, once per call: upstream asks
         # _should_call_local_cudagraph twice per TransformerLayer call (its own __call__ and
         # GraphableMegatronModule's), so a side effect there would skip two turns.
-        if self.training and cuda_graphs_bypassed():
+        if self.training and graphs_bypassed():
             self._skip_runner()
         elif self.training and self.config.cuda_graph_impl == "local":
             self._try_this_capacity_first(kwargs.get("packed_seq_params"))
@@ -41,7 +42,7 @@ class LocalGraphDispatch:
         return super().__call__(*args, **kwargs)
 
     def _should_call_local_cudagraph(self, *args, **kwargs):
-        if not self.training or cuda_graphs_bypassed() or chunk_granularity(self.config):
+        if not self.training or graphs_bypassed() or chunk_granularity(self.config):
             return False  # eval, an eager micro-batch, or the whole chunk is one graph
         return super()._should_call_local_cudagraph(*args, **kwargs)
 

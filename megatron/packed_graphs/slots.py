@@ -10,15 +10,15 @@ count serve every count.
 
 Slot counts are read off megatron-core's own schedule (`get_pp_rank_microbatches`,
 `get_schedule_table`, and the fwd/bwd order the TE graph helper uses), computed once at
-start-up. At run time `GraphSlots` hands slots out FIFO: a chunk's backward passes run in
-the order of its forward passes in both 1F1B and interleaved schedules, so the oldest slot
-in flight is always the one released.
+start-up (`GraphRuntime.from_args`). Which slot a micro-batch takes is part of its graph plan
+(`dispatch.assign_chunk_slots`): a chunk's backward passes run in the order of its forward
+passes in both 1F1B and interleaved schedules, so the k-th graphed forward takes slot
+``k mod S``.
 """
 
-from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Deque, List, Optional
+from typing import List, Optional
 
 from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
 from megatron.core.transformer.cuda_graphs import convert_schedule_table_to_order
@@ -81,36 +81,3 @@ def slot_counts(shape: PipelineShape, max_microbatches: Optional[int] = None) ->
             slots = [max(a, b) for a, b in
                      zip(slots, in_flight_peaks(schedule_order(shape, count), shape.num_model_chunks))]
     return slots
-
-
-class GraphSlots:
-    """FIFO slot allocator, one queue per model chunk; reset at the start of every iteration."""
-
-    def __init__(self, counts: List[int]):
-        self.counts = list(counts)
-        self._free: List[Deque[int]] = []
-        self._in_flight: List[Deque[int]] = []
-        self.reset()
-
-    def reset(self) -> None:
-        self._free = [deque(range(n)) for n in self.counts]
-        self._in_flight = [deque() for _ in self.counts]
-
-    def acquire(self, chunk: int) -> int:
-        """Slot for the forward of chunk ``chunk`` (0-based); raises if the schedule overran it."""
-        if not self._free[chunk]:
-            raise RuntimeError(
-                f"chunk {chunk}: all {self.counts[chunk]} graph slots are in flight; the "
-                "schedule keeps more micro-batches in flight than it was sized for."
-            )
-        slot = self._free[chunk].popleft()
-        self._in_flight[chunk].append(slot)
-        return slot
-
-    def release(self, chunk: int) -> int:
-        """Slot of the backward of chunk ``chunk``: the oldest forward still in flight."""
-        if not self._in_flight[chunk]:
-            raise RuntimeError(f"chunk {chunk}: backward without a forward in flight.")
-        slot = self._in_flight[chunk].popleft()
-        self._free[chunk].append(slot)
-        return slot

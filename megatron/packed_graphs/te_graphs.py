@@ -15,13 +15,14 @@ takes only tensors as inputs, while a packed micro-batch reaches the layers as a
   replay and rebuilds them inside the captured callable; micro-batches planned eager
   (overflow, warm-up) and evaluation run the layer's plain forward.
 * `TELayerGraphs.capture` captures every layer once, after ``--cuda-graph-warmup-steps``
-  eager iterations, before the schedule of the first graphed iteration.
+  eager iterations, before the schedule of the first graphed iteration (the graph runtime,
+  runtime.py, calls it).
 
-* Dynamic CP (issue 7): one **bank** of layer graphs per CP size, each captured with that
-  size's process group baked in and its own `PackedGraphInputs`; a micro-batch is loaded into
-  its size's buffers (`TELayerGraphs.load`) and each layer replays the bank whose buffers the
-  params point at. Every rank captures every bank, in ascending size order, so the members
-  of a group meet the capture's collectives together.
+* Dynamic CP: one **bank** of layer graphs per CP size, each captured with that size's
+  process group baked in and its own `PackedGraphInputs`; a micro-batch is loaded into its
+  size's buffers (`TELayerGraphs.load`) and each layer replays the bank of its plan's key
+  (``plan.key.cp_size``). Every rank captures every bank, in ascending size order, so the
+  members of a group meet the capture's collectives together.
 
 Pipeline parallelism is not supported here (TE's capture order would have to follow the
 1F1B schedule; the local implementation's layer and chunk graphs cover PP); with PP = 1 a
@@ -31,7 +32,7 @@ set of buffers serve every micro-batch.
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -40,9 +41,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
 from megatron.packed_graphs import core_patches
-from megatron.packed_graphs.dispatch import cuda_graphs_bypassed
 from megatron.packed_graphs.graph_memory import reserved_without_cache
 from megatron.packed_graphs.packed_seq import PackedBatchParams
+from megatron.packed_graphs.plan import active_plan, graphs_bypassed
 
 # PackedBatchParams tensor fields that become graph inputs (keyword -> field). Self-attention
 # only: cu_seqlens_kv(_padded) is the same tensor as cu_seqlens_q(_padded).
@@ -145,13 +146,15 @@ class TEGraphDispatch:
     megatron-core's ``GraphableMegatronModule.__call__`` asks `_should_call_te_cudagraph`, then
     calls `_te_cuda_graph_capture` while TE captures or `_te_cuda_graph_replay` once graphs
     exist. ``self.cuda_graphs[i]`` is this layer's graphed callable of bank ``i``, captured
-    over ``self._graph_inputs[i]`` (one bank without dynamic CP).
+    over ``self._graph_inputs[i]`` for CP size ``self._graph_bank_sizes[i]`` (one bank
+    without dynamic CP).
     """
 
     _graph_inputs: Sequence[PackedGraphInputs] = ()
+    _graph_bank_sizes: Sequence[int] = ()
 
     def _should_call_te_cudagraph(self, *args, **kwargs):
-        if cuda_graphs_bypassed():
+        if graphs_bypassed():
             return False  # this micro-batch was planned eager (overflow, warm-up)
         return super()._should_call_te_cudagraph(*args, **kwargs)
 
@@ -166,18 +169,30 @@ class TEGraphDispatch:
     def _te_cuda_graph_replay(self, *args, **kwargs):
         hidden_states = args[0] if args else kwargs["hidden_states"]
         params = kwargs.get("packed_seq_params")
-        cu_seqlens = None if params is None else params.cu_seqlens_q
-        bank = next((i for i, inputs in enumerate(self._graph_inputs)
-                     if cu_seqlens is inputs.buffers["cu_seqlens"]), None)
-        if bank is None:
+        bank = self._replay_bank()
+        if params is None or params.cu_seqlens_q is not self._graph_inputs[bank].buffers["cu_seqlens"]:
             raise RuntimeError(
-                "a graphed micro-batch must be loaded into the graphs' static buffers "
-                "(TELayerGraphs.load) before the model runs; the training step does this")
+                "a graphed micro-batch must be loaded into its bank's static buffers "
+                "(TELayerGraphs.load) before the model runs; the graph runtime does this")
         for hook, hook_args in self.cuda_graph_manual_hooks:
             hook(*hook_args)
         output = self.cuda_graphs[bank](hidden_states,
                                         **graph_kwargs(params, kwargs.get("rotary_pos_emb")))
         return (output, None) if isinstance(self, TransformerLayer) else output
+
+    def _replay_bank(self) -> int:
+        """The bank of the running plan's CP size (without a plan: the only bank)."""
+        plan = active_plan()
+        if plan is None or plan.key is None:
+            if len(self._graph_bank_sizes) == 1:
+                return 0
+            raise RuntimeError("TE graph banks per CP size replay under the graph runtime's "
+                               "plan, which names the micro-batch's CP size")
+        try:
+            return list(self._graph_bank_sizes).index(plan.key.cp_size)
+        except ValueError:
+            raise RuntimeError(f"no TE graph bank was captured for CP size {plan.key.cp_size} "
+                               f"(banks: {list(self._graph_bank_sizes)})") from None
 
 
 def graphable_layers(model_chunk) -> List[torch.nn.Module]:
@@ -202,24 +217,24 @@ class TELayerGraphs:
         self.model, self.config = model, config
         self.tokens_per_rank = tokens_per_rank
         self.warmup_iters = warmup_iters
-        self.banks: Dict[Optional[int], PackedGraphInputs] = {}  # by local_cp_size
+        self.banks: Dict[int, PackedGraphInputs] = {}  # by CP size (GraphKey.cp_size)
 
     @property
     def captured(self) -> bool:
         return bool(self.banks)
 
-    def load(self, params: PackedBatchParams) -> PackedBatchParams:
-        """Copy a graphed micro-batch's metadata into its bank's buffers (no sync); returns
-        params over them. Raises ValueError when no bank was captured for its CP size."""
-        bank = self.banks.get(params.local_cp_size)
+    def load(self, cp_size: int, params: PackedBatchParams) -> PackedBatchParams:
+        """Copy a graphed micro-batch's metadata into the buffers of bank ``cp_size`` (no
+        sync); returns params over them. Raises ValueError when no bank was captured for it."""
+        bank = self.banks.get(cp_size)
         if bank is None:
-            raise ValueError(f"no graphs were captured for CP size {params.local_cp_size} "
-                             f"(banks: {sorted(self.banks, key=str)})")
+            raise ValueError(f"no graphs were captured for CP size {cp_size} "
+                             f"(banks: {sorted(self.banks)})")
         return bank.load(params)
 
-    def capture(self, bank_params: Sequence[PackedBatchParams]) -> dict:
-        """Capture all layers once per bank, for micro-batches laid out like each of
-        ``bank_params`` (capacity-padded; distinct ``local_cp_size``, ascending).
+    def capture(self, bank_params: Sequence[Tuple[int, PackedBatchParams]]) -> dict:
+        """Capture all layers once per bank: ``(CP size, params)`` pairs, ascending sizes,
+        params laid out like a graphed micro-batch of that bank (capacity-padded).
 
         Syncs the device (TE warms up on a side stream between synchronisations; the memory
         measurement empties the allocator cache). Every rank must call this with the same
@@ -229,19 +244,20 @@ class TELayerGraphs:
         layers = graphable_layers(self.model[0])
         stats = {"graphs captured": 2 * len(layers) * len(bank_params)}
         start = time.perf_counter()
-        for params in bank_params:
-            memory = self._capture_bank(params, layers)
+        for cp_size, params in bank_params:
+            memory = self._capture_bank(cp_size, params, layers)
             name = ("graph memory (MiB)" if params.local_cp_size is None
                     else f"graph memory cp{params.local_cp_size} (MiB)")
             stats[name] = round(memory / 2**20, 1)
         stats["graph capture (s)"] = round(time.perf_counter() - start, 2)
         return stats
 
-    def _capture_bank(self, params: PackedBatchParams, layers: List[torch.nn.Module]) -> int:
+    def _capture_bank(self, cp_size: int, params: PackedBatchParams,
+                      layers: List[torch.nn.Module]) -> int:
         """Capture one bank of ``layers``; returns the graph memory it reserved (bytes)."""
         from transformer_engine.pytorch.graph import make_graphed_callables
 
-        inputs = self.banks[params.local_cp_size] = PackedGraphInputs.like(params)
+        inputs = self.banks[cp_size] = PackedGraphInputs.like(params)
         kwargs = graph_kwargs(inputs.params(inputs.buffers),
                               rotary_table(self.model[0], inputs.max_seqlen))
         dtype = self.config.params_dtype
@@ -253,6 +269,7 @@ class TELayerGraphs:
         for layer in layers:
             # Empty `cuda_graphs` makes megatron-core's dispatch capture, not replay.
             layer.cuda_graphs, layer._graph_inputs = [], [*layer._graph_inputs, inputs]
+            layer._graph_bank_sizes = [*layer._graph_bank_sizes, cp_size]
         reserved = reserved_without_cache()
         with core_patches.te_graph_capture():
             graphed = make_graphed_callables(

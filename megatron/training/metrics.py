@@ -111,7 +111,9 @@ class IntervalTimer:
     (Megatron's "elapsed time per iteration"). Call `timing` after that wait.
     """
 
-    SUMMED = ("graph fallbacks",)  # counters added up over the interval; others: latest value
+    # Counters added up over the interval (the graph runtime's "eager <reason>" too); others:
+    # the latest value.
+    SUMMED = ("graph fallbacks",)
 
     def __init__(self):
         self.restart()
@@ -127,7 +129,8 @@ class IntervalTimer:
         self.iterations += 1
         self.samples += samples
         self.positions += positions
-        summed = {k: self.stats.get(k, 0) + stats[k] for k in self.SUMMED if k in stats}
+        summed = {k: self.stats.get(k, 0) + v for k, v in stats.items()
+                  if k in self.SUMMED or k.startswith("eager ")}
         self.stats = self.stats | stats | summed
 
     def timing(self) -> dict:
@@ -185,12 +188,15 @@ class MetricsLogger:
                 if key in record:
                     self._tb.add_scalar(key, record[key], record["iteration"])
 
-    def log_valid(self, iteration: int, lm_loss: float) -> None:
+    def log_valid(self, iteration: int, lm_loss: float, stats: Optional[dict] = None) -> None:
+        """Record a validation pass; ``stats``: its counters (eager micro-batches by reason)."""
         if not self.enabled:
             return
-        print(f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |",
-              flush=True)
-        self._write({"split": "valid", "iteration": iteration, "lm_loss": lm_loss})
+        stats = stats or {}
+        extra = "".join(f" {name}: {value} |" for name, value in stats.items())
+        print(f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |"
+              f"{extra}", flush=True)
+        self._write({"split": "valid", "iteration": iteration, "lm_loss": lm_loss} | stats)
         if self._tb is not None:
             self._tb.add_scalar("lm loss validation", lm_loss, iteration)
 

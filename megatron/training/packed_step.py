@@ -6,33 +6,23 @@ data loader, so everything decided here (segment count, longest segment) is read
 GPU->CPU sync.
 """
 
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from megatron.core import parallel_state
 
-from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.capacity import pad_cu_seqlens
 from megatron.packed_graphs.context_parallel import select_cp_tokens, thd_partition_index
 from megatron.packed_graphs.dynamic_cp import CPTurn, dynamic_cp_group
-from megatron.packed_graphs.dispatch import (
-    GraphDecision,
-    GraphSettings,
-    Reason,
-    disable_cuda_graphs_this_step,
-    plan_iteration,
-)
 from megatron.packed_graphs.packed_seq import (
     PackedBatchParams,
     build_packed_batch_params,
     build_seq_idx,
 )
-from megatron.packed_graphs.te_graphs import TELayerGraphs
 
 
 @dataclass
@@ -146,132 +136,33 @@ def masked_lm_loss(loss_mask: Tensor, output_tensor: Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def graph_settings_from_args(args) -> GraphSettings:
-    """Host-static CUDA-graph settings of a training run (validated CLI arguments)."""
-    return GraphSettings(
-        enabled=args.cuda_graph_impl != "none",
-        capacity=args.cuda_graph_max_packed_seqs,
-        warmup_iterations=args.cuda_graph_warmup_steps,
-        capture_needs_all_micro_batches=args.pipeline_model_parallel_size > 1,
-        ladder=tuple(args.cuda_graph_capacity_ladder),
-    )
-
-
 class PackedForwardStep:
-    """``forward_step_func`` for megatron-core's pipeline schedules, packed micro-batches.
+    """Packed micro-batches for megatron-core's pipeline schedules: host -> device, model call.
 
-    Per training iteration the loop calls `begin_iteration` with the iteration's micro-batches
-    (graph plan, host only), runs the schedule, then `end_iteration` (log counters).
-    Micro-batches that never went through `begin_iteration` (evaluation) run eager.
+    The graph runtime (megatron/packed_graphs/runtime.py) drives it: it plans each
+    micro-batch, calls `stage` with the capacity the plan pads ``cu_seqlens`` to (None: eager)
+    and `run` under the plan. Nothing here decides about graphs.
     """
 
-    def __init__(self, *, with_seq_idx: bool, graphs: GraphSettings, cp_size: int = 1,
-                 dynamic_cp_capacities: Optional[Dict[int, int]] = None,
+    def __init__(self, *, with_seq_idx: bool, static_max_seqlen: bool = False, cp_size: int = 1,
                  dynamic_cp_tokens_per_rank: int = 0, with_padding_mask: bool = False):
         self.with_seq_idx = with_seq_idx
+        # Graphs on: max_seqlen is the packed length for every micro-batch (a host constant).
+        self.static_max_seqlen = static_max_seqlen
         self.with_padding_mask = with_padding_mask  # MoE models: the router's padding mask
-        self.graphs = graphs
         self.cp_size = cp_size
-        # Dynamic CP: graph capacity of every CP size's bank, and each rank's positions.
-        self.dynamic_cp_capacities = dynamic_cp_capacities or {}
-        self.dynamic_cp_tokens_per_rank = dynamic_cp_tokens_per_rank
-        # --cuda-graph-impl transformer_engine: captured here, before the schedule of the
-        # first graphed iteration (the local implementation captures inside the schedule).
-        self.te_graphs: Optional[TELayerGraphs] = None
-        self._te_capture_stats: dict = {}
-        self._cp_stats: dict = {}  # dynamic CP: the iteration's CP sizes and rounds
-        self._iteration = 0
-        self._captured: tuple = ()  # capacities graphs were captured for
-        self._decisions: List[GraphDecision] = []
-        self._micro_batches = 0
-        self._documents = 0
+        self.dynamic_cp_tokens_per_rank = dynamic_cp_tokens_per_rank  # dynamic CP: per rank
 
     @classmethod
     def from_args(cls, args, *, with_seq_idx: bool) -> "PackedForwardStep":
-        sizes = args.dynamic_cp_sizes or []
-        return cls(with_seq_idx=with_seq_idx, graphs=graph_settings_from_args(args),
+        return cls(with_seq_idx=with_seq_idx, static_max_seqlen=args.cuda_graph_impl != "none",
                    cp_size=args.context_parallel_size,
-                   dynamic_cp_capacities=dict(zip(sizes, args.dynamic_cp_max_packed_seqs or [])),
-                   dynamic_cp_tokens_per_rank=args.dynamic_cp_tokens_per_rank,
+                   dynamic_cp_tokens_per_rank=getattr(args, "dynamic_cp_tokens_per_rank", 0),
                    with_padding_mask=getattr(args, "num_experts", None) is not None)
 
-    def begin_iteration(self, micro_batches_per_chunk: List[List[dict]]) -> None:
-        """Plan graph replay for this iteration; every chunk's list holds the same micro-batches."""
-        batches = micro_batches_per_chunk[0]
-        if self.dynamic_cp_capacities:
-            self._cp_stats = {"cp micro-batches": batches[0]["cp_mix"],
-                              "cp rounds": batches[0]["cp_rounds"]}
-            self._decisions = self._plan_dynamic_cp(batches)
-        else:
-            self._decisions = self._plan(batches)
-        for chunk_batches in micro_batches_per_chunk:
-            for batch, decision in zip(chunk_batches, self._decisions):
-                batch["graph_decision"] = decision
-
-    def _plan(self, batches: List[dict]) -> List[GraphDecision]:
-        """Static layouts: `plan_iteration`; TE graphs are captured with the iteration's first
-        graphed micro-batch as the layout."""
-        decisions = plan_iteration(self.graphs, self._iteration, self._captured,
-                                   [batch["num_segments"] for batch in batches])
-        if self.te_graphs is not None and not self._captured:
-            first_graphed = next(((batch, decision) for batch, decision in
-                                  zip(batches, decisions) if decision.graphed), None)
-            if first_graphed is not None:
-                params = self._to_device(*first_graphed).params
-                self._te_capture_stats = self.te_graphs.capture([params])
-                self._captured = (self.graphs.capacity,)
-        return decisions
-
-    def _plan_dynamic_cp(self, batches: List[dict]) -> List[GraphDecision]:
-        """Dynamic CP: each micro-batch against its CP size's bank. The banks are captured
-        at the first iteration past the warm-up on every rank alike (captures run the groups'
-        collectives), whatever this rank's own micro-batches are."""
-        if (self.te_graphs is not None and not self.te_graphs.captured
-                and self._iteration >= self.graphs.warmup_iterations):
-            self._te_capture_stats = self.te_graphs.capture(
-                [self._bank_layout(size) for size in sorted(self.dynamic_cp_capacities)])
-            self._captured = tuple(sorted(set(self.dynamic_cp_capacities.values())))
-        decisions = []
-        for batch in batches:
-            capacity = self.dynamic_cp_capacities[batch["cp_turn"].cp_size]
-            captured = (capacity,) if self._captured else ()
-            settings = replace(self.graphs, capacity=capacity, ladder=())
-            decisions += plan_iteration(settings, self._iteration, captured,
-                                        [batch["num_segments"]])
-        return decisions
-
-    def _bank_layout(self, cp_size: int):
-        """Params laid out like a graphed micro-batch of CP size ``cp_size`` (capture input)."""
-        rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-        turn = CPTurn(micro_batch=0, cp_size=cp_size, first_rank=rank - rank % cp_size)
-        batch = dummy_micro_batch(cp_size * self.dynamic_cp_tokens_per_rank) | {"cp_turn": turn}
-        graphed = GraphDecision(Reason.GRAPHED, self.dynamic_cp_capacities[cp_size])
-        return self._to_device(batch, graphed).params
-
-    def end_iteration(self) -> dict:
-        """Counters of the iteration just run, for its log line and metrics record."""
-        stats = {"docs per micro-batch": round(self._documents / max(self._micro_batches, 1), 2)}
-        stats |= self._cp_stats | self._te_capture_stats
-        self._te_capture_stats = {}
-        if self.graphs.enabled:
-            stats["graph fallbacks"] = sum(d.is_fallback for d in self._decisions)
-            if not self._captured and any(d.graphed for d in self._decisions):
-                # The schedule captured at the end of this iteration, one set per capacity.
-                self._captured = tuple(sorted({d.capacity for d in self._decisions if d.graphed}))
-                if self.graphs.ladder:
-                    stats["graph capacities"] = ",".join(map(str, self._captured))
-                if core_patches.capture_log:
-                    capture = core_patches.capture_log[-1]
-                    stats["graph capture (s)"] = round(capture["time"], 2)
-                    stats["graph memory (MiB)"] = round(capture["graph_reserved_bytes"] / 2**20, 1)
-                    stats["graphs captured"] = capture["graphs"]
-            elif not self._captured:
-                stats["cuda graphs"] = self._decisions[0].reason.value if self._decisions else "-"
-        self._iteration += 1
-        self._micro_batches = self._documents = 0
-        return stats
-
-    def _to_device(self, batch: dict, decision: GraphDecision) -> PackedMicroBatch:
+    def stage(self, batch: dict, capacity: Optional[int]) -> PackedMicroBatch:
+        """``batch`` on the device; ``cu_seqlens`` padded to ``capacity`` + 1 entries unless
+        None. Dynamic CP: this rank's share of the micro-batch's CP group (``cp_turn``)."""
         turn: Optional[CPTurn] = batch.get("cp_turn")  # dynamic CP: the micro-batch's group
         if turn is not None:
             cp_size = turn.cp_size
@@ -281,23 +172,23 @@ class PackedForwardStep:
             cp_size = self.cp_size
             cp_rank = parallel_state.get_context_parallel_rank() if cp_size > 1 else 0
         mb = to_device_micro_batch(
-            batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.graphs.enabled,
-            capacity=decision.capacity if decision.graphed else None,
-            cp_size=cp_size, cp_rank=cp_rank, with_padding_mask=self.with_padding_mask)
+            batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.static_max_seqlen,
+            capacity=capacity, cp_size=cp_size, cp_rank=cp_rank,
+            with_padding_mask=self.with_padding_mask)
         if turn is not None:
             mb.params.local_cp_size, mb.params.cp_group = cp_size, dynamic_cp_group(cp_size)
         return mb
 
-    def __call__(self, data_iterator, model):
-        batch = next(data_iterator)
-        decision = batch.get("graph_decision", GraphDecision(Reason.DISABLED))
-        mb = self._to_device(batch, decision)
-        if decision.graphed and self.te_graphs is not None:
-            mb.params = self.te_graphs.load(mb.params)
-        self._micro_batches += 1
-        self._documents += mb.num_documents
-        eager = self.graphs.enabled and not decision.graphed
-        with disable_cuda_graphs_this_step() if eager else nullcontext():
-            output = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                           packed_seq_params=mb.params)
+    def bank_layout(self, cp_size: int, capacity: int) -> PackedBatchParams:
+        """Params laid out like a graphed micro-batch of CP size ``cp_size`` (the capture
+        input of that size's TE graph bank under dynamic CP)."""
+        rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        turn = CPTurn(micro_batch=0, cp_size=cp_size, first_rank=rank - rank % cp_size)
+        batch = dummy_micro_batch(cp_size * self.dynamic_cp_tokens_per_rank) | {"cp_turn": turn}
+        return self.stage(batch, capacity).params
+
+    def run(self, model, mb: PackedMicroBatch):
+        """The model on a staged micro-batch: ``(output, loss_func)`` for the schedule."""
+        output = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                       packed_seq_params=mb.params)
         return output, partial(masked_lm_loss, mb.loss_mask)

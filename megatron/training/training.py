@@ -1,10 +1,13 @@
 """The training loop: build model chunks, optimizer and data; train, evaluate, checkpoint.
 
 Composes megatron-core components (DDP, get_megatron_optimizer, OptimizerParamScheduler,
-the pipeline schedules from get_forward_backward_func, dist_checkpointing); it does not know
-about packing or CUDA graphs beyond the forward-step object it is given.
+the pipeline schedules from get_forward_backward_func, dist_checkpointing); packing is the
+forward step's business and CUDA graphs the graph runtime's (megatron/packed_graphs/runtime.py),
+which runs every iteration's schedule.
 """
 
+from contextlib import nullcontext
+from functools import partial
 from typing import Callable, List, Optional
 
 import torch
@@ -37,8 +40,8 @@ from megatron.training.datasets.builder import (
 from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
 from megatron.training.metrics import IntervalTimer, MetricsLogger, MoELosses
 from megatron.training.profiling import StepProfiler
-from megatron.packed_graphs.core_patches import apply_core_patches, use_side_stream
-from megatron.packed_graphs.te_graphs import TELayerGraphs
+from megatron.packed_graphs.core_patches import apply_core_patches
+from megatron.packed_graphs.runtime import GraphRuntime
 
 
 def print_rank_0(*args) -> None:
@@ -111,7 +114,7 @@ def _to_float(value) -> float:
     return float("nan") if value is None else float(value)
 
 
-def _run_schedule(args, forward_step, micro_batches, model, forward_only: bool):
+def _run_schedule(args, forward_step, micro_batches, *, model, forward_only: bool):
     """Run the schedule over ``micro_batches`` (one list per model chunk)."""
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -125,38 +128,42 @@ def _run_schedule(args, forward_step, micro_batches, model, forward_only: bool):
     )
 
 
-def train_step(args, forward_step, micro_batches, model, optimizer, scheduler,
-               global_batch_size: int):
+def train_step(args, graphs: GraphRuntime, forward_step, micro_batches, model, optimizer,
+               scheduler, global_batch_size: int):
     """One optimizer step over this rank's ``micro_batches`` (one list per model chunk) of a
     ``global_batch_size``-sample iteration.
 
-    Returns ``(lm_loss, grad_norm, num_zeros)``. Nothing here waits for the GPU: lm_loss
-    (None off the last stage) and grad_norm are CUDA tensors, read only when logged.
+    Returns ``(lm_loss, grad_norm, num_zeros, stats)``. Nothing here waits for the GPU:
+    lm_loss (None off the last stage) and grad_norm are CUDA tensors, read only when logged;
+    stats are the graph runtime's host counters of the iteration.
     """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    # The iteration's micro-batches are read up front so the forward step can plan them all
-    # (e.g. CUDA-graph replay vs eager) before the schedule starts.
-    forward_step.begin_iteration(micro_batches)
-    losses_reduced = _run_schedule(args, forward_step, micro_batches, model, forward_only=False)
-    update_successful, grad_norm, num_zeros = optimizer.step()
+    # The iteration's micro-batches are read up front so the graph runtime can plan them all
+    # before the schedule starts.
+    with graphs.iteration(micro_batches, forward_step) as step:
+        losses_reduced = step.run(partial(_run_schedule, args, model=model, forward_only=False))
+        update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         scheduler.step(increment=global_batch_size)
-    return _reduce_loss(losses_reduced), grad_norm, num_zeros
+    return _reduce_loss(losses_reduced), grad_norm, num_zeros, step.stats
 
 
 @torch.no_grad()
-def evaluate(args, forward_step, read_valid, model) -> float:
+def evaluate(args, graphs: GraphRuntime, forward_step, read_valid, model):
+    """Validation loss over ``--eval-iters`` iterations, and their summed runtime counters."""
     for chunk in model:
         chunk.eval()
-    losses = []
+    losses, stats = [], {}
     for _ in range(args.eval_iters):
-        losses += _run_schedule(args, forward_step, read_valid(args.num_microbatches), model,
-                                forward_only=True)
+        with graphs.iteration(read_valid(args.num_microbatches), forward_step,
+                              training=False) as step:
+            losses += step.run(partial(_run_schedule, args, model=model, forward_only=True))
+        stats = {key: stats.get(key, 0) + value for key, value in step.stats.items()}
     for chunk in model:
         chunk.train()
-    return _to_float(_reduce_loss(losses))
+    return _to_float(_reduce_loss(losses)), stats
 
 
 def _configure_schedule_hooks(config, model, optimizer) -> None:
@@ -169,19 +176,14 @@ def _configure_schedule_hooks(config, model, optimizer) -> None:
     config.grad_scale_func = optimizer.scale_loss
 
 
-def _tokens_per_rank(args) -> int:
-    """Positions of a micro-batch's THD stream that one rank's layers see."""
-    if args.dynamic_cp_sizes:
-        return args.dynamic_cp_tokens_per_rank
-    tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size
-    return tokens // args.tensor_model_parallel_size if args.sequence_parallel else tokens
-
-
 def pretrain(args, model_provider: Callable, forward_step,
-             packed_rows: dict | None = None) -> dict:
+             packed_rows: dict | None = None, iteration_hook: Callable | None = None) -> dict:
     """Train ``args.train_iters`` iterations. Returns the last iteration's metrics record.
 
-    ``packed_rows``: rows of data files packed already (the data check's, by path)."""
+    ``forward_step``: stages and runs micro-batches for the graph runtime (packed_step.py).
+    ``packed_rows``: rows of data files packed already (the data check's, by path).
+    ``iteration_hook(iteration)``: a context manager entered around each training
+    iteration's step (1-based number; tools/find_host_syncs.py watches one)."""
     initialize_distributed(args)
     patches = apply_core_patches()
     set_seeds(args.seed, args.deterministic_mode, args.te_rng_tracker)
@@ -190,14 +192,13 @@ def pretrain(args, model_provider: Callable, forward_step,
         f"{name} ({state})" for name, state in patches.items()))
     config = transformer_config_from_args(args)
 
-    if args.cuda_graph_impl == "transformer_engine":
-        use_side_stream()  # before DDP: TE's backward capture needs it (core_patches)
+    GraphRuntime.prepare(args)  # before DDP
     model = build_model(args, config, model_provider)
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     scheduler = build_scheduler(args, optimizer)
     _configure_schedule_hooks(config, model, optimizer)
-    if args.cuda_graph_impl == "transformer_engine":
-        forward_step.te_graphs = TELayerGraphs(model, config, _tokens_per_rank(args))
+    graphs = GraphRuntime.from_args(args, model, config)
+    print_rank_0(f" > {graphs.describe()}")
 
     iteration, consumed_samples = 0, 0
     if args.load:
@@ -232,14 +233,15 @@ def pretrain(args, model_provider: Callable, forward_step,
         update_num_microbatches(consumed_samples, consistency_check=True)
         num_microbatches, batch = get_num_microbatches(), get_current_global_batch_size()
         micro_batches = read_train(num_microbatches)
-        lm_loss, grad_norm, num_zeros = train_step(args, forward_step, micro_batches, model,
-                                                   optimizer, scheduler, batch)
+        with iteration_hook(iteration + 1) if iteration_hook else nullcontext():
+            lm_loss, grad_norm, num_zeros, stats = train_step(
+                args, graphs, forward_step, micro_batches, model, optimizer, scheduler, batch)
         iteration += 1
         moe_losses.after_step(num_microbatches, iteration)
         consumed_samples += batch
         # Dynamic-CP samples differ in length; the reader counts their positions.
         positions = micro_batches[0][0].get("iteration_positions", batch * args.seq_length)
-        interval.add(batch, positions, forward_step.end_iteration() | profiler.finish(iteration))
+        interval.add(batch, positions, stats | profiler.finish(iteration))
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             lm_loss = _to_float(lm_loss)  # waits for this iteration's GPU work
             record = {
@@ -260,7 +262,7 @@ def pretrain(args, model_provider: Callable, forward_step,
             logger.log_train(record)
             interval.restart()
         if read_valid and iteration % args.eval_interval == 0:
-            logger.log_valid(iteration, evaluate(args, forward_step, read_valid, model))
+            logger.log_valid(iteration, *evaluate(args, graphs, forward_step, read_valid, model))
             interval.restart()
         saved = args.save and args.save_interval and iteration % args.save_interval == 0
         if saved:

@@ -18,6 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
 from megatron.core.transformer.module import Float16Module
 from megatron.packed_graphs.core_patches import apply_core_patches
+from megatron.packed_graphs.runtime import GraphRuntime
 from megatron.training.argument_checks import is_importable
 from megatron.training.arguments import parse_args
 from megatron.training.config import ddp_config_from_args, transformer_config_from_args
@@ -112,16 +113,19 @@ def test_replay_forward_backward_has_no_host_sync(dist, kind):
         Float16Module(config, module.model_provider(args, config).cuda()))
     config.no_sync_func = model.no_sync
     step = PackedForwardStep.from_args(args, with_seq_idx=kind == "hybrid")
+    runtime = GraphRuntime.from_args(args, [model], config)
     data = MockPackedDataset(64, args.seq_length, args.vocab_size, seed=7, doc_length_median=128)
     batches = iter(collate_packed_rows([data[i]]) for i in range(64))
-    run = get_forward_backward_func()
-    for _ in range(2):  # one eager warm-up iteration, then the capture iteration
-        micro_batches = [[next(batches) for _ in range(2)]]
-        step.begin_iteration(micro_batches)
-        run(forward_step_func=step, data_iterator=iter(micro_batches[0]), model=model,
+
+    def schedule(forward_step, micro_batches):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches[0]), model=model,
             num_microbatches=2, seq_length=args.seq_length, micro_batch_size=1)
-        step.end_iteration()
-    assert _CudagraphGlobalRecord.cudagraph_created
+
+    for _ in range(2):  # one eager warm-up iteration, then the capture iteration
+        with runtime.iteration([[next(batches) for _ in range(2)]], step) as iteration:
+            iteration.run(schedule)
+    assert _CudagraphGlobalRecord.cudagraph_created and runtime.captured == {(1, 32)}
 
     batch = next(batches)
     mb = to_device_micro_batch(batch, with_seq_idx=kind == "hybrid", static_max_seqlen=True,

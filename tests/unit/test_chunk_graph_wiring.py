@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.packed_graphs import chunk_graphs
 from megatron.packed_graphs.chunk_graphs import (
     ChunkGraphedTransformerBlock,
     ChunkSlots,
@@ -14,6 +13,7 @@ from megatron.packed_graphs.chunk_graphs import (
     chunk_slot_count,
     use_chunk_graph_block,
 )
+from megatron.packed_graphs.plan import Reason, run_eager
 
 
 def test_chunk_granularity_comes_from_our_config_field():
@@ -37,29 +37,32 @@ class _Manager:
         self.reuse_cudagraphs, self.cudagraph_runners = reuse, []
 
 
-def test_slots_record_one_runner_each_then_replay_round_robin(monkeypatch):
+def test_slots_record_one_runner_each_then_replay_the_planned_slot(monkeypatch):
     pools = iter(range(100))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
-    slots, manager = ChunkSlots(count=2), _Manager(reuse=False)
-    for name in ("r0", "r1"):  # the capture iteration: upstream appends a runner per call
+    slots, manager = ChunkSlots(), _Manager(reuse=False)
+    for slot, name in enumerate(("r0", "r1")):  # the capture iteration: a runner per call
         manager.cudagraph_runners.append(SimpleNamespace(name=name))
-        slots.record(manager)
+        slots.record(manager, slot)
     assert slots.recorded == 2 and [r.mempool for r in slots.runners] == [0, 1]  # own pools
     picked = []
-    for _ in range(5):  # any number of graphed forwards afterwards
-        slot = slots.select(manager)
-        picked.append((slot, manager.cudagraph_runners[0].name))
-    assert picked == [(0, "r0"), (1, "r1"), (0, "r0"), (1, "r1"), (0, "r0")]
+    for slot in (0, 1, 1, 0):  # whatever slots the plans name
+        assert slots.select(manager, slot) == slot
+        picked.append(manager.cudagraph_runners[0].name)
+    assert picked == ["r0", "r1", "r1", "r0"]
+    manager.cudagraph_runners.append(SimpleNamespace(name="r3"))
+    with pytest.raises(RuntimeError, match="slot 3 recorded after 2 slots"):
+        slots.record(manager, 3)
 
 
 def test_pipeline_size_one_keeps_a_single_reused_runner(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    slots, manager = ChunkSlots(count=1), _Manager(reuse=True)
+    slots, manager = ChunkSlots(), _Manager(reuse=True)
     runner = SimpleNamespace()
     manager.cudagraph_runners.append(runner)
-    slots.record(manager)
-    slots.record(manager)  # upstream reused the runner for the next micro-batch
-    assert slots.runners == [runner] and slots.select(manager) is None
+    slots.record(manager, 0)
+    slots.record(manager, 0)  # upstream reused the runner for the next micro-batch
+    assert slots.runners == [runner] and slots.select(manager, 0) is None
 
 
 def test_slot_count_of_a_single_stage_is_one(cpu_dist):
@@ -92,5 +95,14 @@ def test_gpt_decoder_becomes_the_chunk_block_and_stays_eager_otherwise(cpu_dist)
     assert type(model.decoder) is ChunkGraphedTransformerBlock
     # cuda_graph_impl is 'none' in this config: the chunk path is off and the block is as before.
     torch.testing.assert_close(model(tokens, pos, None, packed_seq_params=params), before)
+    # With it on, a training call needs the runtime's plan; an eager plan runs the block eager.
+    config.cuda_graph_impl = "local"
+    try:
+        with pytest.raises(RuntimeError, match="needs the graph runtime's plan"):
+            model(tokens, pos, None, packed_seq_params=params)
+        with run_eager(Reason.OVERFLOW):
+            torch.testing.assert_close(model(tokens, pos, None, packed_seq_params=params), before)
+    finally:
+        config.cuda_graph_impl = "none"
     use_chunk_graph_block(model.decoder)  # idempotent
     assert type(model.decoder) is ChunkGraphedTransformerBlock

@@ -302,6 +302,20 @@ def test_capture_statistics_are_kept():
     assert '"time"' in source(cuda_graphs._CudagraphGlobalRecord._create_cudagraphs.__func__)
 
 
+def test_capture_log_keeps_the_last_few_captures_only():
+    # The graph runtime empties it after each capture; a run that captures without a runtime
+    # (tools, tests) keeps a bounded log.
+    saved = list(core_patches.capture_log)
+    try:
+        for i in range(20):
+            core_patches.capture_log.append({"time": i})
+        assert 0 < len(core_patches.capture_log) <= 8
+        assert core_patches.capture_log[-1] == {"time": 19}
+    finally:
+        core_patches.capture_log.clear()
+        core_patches.capture_log.extend(saved)
+
+
 # -- reaches ----------------------------------------------------------------------------------
 
 def test_runner_order_helpers():

@@ -37,6 +37,22 @@ def test_bad_arguments_are_usage_errors():
         fhs.main(["pretrain_gpt.py", "--iteration", "0"])
 
 
+def test_sync_watch_brackets_only_its_iteration(monkeypatch):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", calls.append)
+    watch = fhs.SyncWatch(iteration=2)
+    with watch(1):
+        assert calls == []
+    with pytest.raises(RuntimeError):
+        with watch(2):
+            assert calls == ["synchronize", "warn"]
+            raise RuntimeError("the step failed")
+    assert calls == ["synchronize", "warn", 0]  # debug mode off again
+
+
 def test_compare_graph_grads_relative_differences():
     import torch
 

@@ -1,5 +1,6 @@
 """Dynamic-CP data on CPU: rows that carry a CP size, each rank's turns per iteration, mock
-documents, and the forward step's per-bank graph plan."""
+documents, the layout graph banks are captured with (the per-bank plan: test_dispatch.py,
+test_graph_runtime.py)."""
 
 from collections import Counter
 
@@ -7,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.packed_graphs.dispatch import GraphSettings, Reason
-from megatron.packed_graphs.dynamic_cp import CPTurn, cp_padded_length
+from megatron.packed_graphs.dynamic_cp import cp_padded_length
 from megatron.training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
 from megatron.training.datasets.mock import mock_documents
 from megatron.training.datasets.packed_row_dataset import PackedRowDataset
 from megatron.training.datasets.packing import Document, PackingStats
-from megatron.training.packed_step import PackedForwardStep, dummy_micro_batch
+from megatron.training.packed_step import dummy_micro_batch
 
 
 def _documents(token_counts):
@@ -115,25 +115,3 @@ def test_dummy_micro_batch_is_one_loss_free_segment_over_the_buffer():
     batch = dummy_micro_batch(64)
     assert batch["cu_seqlens"].tolist() == [0, 64] and batch["loss_mask"].sum() == 0
     assert batch["tokens"].shape == (1, 64) and batch["num_documents"] == 0
-
-
-def test_forward_step_plans_each_micro_batch_against_its_size_bank():
-    graphs = GraphSettings(enabled=True, capacity=8, warmup_iterations=1,
-                           capture_needs_all_micro_batches=False)
-    step = PackedForwardStep(with_seq_idx=False, graphs=graphs,
-                             dynamic_cp_capacities={1: 4, 2: 6}, dynamic_cp_tokens_per_rank=64)
-
-    def iteration(*sizes_and_counts):
-        batches = [{"cp_turn": CPTurn(i, size, 0), "num_segments": count, "cp_mix": "mix",
-                    "cp_rounds": 1} for i, (size, count) in enumerate(sizes_and_counts)]
-        step.begin_iteration([batches])
-        stats = step.end_iteration()
-        return [(b["graph_decision"].reason, b["graph_decision"].capacity) for b in batches], stats
-
-    decisions, stats = iteration((1, 3), (2, 5))
-    assert decisions == [(Reason.WARMUP, None)] * 2
-    assert stats["cp micro-batches"] == "mix" and stats["cp rounds"] == 1
-    # No TE graphs in this test: past the warm-up the plan records against each bank.
-    decisions, _ = iteration((1, 3), (2, 5), (1, 5), (2, 7))
-    assert decisions == [(Reason.GRAPHED, 4), (Reason.GRAPHED, 6), (Reason.OVERFLOW, None),
-                         (Reason.OVERFLOW, None)]

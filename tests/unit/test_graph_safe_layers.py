@@ -3,9 +3,9 @@
 import torch
 import torch.nn.functional as F
 
-from megatron.packed_graphs.dispatch import disable_cuda_graphs_this_step
 from megatron.packed_graphs.layers import GraphSafeTransformerLayer
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
+from megatron.packed_graphs.plan import Reason, run_eager
 from megatron.packed_graphs.specs import gpt_layer_spec
 
 
@@ -29,12 +29,12 @@ def test_bypassed_transformer_layer_takes_one_runner_turn(cpu_dist, monkeypatch)
                                        with_seq_idx=False)
     hidden = torch.randn(8, 1, 32)
 
-    with disable_cuda_graphs_this_step():
+    with run_eager(Reason.OVERFLOW):
         layer(hidden, attention_mask=None, packed_seq_params=params)
     assert turns == [1]
     layer(hidden, attention_mask=None, packed_seq_params=params)  # not bypassed
     layer.eval()
-    with disable_cuda_graphs_this_step():
+    with run_eager(Reason.EVAL):
         layer(hidden, attention_mask=None, packed_seq_params=params)  # eval never uses graphs
     assert turns == [1]
 

@@ -18,13 +18,17 @@ def test_log_line_and_metrics_file(cpu_dist, tmp_path, capsys):
     logger = MetricsLogger(str(path), None, train_iters=10)
     logger.log_train(_record(1))
     logger.log_valid(1, 2.25)
+    logger.log_valid(2, 2.0, {"eager eval": 8})
     logger.close()
     line = capsys.readouterr().out
     assert "iteration        1/      10" in line and "lm loss: 2.500000E+00" in line
     assert "graph fallbacks: 1" in line and "tokens/s: 1000" in line
     train = read_metrics(str(path))
     assert train[0]["lm_loss"] == 2.5 and train[0]["graph fallbacks"] == 1
-    assert read_metrics(str(path), split="valid") == [{"split": "valid", "iteration": 1, "lm_loss": 2.25}]
+    assert read_metrics(str(path), split="valid") == [
+        {"split": "valid", "iteration": 1, "lm_loss": 2.25},
+        {"split": "valid", "iteration": 2, "lm_loss": 2.0, "eager eval": 8}]
+    assert "validation loss at iteration 2 | lm loss value: 2.000000E+00 | eager eval: 8 |" in line
 
 
 def test_latest_iteration(tmp_path):
@@ -57,11 +61,11 @@ def test_interval_timer_means_over_the_interval_and_sums_fallbacks(monkeypatch):
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
     timer = metrics.IntervalTimer()  # starts at t=100
     timer.add(4, 4000, {"graph fallbacks": 1, "docs per micro-batch": 8.0, "graph capture (s)": 0.5})
-    timer.add(4, 4000, {"graph fallbacks": 2, "docs per micro-batch": 9.0})
-    timer.add(4, 4000, {"graph fallbacks": 0, "docs per micro-batch": 7.0})
+    timer.add(4, 4000, {"graph fallbacks": 2, "docs per micro-batch": 9.0, "eager overflow": 2})
+    timer.add(4, 4000, {"graph fallbacks": 0, "docs per micro-batch": 7.0, "eager overflow": 1})
     assert timer.timing() == pytest.approx(  # t=100.3: 0.3 s for 3 iterations
         {"iteration_time_ms": 100.0, "tokens_per_sec": 12 * 1000 / 0.3})
     assert timer.stats == {"graph fallbacks": 3, "docs per micro-batch": 7.0,
-                           "graph capture (s)": 0.5}
+                           "graph capture (s)": 0.5, "eager overflow": 3}
     timer.restart()  # t=200
     assert (timer.iterations, timer.samples, timer.stats) == (0, 0, {})

@@ -101,14 +101,15 @@ def test_layer_graphs_load_into_the_bank_of_the_micro_batch_cp_size():
     assert not graphs.captured
     graphs.banks = {1: PackedGraphInputs.like(_cp_params([10, 6], 1)),
                     2: PackedGraphInputs.like(_cp_params([10, 6], 2))}
-    loaded = graphs.load(_cp_params([8, 8], 2))
+    loaded = graphs.load(2, _cp_params([8, 8], 2))
     assert loaded.cu_seqlens_q is graphs.banks[2].buffers["cu_seqlens"]
     assert graphs.captured
     with pytest.raises(ValueError, match=r"no graphs were captured for CP size 4 \(banks: \[1, 2\]\)"):
-        graphs.load(_cp_params([8, 8], 4))
+        graphs.load(4, _cp_params([8, 8], 4))
 
 
-def test_replay_picks_the_bank_whose_buffers_the_params_point_at():
+def test_replay_picks_the_bank_of_the_plan_cp_size():
+    from megatron.packed_graphs.plan import Granularity, GraphKey, Mode, StepGraphPlan, running
     from megatron.packed_graphs.te_graphs import TEGraphDispatch
 
     class Layer(TEGraphDispatch):  # the dispatch under test; the banks' callables record calls
@@ -116,10 +117,27 @@ def test_replay_picks_the_bank_whose_buffers_the_params_point_at():
 
     layer = Layer()
     layer._graph_inputs = [PackedGraphInputs.like(_cp_params([10, 6], size)) for size in (1, 2)]
+    layer._graph_bank_sizes = [1, 2]
     layer.cuda_graphs = [lambda hidden, **kw: ("bank 0", kw), lambda hidden, **kw: ("bank 1", kw)]
     params = layer._graph_inputs[1].load(_cp_params([4, 12], 2))
-    name, kwargs = layer._te_cuda_graph_replay(torch.zeros(16, 1, 8), packed_seq_params=params)
-    assert name == "bank 1" and kwargs["cu_seqlens"] is layer._graph_inputs[1].buffers["cu_seqlens"]
-    with pytest.raises(RuntimeError, match="must be loaded into the graphs' static buffers"):
-        layer._te_cuda_graph_replay(torch.zeros(16, 1, 8),
-                                    packed_seq_params=_cp_params([4, 12], 2))
+    plan = lambda size: StepGraphPlan.graphed(Mode.REPLAY, GraphKey(Granularity.CP_BANK, 8, size))
+    with running(plan(2)):
+        name, kwargs = layer._te_cuda_graph_replay(torch.zeros(16, 1, 8), packed_seq_params=params)
+        assert name == "bank 1"
+        assert kwargs["cu_seqlens"] is layer._graph_inputs[1].buffers["cu_seqlens"]
+        with pytest.raises(RuntimeError, match="must be loaded into its bank's static buffers"):
+            layer._te_cuda_graph_replay(torch.zeros(16, 1, 8),
+                                        packed_seq_params=_cp_params([4, 12], 2))
+    with running(plan(1)):  # loaded into another bank than the plan names
+        with pytest.raises(RuntimeError, match="must be loaded into its bank's static buffers"):
+            layer._te_cuda_graph_replay(torch.zeros(16, 1, 8), packed_seq_params=params)
+    with running(plan(4)):
+        with pytest.raises(RuntimeError, match=r"no TE graph bank was captured for CP size 4"):
+            layer._te_cuda_graph_replay(torch.zeros(16, 1, 8), packed_seq_params=params)
+    with pytest.raises(RuntimeError, match="replay under the graph runtime's plan"):
+        layer._te_cuda_graph_replay(torch.zeros(16, 1, 8), packed_seq_params=params)
+    # One bank (no dynamic CP): a call without a plan replays it.
+    layer._graph_inputs, layer._graph_bank_sizes = layer._graph_inputs[:1], [1]
+    layer.cuda_graphs = layer.cuda_graphs[:1]
+    params = layer._graph_inputs[0].load(_cp_params([4, 12], 1))
+    assert layer._te_cuda_graph_replay(torch.zeros(16, 1, 8), packed_seq_params=params)[0] == "bank 0"

@@ -1,0 +1,287 @@
+"""The one CUDA-graph runtime of a training run: plan, capture, replay, fallback, statistics.
+
+Built once from a frozen `GraphRuntimeConfig` and the model chunks (`GraphRuntime.from_args`).
+The training loop hands it each iteration's micro-batches and its forward step:
+
+    with graphs.iteration(micro_batches, forward_step) as step:
+        losses = step.run(schedule)  # schedule(step.forward_step, step.micro_batches)
+    log(step.stats)
+
+On entry every micro-batch gets its `StepGraphPlan` on the host (`dispatch.plan_iteration`,
+per model chunk: `dispatch.plan_chunks`), and Transformer Engine graphs are captured when
+this is their capture iteration (before the schedule: one bank, or one per CP size). Each
+micro-batch then runs under its plan (`plan.running`): the graphable modules read it,
+megatron-core's local graphs record it and capture at the end of the schedule. On exit the
+iteration's statistics are in ``step.stats``: documents per micro-batch, graph fallbacks,
+eager micro-batches by reason, capture time and memory. Evaluation (``training=False``)
+runs eager (`Reason.EVAL`), with statistics of its own.
+
+Every piece of graph state lives in the runtime or in the model's own graph managers: which
+capacities and banks are captured, the TE banks, the iteration count. The model chunks' slot
+tables are built once, here.
+
+The forward step the runtime drives (megatron.training.packed_step.PackedForwardStep):
+
+* ``stage(batch, capacity)`` -> a staged micro-batch with ``params`` (its PackedBatchParams):
+  the host micro-batch on the device, ``cu_seqlens`` padded to ``capacity`` when not None;
+* ``run(model, staged)`` -> ``(output, loss_func)``, megatron-core's forward-step result;
+* ``bank_layout(cp_size, capacity)`` -> params laid out like a graphed micro-batch of that
+  CP size (dynamic CP banks are captured with it).
+
+From each micro-batch (a collated dict) the runtime reads the host values ``num_segments``,
+``num_documents`` and, under dynamic CP, ``cp_turn`` (its CP size), ``cp_mix``, ``cp_rounds``.
+"""
+
+from collections import Counter
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from megatron.packed_graphs import core_patches
+from megatron.packed_graphs.chunk_graphs import chunk_slot_count
+from megatron.packed_graphs.dispatch import micro_batch_reasons, plan_chunks, plan_iteration
+from megatron.packed_graphs.plan import (
+    FALLBACK_REASONS,
+    Granularity,
+    GraphRuntimeConfig,
+    Mode,
+    Reason,
+    StepGraphPlan,
+    running,
+)
+from megatron.packed_graphs.te_graphs import TELayerGraphs
+
+PLAN_KEY = "graph_plan"  # where a planned micro-batch (a copy of the loader's dict) holds its plan
+
+
+def tokens_per_rank(args) -> int:
+    """Positions of a micro-batch's THD stream that one rank's layers see."""
+    if getattr(args, "dynamic_cp_sizes", None):
+        return args.dynamic_cp_tokens_per_rank
+    tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size
+    return tokens // args.tensor_model_parallel_size if args.sequence_parallel else tokens
+
+
+def config_from_args(args, slots_per_chunk: Sequence[int] = (1,)) -> GraphRuntimeConfig:
+    """The frozen graph settings of a run (validated CLI arguments; docs/cuda-graphs.md)."""
+    impl = args.cuda_graph_impl
+    banks = ()
+    if getattr(args, "dynamic_cp_sizes", None) and impl == "transformer_engine":
+        granularity = Granularity.CP_BANK
+        banks = tuple(zip(args.dynamic_cp_sizes, args.dynamic_cp_max_packed_seqs))
+    else:
+        granularity = Granularity(args.cuda_graph_granularity)
+    return GraphRuntimeConfig(
+        impl=impl, granularity=granularity,
+        capacity=args.cuda_graph_max_packed_seqs,
+        warmup_iterations=args.cuda_graph_warmup_steps,
+        ladder=tuple(args.cuda_graph_capacity_ladder or ()),
+        capture_needs_all_micro_batches=args.pipeline_model_parallel_size > 1,
+        cp_size=args.context_parallel_size, bank_capacities=banks,
+        slots_per_chunk=tuple(slots_per_chunk), tokens_per_rank=tokens_per_rank(args))
+
+
+class GraphRuntime:
+    """Owner of every CUDA-graph decision and all graph state of a run (see module doc)."""
+
+    def __init__(self, config: GraphRuntimeConfig, model: Sequence[torch.nn.Module] = (),
+                 model_config=None):
+        self.config = config
+        self.model = list(model)
+        self.iterations = 0  # training iterations run through the runtime
+        self.captured: frozenset = frozenset()  # (CP size, capacity) pairs graphs exist for
+        # Eager micro-batches of the whole run by reason (training and evaluation).
+        self.eager_totals: Counter = Counter()
+        self.te_graphs: Optional[TELayerGraphs] = None
+        if config.impl == "transformer_engine":
+            self.te_graphs = TELayerGraphs(self.model, model_config, config.tokens_per_rank)
+
+    @staticmethod
+    def prepare(args) -> None:
+        """Process set-up graphs need before the model is wrapped in DDP: TE graph capture
+        needs the process on a side stream (core_patches.use_side_stream)."""
+        if args.cuda_graph_impl == "transformer_engine":
+            core_patches.use_side_stream()
+
+    @classmethod
+    def from_args(cls, args, model: Sequence[torch.nn.Module], model_config) -> "GraphRuntime":
+        """The run's runtime: settings from validated arguments, chunk slots from this rank's
+        pipeline schedule (chunk granularity; needs the parallel state), TE layer graphs."""
+        slots = (1,)
+        if args.cuda_graph_impl == "local" and args.cuda_graph_granularity == "chunk":
+            slots = tuple(chunk_slot_count(model_config, chunk) for chunk in range(len(model)))
+        return cls(config_from_args(args, slots), model, model_config)
+
+    def describe(self) -> str:
+        """One start-up log line: what is graphed and how."""
+        c = self.config
+        if not c.enabled:
+            return "cuda graphs: off (--cuda-graph-impl none); every micro-batch runs eager: disabled"
+        if c.granularity is Granularity.CP_BANK:
+            sizes = ", ".join(f"cp{size}: {capacity}" for size, capacity in c.bank_capacities)
+            what = f"capacity per CP-size bank {sizes}"
+        else:
+            what = "capacities " + ",".join(map(str, c.capacities))
+        if c.granularity is Granularity.CHUNK:
+            what += ", slots per chunk " + ",".join(map(str, c.slots_per_chunk))
+        return (f"cuda graphs: {c.granularity.value} graphs ({c.impl}), {what}, "
+                f"{c.warmup_iterations} eager warm-up iterations")
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def plan(self, micro_batches: Sequence[Sequence[dict]],
+             training: bool = True) -> List[List[StepGraphPlan]]:
+        """Plans of an iteration's micro-batches (one list per model chunk, every chunk the
+        same micro-batches), for this runtime's state. Host only; changes nothing."""
+        batches = micro_batches[0]
+        cp_sizes = None
+        if self.config.granularity is Granularity.CP_BANK:
+            cp_sizes = [batch["cp_turn"].cp_size for batch in batches]
+        plans = plan_iteration(self.config, self.iterations, self.captured,
+                               [batch["num_segments"] for batch in batches], cp_sizes,
+                               training=training)
+        return plan_chunks(self.config, plans, len(micro_batches))
+
+    @contextmanager
+    def iteration(self, micro_batches: Sequence[Sequence[dict]], forward_step,
+                  training: bool = True) -> Iterator["GraphIteration"]:
+        """One iteration (training, or an evaluation pass) over ``micro_batches``, one list
+        per model chunk. Plans and, in the TE capture iteration, captures on entry (syncs the
+        device); yields the `GraphIteration` the schedule runs; collects statistics on exit."""
+        step = GraphIteration(self, forward_step, micro_batches,
+                              self.plan(micro_batches, training), training)
+        capturing = training and self.config.enabled and not self.captured
+        capture_stats = self._capture_te(step) if capturing and self.te_graphs else {}
+        yield step
+        step.stats = self._statistics(step)
+        if capturing:
+            step.stats |= capture_stats | self._after_capture(step)
+        if training:
+            self.iterations += 1
+
+    def run_micro_batch(self, forward_step, model, batch: dict, plan: StepGraphPlan):
+        """Stage ``batch``, load a graphed one into its TE bank, call the model under ``plan``.
+
+        Returns megatron-core's forward-step result ``(output, loss_func)``.
+        """
+        staged = forward_step.stage(batch, plan.capacity)
+        if plan.uses_graphs and self.te_graphs is not None:
+            staged.params = self.te_graphs.load(plan.key.cp_size, staged.params)
+        with running(plan):
+            return forward_step.run(model, staged)
+
+    # -- capture -------------------------------------------------------------------------------
+
+    def _capture_te(self, step: "GraphIteration") -> dict:
+        """TE graphs are captured before the schedule of their capture iteration: every CP
+        bank at the first iteration past the warm-up (every rank alike: captures run the
+        groups' collectives), or one bank laid out like the iteration's first graphed
+        micro-batch."""
+        config, forward_step = self.config, step.forward
+        if config.granularity is Granularity.CP_BANK:
+            if self.iterations < config.warmup_iterations:
+                return {}
+            banks = [(size, forward_step.bank_layout(size, capacity))
+                     for size, capacity in config.bank_capacities]
+            self.captured = frozenset(config.bank_capacities)
+            return self.te_graphs.capture(banks)
+        first = next(((batch, plan) for batch, plan in zip(step.micro_batches[0], step.plans[0])
+                      if plan.mode is Mode.CAPTURE), None)
+        if first is None:
+            return {}
+        batch, plan = first
+        stats = self.te_graphs.capture([(plan.key.cp_size,
+                                         forward_step.stage(batch, plan.capacity).params)])
+        self.captured = frozenset({(plan.key.cp_size, plan.key.capacity)})
+        return stats
+
+    def _after_capture(self, step: "GraphIteration") -> dict:
+        """After the schedule of an iteration that had nothing captured at its start: what the
+        local implementation captured at its end (TE: captured before it)."""
+        recorded = {(plan.key.cp_size, plan.key.capacity) for plans in step.plans for plan in plans
+                    if plan.mode is Mode.CAPTURE}
+        stats: dict = {}
+        if self.te_graphs is None and recorded:
+            self.captured = frozenset(recorded)
+            if self.config.ladder:
+                stats["graph capacities"] = ",".join(str(c) for _, c in sorted(recorded))
+            stats |= _drain_capture_log()
+        if not self.captured:
+            reasons = micro_batch_reasons(step.plans)
+            stats["cuda graphs"] = reasons[0].value if reasons else "-"
+        return stats
+
+    # -- statistics ----------------------------------------------------------------------------
+
+    def _statistics(self, step: "GraphIteration") -> dict:
+        batches = step.micro_batches[0]
+        stats: dict = {}
+        if step.training:
+            documents = sum(batch["num_documents"] for batch in batches)
+            stats["docs per micro-batch"] = round(documents / max(len(batches), 1), 2)
+            if batches and "cp_mix" in batches[0]:  # dynamic CP: the iteration's sizes, rounds
+                stats |= {"cp micro-batches": batches[0]["cp_mix"],
+                          "cp rounds": batches[0]["cp_rounds"]}
+        eager = Counter(r for r in micro_batch_reasons(step.plans) if r is not Reason.GRAPHED)
+        eager.update(step.reruns)
+        self.eager_totals.update(eager)
+        if not self.config.enabled:
+            return stats
+        if step.training:
+            stats["graph fallbacks"] = sum(n for r, n in eager.items() if r in FALLBACK_REASONS)
+        stats |= {f"eager {reason.value}": count for reason, count in sorted(eager.items())}
+        return stats
+
+
+def _drain_capture_log() -> dict:
+    """The latest end-of-schedule capture's statistics (core_patches.capture_log), emptied."""
+    capture = None
+    while core_patches.capture_log:
+        capture = core_patches.capture_log.popleft()
+    if capture is None:
+        return {}
+    return {"graph capture (s)": round(capture["time"], 2),
+            "graph memory (MiB)": round(capture["graph_reserved_bytes"] / 2**20, 1),
+            "graphs captured": capture["graphs"]}
+
+
+class GraphIteration:
+    """One planned iteration: the micro-batches with their plans, and the forward step.
+
+    ``micro_batches``: one list per model chunk of copies of the loader's dicts, each holding
+    its plan under `PLAN_KEY`; ``plans``: the same plans; ``stats``: filled when the
+    iteration's scope exits.
+    """
+
+    def __init__(self, runtime: GraphRuntime, forward_step, micro_batches, plans, training):
+        self.runtime, self.forward, self.training = runtime, forward_step, training
+        self.plans: List[List[StepGraphPlan]] = plans
+        self.micro_batches: List[List[dict]] = [
+            [{**batch, PLAN_KEY: plan} for batch, plan in zip(batches, chunk_plans)]
+            for batches, chunk_plans in zip(micro_batches, plans)]
+        self.reruns: Counter = Counter()
+        self.stats: Dict = {}
+
+    def forward_step(self, data_iterator, model):
+        """megatron-core's ``forward_step_func``: the next planned micro-batch, under its plan."""
+        batch = next(data_iterator)
+        return self.runtime.run_micro_batch(self.forward, model, batch, batch[PLAN_KEY])
+
+    def run(self, schedule: Callable):
+        """The iteration's forward and backward passes: ``schedule(forward_step,
+        micro_batches)`` (megatron-core's schedule over this iteration's planned micro-batches).
+
+        The seam for whole-iteration graphs: a full-iteration granularity captures and
+        replays this call, and runs it as is when a micro-batch overflows.
+        """
+        return schedule(self.forward_step, self.micro_batches)
+
+    def rerun_eager(self, indices: Sequence[int],
+                    reason: Reason = Reason.MOE_OVERFLOW_RERUN) -> List[List[dict]]:
+        """Micro-batches ``indices`` (positions in this iteration) planned eager for
+        ``reason``, one list per model chunk, for a schedule that runs them again; counted
+        in this iteration's statistics."""
+        plan = StepGraphPlan.eager(reason)
+        self.reruns[reason] += len(indices)
+        return [[{**batches[i], PLAN_KEY: plan} for i in indices] for batches in self.micro_batches]
