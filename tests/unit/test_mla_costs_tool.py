@@ -1,0 +1,76 @@
+"""tools/mla_costs.py on CPU: the moonlight-small flag set and the tool's own arguments (the
+measurement itself needs a GPU with Transformer Engine)."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.training import argument_checks
+from megatron.training.arguments import build_parser, validate_args
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("mla_costs", REPO / "tools" / "mla_costs.py")
+mla_costs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mla_costs)
+
+
+@pytest.fixture
+def te_and_triton(monkeypatch):
+    monkeypatch.setattr(argument_checks, "is_importable",
+                        lambda package: package in ("transformer_engine", "triton"))
+
+
+def test_moonlight_small_has_moonlights_ratios(te_and_triton):
+    args = build_parser("gpt").parse_args(mla_costs.MOONLIGHT_SMALL + mla_costs.TRAINING)
+    # The flags megatron-core's config receives (transformer_config_from_args needs TE here).
+    config = validate_args(args, "gpt", world_size=1)
+    hidden = config.hidden_size
+    # Moonlight-16B-A3B: hidden 2048, 16 heads x v 128, kv_lora 512, experts 64 x 1408 wide,
+    # top-6, two shared experts, no query compression, RoPE base 50000 without scaling.
+    assert config.multi_latent_attention and config.qk_layernorm and config.q_lora_rank is None
+    assert config.num_attention_heads * config.v_head_dim == hidden
+    assert config.kv_lora_rank * 4 == hidden
+    assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (128, 64, 128)
+    assert config.moe_ffn_hidden_size == hidden * 1408 // 2048
+    assert config.moe_shared_expert_intermediate_size == 2 * config.moe_ffn_hidden_size
+    assert (config.num_experts, config.moe_router_topk) == (64, 6)
+    assert config.moe_router_score_function == "sigmoid"
+    assert config.moe_pad_expert_input_to_capacity and config.moe_grouped_gemm
+    assert (config.rotary_base, config.rotary_scaling_factor) == (50000, 1.0)
+    assert config.attention_backend == "te"
+
+
+def test_moonlight_small_is_refused_without_transformer_engine(monkeypatch):
+    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+    args = build_parser("gpt").parse_args(mla_costs.MOONLIGHT_SMALL + mla_costs.TRAINING)
+    with pytest.raises(ValueError, match="--attention-backend is wrong: te. It needs "
+                                         "transformer_engine"):
+        validate_args(args, "gpt", world_size=1)
+
+
+def test_document_lengths_fill_the_micro_batch():
+    assert mla_costs.document_lengths(4096, 8) == [512] * 8
+    assert mla_costs.document_lengths(10, 3) == [3, 3, 4]
+    with pytest.raises(ValueError, match="documents is wrong: 0"):
+        mla_costs.document_lengths(10, 0)
+
+
+def test_capacities_must_hold_the_documents(capsys):
+    with pytest.raises(SystemExit):
+        mla_costs.parse(["--capacities", "4", "16", "--documents", "8"])
+    assert "--capacities must be >= --documents (8)" in capsys.readouterr().err
+    assert mla_costs.parse(["--capacities", "8", "64"]).capacities == [8, 64]
+
+
+def test_table_shows_shares():
+    text = mla_costs.table([("whole layer", 2.0, 1.0), ("cost of V padding", 0.05, 0.025)])
+    assert "| cost of V padding | 0.050 | 2.5% |" in text
+
+
+def test_help_runs_without_a_gpu():
+    proc = subprocess.run([sys.executable, "tools/mla_costs.py", "--help"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "--capacities" in proc.stdout
