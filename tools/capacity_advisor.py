@@ -255,13 +255,14 @@ def format_moe_report(loads: RouterLoads, target_overflow_rate: float) -> str:
     lines.append(f"{'x even share':<18}" + "".join(f"{c / share:>8.2f}"
                                                    for c in cells + [int(peaks.max())]))
     factor, capacity, rate = recommend_capacity_factor(loads, target_overflow_rate)
-    lines += ["", f"{'factor':>8}{'capacity':>10}  overflowing micro-batches  iterations"]
+    lines += ["", f"{'factor':>8}{'capacity':>10}{'overflowing micro-batches':>27}"
+                  f"{'iterations':>12}"]
     for f in sorted({x for x in ROUND_FACTORS if x <= loads.max_factor} | {factor}):
         cap = expert_capacity(loads, f)
         r = fallback_rate(peaks, cap)
         marker = "  <- recommended" if f == factor else ""
-        lines.append(f"{f:>8g}{cap:>10}  {100 * r:24.2f}%  "
-                     f"{100 * iteration_rerun_rate(loads, r):9.2f}%{marker}")
+        lines.append(f"{f:>8g}{cap:>10}{100 * r:>26.2f}%"
+                     f"{100 * iteration_rerun_rate(loads, r):>11.2f}%{marker}")
     lines += ["", f"recommended: --moe-expert-capacity-factor {factor:g} "
                   f"--moe-pad-expert-input-to-capacity --moe-capacity-overflow rerun   "
                   f"(predicted overflow {100 * rate:.2f}% of micro-batches, target "

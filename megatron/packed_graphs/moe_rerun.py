@@ -29,6 +29,7 @@ micro-batches differ only by how drop-and-pad lays rows out (same values, other 
 order). Dropout draws new masks in the rerun (the RNG is not rewound).
 """
 
+import json
 from typing import Callable, Dict, FrozenSet, Iterator, List, Sequence
 
 import torch
@@ -65,8 +66,11 @@ class MoEOverflowRerun:
         self.group, self.max_passes = group, max_passes
         # Max over routers of [dropped slots, peak expert load] of the running forward call.
         self.counter = torch.zeros(2, dtype=torch.int64, device=self.device)
-        # One row per micro-batch; the last row holds the call count (max over ranks).
-        self.rows = torch.zeros(max_micro_batches + 1, 2, dtype=torch.int64, device=self.device)
+        # One row per micro-batch, then [experts, top-k] and [calls, tokens per call]: maxed
+        # over ranks, so ranks without MoE layers learn the shape too.
+        self.rows = torch.zeros(max_micro_batches + 2, 2, dtype=torch.int64, device=self.device)
+        self.shape = {"num_experts": flat[0].config.num_moe_experts if flat else 0,
+                      "moe_router_topk": flat[0].topk if flat else 0, "tokens_per_rank": 0}
         for router in flat:
             router.overflow_counter = self.counter
         self._calls = [0] * len(self.chunks)
@@ -81,6 +85,17 @@ class MoEOverflowRerun:
             chunk.register_forward_pre_hook(lambda module, args, i=index: self._before(i)),
             chunk.register_forward_hook(lambda module, args, out, i=index: self._after(i)))]
 
+    @classmethod
+    def from_args(cls, args, model_chunks: Sequence[torch.nn.Module]):
+        """The training run's monitor (validated arguments); None unless
+        ``--moe-capacity-overflow rerun``."""
+        if getattr(args, "moe_capacity_overflow", "drop") != "rerun":
+            return None
+        bound = args.global_batch_size // args.micro_batch_size
+        if not getattr(args, "dynamic_cp_sizes", None):  # else ranks run unequal shares
+            bound //= args.data_parallel_size
+        return cls(model_chunks, max_micro_batches=max(1, bound))
+
     # ------------------------------------------------------------------ hooks (no host sync)
 
     def _counting(self, index: int) -> bool:
@@ -92,10 +107,10 @@ class MoEOverflowRerun:
         if self._snapshot is None:
             self._snapshot = self._take_snapshot()
         micro_batch = self._calls[index]
-        if micro_batch >= self.rows.shape[0] - 1:
+        if micro_batch >= self.rows.shape[0] - 2:
             raise RuntimeError(f"model chunk {index} ran {micro_batch + 1} training forward "
                                f"calls since the last after_forward_backward; max_micro_batches "
-                               f"is {self.rows.shape[0] - 1}. Call after_forward_backward once "
+                               f"is {self.rows.shape[0] - 2}. Call after_forward_backward once "
                                "per iteration, with a bound on its micro-batches.")
         self.counter.zero_()  # drops counted between calls (e.g. graph warm-up) are not ours
         if micro_batch in self._dropless:
@@ -139,14 +154,21 @@ class MoEOverflowRerun:
         """This pass's ``[dropped slots, peak expert load]`` per micro-batch position, the max
         over ranks; resets the rows for the next pass. Syncs: one all-reduce (max, over
         ``group``, default the world) and one host read; call it on every rank."""
-        self.rows[-1, 0] = max(self._calls, default=0)
+        tokens = max((r.num_tokens or 0 for routers in self.routers for r in routers), default=0)
+        for (row, column), value in {(-2, 0): self.shape["num_experts"],
+                                     (-2, 1): self.shape["moe_router_topk"],
+                                     (-1, 0): max(self._calls, default=0),
+                                     (-1, 1): tokens}.items():
+            self.rows[row, column] = value
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(self.rows, op=torch.distributed.ReduceOp.MAX,
                                          group=self.group)
         rows = self.rows.tolist()  # the iteration's host read
         self.rows.zero_()
         self._calls = [0] * len(self.chunks)
-        return rows[:rows[-1][0]]
+        (experts, topk), (calls, tokens) = rows[-2:]
+        self.shape = {"num_experts": experts, "moe_router_topk": topk, "tokens_per_rank": tokens}
+        return rows[:calls]
 
     def after_forward_backward(self, result, rerun: Callable[[FrozenSet[int]], object]):
         """Decide after the iteration's schedule (before the optimizer step), and rerun.
@@ -196,14 +218,16 @@ class MoEOverflowRerun:
         """The peak expert loads seen so far, in the format tools/capacity_advisor.py reads
         (``--moe-router-loads``): one sample per micro-batch position of an iteration, the
         most tokens one expert of one MoE layer received from one rank, before the capacity."""
-        router = next((r for routers in self.routers for r in routers), None)
-        if router is None:
-            return {}
-        return {"num_experts": router.config.num_moe_experts,
-                "moe_router_topk": router.topk,
-                "tokens_per_rank": router.num_tokens,
-                "micro_batches_per_iteration": self.micro_batches_per_iteration,
+        return {**self.shape, "micro_batches_per_iteration": self.micro_batches_per_iteration,
                 "peak_loads": {str(load): n for load, n in sorted(self.peak_loads.items())}}
+
+    def write_router_loads(self, path: str) -> None:
+        """Write `router_load_record` as JSON (``--moe-router-load-file``). Every rank holds the
+        same record (loads and shape are maxed over ranks): global rank 0 writes."""
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        with open(path, "w") as f:
+            json.dump(self.router_load_record(), f, indent=1)
 
     def remove(self) -> None:
         """Take the hooks off and detach the routers' shared buffer."""

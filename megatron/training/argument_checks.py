@@ -602,6 +602,7 @@ _MOE_FLAG_DEFAULTS = {
     "--moe-expert-capacity-factor": None,
     "--moe-pad-expert-input-to-capacity": False,
     "--moe-capacity-overflow": "drop",
+    "--moe-router-load-file": None,
     "--moe-grouped-gemm": False,
     "--expert-model-parallel-size": 1,
 }
@@ -676,6 +677,9 @@ def check_moe(args, model: str):
                  f"{experts / topk:g}")
     if args.moe_capacity_overflow == "rerun":
         _check_overflow_rerun(args)
+    elif args.moe_router_load_file:
+        fail("--moe-router-load-file", args.moe_router_load_file,
+             "The loads are measured by --moe-capacity-overflow rerun; add it or drop the flag")
     if args.moe_grouped_gemm:
         _require_package("transformer_engine", "--moe-grouped-gemm", True)
         if not _uses_te_backend(args):

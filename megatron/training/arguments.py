@@ -187,6 +187,10 @@ def _add_moe_args(parser):
                    help="Tokens over an expert's drop-and-pad capacity under CUDA graphs: drop "
                         "them, or rerun the micro-batches that overflowed eager and dropless "
                         "before the optimizer step, so no token is dropped.")
+    g.add_argument("--moe-router-load-file", default=None, metavar="PATH",
+                   help="With --moe-capacity-overflow rerun: write the measured peak expert "
+                        "loads here (JSON) at the end of training, for "
+                        "tools/capacity_advisor.py --moe-router-loads.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="Transformer Engine's grouped GEMM for the local experts (TEGroupedMLP).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,

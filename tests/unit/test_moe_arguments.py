@@ -82,7 +82,7 @@ def test_capacity_overflow_rerun_with_graphs_and_drop_and_pad(with_te):
     assert validate(*MOE).moe_capacity_overflow == "drop"
     args = validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--attention-backend", "torch",
                     "--moe-capacity-overflow", "rerun")
-    assert args.moe_capacity_overflow == "rerun"
+    assert args.moe_capacity_overflow == "rerun" and args.moe_router_load_file is None
 
 
 def test_grouped_gemm_with_te(with_te):
@@ -98,6 +98,7 @@ def test_grouped_gemm_with_te(with_te):
     ("--moe-z-loss-coeff", 0.001), ("--moe-router-score-function", "sigmoid"),
     ("--moe-router-dtype", "fp32"), ("--moe-expert-capacity-factor", 1.0),
     ("--expert-model-parallel-size", 2), ("--moe-capacity-overflow", "rerun"),
+    ("--moe-router-load-file", "loads.json"),
 ])
 def test_moe_flag_without_experts(flag, value):
     with pytest.raises(ValueError, match=f"{flag} is wrong: {value}. It configures MoE layers; "
@@ -189,6 +190,12 @@ def test_capacity_overflow_rerun_needs_drop_and_pad(with_te, capacity):
                                          "--moe-pad-expert-input-to-capacity"):
         validate(*MOE, *capacity, *GRAPHS, "--attention-backend", "torch",
                  "--moe-capacity-overflow", "rerun")
+
+
+def test_router_load_file_needs_the_rerun_mode():
+    with pytest.raises(ValueError, match="--moe-router-load-file is wrong: loads.json. The "
+                                         "loads are measured by --moe-capacity-overflow rerun"):
+        validate(*MOE, "--moe-router-load-file", "loads.json")
 
 
 def test_grouped_gemm_needs_te():

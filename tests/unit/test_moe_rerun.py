@@ -286,3 +286,25 @@ def test_measured_loads_size_a_capacity_that_does_not_overflow(cpu_moe, tmp_path
     check = MoEOverflowRerun([sized], max_micro_batches=8)
     run_iteration(sized, batches)
     assert all(dropped == 0 for dropped, _ in check.read_rows())
+
+
+def test_from_args_and_the_load_file(cpu_moe, tmp_path):
+    from argparse import Namespace
+
+    import json
+
+    model = build("gpt", CAPACITY)
+    args = Namespace(moe_capacity_overflow="drop", global_batch_size=16, micro_batch_size=2,
+                     data_parallel_size=2, dynamic_cp_sizes=None)
+    assert MoEOverflowRerun.from_args(args, [model]) is None
+    args.moe_capacity_overflow = "rerun"
+    rerun = MoEOverflowRerun.from_args(args, [model])
+    assert rerun.rows.shape == (4 + 2, 2)  # 16 / 2 / 2 micro-batches per rank, and the shape
+    batches = micro_batches()
+    rerun.after_forward_backward(run_iteration(model, batches),
+                                 lambda eager: run_iteration(model, batches))
+    rerun.write_router_loads(str(tmp_path / "loads.json"))
+    record = json.loads((tmp_path / "loads.json").read_text())
+    assert record == {"num_experts": EXPERTS, "moe_router_topk": TOPK, "tokens_per_rank": TOKENS,
+                      "micro_batches_per_iteration": 4,
+                      "peak_loads": {"6": 1, "5": 1, "12": 1, "7": 1}}
