@@ -225,6 +225,16 @@ def test_every_launch_command_passes_the_training_parser(te_importable, preset, 
         assert parsed.num_experts is None and "--expert-model-parallel-size" not in cmd
 
 
+@pytest.mark.parametrize("preset", MOE_PRESETS)
+@pytest.mark.parametrize("variant", ["layer-graphs", "chunk-graphs"])
+def test_graphed_moe_presets_take_the_rerun_mode_through_extra_args(te_importable, preset,
+                                                                   variant):
+    """docs/benchmarks.md: the rerun-rate column's runs (graph variants only)."""
+    args = _args(nproc=1, extra_args="--moe-capacity-overflow rerun")
+    cmd = benchmark.launch_command(preset, variant, args, "/tmp/m.jsonl")
+    assert _validated(cmd, world_size=1).moe_capacity_overflow == "rerun"
+
+
 def test_grouped_gemm_rows_need_transformer_engine(te_importable):
     cmd = benchmark.launch_command("gpt-moe-small", "eager", _args(nproc=1), "/tmp/m.jsonl",
                                    experts="grouped-gemm")
