@@ -64,7 +64,7 @@ def test_padded_row_routes_like_unpadded(dist, pad_to_capacity):
     doc_probs, doc_map = alone_layer.mlp.router(hidden[:docs])
     assert torch.equal(probs[:docs], doc_probs) and not probs[docs:].any()
     assert torch.equal(routing_map[:docs] & (probs[:docs] > 0), doc_map & (doc_probs > 0))
-    if not pad_to_capacity:
+    if pad_to_capacity is False:  # routed nowhere; dropless keeps tokens x top-k slots
         assert not routing_map[docs:].any()
     out, _ = padded_layer.mlp(hidden, padding_mask=mask.view(1, -1))
     out_alone, _ = alone_layer.mlp(hidden[:docs])
