@@ -217,6 +217,11 @@ def test_every_launch_command_passes_the_training_parser(te_importable, preset, 
     cmd = benchmark.launch_command(preset, variant, args, "/tmp/m.jsonl", "", experts)
     parsed = _validated(cmd, world_size=ep)
     assert parsed.train_iters == 30 and parsed.metrics_file == "/tmp/m.jsonl"
+    if not needs_te:  # megatron-core's TransformerConfig checks at the preset's full size
+        from megatron.training.config import transformer_config_from_args
+
+        config = transformer_config_from_args(parsed)
+        assert config.num_moe_experts == parsed.num_experts
     if benchmark.is_moe(preset):
         assert parsed.num_experts == 16 and parsed.expert_model_parallel_size == ep
         assert parsed.moe_grouped_gemm == (experts == "grouped-gemm")

@@ -126,6 +126,53 @@ def test_moe_cases_are_small_drop_and_pad_and_compare_the_moe_metrics(name, tmp_
         assert (args.cuda_graph_impl, args.cuda_graph_granularity) == ("local", granularity)
 
 
+@pytest.mark.parametrize("name", ["gpt_moe/gpt_moe_eager", "hybrid_moe/hybrid_moe_eager"])
+def test_moe_case_models_build_and_train_on_cpu(name, tmp_path, cpu_dist, monkeypatch):
+    """The case's flags through the training config and the script's model provider at the
+    case's size, then forward and backward on one packed row of 1024 positions. Without
+    Mamba layers (MambaMixer needs mamba-ssm) and RoPE (megatron-core builds its table on the
+    CUDA device); megatron-core's alltoall dispatcher gets a placeholder for the CUDA stream
+    it creates for dropless dispatch (tests/unit/test_moe.py)."""
+    import importlib
+
+    import torch
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron.packed_graphs.packed_seq import build_packed_batch_params
+    from megatron.training.config import transformer_config_from_args
+
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
+    get_moe_metrics_tracker().metrics.clear()
+    case = load_case(CASES_ROOT / name)
+    (plan,) = plan_runs(case, case_variables(tmp_path))
+    argv = plan.argv + ["--position-embedding-type", "none"]
+    if "--hybrid-override-pattern" in argv:
+        at = argv.index("--hybrid-override-pattern") + 1
+        argv[at] = argv[at].replace("M", "")
+    args = validate_args(build_parser(case.model).parse_args(argv), case.model, world_size=1)
+    config = transformer_config_from_args(args)
+    config.use_cpu_initialization = True
+    torch.manual_seed(0)
+    model = importlib.import_module(case.script[:-3]).model_provider(args, config)
+    routers = [layer.mlp.router for layer in model.decoder.layers
+               if isinstance(getattr(layer, "mlp", None), MoELayer)]
+    assert len(routers) == (4 if case.model == "gpt" else 3)
+    cu = torch.tensor([0, 300, 700, 900, 1024], dtype=torch.int32)  # 3 documents, padding
+    positions = torch.cat([torch.arange(n) for n in (300, 400, 200, 124)])
+    params = build_packed_batch_params(cu, positions, 1024, with_seq_idx=False)
+    params.padding_mask = torch.arange(1024) >= 900
+    tokens = torch.randint(1, 1024, (1, 1024))
+    losses = model(tokens, positions.view(1, -1), None, labels=tokens, packed_seq_params=params)
+    assert torch.isfinite(losses).all()
+    losses.float().sum().backward()
+    assert all(router.weight.grad.abs().sum() > 0 for router in routers)
+    # The aux and z losses the case compares were recorded for the MoE layers.
+    assert {"load_balancing_loss", "z_loss"} <= set(get_moe_metrics_tracker().metrics)
+    get_moe_metrics_tracker().metrics.clear()
+
+
 def test_resolve_case_accepts_name_folder_and_yaml():
     folder = CASES_ROOT / "gpt" / "gpt_eager"
     assert resolve_case("gpt/gpt_eager") == folder
