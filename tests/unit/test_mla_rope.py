@@ -245,3 +245,44 @@ def test_rope_params_prefer_the_cp_padded_boundaries():
 
 def test_rope_params_pass_unpacked_params_through():
     assert rope_params(None, rows=8, cp_size=1) is None
+
+
+# ------------------------------------------- what the subclasses rely on in megatron-core 0.19.2
+
+def test_upstream_mla_rope_reads_what_rope_params_set():
+    """`PackedMLASelfAttention` steers upstream's RoPE through the params it hands to
+    ``get_query_key_value_tensors``: the padded boundaries (preferred when set), the
+    ``max_seqlen`` pair (the table length), the CP group's size and rank, and the cos/sin of
+    ``get_cached_cos_sin``; and it strips ``local_cp_size``, which upstream refuses. If
+    upstream reads anything else, this fails and the subclass needs another look."""
+    import inspect
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    source = inspect.getsource(MLASelfAttention.get_query_key_value_tensors)
+    assert "packed_seq_params.local_cp_size is None" in source
+    assert "if packed_seq_params.cu_seqlens_q_padded is not None:" in source
+    assert "cu_seqlens_q = packed_seq_params.cu_seqlens_q_padded" in source
+    assert "self.rotary_pos_emb.get_cached_cos_sin(" in source
+    assert "cp_rank = self.pg_collection.cp.rank()" in source
+    assert "cp_size = self.pg_collection.cp.size()" in source
+    assert "max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)" in \
+        inspect.getsource(RotaryEmbedding.get_rotary_seq_len)
+
+
+def test_upstream_cos_sin_cache_is_still_re_registered():
+    """The hazard `GraphSafeYarnRotaryEmbedding` exists for: upstream rebuilds its cos/sin
+    buffers when the length grows or the dtype or packing mode changes."""
+    import inspect
+
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    source = inspect.getsource(YarnRotaryEmbedding.get_cached_cos_sin)
+    assert "seq_len > self.max_seq_len_cached" in source
+    assert "packed_seq != self.packed_seq_cached" in source
+    assert "self._set_cos_sin_cache(" in source
+    assert 'self.register_buffer(\n            "cos_cached"' in inspect.getsource(
+        YarnRotaryEmbedding._set_cos_sin_cache)
