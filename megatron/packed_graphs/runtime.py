@@ -34,13 +34,18 @@ From each micro-batch (a collated dict) the runtime reads the host values ``num_
 
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.chunk_graphs import chunk_slot_count
-from megatron.packed_graphs.dispatch import micro_batch_reasons, plan_chunks, plan_iteration
+from megatron.packed_graphs.dispatch import (
+    assign_chunk_slots,
+    micro_batch_reasons,
+    plan_chunks,
+    plan_iteration,
+)
 from megatron.packed_graphs.plan import (
     FALLBACK_REASONS,
     Granularity,
@@ -277,11 +282,31 @@ class GraphIteration:
         """
         return schedule(self.forward_step, self.micro_batches)
 
-    def rerun_eager(self, indices: Sequence[int],
-                    reason: Reason = Reason.MOE_OVERFLOW_RERUN) -> List[List[dict]]:
-        """Micro-batches ``indices`` (positions in this iteration) planned eager for
-        ``reason``, one list per model chunk, for a schedule that runs them again; counted
-        in this iteration's statistics."""
-        plan = StepGraphPlan.eager(reason)
-        self.reruns[reason] += len(indices)
-        return [[{**batches[i], PLAN_KEY: plan} for i in indices] for batches in self.micro_batches]
+    def rerun(self, eager: Collection[int], schedule: Callable,
+              reason: Reason = Reason.MOE_OVERFLOW_RERUN):
+        """Run the iteration's schedule again with the micro-batches at positions ``eager``
+        eager for ``reason``, the others replaying their graphs (captured by now); returns
+        what the schedule returns. Counted in this iteration's statistics, once per rerun
+        micro-batch. The caller zeroes the gradients first (moe_rerun.py redoes the whole
+        iteration so that no dropping backward stays in them).
+        """
+        rerun_plan = StepGraphPlan.eager(reason)
+        plans = []
+        for chunk, chunk_plans in enumerate(self.plans):
+            again = [rerun_plan if i in eager else _replayed(plan)
+                     for i, plan in enumerate(chunk_plans)]
+            if self.runtime.config.granularity is Granularity.CHUNK and self.runtime.config.enabled:
+                again = assign_chunk_slots(again, self.runtime.config.slots_per_chunk[chunk])
+            plans.append(again)
+        self.reruns[reason] += len(set(eager))
+        micro_batches = [[{**batch, PLAN_KEY: plan} for batch, plan in zip(batches, chunk_plans)]
+                         for batches, chunk_plans in zip(self.micro_batches, plans)]
+        return schedule(self.forward_step, micro_batches)
+
+
+def _replayed(plan: StepGraphPlan) -> StepGraphPlan:
+    """A plan run again after its iteration's first pass: graphs recorded in that pass are
+    captured by now, so they replay."""
+    if plan.mode is Mode.CAPTURE:
+        return StepGraphPlan.graphed(Mode.REPLAY, plan.key)
+    return plan

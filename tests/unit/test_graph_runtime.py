@@ -133,18 +133,32 @@ def test_planned_copies_leave_the_loader_batches_alone():
     assert it.micro_batches[0][1]["id"] == 1
 
 
-def test_reruns_are_planned_eager_and_counted_with_their_reason():
+def test_a_rerun_runs_the_iteration_again_with_some_micro_batches_eager():
     runtime = GraphRuntime(replace(LOCAL, warmup_iterations=0))
-    runtime.captured = frozenset({(1, 8)})
-
-    def rerun_second(it):
-        again = it.rerun_eager([1])
-        assert [b["id"] for b in again[0]] == [1]
-        it.forward_step(iter(again[0]), "model")
-
-    it, _, step = run(runtime, batches(3, 4), during=rerun_second)
-    assert [(i, p.reason) for i, p, _ in step.runs][-1] == (1, Reason.MOE_OVERFLOW_RERUN)
+    step = RecordingStep()
+    with runtime.iteration(batches(3, 4, 5), step) as it:
+        it.run(fake_capture)
+        outputs = it.rerun({1}, schedule)
+    assert len(outputs) == 3
+    # Second pass: the graphs captured at the end of the first replay, position 1 runs eager.
+    assert [(i, p.mode.value, p.reason.value) for i, p, _ in step.runs[3:]] == [
+        (0, "replay", "graphed"), (1, "eager", "moe_overflow_rerun"), (2, "replay", "graphed")]
+    assert step.staged[3:] == [(0, 8), (1, None), (2, 8)]
     assert it.stats["graph fallbacks"] == 1 and it.stats["eager moe_overflow_rerun"] == 1
+    assert runtime.captured == {(1, 8)} and runtime.iterations == 1
+
+
+def test_a_chunk_rerun_gives_the_slots_again():
+    config = replace(LOCAL, granularity=Granularity.CHUNK, warmup_iterations=0,
+                     slots_per_chunk=(2,))
+    runtime = GraphRuntime(config)
+    runtime.captured = frozenset({(1, 8)})
+    step = RecordingStep()
+    with runtime.iteration(batches(3, 4, 5), step) as it:
+        it.run(schedule)
+        it.rerun({0}, schedule)
+    slots = [p.key.slot if p.key else p.reason.value for _, p, _ in step.runs]
+    assert slots == [0, 1, 0, "moe_overflow_rerun", 0, 1]
 
 
 def test_chunk_granularity_gives_each_chunk_its_slots():

@@ -1,0 +1,58 @@
+"""The graph runtime in real training (one GPU): what it logs, and the sync finder with TE graphs.
+
+* Every eager micro-batch shows with its reason: warm-up and overflow in the training log,
+  evaluation on the validation line, never in a training iteration's numbers.
+* tools/find_host_syncs.py trains with TE layer graphs: the runtime captures them (the forward
+  step the tool used to wrap no longer receives them as an attribute), and a replayed
+  iteration has no host sync inside the model.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.argument_checks import is_importable
+from megatron.training.metrics import read_metrics
+from tests.gpu.launch import REPO, TINY_GPT, TRAIN, run_training
+
+# Capacity 7 with median-128-token documents in 1024-token rows: some micro-batches overflow.
+GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "7",
+          "--cuda-graph-warmup-steps", "2"]
+
+
+def test_eager_reasons_are_logged_and_evaluation_stays_apart(tmp_path):
+    args = TINY_GPT + TRAIN + GRAPHS + ["--train-iters", "12", "--global-batch-size", "4",
+                                        "--eval-interval", "5", "--eval-iters", "2"]
+    train = run_training("pretrain_gpt.py", args, tmp_path, name="graphs")
+    valid = read_metrics(os.path.join(str(tmp_path), "graphs.jsonl"), split="valid")
+
+    assert [r["eager warmup"] for r in train[:2]] == [4, 4]
+    assert train[2]["graphs captured"] > 0 and "eager warmup" not in train[2]
+    # Past the warm-up, every fallback is an overflow, counted under its reason.
+    assert [r.get("eager overflow", 0) for r in train[2:]] == [r["graph fallbacks"]
+                                                               for r in train[2:]]
+    assert sum(r["graph fallbacks"] for r in train[2:]) > 0  # both paths ran
+    assert not any("eager eval" in r for r in train)
+    # Two validation passes (iterations 5 and 10) of 2 x 4 micro-batches each.
+    assert [(r["iteration"], r["eager eval"]) for r in valid] == [(5, 8), (10, 8)]
+
+
+@pytest.mark.skipif(not is_importable("transformer_engine"), reason="needs Transformer Engine")
+def test_sync_finder_trains_with_te_graphs(tmp_path):
+    flags = TINY_GPT + TRAIN + [
+        "--train-iters", "5", "--global-batch-size", "2", "--attention-backend", "te",
+        "--te-rng-tracker", "--cuda-graph-impl", "transformer_engine",
+        "--cuda-graph-max-packed-seqs", "32", "--cuda-graph-warmup-steps", "2",
+        "--no-check-for-nan-in-loss-and-grad"]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "find_host_syncs.py"), "pretrain_gpt.py",
+         "--iteration", "5", "--", *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    (tmp_path / "find_host_syncs.log").write_text(out)
+    assert proc.returncode == 0, out[-6000:]
+    print(out[out.find("host syncs in iteration"):][:3000])
+    assert "graphs captured: 8" in out, out[-6000:]  # 4 layers, forward + backward
+    assert "(0 inside the model)" in out, out[out.find("host syncs in iteration"):]
