@@ -265,8 +265,13 @@ class GraphIteration:
         self.micro_batches: List[List[dict]] = [
             [{**batch, PLAN_KEY: plan} for batch, plan in zip(batches, chunk_plans)]
             for batches, chunk_plans in zip(micro_batches, plans)]
-        self.reruns: Counter = Counter()
+        self._rerun: Dict[Reason, set] = {}  # positions rerun eager, by reason
         self.stats: Dict = {}
+
+    @property
+    def reruns(self) -> Counter:
+        """Micro-batches run again eager, by reason (each counted once however often)."""
+        return Counter({reason: len(positions) for reason, positions in self._rerun.items()})
 
     def forward_step(self, data_iterator, model):
         """megatron-core's ``forward_step_func``: the next planned micro-batch, under its plan."""
@@ -287,8 +292,9 @@ class GraphIteration:
         """Run the iteration's schedule again with the micro-batches at positions ``eager``
         eager for ``reason``, the others replaying their graphs (captured by now); returns
         what the schedule returns. Counted in this iteration's statistics, once per rerun
-        micro-batch. The caller zeroes the gradients first (moe_rerun.py redoes the whole
-        iteration so that no dropping backward stays in them).
+        micro-batch (a later rerun of the same one is not counted again). The caller zeroes
+        the gradients first (moe_rerun.py redoes the whole iteration so that no dropping
+        backward stays in them).
         """
         rerun_plan = StepGraphPlan.eager(reason)
         plans = []
@@ -298,7 +304,7 @@ class GraphIteration:
             if self.runtime.config.granularity is Granularity.CHUNK and self.runtime.config.enabled:
                 again = assign_chunk_slots(again, self.runtime.config.slots_per_chunk[chunk])
             plans.append(again)
-        self.reruns[reason] += len(set(eager))
+        self._rerun.setdefault(reason, set()).update(eager)
         micro_batches = [[{**batch, PLAN_KEY: plan} for batch, plan in zip(batches, chunk_plans)]
                          for batches, chunk_plans in zip(self.micro_batches, plans)]
         return schedule(self.forward_step, micro_batches)

@@ -41,6 +41,7 @@ from megatron.training.initialize import initialize_distributed, require_cuda, s
 from megatron.training.metrics import IntervalTimer, MetricsLogger, MoELosses
 from megatron.training.profiling import StepProfiler
 from megatron.packed_graphs.core_patches import apply_core_patches
+from megatron.packed_graphs.moe_rerun import MoEOverflowRerun
 from megatron.packed_graphs.runtime import GraphRuntime
 
 
@@ -128,22 +129,35 @@ def _run_schedule(args, forward_step, micro_batches, *, model, forward_only: boo
     )
 
 
-def train_step(args, graphs: GraphRuntime, forward_step, micro_batches, model, optimizer,
-               scheduler, global_batch_size: int):
-    """One optimizer step over this rank's ``micro_batches`` (one list per model chunk) of a
-    ``global_batch_size``-sample iteration.
-
-    Returns ``(lm_loss, grad_norm, num_zeros, stats)``. Nothing here waits for the GPU:
-    lm_loss (None off the last stage) and grad_norm are CUDA tensors, read only when logged;
-    stats are the graph runtime's host counters of the iteration.
-    """
+def _zero_grads(model, optimizer) -> None:
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+
+
+def train_step(args, graphs: GraphRuntime, forward_step, micro_batches, model, optimizer,
+               scheduler, global_batch_size: int, moe_rerun: Optional[MoEOverflowRerun] = None):
+    """One optimizer step over this rank's ``micro_batches`` (one list per model chunk) of a
+    ``global_batch_size``-sample iteration.
+
+    Returns ``(lm_loss, grad_norm, num_zeros, stats)``. Nothing here waits for the GPU
+    (except ``moe_rerun``'s one read per iteration): lm_loss (None off the last stage) and
+    grad_norm are CUDA tensors, read only when logged; stats are the graph runtime's host
+    counters of the iteration.
+    """
+    _zero_grads(model, optimizer)
+    schedule = partial(_run_schedule, args, model=model, forward_only=False)
+
+    def rerun(eager):
+        _zero_grads(model, optimizer)
+        return step.rerun(eager, schedule)
+
     # The iteration's micro-batches are read up front so the graph runtime can plan them all
     # before the schedule starts.
     with graphs.iteration(micro_batches, forward_step) as step:
-        losses_reduced = step.run(partial(_run_schedule, args, model=model, forward_only=False))
+        losses_reduced = step.run(schedule)
+        if moe_rerun is not None:  # --moe-capacity-overflow rerun: no token stays dropped
+            losses_reduced, _ = moe_rerun.after_forward_backward(losses_reduced, rerun)
         update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         scheduler.step(increment=global_batch_size)
@@ -197,6 +211,7 @@ def pretrain(args, model_provider: Callable, forward_step,
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     scheduler = build_scheduler(args, optimizer)
     _configure_schedule_hooks(config, model, optimizer)
+    moe_rerun = MoEOverflowRerun.from_args(args, model)  # before any capture; None unless asked
     graphs = GraphRuntime.from_args(args, model, config)
     print_rank_0(f" > {graphs.describe()}")
 
@@ -235,7 +250,8 @@ def pretrain(args, model_provider: Callable, forward_step,
         micro_batches = read_train(num_microbatches)
         with iteration_hook(iteration + 1) if iteration_hook else nullcontext():
             lm_loss, grad_norm, num_zeros, stats = train_step(
-                args, graphs, forward_step, micro_batches, model, optimizer, scheduler, batch)
+                args, graphs, forward_step, micro_batches, model, optimizer, scheduler, batch,
+                moe_rerun)
         iteration += 1
         moe_losses.after_step(num_microbatches, iteration)
         consumed_samples += batch
@@ -275,6 +291,8 @@ def pretrain(args, model_provider: Callable, forward_step,
     if args.save and not saved:
         save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
                         args_to_dict(args))
+    if moe_rerun is not None and args.moe_router_load_file:
+        moe_rerun.write_router_loads(args.moe_router_load_file)  # for tools/capacity_advisor.py
     logger.close()
     return record
 

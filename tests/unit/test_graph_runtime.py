@@ -139,12 +139,16 @@ def test_a_rerun_runs_the_iteration_again_with_some_micro_batches_eager():
     with runtime.iteration(batches(3, 4, 5), step) as it:
         it.run(fake_capture)
         outputs = it.rerun({1}, schedule)
+        assert it.reruns == {Reason.MOE_OVERFLOW_RERUN: 1}
+        it.rerun({1, 2}, schedule)  # a second pass: micro-batch 1 is counted once
+        assert it.reruns == {Reason.MOE_OVERFLOW_RERUN: 2}
+        del step.runs[6:], step.staged[6:]
     assert len(outputs) == 3
     # Second pass: the graphs captured at the end of the first replay, position 1 runs eager.
     assert [(i, p.mode.value, p.reason.value) for i, p, _ in step.runs[3:]] == [
         (0, "replay", "graphed"), (1, "eager", "moe_overflow_rerun"), (2, "replay", "graphed")]
     assert step.staged[3:] == [(0, 8), (1, None), (2, 8)]
-    assert it.stats["graph fallbacks"] == 1 and it.stats["eager moe_overflow_rerun"] == 1
+    assert it.stats["graph fallbacks"] == 2 and it.stats["eager moe_overflow_rerun"] == 2
     assert runtime.captured == {(1, 8)} and runtime.iterations == 1
 
 
