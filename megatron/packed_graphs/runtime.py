@@ -122,7 +122,8 @@ class GraphRuntime:
         """One start-up log line: what is graphed and how."""
         c = self.config
         if not c.enabled:
-            return "cuda graphs: off (--cuda-graph-impl none); every micro-batch runs eager: disabled"
+            return ("cuda graphs: off (--cuda-graph-impl none); every micro-batch runs eager: "
+                    "disabled")
         if c.granularity is Granularity.CP_BANK:
             sizes = ", ".join(f"cp{size}: {capacity}" for size, capacity in c.bank_capacities)
             what = f"capacity per CP-size bank {sizes}"

@@ -170,7 +170,8 @@ class TEGraphDispatch:
         hidden_states = args[0] if args else kwargs["hidden_states"]
         params = kwargs.get("packed_seq_params")
         bank = self._replay_bank()
-        if params is None or params.cu_seqlens_q is not self._graph_inputs[bank].buffers["cu_seqlens"]:
+        buffers = self._graph_inputs[bank].buffers
+        if params is None or params.cu_seqlens_q is not buffers["cu_seqlens"]:
             raise RuntimeError(
                 "a graphed micro-batch must be loaded into its bank's static buffers "
                 "(TELayerGraphs.load) before the model runs; the graph runtime does this")

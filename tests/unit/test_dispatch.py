@@ -1,4 +1,4 @@
-"""The graph plan (dispatch.plan_iteration and its chunk slots) over every granularity and reason."""
+"""The graph plan (dispatch.plan_iteration, chunk slots) over every granularity and reason."""
 
 from dataclasses import replace
 

@@ -178,7 +178,8 @@ def test_chunk_granularity_gives_each_chunk_its_slots():
     # Counted once per micro-batch, with the first chunk that ran it eager.
     assert it.stats["eager slot_cap"] == 2 and it.stats["graph fallbacks"] == 2
     assert runtime.captured == {(1, 8)}
-    assert "chunk graphs (local)" in runtime.describe() and "slots per chunk 2,1" in runtime.describe()
+    described = runtime.describe()
+    assert "chunk graphs (local)" in described and "slots per chunk 2,1" in described
 
 
 class RecordingTEGraphs:
