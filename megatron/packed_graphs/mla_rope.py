@@ -16,7 +16,8 @@ sync, but three ways for a CUDA graph to read the wrong memory:
   whenever the length grows or the dtype or packing mode changes, freeing the tensors a
   captured graph reads (dynamic-CP banks differ in length). `GraphSafeYarnRotaryEmbedding`
   never replaces a table it handed out: a longer request builds a longer table and keeps the
-  old one alive, with its values, for the module's lifetime.
+  old one alive, with its values, for the life of the process. Layers with the same yarn
+  settings share their tables (built once, not once per layer).
 
 `fused_rope_table_rows` is the kernel's row -> table-row map in torch, so the contract can be
 checked without a GPU (tests/unit/test_mla_rope.py runs the Triton kernel itself in Triton's
@@ -95,6 +96,13 @@ def yarn_cos_sin(rope: YarnRotaryEmbedding, rows: int, dtype: torch.dtype,
             (angles.sin() * scale).to(dtype).contiguous())
 
 
+# (yarn settings, dtype, device) -> the current (cos, sin) of that kind, shared by every
+# layer; tables replaced by longer ones move to _RETIRED. Both only grow, so a captured graph
+# never reads freed or rewritten memory (tables are a few MiB).
+_TABLES: Dict[tuple, Tuple[Tensor, Tensor]] = {}
+_RETIRED: List[Tuple[Tensor, Tensor]] = []
+
+
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -106,28 +114,32 @@ class GraphSafeYarnRotaryEmbedding(YarnRotaryEmbedding):
 
     Same constructor as upstream (``use_cpu_initialization`` is forced: the inverse
     frequencies stay on the host and each table is built on the device of its first use).
-    `get_cached_cos_sin` returns prefixes of one table per (dtype, device); a longer request
-    builds a longer table and retires the old one into ``_retired``, which keeps it alive and
-    unchanged. The tables are plain attributes, not buffers, so casting or moving the module
+    `get_cached_cos_sin` returns prefixes of one table per (settings, dtype, device), shared
+    by all instances; a longer request builds a longer table and retires the old one, which
+    stays alive and unchanged. The tables are not buffers, so casting or moving the module
     (``Float16Module``, ``.cuda()``) never replaces them either.
     """
 
     def __init__(self, *args, **kwargs):
         kwargs["use_cpu_initialization"] = True
         super().__init__(*args, **kwargs)
-        self._tables: Dict[Tuple[torch.dtype, torch.device], Tuple[Tensor, Tensor]] = {}
-        self._retired: List[Tuple[Tensor, Tensor]] = []
 
     def _set_cos_sin_cache(self, seq_len, offset, dtype, packed_seq=False):
         # Upstream builds (and later re-registers) its cache here; the tables are built on use.
         return None
+
+    def _key(self, dtype: torch.dtype, device: Optional[torch.device]) -> tuple:
+        settings = (self.dim, self.rotary_base, self.scaling_factor,
+                    self.original_max_position_embeddings, self.beta_fast, self.beta_slow,
+                    self.mscale, self.mscale_all_dim, self.correction_range_round_to_int)
+        return (settings, dtype, torch.device(device) if device is not None else _default_device())
 
     def get_cached_cos_sin(self, seq_len: int, offset: int = 0,
                            dtype: torch.dtype = torch.get_default_dtype(),
                            packed_seq: bool = False,
                            device: Optional[torch.device] = None) -> Tuple[Tensor, Tensor]:
         """cos and sin ``[seq_len, 1, 1, dim]`` for positions ``0 .. seq_len - 1``: views of a
-        table that is never freed or rewritten while the module lives.
+        table that is never freed or rewritten.
 
         Builds or grows the table (device work, no host sync) only outside graph capture;
         warm-up runs eager, so a capture always finds it. Raises RuntimeError when a capture
@@ -140,8 +152,8 @@ class GraphSafeYarnRotaryEmbedding(YarnRotaryEmbedding):
         if not packed_seq and self.cp_group is not None and self.cp_group.size() > 1:
             raise ValueError("MLA RoPE on unpacked data with context parallelism is not built "
                              "by this fork; train packed (THD) micro-batches.")
-        key = (dtype, torch.device(device) if device is not None else _default_device())
-        cos, sin = self._tables.get(key, (None, None))
+        key = self._key(dtype, device)
+        cos, sin = _TABLES.get(key, (None, None))
         if cos is None or cos.shape[0] < seq_len:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
@@ -149,12 +161,17 @@ class GraphSafeYarnRotaryEmbedding(YarnRotaryEmbedding):
                     f"{0 if cos is None else cos.shape[0]} built): the eager warm-up must run "
                     f"a micro-batch of the captured length first.")
             if cos is not None:
-                self._retired.append((cos, sin))  # a captured graph may still read it
+                _RETIRED.append((cos, sin))  # a captured graph may still read it
             rows = 1 << max(seq_len - 1, 0).bit_length()  # powers of two: few rebuilds
-            cos, sin = self._tables[key] = yarn_cos_sin(self, rows, dtype, key[1])
+            cos, sin = _TABLES[key] = yarn_cos_sin(self, rows, dtype, key[2])
         return cos[:seq_len], sin[:seq_len]
 
     def table_rows(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> int:
         """Rows of the current table for ``dtype`` (0 before its first use)."""
-        key = (dtype, torch.device(device) if device is not None else _default_device())
-        return self._tables[key][0].shape[0] if key in self._tables else 0
+        table = _TABLES.get(self._key(dtype, device))
+        return 0 if table is None else table[0].shape[0]
+
+
+def retired_tables() -> List[Tuple[Tensor, Tensor]]:
+    """Tables replaced by longer ones, kept alive for the graphs that read them."""
+    return list(_RETIRED)

@@ -169,7 +169,7 @@ def test_graph_reads_valid_tables_after_a_longer_eager_micro_batch(dist):
     replay with new documents: the replay equals eager on the same input."""
     from megatron.core.tensor_parallel.random import get_all_rng_states
 
-    model, _ = _model()
+    model, _ = _model(["--rotary-base", "40000"])  # RoPE tables no other test has built
     attention = model.decoder.layers[0].self_attention
     rows, capacity = 512, 8
     params = _params([100, 300, 112], capacity, rows)
@@ -221,7 +221,7 @@ def test_graph_reads_valid_tables_after_a_longer_eager_micro_batch(dist):
 def test_capture_refuses_a_missing_table(dist):
     from megatron.packed_graphs.mla_rope import GraphSafeYarnRotaryEmbedding
 
-    rope = GraphSafeYarnRotaryEmbedding(32, rotary_base=10000)
+    rope = GraphSafeYarnRotaryEmbedding(32, rotary_base=777)  # no table built yet
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="MLA RoPE table too short under CUDA graph capture"):
         with torch.cuda.graph(graph):

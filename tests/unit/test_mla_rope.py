@@ -22,6 +22,7 @@ from megatron.packed_graphs.mla_rope import (
     GraphSafeYarnRotaryEmbedding,
     cover_all_rows,
     fused_rope_table_rows,
+    retired_tables,
 )
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 
@@ -175,7 +176,7 @@ def test_scaling_factor_one_is_plain_rope():
 def test_a_table_is_never_replaced_under_a_reader():
     """The hazard of upstream's cache: a longer or differently typed request must leave the
     tensors handed out earlier alive and unchanged (a captured graph reads them)."""
-    rope = GraphSafeYarnRotaryEmbedding(32, **YARN)
+    rope = GraphSafeYarnRotaryEmbedding(32, **{**YARN, "rotary_base": 12345})  # tables of its own
     first_cos, first_sin = rope.get_cached_cos_sin(100, dtype=torch.bfloat16, packed_seq=True)
     kept = first_cos.clone(), first_sin.clone()
     again, _ = rope.get_cached_cos_sin(64, dtype=torch.bfloat16, packed_seq=True)
@@ -183,10 +184,22 @@ def test_a_table_is_never_replaced_under_a_reader():
     longer, _ = rope.get_cached_cos_sin(5000, dtype=torch.bfloat16, packed_seq=True)
     rope.get_cached_cos_sin(100, dtype=torch.float32, packed_seq=False)
     assert longer.data_ptr() != first_cos.data_ptr()
-    assert any(cos.data_ptr() == first_cos.data_ptr() for cos, _ in rope._retired)
+    assert any(cos.data_ptr() == first_cos.data_ptr() for cos, _ in retired_tables())
     assert torch.equal(first_cos, kept[0]) and torch.equal(first_sin, kept[1])
     assert torch.equal(longer[:100], first_cos)  # a row's value does not depend on the length
     assert rope.table_rows(torch.bfloat16) == 8192 and rope.table_rows(torch.float32) == 128
+
+
+def test_layers_with_the_same_settings_share_tables():
+    settings = {**YARN, "rotary_base": 23456}
+    one = GraphSafeYarnRotaryEmbedding(32, **settings)
+    two = GraphSafeYarnRotaryEmbedding(32, **settings)
+    other = GraphSafeYarnRotaryEmbedding(32, **{**settings, "scaling_factor": 4.0})
+    cos = one.get_cached_cos_sin(50, dtype=torch.float32, packed_seq=True)[0]
+    assert two.get_cached_cos_sin(50, dtype=torch.float32, packed_seq=True)[0].data_ptr() == \
+        cos.data_ptr()
+    assert not torch.equal(other.get_cached_cos_sin(50, dtype=torch.float32, packed_seq=True)[0],
+                           cos)
 
 
 def test_tables_survive_casting_the_module():
