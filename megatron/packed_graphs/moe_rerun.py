@@ -133,7 +133,8 @@ class MoEOverflowRerun:
 
         tracker = {name: entry.values.clone()
                    for name, entry in get_moe_metrics_tracker().metrics.items()}
-        slots = [router.token_slots.clone() for routers in self.routers for router in routers]
+        routers = [router for routers in self.routers for router in routers]
+        slots = torch.stack([router.token_slots for router in routers]) if routers else None
         return tracker, slots
 
     def _restore_snapshot(self) -> None:
@@ -145,7 +146,8 @@ class MoEOverflowRerun:
                 entry.values.copy_(tracker[name])
             else:  # first recorded in this iteration
                 entry.values.zero_()
-        for router, saved in zip((r for routers in self.routers for r in routers), slots):
+        for router, saved in zip((r for routers in self.routers for r in routers),
+                                 slots if slots is not None else ()):
             router.token_slots.copy_(saved)
 
     # ------------------------------------------------------------------ once per iteration
