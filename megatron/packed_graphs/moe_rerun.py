@@ -50,7 +50,8 @@ class MoEOverflowRerun:
 
     Per iteration the training loop calls `after_forward_backward` once; in between, the
     hooks count micro-batches per chunk (training forward calls only: evaluation and
-    ``torch.no_grad`` calls are not counted).
+    ``torch.no_grad`` calls are not counted). Evaluation calls (chunk in eval mode), which
+    run eager, run dropless.
     """
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], max_micro_batches: int, *,
@@ -102,7 +103,10 @@ class MoEOverflowRerun:
         return self.chunks[index].training and torch.is_grad_enabled()
 
     def _before(self, index: int) -> None:
-        if not self._counting(index):
+        if not self.chunks[index].training:  # evaluation runs eager: dropless, as training
+            self._enter_dropless(index)
+            return
+        if not torch.is_grad_enabled():
             return
         if self._snapshot is None:
             self._snapshot = self._take_snapshot()
@@ -114,18 +118,24 @@ class MoEOverflowRerun:
                                "per iteration, with a bound on its micro-batches.")
         self.counter.zero_()  # drops counted between calls (e.g. graph warm-up) are not ours
         if micro_batch in self._dropless:
-            self._scope = dropless_moe(self.chunks[index])
-            self._scope.__enter__()
+            self._enter_dropless(index)
 
     def _after(self, index: int) -> None:
+        self._exit_dropless()
         if not self._counting(index):
             return
-        if self._scope is not None:
-            scope, self._scope = self._scope, None
-            scope.__exit__(None, None, None)
         row = self.rows[self._calls[index]]
         torch.maximum(row, self.counter, out=row)
         self._calls[index] += 1
+
+    def _enter_dropless(self, index: int) -> None:
+        self._scope = dropless_moe(self.chunks[index])
+        self._scope.__enter__()
+
+    def _exit_dropless(self) -> None:
+        if self._scope is not None:
+            scope, self._scope = self._scope, None
+            scope.__exit__(None, None, None)
 
     def _take_snapshot(self):
         """Device copies of what a pass adds to: the MoE metrics tracker, dropped-slot counts."""
@@ -205,9 +215,8 @@ class MoEOverflowRerun:
                 overflowed = {i for i, (dropped, _) in enumerate(self.read_rows()) if dropped}
             count = len(self._dropless)
         finally:
-            if self._scope is not None:  # a rerun that raised inside a dropless forward
-                self._scope.__exit__(None, None, None)
-            self._dropless, self._snapshot, self._scope = frozenset(), None, None
+            self._exit_dropless()  # a rerun that raised inside a dropless forward
+            self._dropless, self._snapshot = frozenset(), None
         self.totals[RERUN_REASON] += count
         return result, {RERUN_REASON: count}
 

@@ -191,16 +191,24 @@ def test_without_overflow_nothing_is_rerun(cpu_moe):
     assert sum(record["peak_loads"].values()) == 3
 
 
-def test_evaluation_and_no_grad_calls_are_not_counted(cpu_moe):
-    model = build("gpt", CAPACITY)
+def test_evaluation_runs_dropless_and_is_not_counted(cpu_moe):
+    model, dropless = build("gpt", CAPACITY), build("gpt", {})
+    dropless.load_state_dict(model.state_dict())
     tokens, params, _ = micro_batches()[OVERFLOWING]
-    rerun = MoEOverflowRerun([model], max_micro_batches=1)
+
+    def forward(module):
+        return module(tokens, params.position_ids.view(1, -1), None, labels=tokens,
+                      packed_seq_params=params)
+
     with torch.no_grad():
-        model(tokens, params.position_ids.view(1, -1), None, labels=tokens,
-              packed_seq_params=params)
-    model.eval()
-    model(tokens, params.position_ids.view(1, -1), None, labels=tokens, packed_seq_params=params)
+        model.eval(), dropless.eval()
+        dropping, expected = forward(model), forward(dropless)
+        rerun = MoEOverflowRerun([model], max_micro_batches=1)
+        assert torch.equal(forward(model), expected) and not torch.equal(dropping, expected)
+        model.train()
+        forward(model)  # a training-mode call without gradients
     assert rerun.read_rows() == []
+    assert model.decoder.layers[0].mlp.token_dispatcher.drop_and_pad  # the scope ended
 
 
 def test_more_calls_than_the_bound_are_refused(cpu_moe):
