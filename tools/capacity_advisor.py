@@ -16,7 +16,7 @@ CPU only.
     python tools/capacity_advisor.py --data-path train.jsonl --seq-length 4096 --vocab-size 32000
     python tools/capacity_advisor.py --mock-data --seq-length 4096 --vocab-size 32000
     CAPACITY=$(python tools/capacity_advisor.py --mock-data ... --print-capacity)   # for scripts
-    python tools/capacity_advisor.py --moe-router-loads router_loads.json --target-overflow-rate 0.01
+    python tools/capacity_advisor.py --moe-router-loads loads.json --target-overflow-rate 0.01
 """
 
 import argparse

@@ -171,6 +171,26 @@ def test_overflow_is_flagged_per_micro_batch_with_its_peak_load(cpu_moe):
     assert rerun.rows.sum() == 0 and rerun.read_rows() == []  # reading resets
 
 
+def test_each_chunk_files_its_calls_by_micro_batch(cpu_moe):
+    """Two model chunks (as pipeline or virtual stages), called in an interleaved order: each
+    chunk's n-th training call is micro-batch n, whatever runs in between."""
+    first = build("gpt", dict(CAPACITY, moe_expert_capacity_factor=4.0))  # never overflows
+    second = build("gpt", CAPACITY)
+    batches = micro_batches()
+    rerun = MoEOverflowRerun([first, second], max_micro_batches=4)
+
+    def forward(chunk, index):
+        tokens, params, _ = batches[index]
+        chunk(tokens, params.position_ids.view(1, -1), None, labels=tokens,
+              packed_seq_params=params)
+
+    for chunk, index in ((first, 0), (first, 1), (second, 0), (first, 2), (second, 1),
+                         (first, 3), (second, 2), (second, 3)):
+        forward(chunk, index)
+    rows = rerun.read_rows()
+    assert [dropped > 0 for dropped, _ in rows] == [i == OVERFLOWING for i in range(4)]
+
+
 def test_without_overflow_nothing_is_rerun(cpu_moe):
     model = build("gpt", CAPACITY)
     batches = [b for i, b in enumerate(micro_batches()) if i != OVERFLOWING]
@@ -213,7 +233,7 @@ def test_evaluation_runs_dropless_and_is_not_counted(cpu_moe):
 
 def test_more_calls_than_the_bound_are_refused(cpu_moe):
     model = build("gpt", CAPACITY)
-    rerun = MoEOverflowRerun([model], max_micro_batches=1)
+    MoEOverflowRerun([model], max_micro_batches=1)  # its hooks stay on the model
     with pytest.raises(RuntimeError, match="ran 2 training forward calls.*max_micro_batches is 1"):
         run_iteration(model, micro_batches()[:2])
     with pytest.raises(ValueError, match="max_micro_batches is wrong: 0"):
