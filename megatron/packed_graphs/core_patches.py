@@ -40,7 +40,7 @@ Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
 import collections
 import contextlib
 import dataclasses
-from typing import Callable
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -318,6 +318,22 @@ def check_arg_types_without_reimporting() -> None:
     cuda_graphs._check_supported_type = _check_supported_type
 
 
+_capture_guards: list = []  # set only inside `guard_local_capture`
+
+
+@contextlib.contextmanager
+def guard_local_capture(guard: Callable[[], ContextManager]) -> Iterator[None]:
+    """Within this scope, the end-of-schedule capture of the local implementation (its eager
+    warm-up passes on placeholder inputs, then the capture) runs inside ``guard()``: e.g. to
+    keep what those passes add to step accumulators out of training's values. Needs
+    `record_capture_statistics` applied (it owns the wrapper)."""
+    _capture_guards.append(guard)
+    try:
+        yield
+    finally:
+        _capture_guards.remove(guard)
+
+
 def record_capture_statistics() -> None:
     """Keep the capture time and measure graph memory at the end-of-iteration capture.
 
@@ -335,7 +351,10 @@ def record_capture_statistics() -> None:
             return upstream()  # nothing to capture: no cache flush on ordinary iterations
         graphs = len(record.cudagraph_record)  # one entry per forward or backward graph
         before = reserved_without_cache()
-        stats = upstream()
+        with contextlib.ExitStack() as guards:
+            for guard in _capture_guards:
+                guards.enter_context(guard())
+            stats = upstream()
         if stats:
             stats = dict(stats, graphs=graphs,
                          graph_reserved_bytes=reserved_without_cache() - before)

@@ -30,7 +30,7 @@ the routed map before the capacity is applied.
 import copy
 from contextlib import contextmanager
 from functools import partial
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -133,6 +133,46 @@ def read_dropped_token_fraction(model_chunks) -> float:
         torch.distributed.all_reduce(slots)
     routed, dropped = slots.tolist()
     return dropped / routed if routed else 0.0
+
+
+class MoEAccumulators:
+    """A device copy of what an MoE forward pass adds to across a training step: megatron-
+    core's MoE metrics tracker (aux and z-loss per layer) and every router's dropped-slot
+    counts. `restore` puts them back, for passes that are not training's own: graph warm-up
+    and capture (placeholder inputs), and the first pass of a rerun iteration.
+
+    Device copies only, no host sync. A tracker entry first created after the snapshot is
+    zeroed by `restore`.
+    """
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module]):
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        self._tracker = get_moe_metrics_tracker()
+        self._values = {name: entry.values.clone()
+                        for name, entry in self._tracker.metrics.items()}
+        self._routers = [router for chunk in model_chunks for router in packed_routers(chunk)]
+        self._slots = [router.token_slots.clone() for router in self._routers]
+
+    def restore(self) -> None:
+        for name, entry in self._tracker.metrics.items():
+            if name in self._values:
+                entry.values.copy_(self._values[name])
+            else:
+                entry.values.zero_()
+        for router, saved in zip(self._routers, self._slots):
+            router.token_slots.copy_(saved)
+
+
+@contextmanager
+def moe_accumulators_kept(model_chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Run the enclosed passes without leaving a trace in the MoE step accumulators (see
+    `MoEAccumulators`). Restores them also when the passes raise."""
+    saved = MoEAccumulators(model_chunks)
+    try:
+        yield
+    finally:
+        saved.restore()
 
 
 def packed_routers(module: torch.nn.Module) -> List[PackedTopKRouter]:

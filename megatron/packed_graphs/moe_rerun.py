@@ -34,7 +34,7 @@ from typing import Callable, Dict, FrozenSet, Iterator, List, Sequence
 
 import torch
 
-from megatron.packed_graphs.moe import dropless_moe, packed_routers
+from megatron.packed_graphs.moe import MoEAccumulators, dropless_moe, packed_routers
 
 RERUN_REASON = "moe_overflow_rerun"
 """Why a rerun micro-batch ran eager: the counts' key (the graph plan's reason value)."""
@@ -109,7 +109,7 @@ class MoEOverflowRerun:
         if not torch.is_grad_enabled():
             return
         if self._snapshot is None:
-            self._snapshot = self._take_snapshot()
+            self._snapshot = MoEAccumulators(self.chunks)
         micro_batch = self._calls[index]
         if micro_batch >= self.rows.shape[0] - 2:
             raise RuntimeError(f"model chunk {index} ran {micro_batch + 1} training forward "
@@ -136,29 +136,6 @@ class MoEOverflowRerun:
         if self._scope is not None:
             scope, self._scope = self._scope, None
             scope.__exit__(None, None, None)
-
-    def _take_snapshot(self):
-        """Device copies of what a pass adds to: the MoE metrics tracker, dropped-slot counts."""
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        tracker = {name: entry.values.clone()
-                   for name, entry in get_moe_metrics_tracker().metrics.items()}
-        routers = [router for routers in self.routers for router in routers]
-        slots = torch.stack([router.token_slots for router in routers]) if routers else None
-        return tracker, slots
-
-    def _restore_snapshot(self) -> None:
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        tracker, slots = self._snapshot
-        for name, entry in get_moe_metrics_tracker().metrics.items():
-            if name in tracker:
-                entry.values.copy_(tracker[name])
-            else:  # first recorded in this iteration
-                entry.values.zero_()
-        for router, saved in zip((r for routers in self.routers for r in routers),
-                                 slots if slots is not None else ()):
-            router.token_slots.copy_(saved)
 
     # ------------------------------------------------------------------ once per iteration
 
@@ -209,7 +186,7 @@ class MoEOverflowRerun:
                     raise RuntimeError(f"micro-batches {sorted(overflowed)} still dropped MoE "
                                        f"tokens after {passes} dropless reruns")
                 self._dropless = frozenset(overflowed | self._dropless)
-                self._restore_snapshot()
+                self._snapshot.restore()
                 result = rerun(self._dropless)
                 passes += 1
                 overflowed = {i for i, (dropped, _) in enumerate(self.read_rows()) if dropped}

@@ -33,13 +33,15 @@ From each micro-batch (a collated dict) the runtime reads the host values ``num_
 """
 
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.chunk_graphs import chunk_slot_count
+from megatron.packed_graphs.moe import moe_accumulators_kept
 from megatron.packed_graphs.dispatch import (
     assign_chunk_slots,
     micro_batch_reasons,
@@ -158,8 +160,16 @@ class GraphRuntime:
         step = GraphIteration(self, forward_step, micro_batches,
                               self.plan(micro_batches, training), training)
         capturing = training and self.config.enabled and not self.captured
-        capture_stats = self._capture_te(step) if capturing and self.te_graphs else {}
-        yield step
+        # Capture warm-up runs the layers on placeholder inputs: keep it out of the MoE aux
+        # losses and drop counts of this step (TE captures here, local at the schedule's end).
+        keep_moe_accumulators = partial(moe_accumulators_kept, self.model)
+        capture_stats = {}
+        if capturing and self.te_graphs:
+            with keep_moe_accumulators():
+                capture_stats = self._capture_te(step)
+        with (core_patches.guard_local_capture(keep_moe_accumulators) if capturing
+              else nullcontext()):
+            yield step
         step.stats = self._statistics(step)
         if capturing:
             step.stats |= capture_stats | self._after_capture(step)

@@ -1,6 +1,8 @@
 """core_patches: each patch does what it says, and each relies on upstream code that a sentinel
 checks, so a megatron-core upgrade that changes that code fails here first."""
 
+import collections
+import contextlib
 import inspect
 from types import SimpleNamespace
 
@@ -300,6 +302,45 @@ def test_capture_statistics_are_kept():
     schedules.create_cudagraphs()
     assert len(core_patches.capture_log) == before
     assert '"time"' in source(cuda_graphs._CudagraphGlobalRecord._create_cudagraphs.__func__)
+
+
+def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
+    """The end-of-schedule capture (upstream's warm-up passes and capture) runs inside every
+    guard of the enclosing `guard_local_capture` scopes, and only there."""
+    from megatron.core.pipeline_parallel import schedules
+
+    seen = []
+
+    def upstream_capture():  # stands in for megatron-core's capture of the recorded graphs
+        seen.append(list(entered))
+        return {"time": 0.5}
+
+    entered = []
+
+    @contextlib.contextmanager
+    def guard(name):
+        entered.append(name)
+        try:
+            yield
+        finally:
+            entered.remove(name)
+
+    monkeypatch.setattr(schedules, "create_cudagraphs", upstream_capture)
+    monkeypatch.setattr(core_patches, "reserved_without_cache", lambda: 0)  # needs CUDA
+    record = cuda_graphs._CudagraphGlobalRecord
+    monkeypatch.setattr(record, "cudagraph_created", False)
+    monkeypatch.setattr(record, "cudagraph_record", [object(), object()])
+    monkeypatch.setattr(core_patches, "capture_log", collections.deque(maxlen=8))
+    core_patches.record_capture_statistics()  # wraps the stand-in
+    with core_patches.guard_local_capture(lambda: guard("moe")):
+        with core_patches.guard_local_capture(lambda: guard("other")):
+            schedules.create_cudagraphs()
+        schedules.create_cudagraphs()
+    schedules.create_cudagraphs()
+    assert seen == [["moe", "other"], ["moe"], []]
+    assert entered == [] and core_patches._capture_guards == []
+    assert list(core_patches.capture_log)[-1] == {"time": 0.5, "graphs": 2,
+                                                  "graph_reserved_bytes": 0}
 
 
 def test_capture_log_keeps_the_last_few_captures_only():

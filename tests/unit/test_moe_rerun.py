@@ -336,3 +336,29 @@ def test_from_args_and_the_load_file(cpu_moe, tmp_path):
     assert record == {"num_experts": EXPERTS, "moe_router_topk": TOPK, "tokens_per_rank": TOKENS,
                       "micro_batches_per_iteration": 4,
                       "peak_loads": {"6": 1, "5": 1, "12": 1, "7": 1}}
+
+
+def test_capture_warm_up_leaves_no_trace_in_the_moe_accumulators(cpu_moe):
+    """The capture iteration's graph warm-up (forward passes on placeholder inputs, run by
+    megatron-core inside the end-of-schedule capture) adds nothing to the step's aux losses
+    or dropped-slot counts: the runtime runs that capture inside its guard."""
+    from megatron.packed_graphs import core_patches
+    from megatron.packed_graphs.plan import GraphRuntimeConfig
+    from megatron.packed_graphs.runtime import GraphRuntime
+
+    model = build("gpt", CAPACITY)
+    runtime = GraphRuntime(GraphRuntimeConfig(impl="local", capacity=8, warmup_iterations=0),
+                           model=[model])
+    batch = micro_batches()[0]
+    with runtime.iteration([[{"num_segments": 3, "num_documents": 2}]], forward_step=None):
+        assert len(core_patches._capture_guards) == 1
+        run_iteration(model, [batch])  # the iteration's own micro-batch
+        training = tracker_values()
+        slots = [r.token_slots.clone() for r in packed_routers(model)]
+        with core_patches._capture_guards[0]():  # what the capture wrapper enters
+            placeholder = (torch.zeros_like(batch[0]), batch[1], batch[2])
+            run_iteration(model, [placeholder, placeholder])
+            assert any(not torch.equal(v, training[k]) for k, v in tracker_values().items())
+        assert all(torch.equal(v, training[k]) for k, v in tracker_values().items())
+        assert all(torch.equal(r.token_slots, s) for r, s in zip(packed_routers(model), slots))
+    assert core_patches._capture_guards == []
