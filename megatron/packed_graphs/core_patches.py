@@ -19,6 +19,8 @@ explicitly, at the start of training:
   chunk-graph slots replay out of capture order, so their buffers are never shared.
 * `sync_free_multi_tensor_fallbacks`, `clip_gradients_without_host_sync`: gradient norm and
   clipping without host syncs where neither TE >= 2.14 nor apex provides the kernels.
+* `warm_up_graphs_on_recorded_layouts`: the capture's warm-up passes run on the recorded
+  call's integer inputs (packed boundaries) instead of zero-filled buffers.
 * `check_arg_types_without_reimporting`, `record_capture_statistics`: host time and statistics.
 
 **Reaches** are small functions the fork calls where a subclass cannot do the job: the GPT
@@ -58,6 +60,8 @@ UPSTREAM_WEAKREF_FORWARD_BUFFERS = cuda_graphs._CudaGraphRunner._weakref_forward
 UPSTREAM_CREATE_BWD_GRAPH = cuda_graphs._CudaGraphRunner.create_bwd_graph
 UPSTREAM_CREATE_CUDAGRAPHS = cuda_graphs._CudagraphGlobalRecord.create_cudagraphs.__func__
 UPSTREAM_CHECK_SUPPORTED_TYPE = cuda_graphs._check_supported_type
+UPSTREAM_ARG_METADATA_INIT = cuda_graphs.ArgMetadata.__init__
+UPSTREAM_ARG_METADATA_ZEROS_LIKE = cuda_graphs.ArgMetadata.zeros_like
 UPSTREAM_GET_GRAD_NORM = clip_grads.get_grad_norm_fp32
 UPSTREAM_CLIP_BY_TOTAL_NORM = clip_grads.clip_grad_by_total_norm_fp32
 
@@ -318,6 +322,35 @@ def check_arg_types_without_reimporting() -> None:
     cuda_graphs._check_supported_type = _check_supported_type
 
 
+def warm_up_graphs_on_recorded_layouts() -> None:
+    """Start a graph input buffer of an integer or bool tensor as a copy of the recorded call's
+    value, not as zeros.
+
+    0.19.2 maps graph inputs through dataclasses, so the packed boundaries (``cu_seqlens``
+    of `PackedSeqParams`) become graph input buffers, allocated zero-filled
+    (``ArgMetadata.zeros_like``) for the eager warm-up passes before each capture. All-zero
+    boundaries are no packed layout: TE's eager context-parallel backward
+    (``get_thd_padding_mask``) then indexes past their end, a device-side assert seen at
+    CP = 2 with TE 2.20.2. Upstream works around the same for Mamba's ``seq_idx`` only. The
+    graph does not depend on these values (each replay copies the real inputs in); the
+    warm-up needs a valid layout, and the recorded call's is one. Keeping a reference to the
+    recorded tensor costs no copy; the copy happens once per buffer, at capture.
+    """
+    def __init__(self, arg):
+        UPSTREAM_ARG_METADATA_INIT(self, arg)
+        if torch.is_tensor(arg) and not (arg.is_floating_point() or arg.is_complex()):
+            self.recorded_layout = arg
+
+    def zeros_like(self):
+        recorded = getattr(self, "recorded_layout", None)
+        if recorded is None:
+            return UPSTREAM_ARG_METADATA_ZEROS_LIKE(self)
+        return recorded.detach().clone()
+
+    cuda_graphs.ArgMetadata.__init__ = __init__
+    cuda_graphs.ArgMetadata.zeros_like = zeros_like
+
+
 _capture_guards: list = []  # set only inside `guard_local_capture`
 
 
@@ -378,6 +411,7 @@ def apply_core_patches() -> dict:
                   keep_saved_tensor_observer_armed_until_capture,
                   sync_free_multi_tensor_fallbacks,
                   clip_gradients_without_host_sync,
+                  warm_up_graphs_on_recorded_layouts,
                   check_arg_types_without_reimporting,
                   record_capture_statistics):
         applied_patches[patch.__name__] = patch() or "applied"

@@ -37,8 +37,8 @@ def test_apply_reports_every_patch():
     assert set(report) == {
         "keep_forward_inputs_until_backward_captured", "keep_chunk_graph_buffers_private",
         "keep_saved_tensor_observer_armed_until_capture", "sync_free_multi_tensor_fallbacks",
-        "clip_gradients_without_host_sync", "check_arg_types_without_reimporting",
-        "record_capture_statistics"}
+        "clip_gradients_without_host_sync", "warm_up_graphs_on_recorded_layouts",
+        "check_arg_types_without_reimporting", "record_capture_statistics"}
     assert all(state == "applied" or state.startswith(("not needed", "l2 norm", "scale"))
                for state in report.values())
     assert core_patches.apply_core_patches() is report  # once
@@ -290,6 +290,34 @@ def test_argument_type_check_accepts_and_refuses_what_upstream_does():
             patched(meta)
     with pytest.raises(AssertionError):
         patched(torch.zeros(1))  # not an ArgMetadata: refused by both
+
+
+def test_upstream_zero_fills_graph_inputs_reached_through_dataclasses():
+    # What warm_up_graphs_on_recorded_layouts answers: upstream maps the tensors inside a
+    # dataclass argument (PackedSeqParams) to graph input buffers, made by zeros_like.
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    mapped = cuda_graphs.tree_map(
+        lambda t: cuda_graphs.ArgMetadata(t) if torch.is_tensor(t) else t, {"p": params})
+    assert isinstance(mapped["p"].cu_seqlens_q, cuda_graphs.ArgMetadata)
+    upstream = core_patches.UPSTREAM_ARG_METADATA_ZEROS_LIKE
+    meta = cuda_graphs.ArgMetadata(cu)
+    assert torch.equal(upstream(meta), torch.zeros_like(cu))
+
+
+def test_graph_warm_up_gets_the_recorded_packed_layout():
+    core_patches.apply_core_patches()
+    cu = torch.tensor([0, 5, 12, 16, 16], dtype=torch.int32)
+    mask = torch.arange(16) >= 12
+    hidden = torch.randn(16, 1, 8, requires_grad=True)
+    buffers = {name: cuda_graphs.ArgMetadata(t).zeros_like()
+               for name, t in (("cu", cu), ("mask", mask), ("hidden", hidden))}
+    assert torch.equal(buffers["cu"], cu) and buffers["cu"].data_ptr() != cu.data_ptr()
+    assert torch.equal(buffers["mask"], mask)
+    # Floating inputs keep upstream's zero buffers (activations: their values do not matter).
+    assert not buffers["hidden"].any() and buffers["hidden"].requires_grad
 
 
 def test_capture_statistics_are_kept():
