@@ -24,6 +24,7 @@ checked without a GPU (tests/unit/test_mla_rope.py runs the Triton kernel itself
 CPU interpreter against it).
 """
 
+import inspect
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -77,18 +78,36 @@ def cover_all_rows(cu_seqlens: Tensor, rows: int, cp_size: int = 1) -> Tensor:
     return F.pad(cu_seqlens, (0, 1), value=rows * cp_size)
 
 
+def inverse_frequencies(rope: YarnRotaryEmbedding, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """``rope``'s original and interpolated inverse frequencies, fp32 ``[dim / 2]`` on
+    ``device``, by upstream's ops in upstream's order.
+
+    Computed where upstream computes them: on ``device`` (megatron-core's MLA builds its yarn
+    RoPE with ``use_cpu_initialization=False``, so on the GPU), or on the host when the module
+    was built with ``use_cpu_initialization=True``. The fp32 power is the step whose rounding
+    differs between CPU and CUDA; one unit in the last place of a frequency moves cos/sin by
+    about 2e-4 at position 3000 and flips bf16 values.
+    """
+    if rope.frequencies_on_host:
+        return rope.inv_freq_extra.to(device), rope.inv_freq_inter.to(device)
+    exponents = torch.arange(0, rope.dim, 2, dtype=torch.float32, device=device) / rope.dim
+    return (1.0 / (rope.rotary_base ** exponents),
+            1.0 / (rope.scaling_factor * rope.rotary_base ** exponents))
+
+
 def yarn_cos_sin(rope: YarnRotaryEmbedding, rows: int, dtype: torch.dtype,
                  device: torch.device) -> Tuple[Tensor, Tensor]:
     """Yarn cos and sin tables of ``rope``'s settings, each ``[rows, 1, 1, dim]``, scaled by
-    the yarn concentration factor (upstream's ``cos_cached``/``sin_cached`` values; row ``r``
-    does not depend on ``rows``). Computed in fp32, cast to ``dtype``."""
+    the yarn concentration factor: upstream's ``cos_cached``/``sin_cached``, bit for bit, for
+    the same constructor arguments on the same device (row ``r`` does not depend on
+    ``rows``). Computed in fp32, cast to ``dtype``."""
     low, high = _yarn_find_correction_range(
         rope.beta_fast, rope.beta_slow, rope.dim, rope.rotary_base,
         rope.original_max_position_embeddings, rope.correction_range_round_to_int)
     # 1 where a channel keeps its original frequency, 0 where it is interpolated.
     extrapolated = 1.0 - _yarn_linear_ramp_mask(low, high, rope.dim // 2, device=device)
-    inv_freq = (rope.inv_freq_inter.to(device) * (1.0 - extrapolated)
-                + rope.inv_freq_extra.to(device) * extrapolated)
+    extra, inter = inverse_frequencies(rope, device)
+    inv_freq = inter * (1.0 - extrapolated) + extra * extrapolated
     angles = torch.outer(torch.arange(rows, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
     scale = _yarn_get_concentration_factor(rope.scaling_factor, rope.mscale, rope.mscale_all_dim)
@@ -112,8 +131,11 @@ def _default_device() -> torch.device:
 class GraphSafeYarnRotaryEmbedding(YarnRotaryEmbedding):
     """YarnRotaryEmbedding whose cos/sin tables stay valid for every graph that read them.
 
-    Same constructor as upstream (``use_cpu_initialization`` is forced: the inverse
-    frequencies stay on the host and each table is built on the device of its first use).
+    Same constructor as upstream, and the same values (`yarn_cos_sin`). It never touches a
+    GPU when built: the host copy of the inverse frequencies is made on the CPU whatever
+    ``use_cpu_initialization`` says, and each table is built on the device of its first use,
+    its frequencies computed there too unless ``use_cpu_initialization`` is True (then from
+    the host copy, as upstream does; ``frequencies_on_host`` keeps the choice).
     `get_cached_cos_sin` returns prefixes of one table per (settings, dtype, device), shared
     by all instances; a longer request builds a longer table and retires the old one, which
     stays alive and unchanged. The tables are not buffers, so casting or moving the module
@@ -121,8 +143,12 @@ class GraphSafeYarnRotaryEmbedding(YarnRotaryEmbedding):
     """
 
     def __init__(self, *args, **kwargs):
-        kwargs["use_cpu_initialization"] = True
-        super().__init__(*args, **kwargs)
+        bound = inspect.signature(YarnRotaryEmbedding.__init__).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        on_host = bool(bound.arguments["use_cpu_initialization"])
+        bound.arguments["use_cpu_initialization"] = True
+        super().__init__(*bound.args[1:], **bound.kwargs)
+        self.frequencies_on_host = on_host
 
     def _set_cos_sin_cache(self, seq_len, offset, dtype, packed_seq=False):
         # Upstream builds (and later re-registers) its cache here; the tables are built on use.
@@ -131,7 +157,8 @@ class GraphSafeYarnRotaryEmbedding(YarnRotaryEmbedding):
     def _key(self, dtype: torch.dtype, device: Optional[torch.device]) -> tuple:
         settings = (self.dim, self.rotary_base, self.scaling_factor,
                     self.original_max_position_embeddings, self.beta_fast, self.beta_slow,
-                    self.mscale, self.mscale_all_dim, self.correction_range_round_to_int)
+                    self.mscale, self.mscale_all_dim, self.correction_range_round_to_int,
+                    self.frequencies_on_host)
         return (settings, dtype, torch.device(device) if device is not None else _default_device())
 
     def get_cached_cos_sin(self, seq_len: int, offset: int = 0,

@@ -75,21 +75,25 @@ def _attend(attention, hidden, params, grad=None):
     return out, torch.autograd.grad(out, hidden, grad)[0]
 
 
-def test_graph_safe_tables_hold_upstream_yarn_values(dist):
+@pytest.mark.parametrize("cpu_init", [False, True], ids=["device-init", "cpu-init"])
+def test_graph_safe_tables_hold_upstream_yarn_values(dist, cpu_init):
+    """Bit for bit, on CUDA: upstream MLA's own setting (frequencies computed on the GPU,
+    whose fp32 power rounds unlike the CPU's) and use_cpu_initialization=True."""
     from megatron.core.models.common.embeddings import YarnRotaryEmbedding
 
     from megatron.packed_graphs.mla_rope import GraphSafeYarnRotaryEmbedding
 
     yarn = dict(rotary_base=10000, scaling_factor=40.0, original_max_position_embeddings=4096,
-                beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+                beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
+                use_cpu_initialization=cpu_init)
     upstream = YarnRotaryEmbedding(64, **yarn)
     ours = GraphSafeYarnRotaryEmbedding(64, **yarn)
     for dtype in (torch.bfloat16, torch.float32):
         want = upstream.get_cached_cos_sin(3000, dtype=dtype, packed_seq=True)
         got = ours.get_cached_cos_sin(3000, dtype=dtype, packed_seq=True)
         for w, g in zip(want, got):
-            assert g.is_cuda and g.is_contiguous()
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-6 if dtype == torch.float32 else 0)
+            assert g.is_cuda and g.is_contiguous() and g.dtype == w.dtype == dtype
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_te_spec_builds_packed_mla(dist):
@@ -240,17 +244,40 @@ def _compare(eager, graphs, what, tolerance=5e-3):
     assert dnorm < 2e-2, ([r["grad_norm"] for r in eager], [r["grad_norm"] for r in graphs])
 
 
+STEPS = 20
+
+
+def _training(kind):
+    script, model = SCRIPT[kind]
+    return script, model + TRAIN + ["--train-iters", str(STEPS), "--global-batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory):
+    """One eager reference per model kind, shared by that kind's graph variants (the same
+    flags, so the same run): three eager runs instead of seven."""
+    runs = {}
+
+    def run(kind):
+        if kind not in runs:
+            script, common = _training(kind)
+            runs[kind] = run_training(script, common, tmp_path_factory.mktemp(f"mla_{kind}"),
+                                      name=f"{kind}_eager")
+        return runs[kind]
+    return run
+
+
 @pytest.mark.parametrize("kind, graphs", [
     ("gpt", "local"), ("gpt", "te"), ("gpt", "chunk"), ("hybrid", "local"), ("hybrid", "te"),
     ("moe", "local"), ("moe", "te"),
 ])
-def test_mla_graphs_train_like_eager(tmp_path, kind, graphs):
-    """30 steps: layer graphs (local and TE impl) and chunk graphs replay MLA layers with
-    eager's loss and grad norm, over-capacity micro-batches included (capacity 16)."""
-    script, model = SCRIPT[kind]
+def test_mla_graphs_train_like_eager(tmp_path, eager_run, kind, graphs):
+    """20 steps (2 eager warm-up, then replays): layer graphs (local and TE impl) and chunk
+    graphs replay MLA layers with eager's loss and grad norm, over-capacity micro-batches
+    included (capacity 16)."""
+    script, common = _training(kind)
     flags = {"local": LOCAL_GRAPHS, "te": TE_GRAPHS, "chunk": CHUNK_GRAPHS}[graphs]
-    common = model + TRAIN + ["--train-iters", "30", "--global-batch-size", "4"]
-    eager = run_training(script, common, tmp_path, name=f"{kind}_eager")
+    eager = eager_run(kind)
     graphed = run_training(script, common + flags, tmp_path, name=f"{kind}_{graphs}")
     assert graphed[2]["graph capture (s)"] > 0
     _compare(eager, graphed, f"MLA {kind}, {graphs} graphs")

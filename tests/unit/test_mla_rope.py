@@ -15,7 +15,9 @@ import textwrap
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.packed_graphs.capacity import pad_cu_seqlens
 from megatron.packed_graphs.mla import rope_params
 from megatron.packed_graphs.mla_rope import (
@@ -164,6 +166,69 @@ def test_tables_hold_yarn_values():
     assert cos.shape == (300, 1, 1, 64) and cos.is_contiguous() and sin.is_contiguous()
     torch.testing.assert_close(cos[:, 0, 0], ref_cos, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sin[:, 0, 0], ref_sin, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def upstream_on_the_host(monkeypatch):
+    """megatron-core's YarnRotaryEmbedding building on the CPU: it puts its frequencies and
+    tables on ``torch.cuda.current_device()``."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+
+MOONLIGHT_ROPE = dict(rotary_base=50000)  # no yarn scaling: concentration factor 1
+
+
+@pytest.mark.parametrize("settings", [YARN, MOONLIGHT_ROPE], ids=["yarn", "moonlight"])
+@pytest.mark.parametrize("on_host", [False, True], ids=["device-init", "cpu-init"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_tables_are_upstreams_bit_for_bit(upstream_on_the_host, settings, on_host, dtype):
+    """Same constructor arguments, same device: the same cos and sin bits (dtype, shape,
+    concentration factor, channel order); tests/gpu/test_mla_graphs.py checks it on CUDA."""
+    upstream = YarnRotaryEmbedding(64, use_cpu_initialization=on_host, **settings)
+    ours = GraphSafeYarnRotaryEmbedding(64, use_cpu_initialization=on_host, **settings)
+    want = upstream.get_cached_cos_sin(3000, dtype=dtype, packed_seq=True)
+    got = ours.get_cached_cos_sin(3000, dtype=dtype, packed_seq=True)
+    for w, g in zip(want, got):
+        assert g.shape == w.shape == (3000, 1, 1, 64) and g.dtype == w.dtype == dtype
+        assert g.is_contiguous() and torch.equal(g, w)
+
+
+class _OpDevices(TorchDispatchMode):
+    """Records (op, output device) of every aten op run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.seen.append((func.overloadpacket, out.device))
+        return out
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_frequencies_are_computed_on_the_device_upstream_computes_them_on(on_host):
+    """megatron-core's MLA builds its yarn RoPE with ``use_cpu_initialization=False``: the
+    frequencies' fp32 power runs on the GPU, whose rounding differs from the CPU's (a unit in
+    the last place of one frequency moves cos by 2e-4 at position 3000). So a table on
+    another device ('meta' stands for the GPU here) computes its power there, and copies the
+    host frequencies only under ``use_cpu_initialization=True``."""
+    rope = GraphSafeYarnRotaryEmbedding(32, use_cpu_initialization=on_host,
+                                        **{**YARN, "rotary_base": 34567})
+    assert rope.inv_freq_extra.device.type == "cpu"  # building touches no GPU either way
+    with _OpDevices() as ops:
+        rope.get_cached_cos_sin(16, dtype=torch.float32, packed_seq=True,
+                                device=torch.device("meta"))
+    powers = {device.type for op, device in ops.seen if op is torch.ops.aten.pow}
+    assert powers == (set() if on_host else {"meta"})
+    assert all(device.type == "meta" for _, device in ops.seen if not on_host)
+
+
+def test_the_constructor_takes_upstreams_arguments_positionally_too():
+    rope = GraphSafeYarnRotaryEmbedding(32, 1.0, False, None, 10000.0, True, 40.0)
+    assert rope.frequencies_on_host and rope.scaling_factor == 40.0
+    assert not GraphSafeYarnRotaryEmbedding(32, rotary_base=10000.0).frequencies_on_host
 
 
 def test_scaling_factor_one_is_plain_rope():
