@@ -17,6 +17,8 @@ out of the medians. All rows of a table come from the same invocation on the sam
     python tools/benchmark.py --presets moe --variants eager layer-graphs chunk-graphs --profile
     python tools/benchmark.py --presets moe --variants eager layer-graphs --nproc 4 \
         --expert-model-parallel-size 4 --global-batch-size 16 --moe-experts sequential grouped-gemm
+    python tools/benchmark.py --presets mla --variants eager te-layer-graphs chunk-graphs \
+        --moe-experts grouped-gemm --profile
 
 --from-metrics trains nothing: it tabulates the metrics files of finished runs (one row per
 VARIANT=FILE, speedup against the row named eager), as examples/local/train_hybrid_synthetic.sh
@@ -38,6 +40,11 @@ columns: the dropped-token fraction (mean of the metrics file's moe_dropped_toke
 over the timed steps) and the rerun rate (micro-batches rerun eager after a capacity
 overflow, per micro-batch, from "eager moe_overflow_rerun"; "-" when the run does not write
 it).
+
+MLA presets (group ``mla``: ``moonlight-small``, a Moonlight-shaped MLA + MoE model,
+docs/mla.md) run on Transformer Engine attention whatever the variant. They are MoE presets
+too (64 experts; --moe-experts and --expert-model-parallel-size apply), outside the TE-free
+group ``moe``.
 
 Prints a Markdown table; --json FILE also writes the rows. A configuration that fails
 (training exits non-zero, or leaves no metrics) does not stop the others: its row shows the
@@ -106,11 +113,30 @@ PRESETS = {
     "hybrid-moe-small": ("pretrain_mamba.py", [
         "--hybrid-override-pattern", HYBRID_MOE_PATTERN_16, "--hidden-size", "1024",
         "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "4096", *MOE]),
+    # Moonlight-16B-A3B's ratios at hidden 1024, 8 layers (docs/mla.md): MLA with kv_lora_rank
+    # = hidden / 4, no query compression, head dims 128 / 64 / 128, latent norms, RoPE base
+    # 50000 without yarn scaling; 64 experts, top-6, sigmoid router, expert width 0.6875 x
+    # hidden, two shared experts; every layer MoE, drop-and-pad. MLA runs on TE attention;
+    # the experts follow --moe-experts like every MoE preset's.
+    "moonlight-small": ("pretrain_gpt.py", [
+        "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8",
+        "--seq-length", "4096", "--swiglu", "--untie-embeddings-and-output-weights",
+        "--multi-latent-attention", "--kv-lora-rank", "256", "--qk-head-dim", "128",
+        "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--qk-layernorm",
+        "--rotary-base", "50000",
+        "--num-experts", "64", "--moe-router-topk", "6", "--moe-ffn-hidden-size", "704",
+        "--moe-shared-expert-intermediate-size", "1408", "--moe-router-score-function",
+        "sigmoid", "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor",
+        "1.25", "--moe-pad-expert-input-to-capacity", "--moe-aux-loss-coeff", "1e-3",
+        "--attention-backend", "te"]),
 }
 PRESET_GROUPS = {
     "sweep": ["gpt-8x512x2048", "gpt-16x1024x4096", "gpt-24x2048x4096",
               "hybrid-8x512x2048", "hybrid-16x1024x4096", "hybrid-24x2048x4096"],
+    # TE-free MoE presets: 16 experts, top-2.
     "moe": ["gpt-moe-small", "hybrid-moe-small"],
+    # Multi-latent attention presets (need Transformer Engine).
+    "mla": ["moonlight-small"],
 }
 
 # Variants are extra flags on top of a preset.

@@ -15,10 +15,8 @@ the step). Prints a Markdown table; nothing is asserted.
 
     python tools/mla_costs.py --capacities 16 64 128 256
 
-``MOONLIGHT_SMALL`` is the moonlight-small flag set: Moonlight-16B-A3B's ratios (MLA with
-kv_lora_rank = hidden / 4, no query compression, head dims 128 / 64 / 128, latent norms;
-64 experts, top-6, sigmoid router, expert width 0.6875 x hidden, two shared experts; RoPE base
-50000, no yarn scaling) at hidden 1024 and 8 layers, every layer MoE, drop-and-pad.
+``MOONLIGHT_SMALL`` is tools/benchmark.py's ``moonlight-small`` preset (Moonlight-16B-A3B's
+ratios at hidden 1024 and 8 layers, docs/mla.md) with TE's grouped-GEMM experts.
 """
 
 import argparse
@@ -27,19 +25,11 @@ import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.join(REPO, "tools") not in sys.path:
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+from benchmark import GROUPED_GEMM, PRESETS  # noqa: E402  (the preset's one definition)
 
-MOONLIGHT_SMALL = [
-    "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8",
-    "--seq-length", "4096", "--swiglu", "--untie-embeddings-and-output-weights",
-    "--multi-latent-attention", "--kv-lora-rank", "256", "--qk-head-dim", "128",
-    "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--qk-layernorm",
-    "--rotary-base", "50000",
-    "--num-experts", "64", "--moe-router-topk", "6", "--moe-ffn-hidden-size", "704",
-    "--moe-shared-expert-intermediate-size", "1408", "--moe-router-score-function", "sigmoid",
-    "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.25",
-    "--moe-pad-expert-input-to-capacity", "--moe-aux-loss-coeff", "1e-3",
-    "--attention-backend", "te", "--moe-grouped-gemm",
-]
+MOONLIGHT_SMALL = PRESETS["moonlight-small"][1] + GROUPED_GEMM
 TRAINING = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--train-iters", "1",
             "--vocab-size", "32000"]
 

@@ -1,6 +1,7 @@
 """tools/benchmark.py: the table, variant flags, a failed row, the torchrun launch without a
-port race, --from-metrics, --help, the MoE presets (every launch command through the real
-training parser; expert parallelism against --nproc; the MoE columns) (CPU)."""
+port race, --from-metrics, --help, the MoE and MLA presets (every launch command through the
+real training parser and megatron-core's config; expert parallelism against --nproc; the MoE
+columns) (CPU)."""
 
 import json
 import os
@@ -157,7 +158,17 @@ def test_help_shows_the_defaults(capsys):
 
 MODEL_OF_SCRIPT = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
 MOE_PRESETS = benchmark.PRESET_GROUPS["moe"]
+MLA_PRESETS = benchmark.PRESET_GROUPS["mla"]
 NEEDS_TE = {"te-layer-graphs"}
+
+
+def _flag(preset, flag):
+    flags = benchmark.PRESETS[preset][1]
+    return flags[flags.index(flag) + 1] if flag in flags else None
+
+
+def _pins_te_attention(preset):
+    return _flag(preset, "--attention-backend") == "te"
 
 
 def _validated(cmd, world_size):
@@ -172,18 +183,24 @@ def _validated(cmd, world_size):
 
 @pytest.fixture
 def te_importable(monkeypatch):
+    """set_te(present): Transformer Engine importable or not, for the argument checks and the
+    attention backend's resolution alike; with TE, triton too (it ships with the CUDA builds
+    TE runs on; MLA's fused RoPE needs it). TE-free runs must need neither."""
+    from megatron.packed_graphs import attention
     from megatron.training import argument_checks
 
     def set_te(present):
         monkeypatch.setattr(argument_checks, "is_importable",
-                            lambda package: present and package == "transformer_engine")
+                            lambda package: present and package in ("transformer_engine",
+                                                                    "triton"))
+        monkeypatch.setattr(attention, "is_te_available", lambda: present)
     set_te(False)
     return set_te
 
 
 def test_moe_presets_are_drop_and_pad_without_grouped_gemm():
     assert set(MOE_PRESETS) == {"gpt-moe-small", "hybrid-moe-small"}
-    assert [p for p in benchmark.PRESETS if benchmark.is_moe(p)] == MOE_PRESETS
+    assert [p for p in benchmark.PRESETS if benchmark.is_moe(p)] == MOE_PRESETS + MLA_PRESETS
     for preset in MOE_PRESETS:
         flags = benchmark.PRESETS[preset][1]
         value = dict(zip(flags, flags[1:]))
@@ -198,6 +215,50 @@ def test_moe_presets_are_drop_and_pad_without_grouped_gemm():
     assert benchmark.num_experts("gpt-small") is None
 
 
+def test_mla_presets_are_moe_presets_on_te_attention():
+    assert MLA_PRESETS == ["moonlight-small"]
+    assert not set(MLA_PRESETS) & set(MOE_PRESETS)  # the moe group stays TE-free
+    assert not any(_pins_te_attention(p) for p in benchmark.PRESETS if p not in MLA_PRESETS)
+    for preset in MLA_PRESETS:
+        flags = benchmark.PRESETS[preset][1]
+        assert "--multi-latent-attention" in flags and _pins_te_attention(preset)
+        assert (_flag(preset, "--num-experts"), _flag(preset, "--moe-router-topk")) == ("64", "6")
+        assert _flag(preset, "--moe-token-dispatcher-type") == "alltoall"
+        assert "--moe-pad-expert-input-to-capacity" in flags
+        assert "--moe-grouped-gemm" not in flags  # --moe-experts chooses, as for every MoE preset
+
+
+def test_mla_presets_are_refused_without_transformer_engine(te_importable):
+    cmd = benchmark.launch_command("moonlight-small", "eager", _args(nproc=1), "/tmp/m.jsonl")
+    with pytest.raises(ValueError, match="--attention-backend is wrong: te. It needs "
+                                         "transformer_engine"):
+        _validated(cmd, world_size=1)
+
+
+def test_the_mla_group_runs_moonlight_small_with_its_experts_and_label(monkeypatch, capsys):
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        _moe_metrics(cmd[cmd.index("--metrics-file") + 1], [0.0] * 10)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    assert benchmark.main(["--presets", "mla", "--steps", "10", "--nproc", "4",
+                           "--global-batch-size", "16", "--expert-model-parallel-size", "4",
+                           "--moe-experts", "grouped-gemm"]) == 0
+    out = capsys.readouterr().out
+    assert "| moonlight-small grouped-gemm ep4 | eager |" in out
+    assert len(commands) == 1 and "--multi-latent-attention" in commands[0]
+    assert "--moe-grouped-gemm" in commands[0]
+
+
+def test_expert_parallel_size_must_divide_moonlight_smalls_experts(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.main(["--presets", "mla", "--nproc", "3", "--expert-model-parallel-size", "3"])
+    assert "It must divide moonlight-small's 64 experts" in capsys.readouterr().err
+
+
 CONFIGS = [(preset, variant, experts, ep)
            for preset in benchmark.PRESETS
            for variant in [*benchmark.VARIANTS, "layer-graphs-c16"]
@@ -210,22 +271,30 @@ CONFIGS = [(preset, variant, experts, ep)
 def test_every_launch_command_passes_the_training_parser(te_importable, preset, variant,
                                                          experts, ep):
     """Every preset x variant (x expert implementation x EP for MoE) as the tool launches it,
-    with --profile; without TE wherever the run does not need it."""
-    needs_te = variant in NEEDS_TE or experts == "grouped-gemm"
+    with --profile, through the training parser (and megatron-core's TransformerConfig at
+    the preset's full size); without TE wherever the run does not need it, TE faked
+    importable where it does (MLA presets, TE graphs, grouped GEMM)."""
+    needs_te = variant in NEEDS_TE or experts == "grouped-gemm" or _pins_te_attention(preset)
     te_importable(needs_te)
     args = _args(nproc=ep, expert_model_parallel_size=ep, global_batch_size=4 * ep, profile=True)
     cmd = benchmark.launch_command(preset, variant, args, "/tmp/m.jsonl", "", experts)
     parsed = _validated(cmd, world_size=ep)
     assert parsed.train_iters == 30 and parsed.metrics_file == "/tmp/m.jsonl"
-    if not needs_te:  # megatron-core's TransformerConfig checks at the preset's full size
+    # megatron-core's config imports TE's fused RoPE for standard attention on TE, which a
+    # faked TE cannot give; MLA's fused RoPE is a Triton kernel, so MLA runs check it too.
+    if not needs_te or preset in MLA_PRESETS:
         from megatron.training.config import transformer_config_from_args
 
         config = transformer_config_from_args(parsed)
         assert config.num_moe_experts == parsed.num_experts
+        assert config.multi_latent_attention == (preset in MLA_PRESETS)
     if benchmark.is_moe(preset):
-        assert parsed.num_experts == 16 and parsed.expert_model_parallel_size == ep
+        assert parsed.num_experts == benchmark.num_experts(preset)
+        assert parsed.num_experts == (64 if preset in MLA_PRESETS else 16)
+        assert parsed.expert_model_parallel_size == ep
         assert parsed.moe_grouped_gemm == (experts == "grouped-gemm")
-        assert (parsed.attention_backend == "te") == (experts == "grouped-gemm")
+        assert (parsed.attention_backend == "te") == (experts == "grouped-gemm"
+                                                      or _pins_te_attention(preset))
     else:
         assert parsed.num_experts is None and "--expert-model-parallel-size" not in cmd
 

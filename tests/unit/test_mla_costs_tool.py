@@ -43,6 +43,15 @@ def test_moonlight_small_has_moonlights_ratios(te_and_triton):
     assert config.attention_backend == "te"
 
 
+def test_moonlight_small_is_the_benchmark_preset_with_grouped_gemm_experts():
+    """One definition: tools/benchmark.py's preset; the costs are measured on TE's grouped
+    GEMM experts."""
+    import benchmark  # tools/ is on the path: mla_costs imports it from there
+
+    assert mla_costs.MOONLIGHT_SMALL == (benchmark.PRESETS["moonlight-small"][1]
+                                         + benchmark.GROUPED_GEMM)
+
+
 def test_moonlight_small_is_refused_without_transformer_engine(monkeypatch):
     monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
     args = build_parser("gpt").parse_args(mla_costs.MOONLIGHT_SMALL + mla_costs.TRAINING)
