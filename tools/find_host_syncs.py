@@ -3,8 +3,10 @@
 Runs the real training (one process, one GPU) up to ``--iteration`` and runs that iteration
 under ``torch.cuda.set_sync_debug_mode("warn")``. Each synchronising call is reported once
 per call site, with a count and the Python stack, split into syncs inside the model's
-forward/backward (these break CUDA graph capture) and syncs in the training loop around it
-(loss, grad norm, logging: expected, outside any graph).
+forward/backward (these break CUDA graph capture), deliberate once-per-iteration reads by
+model-side code outside any graph (``DELIBERATE_READS``, each with its reason: e.g. the MoE
+overflow rerun's read) and syncs in the training loop around it (loss, grad norm, logging:
+expected, outside any graph).
 
     python tools/find_host_syncs.py pretrain_mamba.py --iteration 5 -- \\
         --sft --mock-data --hybrid-override-pattern "M*-M*-" --hidden-size 256 \\
@@ -33,6 +35,15 @@ MODEL_PATHS = ("megatron/packed_graphs/", "megatron/core/transformer/", "megatro
                "megatron/core/models/", "megatron/core/tensor_parallel/layers",
                "mamba_ssm/", "causal_conv1d/")
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
+MODULE_CALL = "torch/nn/modules/module.py"  # a frame here: an nn.Module call is running
+# Host reads made on purpose once per iteration, outside every graph, by code that lives
+# under a model path: (file, function) -> why. A sync under such a frame, with no module call
+# above it, is reported apart, not as a sync inside the model.
+DELIBERATE_READS = {
+    ("megatron/packed_graphs/moe_rerun.py", "read_rows"):
+        "MoE overflow rerun (--moe-capacity-overflow rerun): the iteration's overflow rows, "
+        "one all-reduce and host read after the schedule, before the optimizer step",
+}
 
 
 def call_site(stack: list) -> str:
@@ -46,30 +57,53 @@ def call_site(stack: list) -> str:
     return f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "?"
 
 
+def deliberate_read(stack: list) -> str | None:
+    """Why the sync is a deliberate per-iteration read (`DELIBERATE_READS`), else None. Only
+    when it runs outside every module call: a listed read reached from a forward is a sync
+    inside the model like any other."""
+    for frame in stack:  # outermost first
+        filename = frame.filename.replace(os.sep, "/")
+        if filename.endswith(MODULE_CALL):
+            return None
+        for (path, function), why in DELIBERATE_READS.items():
+            if frame.name == function and filename.endswith(path):
+                return why
+    return None
+
+
 def in_model(stack: list) -> bool:
-    return any(any(p in frame.filename for p in MODEL_PATHS) for frame in stack)
+    """Whether the sync ran inside the model: a frame under a model path, and not a
+    deliberate per-iteration read."""
+    return (any(any(p in frame.filename for p in MODEL_PATHS) for frame in stack)
+            and deliberate_read(stack) is None)
 
 
 def group_syncs(stacks: list) -> "OrderedDict[str, dict]":
-    """Group captured stacks by call site: ``{site: {"count", "in_model", "stack"}}``."""
+    """Group captured stacks by call site:
+    ``{site: {"count", "in_model", "deliberate" (why, or None), "stack"}}``."""
     sites: "OrderedDict[str, dict]" = OrderedDict()
     for stack in stacks:
         site = call_site(stack)
-        entry = sites.setdefault(site, {"count": 0, "in_model": in_model(stack), "stack": stack})
+        entry = sites.setdefault(site, {"count": 0, "in_model": in_model(stack),
+                                        "deliberate": deliberate_read(stack), "stack": stack})
         entry["count"] += 1
     return sites
 
 
 def format_report(sites: "OrderedDict[str, dict]", iteration: int) -> str:
     model = [(s, e) for s, e in sites.items() if e["in_model"]]
-    loop = [(s, e) for s, e in sites.items() if not e["in_model"]]
+    deliberate = [(s, e) for s, e in sites.items() if e.get("deliberate")]
+    loop = [(s, e) for s, e in sites.items() if not e["in_model"] and not e.get("deliberate")]
     lines = [f"host syncs in iteration {iteration}: {sum(e['count'] for e in sites.values())} "
              f"calls at {len(sites)} sites ({len(model)} inside the model)"]
     for title, group in (("inside the model forward/backward (break graph capture)", model),
+                         ("deliberate once-per-iteration reads (outside graphs)", deliberate),
                          ("in the training loop (outside graphs)", loop)):
         lines.append(f"\n== {title}: {len(group)}")
         for site, entry in group:
             lines.append(f"-- {site}  x{entry['count']}")
+            if entry.get("deliberate"):
+                lines.append(f"   why: {entry['deliberate']}")
             lines += ["   " + line for line in
                       "".join(traceback.format_list(entry["stack"][-12:])).rstrip().splitlines()]
     return "\n".join(lines)

@@ -29,6 +29,49 @@ def test_syncs_grouped_by_call_site_and_split_model_vs_loop():
     assert "mamba_mixer.py:700  x2" in report
 
 
+def _framed(*frames):
+    return traceback.StackSummary.from_list([(f, line, name, "code")
+                                             for f, line, name in frames])
+
+
+RERUN_READ = ("/x/megatron/packed_graphs/moe_rerun.py", 155, "read_rows")
+LOOP = ("/x/megatron/training/training.py", 10, "train_step")
+
+
+def test_the_moe_reruns_per_iteration_read_is_reported_apart_from_model_syncs():
+    read = _framed(LOOP, ("/x/megatron/packed_graphs/moe_rerun.py", 180,
+                          "after_forward_backward"),
+                   RERUN_READ, ("/x/site-packages/torch/_tensor.py", 3, "tolist"))
+    module_call = ("/x/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
+    router = _framed(LOOP, module_call, ("/x/megatron/packed_graphs/moe.py", 90, "routing"))
+    sites = fhs.group_syncs([read, router])
+    assert [e["in_model"] for e in sites.values()] == [False, True]
+    assert sites["/x/megatron/packed_graphs/moe_rerun.py:155"]["deliberate"].startswith(
+        "MoE overflow rerun")
+    report = fhs.format_report(sites, 5)
+    assert "(1 inside the model)" in report
+    assert "== deliberate once-per-iteration reads (outside graphs): 1" in report
+    assert "   why: MoE overflow rerun (--moe-capacity-overflow rerun)" in report
+    # The listed function reached from inside a forward is a sync in the model like any other.
+    read_in_forward = _framed(LOOP, module_call, RERUN_READ)
+    assert fhs.in_model(read_in_forward) and fhs.deliberate_read(read_in_forward) is None
+
+
+def test_every_deliberate_read_names_a_function_that_reads_back():
+    """The allow-list follows the code: each entry is a function of that file that makes a
+    host read, so a rename or a removed read shows here."""
+    import importlib
+    import inspect
+
+    for (path, function), why in fhs.DELIBERATE_READS.items():
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        found = [obj for _, cls in inspect.getmembers(module, inspect.isclass)
+                 if cls.__module__ == module.__name__
+                 for name, obj in vars(cls).items() if name == function]
+        assert len(found) == 1 and why, (path, function)
+        assert ".tolist()" in inspect.getsource(found[0]), (path, function)
+
+
 def test_bad_arguments_are_usage_errors():
     with pytest.raises(SystemExit) as err:
         fhs.main(["pretrain_bert.py"])
