@@ -149,6 +149,12 @@ VARIANTS = {
                         "--cuda-graph-max-packed-seqs", "32", "--cuda-graph-warmup-steps", "2"],
     "chunk-graphs": ["--cuda-graph-impl", "local", "--cuda-graph-granularity", "chunk",
                      "--cuda-graph-max-packed-seqs", "32", "--cuda-graph-warmup-steps", "2"],
+    # layer-graphs plus the graph health check at every iteration: the step-time difference
+    # to layer-graphs is one check's cost (at --cuda-graph-check-interval N, spread over N).
+    "layer-graphs-health-check": ["--cuda-graph-impl", "local",
+                                  "--cuda-graph-max-packed-seqs", "32",
+                                  "--cuda-graph-warmup-steps", "2",
+                                  "--cuda-graph-check-interval", "1"],
     # A large top capacity (few fallbacks) without paying for it on ordinary micro-batches.
     "layer-graphs-ladder": ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "1024",
                             "--cuda-graph-capacity-ladder", "16", "64", "256",
