@@ -26,7 +26,7 @@ Captured = Collection[Tuple[int, int]]
 
 def plan_iteration(config: GraphRuntimeConfig, iteration: int, captured: Captured,
                    segment_counts: Sequence[int], cp_sizes: Optional[Sequence[int]] = None,
-                   *, training: bool = True) -> List[StepGraphPlan]:
+                   *, training: bool = True, graphs_off: bool = False) -> List[StepGraphPlan]:
     """Plans for one iteration's micro-batches, in order (one per micro-batch).
 
     ``iteration`` counts training iterations of this process from 0; ``captured`` holds the
@@ -35,12 +35,14 @@ def plan_iteration(config: GraphRuntimeConfig, iteration: int, captured: Capture
     iterations below the warm-up count run eager; the first later iteration captures graphs
     for every micro-batch that fits (`capture_capacities`; CP banks: every bank). After
     capture each micro-batch replays the smallest captured capacity of its CP size that
-    fits, or runs eager. Evaluation (``training=False``) runs eager. Chunk slots are
-    assigned per chunk afterwards (`plan_chunks`).
+    fits, or runs eager. Evaluation (``training=False``) runs eager. ``graphs_off``: graphs
+    were turned off for the rest of the run (the health check's disable action): everything
+    runs eager, as without graphs. Chunk slots are assigned per chunk afterwards
+    (`plan_chunks`).
     """
     n = len(segment_counts)
     sizes = list(cp_sizes) if cp_sizes is not None else [config.cp_size] * n
-    if not config.enabled:
+    if not config.enabled or graphs_off:
         return [StepGraphPlan.eager(Reason.DISABLED)] * n
     if not training:
         return [StepGraphPlan.eager(Reason.EVAL)] * n

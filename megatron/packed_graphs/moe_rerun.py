@@ -30,6 +30,7 @@ order). Dropout draws new masks in the rerun (the RNG is not rewound).
 """
 
 import json
+from contextlib import contextmanager
 from typing import Callable, Dict, FrozenSet, Iterator, List, Sequence
 
 import torch
@@ -78,6 +79,7 @@ class MoEOverflowRerun:
         self._dropless: FrozenSet[int] = frozenset()
         self._scope = None
         self._snapshot = None
+        self._suspended = False
         self.totals: Dict[str, int] = {RERUN_REASON: 0}
         # Peak expert load per micro-batch position -> how many (for tools/capacity_advisor).
         self.peak_loads: Dict[int, int] = {}
@@ -97,12 +99,25 @@ class MoEOverflowRerun:
             bound //= args.data_parallel_size
         return cls(model_chunks, max_micro_batches=max(1, bound))
 
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Forward calls in this block are neither counted nor made dropless: passes that are
+        not the iteration's own (the graph health check's, health_check.py, which puts the
+        MoE accumulators back itself)."""
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
+
     # ------------------------------------------------------------------ hooks (no host sync)
 
     def _counting(self, index: int) -> bool:
         return self.chunks[index].training and torch.is_grad_enabled()
 
     def _before(self, index: int) -> None:
+        if self._suspended:
+            return
         if not self.chunks[index].training:  # evaluation runs eager: dropless, as training
             self._enter_dropless(index)
             return
@@ -122,7 +137,7 @@ class MoEOverflowRerun:
 
     def _after(self, index: int) -> None:
         self._exit_dropless()
-        if not self._counting(index):
+        if self._suspended or not self._counting(index):
             return
         row = self.rows[self._calls[index]]
         torch.maximum(row, self.counter, out=row)

@@ -47,7 +47,8 @@ class Reason(str, enum.Enum):
     EVAL = "eval"  # evaluation (forward only) runs eager
     MOE_OVERFLOW_RERUN = "moe_overflow_rerun"  # rerun eager after an expert-capacity overflow
     FORCED = "forced"  # a caller asked for eager (`run_eager`: tools comparing graph and eager)
-    DISABLED = "disabled"  # --cuda-graph-impl none
+    HEALTH_CHECK = "health_check"  # the graph health check's eager pass (health_check.py)
+    DISABLED = "disabled"  # --cuda-graph-impl none, or graphs turned off by the health check
 
 
 # Eager runs that graphs would have run: the log line's "graph fallbacks".

@@ -14,7 +14,9 @@ micro-batch then runs under its plan (`plan.running`): the graphable modules rea
 megatron-core's local graphs record it and capture at the end of the schedule. On exit the
 iteration's statistics are in ``step.stats``: documents per micro-batch, graph fallbacks,
 eager micro-batches by reason, capture time and memory. Evaluation (``training=False``)
-runs eager (`Reason.EVAL`), with statistics of its own.
+runs eager (`Reason.EVAL`), with statistics of its own. With ``--cuda-graph-check-interval``
+the exit of every N-th training iteration first runs the graph health check
+(health_check.py), which may turn graphs off for the rest of the run.
 
 Every piece of graph state lives in the runtime or in the model's own graph managers: which
 capacities and banks are captured, the TE banks, the iteration count. The model chunks' slot
@@ -41,6 +43,7 @@ import torch
 
 from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.chunk_graphs import chunk_slot_count
+from megatron.packed_graphs.health_check import GraphHealthCheck, HealthCheckConfig
 from megatron.packed_graphs.moe import moe_accumulators_kept
 from megatron.packed_graphs.dispatch import (
     assign_chunk_slots,
@@ -93,11 +96,16 @@ class GraphRuntime:
     """Owner of every CUDA-graph decision and all graph state of a run (see module doc)."""
 
     def __init__(self, config: GraphRuntimeConfig, model: Sequence[torch.nn.Module] = (),
-                 model_config=None):
+                 model_config=None, health_check: HealthCheckConfig = HealthCheckConfig(),
+                 check_guards: Sequence[Callable] = ()):
         self.config = config
         self.model = list(model)
         self.iterations = 0  # training iterations run through the runtime
         self.captured: frozenset = frozenset()  # (CP size, capacity) pairs graphs exist for
+        # Graphs turned off for the rest of the run (the health check's disable action).
+        self.graphs_off = False
+        # check_guards: context managers the check's passes run in (health_check.py).
+        self.health_check = GraphHealthCheck(health_check, self.model, check_guards)
         # Eager micro-batches of the whole run by reason (training and evaluation).
         self.eager_totals: Counter = Counter()
         self.te_graphs: Optional[TELayerGraphs] = None
@@ -112,13 +120,18 @@ class GraphRuntime:
             core_patches.use_side_stream()
 
     @classmethod
-    def from_args(cls, args, model: Sequence[torch.nn.Module], model_config) -> "GraphRuntime":
+    def from_args(cls, args, model: Sequence[torch.nn.Module], model_config,
+                  check_guards: Sequence[Callable] = ()) -> "GraphRuntime":
         """The run's runtime: settings from validated arguments, chunk slots from this rank's
-        pipeline schedule (chunk granularity; needs the parallel state), TE layer graphs."""
+        pipeline schedule (chunk granularity; needs the parallel state), TE layer graphs, the
+        health check (``check_guards``: see `GraphHealthCheck`)."""
         slots = (1,)
         if args.cuda_graph_impl == "local" and args.cuda_graph_granularity == "chunk":
             slots = tuple(chunk_slot_count(model_config, chunk) for chunk in range(len(model)))
-        return cls(config_from_args(args, slots), model, model_config)
+        check = HealthCheckConfig(interval=getattr(args, "cuda_graph_check_interval", 0),
+                                  tolerance=getattr(args, "cuda_graph_check_tolerance", 0.01),
+                                  action=getattr(args, "cuda_graph_check_action", "warn"))
+        return cls(config_from_args(args, slots), model, model_config, check, check_guards)
 
     def describe(self) -> str:
         """One start-up log line: what is graphed and how."""
@@ -133,8 +146,13 @@ class GraphRuntime:
             what = "capacities " + ",".join(map(str, c.capacities))
         if c.granularity is Granularity.CHUNK:
             what += ", slots per chunk " + ",".join(map(str, c.slots_per_chunk))
-        return (f"cuda graphs: {c.granularity.value} graphs ({c.impl}), {what}, "
+        line = (f"cuda graphs: {c.granularity.value} graphs ({c.impl}), {what}, "
                 f"{c.warmup_iterations} eager warm-up iterations")
+        check = self.health_check.config
+        if check.enabled:
+            line += (f", health check every {check.interval} iterations (tolerance "
+                     f"{check.tolerance:g}, on divergence: {check.action})")
+        return line
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -148,7 +166,7 @@ class GraphRuntime:
             cp_sizes = [batch["cp_turn"].cp_size for batch in batches]
         plans = plan_iteration(self.config, self.iterations, self.captured,
                                [batch["num_segments"] for batch in batches], cp_sizes,
-                               training=training)
+                               training=training, graphs_off=self.graphs_off)
         return plan_chunks(self.config, plans, len(micro_batches))
 
     @contextmanager
@@ -159,7 +177,7 @@ class GraphRuntime:
         device); yields the `GraphIteration` the schedule runs; collects statistics on exit."""
         step = GraphIteration(self, forward_step, micro_batches,
                               self.plan(micro_batches, training), training)
-        capturing = training and self.config.enabled and not self.captured
+        capturing = training and self.config.enabled and not self.captured and not self.graphs_off
         # Capture warm-up runs the layers on placeholder inputs: keep it out of the MoE aux
         # losses and drop counts of this step (TE captures here, local at the schedule's end).
         keep_moe_accumulators = partial(moe_accumulators_kept, self.model)
@@ -170,10 +188,12 @@ class GraphRuntime:
         with (core_patches.guard_local_capture(keep_moe_accumulators) if capturing
               else nullcontext()):
             yield step
+        checked = self._check_health(step) if training else {}
         step.stats = self._statistics(step)
         if capturing:
             step.stats |= capture_stats | self._after_capture(step)
         if training:
+            step.stats |= checked or self.health_check.counts()
             self.iterations += 1
 
     def run_micro_batch(self, forward_step, model, batch: dict, plan: StepGraphPlan):
@@ -227,6 +247,24 @@ class GraphRuntime:
             reasons = micro_batch_reasons(step.plans)
             stats["cuda graphs"] = reasons[0].value if reasons else "-"
         return stats
+
+    # -- health check --------------------------------------------------------------------------
+
+    def _check_health(self, step: "GraphIteration") -> dict:
+        """The graph health check at the end of a due training iteration (health_check.py):
+        one graphed micro-batch replayed and run eager, its eager pass counted
+        (`Reason.HEALTH_CHECK`); on a divergence with action ``disable`` every later
+        micro-batch is planned eager (`Reason.DISABLED`). Syncs once when due; {} otherwise."""
+        check = self.health_check
+        if (not self.config.enabled or self.graphs_off
+                or not check.due(self.iterations + 1, self.config.warmup_iterations)):
+            return {}
+        result = check.run(self.iterations + 1, step.micro_batches[0], step.plans[0],
+                           partial(self.run_micro_batch, step.forward, self.model[0]))
+        step._rerun.setdefault(Reason.HEALTH_CHECK, set()).add(result.position)
+        if result.diverged and check.config.action == "disable":
+            self.graphs_off = True
+        return check.stats(result)
 
     # -- statistics ----------------------------------------------------------------------------
 

@@ -889,3 +889,37 @@ def check_mla(args, model: str):
             fail(flag, _mla_value(args, flag), "Use a positive value")
     _at_least(args, "--mscale", 0.0)
     _at_least(args, "--mscale-all-dim", 0.0)
+
+
+def check_graph_health_check(args):
+    """--cuda-graph-check-interval, -tolerance and -action (docs/cuda-graphs.md, "Graph health
+    check"). Runs after the parallelism, graph and dynamic-CP checks."""
+    from megatron.packed_graphs.health_check import HealthCheckConfig
+
+    interval = args.cuda_graph_check_interval
+    defaults = HealthCheckConfig()
+    # The value rules (interval >= 0, positive finite tolerance, a known action).
+    HealthCheckConfig(interval, args.cuda_graph_check_tolerance, args.cuda_graph_check_action)
+    if interval == 0:
+        for flag, value, default in (
+                ("--cuda-graph-check-tolerance", args.cuda_graph_check_tolerance,
+                 defaults.tolerance),
+                ("--cuda-graph-check-action", args.cuda_graph_check_action, defaults.action)):
+            if value != default:
+                fail(flag, value, "It configures the graph health check, which is off; add "
+                                  "--cuda-graph-check-interval N or drop the flag")
+        return
+    flag = "--cuda-graph-check-interval"
+    if args.cuda_graph_impl == "none":
+        fail(flag, interval, "The check compares CUDA graph replays with eager runs and would "
+                             "be silently ignored without graphs; add --cuda-graph-impl local "
+                             "with a capacity, or drop the flag")
+    if args.pipeline_model_parallel_size > 1:
+        fail(flag, interval, "The check runs one micro-batch outside the pipeline schedule, "
+                             "which with pipeline parallelism would take a graph runner's turn "
+                             "on every stage; use --pipeline-model-parallel-size 1 or drop the "
+                             "flag")
+    if args.dynamic_cp_sizes:
+        fail(flag, interval, "Each rank checks its first graphed micro-batch, and under dynamic "
+                             "CP the ranks of one CP group need not pick the same one; drop the "
+                             "flag or --dynamic-cp-sizes")

@@ -405,6 +405,16 @@ def _add_cuda_graph_args(parser):
                    help="layer: a forward and a backward graph per layer; chunk: one graph pair "
                         "per pipeline model chunk and in-flight micro-batch (local impl; prefer "
                         "it with pipeline parallelism).")
+    g.add_argument("--cuda-graph-check-interval", type=int, default=0, metavar="N",
+                   help="Graph health check: every N training iterations replay one graphed "
+                        "micro-batch, run it eager too and compare loss and gradient norm "
+                        "(0: off).")
+    g.add_argument("--cuda-graph-check-tolerance", type=float, default=0.01,
+                   help="Largest relative difference of the health check's loss and gradient "
+                        "norm that is not a divergence.")
+    g.add_argument("--cuda-graph-check-action", choices=["warn", "disable"], default="warn",
+                   help="On a health-check divergence: warn (log both values and the graph) "
+                        "or disable (CUDA graphs off for the rest of the run).")
 
 
 def _add_distributed_args(parser):
@@ -441,6 +451,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     checks.check_moe(args, model)
     checks.check_mla(args, model)
     checks.check_dynamic_cp(args)
+    checks.check_graph_health_check(args)
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
     return args

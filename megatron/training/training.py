@@ -212,7 +212,9 @@ def pretrain(args, model_provider: Callable, forward_step,
     scheduler = build_scheduler(args, optimizer)
     _configure_schedule_hooks(config, model, optimizer)
     moe_rerun = MoEOverflowRerun.from_args(args, model)  # before any capture; None unless asked
-    graphs = GraphRuntime.from_args(args, model, config)
+    # The graph health check's passes are not the iteration's: the rerun monitor skips them.
+    graphs = GraphRuntime.from_args(args, model, config,
+                                    check_guards=[moe_rerun.suspended] if moe_rerun else [])
     print_rank_0(f" > {graphs.describe()}")
 
     iteration, consumed_samples = 0, 0

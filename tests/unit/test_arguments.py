@@ -720,7 +720,8 @@ def test_format_args_is_megatron_style():
 ALLOWED_OPTIONS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--attention-backend", "--attention-dropout",
     "--beta-fast", "--beta-slow", "--bf16", "--calculate-per-token-loss", "--clip-grad", "--context-parallel-size",
-    "--cuda-graph-capacity-ladder", "--cuda-graph-granularity", "--cuda-graph-impl",
+    "--cuda-graph-capacity-ladder", "--cuda-graph-check-action", "--cuda-graph-check-interval",
+    "--cuda-graph-check-tolerance", "--cuda-graph-granularity", "--cuda-graph-impl",
     "--cuda-graph-max-packed-seqs", "--cuda-graph-modules", "--cuda-graph-scope",
     "--cuda-graph-warmup-steps",
     "--data-path", "--deterministic-mode", "--distributed-backend",

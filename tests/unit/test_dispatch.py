@@ -145,8 +145,19 @@ def test_every_reason_is_planned_somewhere():
         planned |= set(reasons(plan_iteration(config, iteration, captured, counts, sizes,
                                               training=training)))
     planned |= set(reasons(assign_chunk_slots(plan_iteration(CHUNK, 0, (), [1, 1]), 1)))
-    # Planned by callers of a plan instead: reruns (the runtime) and tools (run_eager).
-    assert set(Reason) - planned == {Reason.MOE_OVERFLOW_RERUN, Reason.FORCED}
+    # Planned by callers of a plan instead: reruns and the health check's eager pass (the
+    # runtime) and tools (run_eager).
+    assert set(Reason) - planned == {Reason.MOE_OVERFLOW_RERUN, Reason.HEALTH_CHECK,
+                                     Reason.FORCED}
+
+
+def test_graphs_turned_off_run_everything_eager_as_disabled():
+    """After the health check's disable action: past capture, training and evaluation alike."""
+    for training in (True, False):
+        plans = plan_iteration(LOCAL, 9, {(1, 8)}, [3, 30], training=training, graphs_off=True)
+        assert reasons(plans) == [Reason.DISABLED] * 2
+        assert not any(p.is_fallback or p.uses_graphs for p in plans)
+    assert shown(plan_iteration(LOCAL, 9, {(1, 8)}, [3], graphs_off=False)) == [("replay", 8)]
 
 
 def test_a_plan_is_graphed_with_a_key_or_eager_without_one():
