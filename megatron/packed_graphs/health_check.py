@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from megatron.packed_graphs.moe import moe_accumulators_kept
-from megatron.packed_graphs.plan import GraphKey, Mode, Reason, StepGraphPlan
+from megatron.packed_graphs.plan import Granularity, GraphKey, Mode, Reason, StepGraphPlan
 
 ACTIONS = ("warn", "disable")
 
@@ -221,9 +221,12 @@ class GraphHealthCheck:
 
 
 def checked_micro_batch(plans: Sequence[StepGraphPlan]) -> Tuple[int, Optional[GraphKey]]:
-    """The micro-batch a check replays: (position, key) of the first graphed plan (captured in
-    this iteration or replayed: either replays by the iteration's end), else (0, None)."""
-    return next(((i, plan.key) for i, plan in enumerate(plans) if plan.uses_graphs), (0, None))
+    """The micro-batch a check replays: (position, key) of the first plan with graphs of its
+    own (captured in this iteration or replayed: either replays by the iteration's end), else
+    (0, None). A micro-batch inside a whole-iteration graph has none: its layers run plain
+    inside that graph, and alone it would run eager."""
+    return next(((i, plan.key) for i, plan in enumerate(plans) if plan.uses_graphs
+                 and plan.key.granularity is not Granularity.FULL_ITERATION), (0, None))
 
 
 def micro_batch_loss(result) -> Tensor:

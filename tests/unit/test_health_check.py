@@ -142,6 +142,8 @@ def test_the_first_graphed_micro_batch_is_checked():
              StepGraphPlan.graphed(Mode.REPLAY, key)]
     assert checked_micro_batch(plans) == (1, key)
     assert checked_micro_batch(plans[:1]) == (0, None)
+    whole = StepGraphPlan.graphed(Mode.REPLAY, GraphKey(Granularity.FULL_ITERATION, 8))
+    assert checked_micro_batch([whole, whole]) == (0, None)  # no graph of its own
 
 
 def test_relative_differences_flag_a_non_finite_replay_only():
