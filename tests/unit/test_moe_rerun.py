@@ -6,7 +6,7 @@ per micro-batch on the device, rerun with that micro-batch dropless, and then eq
 iteration of a dropless model over the same micro-batches: loss, gradients, MoE aux losses
 and the dropped-slot counters, nothing counted twice.
 
-The first pass runs drop-and-pad eager here (graphs need the GPU: tests/gpu/test_moe_rerun.py);
+The first pass runs drop-and-pad eager here (graphs need the GPU: tests/gpu/test_moe_rerun_training.py);
 a graph replays the same drop-and-pad computation. The loop below stands in for megatron-
 core's schedules, which allocate on the GPU. megatron-core's dropless alltoall copies token
 counts to the host on a CUDA side stream (token_dispatcher.py ``_maybe_dtoh_and_synchronize``);
