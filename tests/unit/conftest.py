@@ -15,3 +15,21 @@ def cpu_dist(tmp_path_factory):
     parallel_state.initialize_model_parallel()
     yield
     parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture
+def cpu_moe(cpu_dist, monkeypatch):
+    """megatron-core's MoE modules on CPU, with an empty MoE metrics tracker (yielded).
+
+    The alltoall dispatcher moves its token counts to the host on a CUDA side stream; here
+    they are host tensors already, so that stream is a placeholder and the move is identity.
+    """
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
+                        lambda self, point, tokens_per_expert=None: tokens_per_expert)
+    get_moe_metrics_tracker().metrics.clear()
+    yield get_moe_metrics_tracker()
+    get_moe_metrics_tracker().metrics.clear()

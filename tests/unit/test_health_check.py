@@ -306,19 +306,6 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
            moe_pad_expert_input_to_capacity=True)
 
 
-@pytest.fixture
-def cpu_moe(cpu_dist, monkeypatch):
-    """megatron-core's MoE dispatch on CPU (as tests/unit/test_moe_rerun.py: the dropless
-    token counts are host tensors already), and an empty MoE metrics tracker."""
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
-    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
-                        lambda self, point, tokens_per_expert=None: tokens_per_expert)
-    get_moe_metrics_tracker().metrics.clear()
-    yield get_moe_metrics_tracker()
-    get_moe_metrics_tracker().metrics.clear()
 
 
 @pytest.mark.parametrize("guarded", [True, False])

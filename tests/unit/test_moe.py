@@ -45,13 +45,6 @@ def moe_config(**overrides):
     return TransformerConfig(**(settings | overrides))
 
 
-@pytest.fixture
-def cpu_moe(cpu_dist, monkeypatch):
-    """megatron-core's MoE modules on CPU (see module doc); a clean metrics tracker."""
-    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
-    get_moe_metrics_tracker().metrics.clear()
-    yield
-    get_moe_metrics_tracker().metrics.clear()
 
 
 def seeded(cls, config, seed=0):

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.packed_graphs.moe import dropless_moe, packed_routers
@@ -45,15 +44,6 @@ def moe_config(**overrides):
     return TransformerConfig(**(settings | overrides))
 
 
-@pytest.fixture
-def cpu_moe(cpu_dist, monkeypatch):
-    """megatron-core's MoE modules on CPU, dropless dispatch included (module doc)."""
-    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
-    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
-                        lambda self, point, tokens_per_expert=None: tokens_per_expert)
-    get_moe_metrics_tracker().metrics.clear()
-    yield
-    get_moe_metrics_tracker().metrics.clear()
 
 
 def build(kind, capacity):
