@@ -155,6 +155,11 @@ VARIANTS = {
                                   "--cuda-graph-max-packed-seqs", "32",
                                   "--cuda-graph-warmup-steps", "2",
                                   "--cuda-graph-check-interval", "1"],
+    # Each iteration whose micro-batches all fit is one graph; the others run layer graphs
+    # (dense presets only, PP = 1). DDP's NaN check syncs, so it is off here (and only here).
+    "full-iteration": ["--cuda-graph-impl", "full_iteration", "--cuda-graph-max-packed-seqs",
+                       "32", "--cuda-graph-warmup-steps", "2",
+                       "--no-check-for-nan-in-loss-and-grad"],
     # A large top capacity (few fallbacks) without paying for it on ordinary micro-batches.
     "layer-graphs-ladder": ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "1024",
                             "--cuda-graph-capacity-ladder", "16", "64", "256",

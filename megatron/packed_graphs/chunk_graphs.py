@@ -37,7 +37,13 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import MakeViewlessTensor
 
 from megatron.packed_graphs import core_patches
-from megatron.packed_graphs.plan import Mode, StepGraphPlan, active_plan, graphs_bypassed
+from megatron.packed_graphs.plan import (
+    Mode,
+    StepGraphPlan,
+    active_plan,
+    graphs_bypassed,
+    in_iteration_graph,
+)
 from megatron.packed_graphs.slots import PipelineShape, slot_counts
 
 
@@ -70,7 +76,8 @@ class ChunkGraphDispatch:
             raise RuntimeError(
                 "a training call of a chunk-graph block needs the graph runtime's plan for its "
                 "micro-batch (GraphRuntime runs each micro-batch under one)")
-        return plan if plan.uses_graphs else None
+        # Inside a whole-iteration graph the chunk runs its plain forward.
+        return plan if plan.uses_graphs and not in_iteration_graph() else None
 
     def __call__(self, *args, **kwargs):
         plan = self._chunk_plan()
@@ -93,7 +100,8 @@ class ChunkGraphDispatch:
 
     def forward(self, hidden_states, *args, **kwargs):
         # Also reached from megatron-core's end-of-iteration capture, outside any plan.
-        graphed = self.training and chunk_granularity(self.config) and not graphs_bypassed()
+        graphed = (self.training and chunk_granularity(self.config) and not graphs_bypassed()
+                   and not in_iteration_graph())
         if graphed and not self.pre_process:
             self.input_tensor = hidden_states  # upstream forward reads the input from here
         return super().forward(hidden_states, *args, **kwargs)

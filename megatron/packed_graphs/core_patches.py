@@ -526,3 +526,22 @@ def use_side_stream() -> None:
     blocking stream"). megatron-core's local graphs switch streams likewise for capture.
     """
     torch.cuda.set_stream(torch.cuda.Stream())
+
+
+def forget_layer_graph_grad_events(model) -> int:
+    """Drop the layer-graph gradient events megatron-core leaves on parameters; returns how many.
+
+    A local backward-graph replay tags each parameter it wrote with its completion event
+    (``param._cudagraph_wgrad_ready_event``, cuda_graphs.py), and DDP's gradient sync waits on
+    every tagged event before reducing (param_and_grad_buffer.start_grad_sync). Inside a
+    whole-iteration capture that wait would be on an event recorded outside the capture,
+    which CUDA refuses. Called after a device sync, when those events are complete; the next
+    layer-graph replay tags the parameters again.
+    """
+    dropped = 0
+    for chunk in model:
+        for param in chunk.parameters():
+            if getattr(param, "_cudagraph_wgrad_ready_event", None) is not None:
+                del param._cudagraph_wgrad_ready_event
+                dropped += 1
+    return dropped

@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_layer import MoETransformerLayer, Tra
 from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.chunk_graphs import chunk_granularity
 from megatron.packed_graphs.moe import PackedMoEMaskMixin
-from megatron.packed_graphs.plan import graphs_bypassed
+from megatron.packed_graphs.plan import graphs_bypassed, in_iteration_graph
 from megatron.packed_graphs.te_graphs import TEGraphDispatch
 
 
@@ -36,14 +36,18 @@ class LocalGraphDispatch:
         # GraphableMegatronModule's), so a side effect there would skip two turns.
         if self.training and graphs_bypassed():
             self._skip_runner()
+        elif self.training and in_iteration_graph():
+            pass  # inside a whole-iteration graph: no layer graph, no runner turn (PP = 1)
         elif self.training and self.config.cuda_graph_impl == "local":
             self._try_this_capacity_first(kwargs.get("packed_seq_params"))
             kwargs = core_patches.unshare_cached_graph_inputs(kwargs)
         return super().__call__(*args, **kwargs)
 
     def _should_call_local_cudagraph(self, *args, **kwargs):
-        if not self.training or graphs_bypassed() or chunk_granularity(self.config):
-            return False  # eval, an eager micro-batch, or the whole chunk is one graph
+        if (not self.training or graphs_bypassed() or in_iteration_graph()
+                or chunk_granularity(self.config)):
+            # eval, an eager micro-batch, or the whole chunk or iteration is one graph
+            return False
         return super()._should_call_local_cudagraph(*args, **kwargs)
 
     def _try_this_capacity_first(self, params) -> None:

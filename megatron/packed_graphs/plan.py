@@ -25,8 +25,8 @@ class Granularity(str, enum.Enum):
     LAYER = "layer"  # one layer, forward and backward (local or TE implementation)
     CHUNK = "chunk"  # one pipeline model chunk per slot (local implementation)
     CP_BANK = "cp_bank"  # TE layer graphs, one bank per CP size (dynamic CP)
-    # Reserved, not yet available: every micro-batch of an iteration in one graph. The
-    # runtime's iteration scope (`GraphIteration.run`) is where it will capture and replay.
+    # Every micro-batch of an iteration in one graph (full_iteration.py): a key granularity
+    # only; the runtime's config names the per-micro-batch granularity its misses run with.
     FULL_ITERATION = "full_iteration"
 
 
@@ -42,6 +42,9 @@ class Reason(str, enum.Enum):
     GRAPHED = "graphed"  # captured for, or replays, the graph of its key
     WARMUP = "warmup"  # an eager iteration before capture (--cuda-graph-warmup-steps)
     OVERFLOW = "overflow"  # more packed segments than every captured capacity
+    # Full-iteration graphs: the iteration has another micro-batch count than its graph (an
+    # iteration's miss reason, never a micro-batch's: its micro-batches run layer graphs).
+    MICRO_BATCH_COUNT = "micro_batch_count"
     DEFERRED = "deferred"  # PP > 1: an overflow in the would-be capture iteration postpones it
     SLOT_CAP = "slot_cap"  # chunk graphs: past the slots recorded in the capture iteration
     EVAL = "eval"  # evaluation (forward only) runs eager
@@ -134,11 +137,27 @@ class GraphRuntimeConfig:
     # Chunk granularity: slots of each model chunk on this rank (one entry per virtual chunk).
     slots_per_chunk: Tuple[int, ...] = (1,)
     tokens_per_rank: int = 0  # TE capture: positions one rank's layers see per micro-batch
+    # Full-iteration graphs (full_iteration.py): an iteration of `iteration_micro_batches`
+    # micro-batches that all fit `capacity` on every rank is one graph; other iterations run
+    # per micro-batch under `granularity` (local layer or chunk graphs, eager on overflow).
+    full_iteration: bool = False
+    iteration_micro_batches: int = 0
 
     def __post_init__(self):
         if self.granularity is Granularity.FULL_ITERATION:
-            raise ValueError("CUDA graph granularity is wrong: full_iteration. It is not yet "
-                             "available; use layer or chunk.")
+            raise ValueError("CUDA graph granularity is wrong: full_iteration. It names the "
+                             "graph of a whole iteration, not a granularity of its own; set "
+                             "full_iteration=True with the layer or chunk granularity that "
+                             "iterations the graph cannot take run with.")
+        if self.full_iteration and (self.impl != "local" or self.ladder
+                                    or self.granularity not in (Granularity.LAYER,
+                                                                Granularity.CHUNK)
+                                    or self.iteration_micro_batches < 1):
+            raise ValueError(f"full-iteration graph settings are wrong: impl {self.impl}, "
+                             f"granularity {self.granularity.value}, ladder {self.ladder}, "
+                             f"{self.iteration_micro_batches} micro-batches. They need the "
+                             f"local impl with layer or chunk granularity, no ladder and a "
+                             f"positive micro-batch count.")
         if self.impl not in ("none", "local", "transformer_engine"):
             raise ValueError(f"CUDA graph implementation is wrong: {self.impl}. Use none, local "
                              f"or transformer_engine.")
@@ -191,3 +210,11 @@ def graphs_bypassed() -> bool:
     """Whether the running micro-batch was planned eager (no plan: not bypassed)."""
     plan = _active_plan.get()
     return plan is not None and plan.mode is Mode.EAGER
+
+
+def in_iteration_graph() -> bool:
+    """Whether the running micro-batch is part of a whole-iteration graph (full_iteration.py):
+    its layers and chunks run their plain forward inside it, with no graph of their own."""
+    plan = _active_plan.get()
+    return plan is not None and plan.key is not None and \
+        plan.key.granularity is Granularity.FULL_ITERATION

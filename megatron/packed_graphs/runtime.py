@@ -18,6 +18,11 @@ runs eager (`Reason.EVAL`), with statistics of its own. With ``--cuda-graph-chec
 the exit of every N-th training iteration first runs the graph health check
 (health_check.py), which may turn graphs off for the rest of the run.
 
+With ``--cuda-graph-impl full_iteration`` an iteration may instead be one graph
+(full_iteration.py): the runtime plans the iteration as a whole first (`IterationPlan`), stages
+its micro-batches into the graph's static inputs and captures or replays the schedule
+(`run_iteration_graph`); an iteration that misses runs per micro-batch as above, counted.
+
 Every piece of graph state lives in the runtime or in the model's own graph managers: which
 capacities and banks are captured, the TE banks, the iteration count. The model chunks' slot
 tables are built once, here.
@@ -37,12 +42,20 @@ From each micro-batch (a collated dict) the runtime reads the host values ``num_
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron.packed_graphs import core_patches
+from megatron.packed_graphs.capacity import fits_capacity
 from megatron.packed_graphs.chunk_graphs import chunk_slot_count
+from megatron.packed_graphs.full_iteration import (
+    IterationGraph,
+    IterationPlan,
+    all_ranks_fit,
+    iteration_graph_due,
+    plan_full_iteration,
+)
 from megatron.packed_graphs.health_check import GraphHealthCheck, HealthCheckConfig
 from megatron.packed_graphs.moe import moe_accumulators_kept
 from megatron.packed_graphs.dispatch import (
@@ -63,6 +76,7 @@ from megatron.packed_graphs.plan import (
 from megatron.packed_graphs.te_graphs import TELayerGraphs
 
 PLAN_KEY = "graph_plan"  # where a planned micro-batch (a copy of the loader's dict) holds its plan
+STATIC_KEY = "static_micro_batch"  # an iteration graph's micro-batch: its static staged inputs
 
 
 def tokens_per_rank(args) -> int:
@@ -76,6 +90,8 @@ def tokens_per_rank(args) -> int:
 def config_from_args(args, slots_per_chunk: Sequence[int] = (1,)) -> GraphRuntimeConfig:
     """The frozen graph settings of a run (validated CLI arguments; docs/cuda-graphs.md)."""
     impl = args.cuda_graph_impl
+    full_iteration = impl == "full_iteration"  # local layer or chunk graphs for its misses
+    impl = "local" if full_iteration else impl
     banks = ()
     if getattr(args, "dynamic_cp_sizes", None) and impl == "transformer_engine":
         granularity = Granularity.CP_BANK
@@ -89,7 +105,9 @@ def config_from_args(args, slots_per_chunk: Sequence[int] = (1,)) -> GraphRuntim
         ladder=tuple(args.cuda_graph_capacity_ladder or ()),
         capture_needs_all_micro_batches=args.pipeline_model_parallel_size > 1,
         cp_size=args.context_parallel_size, bank_capacities=banks,
-        slots_per_chunk=tuple(slots_per_chunk), tokens_per_rank=tokens_per_rank(args))
+        slots_per_chunk=tuple(slots_per_chunk), tokens_per_rank=tokens_per_rank(args),
+        full_iteration=full_iteration,
+        iteration_micro_batches=getattr(args, "num_microbatches", 0) if full_iteration else 0)
 
 
 class GraphRuntime:
@@ -108,15 +126,25 @@ class GraphRuntime:
         self.health_check = GraphHealthCheck(health_check, self.model, check_guards)
         # Eager micro-batches of the whole run by reason (training and evaluation).
         self.eager_totals: Counter = Counter()
+        # Full-iteration graphs: training iterations that missed the graph, by reason.
+        self.iteration_misses: Counter = Counter()
         self.te_graphs: Optional[TELayerGraphs] = None
         if config.impl == "transformer_engine":
             self.te_graphs = TELayerGraphs(self.model, model_config, config.tokens_per_rank)
+        # Full-iteration graphs: the iteration graph, and the group whose ranks agree on it.
+        self.iteration_graph: Optional[IterationGraph] = None
+        self.agreement_group = None
+        if config.full_iteration:
+            # Layer-graph replays leave events on the parameters that a capture may not
+            # wait on; they are complete after the capture's device sync.
+            self.iteration_graph = IterationGraph(
+                _rng_states, partial(core_patches.forget_layer_graph_grad_events, self.model))
 
     @staticmethod
     def prepare(args) -> None:
         """Process set-up graphs need before the model is wrapped in DDP: TE graph capture
         needs the process on a side stream (core_patches.use_side_stream)."""
-        if args.cuda_graph_impl == "transformer_engine":
+        if args.cuda_graph_impl in ("transformer_engine", "full_iteration"):
             core_patches.use_side_stream()
 
     @classmethod
@@ -126,12 +154,19 @@ class GraphRuntime:
         pipeline schedule (chunk granularity; needs the parallel state), TE layer graphs, the
         health check (``check_guards``: see `GraphHealthCheck`)."""
         slots = (1,)
-        if args.cuda_graph_impl == "local" and args.cuda_graph_granularity == "chunk":
+        if (args.cuda_graph_impl in ("local", "full_iteration")
+                and args.cuda_graph_granularity == "chunk"):
             slots = tuple(chunk_slot_count(model_config, chunk) for chunk in range(len(model)))
         check = HealthCheckConfig(interval=getattr(args, "cuda_graph_check_interval", 0),
                                   tolerance=getattr(args, "cuda_graph_check_tolerance", 0.01),
                                   action=getattr(args, "cuda_graph_check_action", "warn"))
-        return cls(config_from_args(args, slots), model, model_config, check, check_guards)
+        runtime = cls(config_from_args(args, slots), model, model_config, check, check_guards)
+        if runtime.iteration_graph is not None:
+            from megatron.core import parallel_state
+
+            runtime.agreement_group = parallel_state.get_data_parallel_group_gloo(
+                with_context_parallel=True)
+        return runtime
 
     def describe(self) -> str:
         """One start-up log line: what is graphed and how."""
@@ -148,6 +183,10 @@ class GraphRuntime:
             what += ", slots per chunk " + ",".join(map(str, c.slots_per_chunk))
         line = (f"cuda graphs: {c.granularity.value} graphs ({c.impl}), {what}, "
                 f"{c.warmup_iterations} eager warm-up iterations")
+        if c.full_iteration:
+            line = (f"cuda graphs: full-iteration graphs of {c.iteration_micro_batches} "
+                    f"micro-batches at capacity {c.capacity}; iterations that miss run "
+                    + line.removeprefix("cuda graphs: "))
         check = self.health_check.config
         if check.enabled:
             line += (f", health check every {check.interval} iterations (tolerance "
@@ -169,15 +208,37 @@ class GraphRuntime:
                                training=training, graphs_off=self.graphs_off)
         return plan_chunks(self.config, plans, len(micro_batches))
 
+    def plan_iteration_graph(self, micro_batches: Sequence[Sequence[dict]], training: bool = True
+                             ) -> Tuple[Optional[IterationPlan], List[List[StepGraphPlan]]]:
+        """The iteration's plan (None without full-iteration graphs) and its micro-batches'
+        plans, one list per model chunk. Where the iteration graph is due, the data-parallel
+        ranks agree whether all their micro-batches fit (one host all-reduce, no device sync)."""
+        if self.iteration_graph is None:
+            return None, self.plan(micro_batches, training)
+        counts = [batch["num_segments"] for batch in micro_batches[0]]
+        captured, fit = self.iteration_graph.captured, None
+        if iteration_graph_due(self.config, self.iterations, captured, training=training,
+                               graphs_off=self.graphs_off):
+            fit = all_ranks_fit(all(fits_capacity(count, self.config.capacity)
+                                    for count in counts), self.agreement_group)
+        whole, plans = plan_full_iteration(self.config, self.iterations, self.captured,
+                                           captured, counts, fit_everywhere=fit,
+                                           training=training, graphs_off=self.graphs_off)
+        if whole.uses_graph:  # one graph: no chunk slots
+            return whole, [list(plans) for _ in micro_batches]
+        return whole, plan_chunks(self.config, plans, len(micro_batches))
+
     @contextmanager
     def iteration(self, micro_batches: Sequence[Sequence[dict]], forward_step,
                   training: bool = True) -> Iterator["GraphIteration"]:
         """One iteration (training, or an evaluation pass) over ``micro_batches``, one list
         per model chunk. Plans and, in the TE capture iteration, captures on entry (syncs the
         device); yields the `GraphIteration` the schedule runs; collects statistics on exit."""
-        step = GraphIteration(self, forward_step, micro_batches,
-                              self.plan(micro_batches, training), training)
-        capturing = training and self.config.enabled and not self.captured and not self.graphs_off
+        whole, plans = self.plan_iteration_graph(micro_batches, training)
+        step = GraphIteration(self, forward_step, micro_batches, plans, training, whole)
+        # Layer (or chunk) graphs are recorded only in iterations that are not one graph.
+        capturing = (training and self.config.enabled and not self.captured
+                     and not self.graphs_off and not (whole and whole.uses_graph))
         # Capture warm-up runs the layers on placeholder inputs: keep it out of the MoE aux
         # losses and drop counts of this step (TE captures here, local at the schedule's end).
         keep_moe_accumulators = partial(moe_accumulators_kept, self.model)
@@ -194,6 +255,8 @@ class GraphRuntime:
             step.stats |= capture_stats | self._after_capture(step)
         if training:
             step.stats |= checked or self.health_check.counts()
+            if whole is not None:
+                step.stats |= self._iteration_graph_statistics(step)
             self.iterations += 1
 
     def run_micro_batch(self, forward_step, model, batch: dict, plan: StepGraphPlan):
@@ -201,11 +264,30 @@ class GraphRuntime:
 
         Returns megatron-core's forward-step result ``(output, loss_func)``.
         """
-        staged = forward_step.stage(batch, plan.capacity)
+        staged = batch.get(STATIC_KEY)  # an iteration graph's micro-batch is staged already
+        if staged is None:
+            staged = forward_step.stage(batch, plan.capacity)
         if plan.uses_graphs and self.te_graphs is not None:
             staged.params = self.te_graphs.load(plan.key.cp_size, staged.params)
         with running(plan):
             return forward_step.run(model, staged)
+
+    def run_iteration_graph(self, step: "GraphIteration", schedule: Callable):
+        """The iteration as one graph (full_iteration.py): every micro-batch staged at the top
+        capacity into the graph's static inputs; in the capture iteration the schedule over
+        them is captured (syncs the device); then the graph replays. Returns the schedule's
+        result: graph-owned losses, overwritten by the next replay."""
+        staged = [step.forward.stage(batch, plan.capacity)
+                  for batch, plan in zip(step.micro_batches[0], step.plans[0])]
+
+        def schedule_static(static):
+            return schedule(step.forward_step, [
+                [{PLAN_KEY: plan, STATIC_KEY: mb} for mb, plan in zip(static, chunk_plans)]
+                for chunk_plans in step.plans])
+
+        result, step.graph_stats = self.iteration_graph.run(step.whole.mode, staged,
+                                                            schedule_static)
+        return result
 
     # -- capture -------------------------------------------------------------------------------
 
@@ -268,6 +350,18 @@ class GraphRuntime:
 
     # -- statistics ----------------------------------------------------------------------------
 
+    def _iteration_graph_statistics(self, step: "GraphIteration") -> dict:
+        """A training iteration's full-iteration counters: ``iteration graphs: 1`` when it ran
+        as one graph (plus the capture's time and memory), ``iteration graph misses: 1`` and
+        ``iteration graph miss <reason>: 1`` when it ran per micro-batch instead."""
+        whole = step.whole
+        if whole.uses_graph:
+            return {"iteration graphs": 1} | step.graph_stats
+        if whole.miss is None:
+            return {}
+        self.iteration_misses[whole.miss] += 1
+        return {"iteration graph misses": 1, f"iteration graph miss {whole.miss.value}": 1}
+
     def _statistics(self, step: "GraphIteration") -> dict:
         batches = step.micro_batches[0]
         stats: dict = {}
@@ -286,6 +380,13 @@ class GraphRuntime:
             stats["graph fallbacks"] = sum(n for r, n in eager.items() if r in FALLBACK_REASONS)
         stats |= {f"eager {reason.value}": count for reason, count in sorted(eager.items())}
         return stats
+
+
+def _rng_states() -> dict:
+    """The RNG tracker's generators, which an iteration graph's dropout must advance."""
+    from megatron.core.tensor_parallel.random import get_all_rng_states
+
+    return get_all_rng_states()
 
 
 def _drain_capture_log() -> dict:
@@ -308,8 +409,13 @@ class GraphIteration:
     iteration's scope exits.
     """
 
-    def __init__(self, runtime: GraphRuntime, forward_step, micro_batches, plans, training):
+    def __init__(self, runtime: GraphRuntime, forward_step, micro_batches, plans, training,
+                 whole: Optional[IterationPlan] = None):
         self.runtime, self.forward, self.training = runtime, forward_step, training
+        # Full-iteration graphs: the iteration's own plan (None without them), and the
+        # capture statistics of its graph.
+        self.whole = whole
+        self.graph_stats: Dict = {}
         self.plans: List[List[StepGraphPlan]] = plans
         self.micro_batches: List[List[dict]] = [
             [{**batch, PLAN_KEY: plan} for batch, plan in zip(batches, chunk_plans)]
@@ -331,9 +437,11 @@ class GraphIteration:
         """The iteration's forward and backward passes: ``schedule(forward_step,
         micro_batches)`` (megatron-core's schedule over this iteration's planned micro-batches).
 
-        The seam for whole-iteration graphs: a full-iteration granularity captures and
-        replays this call, and runs it as is when a micro-batch overflows.
+        With full-iteration graphs an iteration planned as one graph captures or replays
+        this call (`GraphRuntime.run_iteration_graph`); one that misses runs it as is.
         """
+        if self.whole is not None and self.whole.uses_graph:
+            return self.runtime.run_iteration_graph(self, schedule)
         return schedule(self.forward_step, self.micro_batches)
 
     def rerun(self, eager: Collection[int], schedule: Callable,

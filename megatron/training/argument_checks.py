@@ -17,13 +17,11 @@ from megatron.core.transformer.enums import CudaGraphModule
 HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE",
                   "+": "multi-latent attention"}
 
-FULL_ITERATION = ("Whole-iteration CUDA graphs for packed data are not available yet in this "
-                  "fork; use layer or chunk granularity (--cuda-graph-impl local with "
-                  "--cuda-graph-granularity layer or chunk, or --cuda-graph-impl "
-                  "transformer_engine)")
+FULL_ITERATION = ("It is a CUDA graph implementation, not a module: whole training "
+                  "iterations as one graph are --cuda-graph-impl full_iteration; drop it here")
 
 # --cuda-graph-impl values megatron-core has and this fork refuses, with the reason.
-REFUSED_GRAPH_IMPLS = {"full_iteration": FULL_ITERATION}
+REFUSED_GRAPH_IMPLS: dict = {}
 
 # Names of CudaGraphModule this fork rejects, with the reason.
 _PARTIAL_MOE = ("Partial MoE graphs are not built by this fork: MoE layers are captured whole, "
@@ -523,6 +521,49 @@ def _check_te_graphs(args, flag):
                               "set it to 0 or use --cuda-graph-impl local")
 
 
+def _check_full_iteration(args, flag):
+    """What --cuda-graph-impl full_iteration builds: one graph per training iteration (PP = 1),
+    local layer or chunk graphs (--cuda-graph-granularity) for the iterations it misses."""
+    impl = "--cuda-graph-impl full_iteration"
+    if args.cuda_graph_modules:
+        fail(flag, " ".join(args.cuda_graph_modules),
+             f"{impl} captures whole iterations, and whole layers or chunks for the iterations "
+             f"it misses; drop {flag}")
+    if args.cuda_graph_capacity_ladder:
+        fail("--cuda-graph-capacity-ladder", _as_typed(args.cuda_graph_capacity_ladder),
+             f"{impl} captures one capacity, --cuda-graph-max-packed-seqs; drop the ladder or "
+             "use --cuda-graph-impl local")
+    if args.cuda_graph_warmup_steps < 1:
+        fail("--cuda-graph-warmup-steps", args.cuda_graph_warmup_steps,
+             f"{impl} needs an eager iteration before its capture: NCCL communicators, cuBLAS "
+             "workspaces and kernel autotuning are set up on first use, which no capture "
+             "allows; use 1 or more")
+    pp = getattr(args, "pipeline_model_parallel_size", 1)  # the library API checks it later
+    if pp > 1:
+        fail("--pipeline-model-parallel-size", pp,
+             f"{impl} is for PP = 1: megatron-core 0.19.2's batched pipeline send/receive calls "
+             "torch.cuda.synchronize() after every exchange (p2p_communication.py, "
+             "batch_p2p_sync), which no capture allows; use --cuda-graph-impl local (layer or "
+             "chunk graphs) with pipeline parallelism")
+    if getattr(args, "context_parallel_size", 1) > 1 or getattr(args, "dynamic_cp_sizes", None):
+        fail("--context-parallel-size", getattr(args, "context_parallel_size", 1),
+             f"context parallelism inside {impl} graphs is not verified in this fork (dynamic CP "
+             "picks a CP group per micro-batch, which one graph per iteration cannot); use "
+             "--cuda-graph-impl local or transformer_engine")
+    if getattr(args, "num_experts", None) is not None:
+        fail("--num-experts", args.num_experts,
+             f"MoE inside {impl} graphs is not supported: the aux-loss scale and the capacity "
+             "overflow rerun keep host state per micro-batch; use --cuda-graph-impl local")
+    if getattr(args, "check_for_nan_in_loss_and_grad", False):
+        fail("--no-check-for-nan-in-loss-and-grad", "not given",
+             "DDP's NaN check (on by default) reads every gradient bucket's norm on the host, "
+             f"which {impl} cannot capture; add --no-check-for-nan-in-loss-and-grad")
+    if getattr(args, "cuda_graph_check_interval", 0):
+        fail("--cuda-graph-check-interval", args.cuda_graph_check_interval,
+             f"The health check replays one micro-batch's graph and {impl} has one graph per "
+             "iteration; drop the flag or use --cuda-graph-impl local")
+
+
 def check_cuda_graphs(args):
     """Graph flags; fills cuda_graph_modules as a list of CudaGraphModule names ([] = whole
     layer) and drops the deprecated cuda_graph_scope."""
@@ -555,13 +596,15 @@ def check_cuda_graphs(args):
     if ladder:
         _check_capacity_ladder(args, ladder, impl, capacity)
     args.cuda_graph_capacity_ladder = list(ladder or [])
-    if args.cuda_graph_granularity == "chunk" and impl != "local":
+    if args.cuda_graph_granularity == "chunk" and impl not in ("local", "full_iteration"):
         fail("--cuda-graph-granularity", "chunk",
              f"Chunk graphs are built by the local implementation, not --cuda-graph-impl {impl}; "
              "add --cuda-graph-impl local")
     args.cuda_graph_modules = normalise_cuda_graph_modules(modules or [], flag)
     if impl == "transformer_engine":
         _check_te_graphs(args, flag)
+    if impl == "full_iteration":
+        _check_full_iteration(args, flag)
     backend = getattr(args, "attention_backend", None)  # the library API checks it later
     if impl != "none" and (backend == "te" or (
             backend == "auto" and is_importable("transformer_engine"))):

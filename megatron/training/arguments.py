@@ -384,9 +384,10 @@ def _add_attention_args(parser):
 def _add_cuda_graph_args(parser):
     g = parser.add_argument_group("cuda graphs", "See docs/flags.md, 'Graph flags'.")
     g.add_argument("--cuda-graph-impl", default="none",
-                   choices=["none", "local", "transformer_engine", *checks.REFUSED_GRAPH_IMPLS],
-                   help="none, local or transformer_engine; megatron-core's full_iteration "
-                        "is refused (not available for packed data yet).")
+                   choices=["none", "local", "transformer_engine", "full_iteration",
+                            *checks.REFUSED_GRAPH_IMPLS],
+                   help="none, local, transformer_engine or full_iteration (a training "
+                        "iteration as one graph, layer or chunk graphs where it misses).")
     g.add_argument("--cuda-graph-modules", nargs="+", default=None,
                    help="Parts of each layer to capture, CudaGraphModule names (attn, mlp, "
                         "mamba), space- or comma-separated (default: the whole layer).")
@@ -404,7 +405,8 @@ def _add_cuda_graph_args(parser):
     g.add_argument("--cuda-graph-granularity", choices=["layer", "chunk"], default="layer",
                    help="layer: a forward and a backward graph per layer; chunk: one graph pair "
                         "per pipeline model chunk and in-flight micro-batch (local impl; prefer "
-                        "it with pipeline parallelism).")
+                        "it with pipeline parallelism). With full_iteration: the graphs of the "
+                        "iterations its graph misses.")
     g.add_argument("--cuda-graph-check-interval", type=int, default=0, metavar="N",
                    help="Graph health check: every N training iterations replay one graphed "
                         "micro-batch, run it eager too and compare loss and gradient norm "

@@ -94,7 +94,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         calculate_per_token_loss=args.calculate_per_token_loss,
         deterministic_mode=args.deterministic_mode,
         batch_p2p_comm=not _pipeline_peers_coincide(args),
-        cuda_graph_impl=args.cuda_graph_impl,
+        # full_iteration: the iteration graph is the graph runtime's (full_iteration.py); the
+        # model's layers carry local graphs for the iterations it misses.
+        cuda_graph_impl=("local" if args.cuda_graph_impl == "full_iteration"
+                         else args.cuda_graph_impl),
         use_te_rng_tracker=args.te_rng_tracker,
         # [] = the whole layer (megatron-core's deprecated "full").
         cuda_graph_modules=[CudaGraphModule[name] for name in args.cuda_graph_modules],

@@ -113,7 +113,7 @@ class IntervalTimer:
 
     # Counters added up over the interval (the graph runtime's "eager <reason>" too); others:
     # the latest value.
-    SUMMED = ("graph fallbacks",)
+    SUMMED = ("graph fallbacks", "iteration graphs", "iteration graph misses")
 
     def __init__(self):
         self.restart()
@@ -130,7 +130,7 @@ class IntervalTimer:
         self.samples += samples
         self.positions += positions
         summed = {k: self.stats.get(k, 0) + v for k, v in stats.items()
-                  if k in self.SUMMED or k.startswith("eager ")}
+                  if k in self.SUMMED or k.startswith(("eager ", "iteration graph miss "))}
         self.stats = self.stats | stats | summed
 
     def timing(self) -> dict:

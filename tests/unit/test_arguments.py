@@ -592,7 +592,7 @@ def test_unknown_module_lists_valid_names():
                  "--cuda-graph-modules", "attn,layer")
 
 
-FULL_ITERATION = "Whole-iteration CUDA graphs for packed data are not available yet"
+FULL_ITERATION = "It is a CUDA graph implementation, not a module"
 
 
 @pytest.mark.parametrize("flag", ["--cuda-graph-modules", "--cuda-graph-scope"])
@@ -600,7 +600,8 @@ FULL_ITERATION = "Whole-iteration CUDA graphs for packed data are not available 
     ("moe", "Partial MoE graphs are not built by this fork"),
     ("moe_router", "Partial MoE graphs are not built by this fork"),
     ("moe_preprocess", "Partial MoE graphs are not built by this fork"),
-    ("full_iteration", f"{FULL_ITERATION} in this fork; use layer or chunk granularity"),
+    ("full_iteration", f"{FULL_ITERATION}: whole training iterations as one graph are "
+                       "--cuda-graph-impl full_iteration"),
     ("full_iteration_inference", "It is an inference graph scope"),
 ])
 def test_unsupported_modules(flag, name, reason):
@@ -615,23 +616,6 @@ def test_scope_only_names_are_the_deprecated_enums_difference():
     """Every CudaGraphScope name that is no CudaGraphModule has a reason of its own."""
     assert set(argument_checks.SCOPE_ONLY_NAMES) == (set(CudaGraphScope.__members__)
                                                      - set(CudaGraphModule.__members__))
-
-
-def test_full_iteration_impl_is_refused_with_a_pointer():
-    with pytest.raises(ValueError, match=f"--cuda-graph-impl is wrong: full_iteration. "
-                                         f"{FULL_ITERATION} in this fork; use layer or chunk "
-                                         "granularity"):
-        validate("--cuda-graph-impl", "full_iteration", "--cuda-graph-max-packed-seqs", 64)
-
-
-def test_full_iteration_impl_is_a_usage_error_not_an_invalid_choice(capsys, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(SystemExit) as exit_info:
-        parse_args(BASE["gpt"] + ["--cuda-graph-impl", "full_iteration"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "--cuda-graph-impl is wrong: full_iteration. " + FULL_ITERATION in err
-    assert "invalid choice" not in err
 
 
 def test_mamba_module_rejected_for_gpt():

@@ -231,8 +231,8 @@ def test_modules_with_impl_none_are_still_checked():
 
 @pytest.mark.parametrize("name, match", [
     ("bogus", "Valid CudaGraphModule names are"),
-    ("full_iteration", "Whole-iteration CUDA graphs for packed data are not available yet in "
-                       "this fork; use layer or chunk granularity"),
+    ("full_iteration", "It is a CUDA graph implementation, not a module: whole training "
+                       "iterations as one graph are --cuda-graph-impl full_iteration"),
     ("full_iteration_inference", "It is an inference graph scope"),
     ("moe", "Partial MoE graphs are not built by this fork"),
 ])
@@ -241,12 +241,17 @@ def test_module_names_are_checked_like_the_cli(name, match):
         resolve(cuda_graph_modules=f"attn,{name}", **LOCAL)
 
 
-def test_full_iteration_impl_is_refused_with_a_pointer():
-    with pytest.raises(ValueError, match="--cuda-graph-impl is wrong: full_iteration. "
-                                         "Whole-iteration CUDA graphs for packed data"):
-        resolve(cuda_graph_impl="full_iteration", cuda_graph_max_packed_seqs=64)
-    with pytest.raises(ValueError, match="--cuda-graph-impl is wrong: full_iteration"):
-        load_training_config({**GPT, "cuda_graph_impl": "full_iteration"})
+def test_full_iteration_impl_is_checked_like_the_cli():
+    assert resolve(cuda_graph_impl="full_iteration",
+                   cuda_graph_max_packed_seqs=64).cuda_graph_impl == "full_iteration"
+    with pytest.raises(ValueError, match="--cuda-graph-capacity-ladder is wrong: 16. "
+                                         "--cuda-graph-impl full_iteration captures one capacity"):
+        resolve(cuda_graph_impl="full_iteration", cuda_graph_max_packed_seqs=64,
+                cuda_graph_capacity_ladder=[16])
+    with pytest.raises(ValueError, match="--no-check-for-nan-in-loss-and-grad is wrong: not "
+                                         "given. DDP's NaN check"):
+        load_training_config({**GPT, "cuda_graph_impl": "full_iteration",
+                              "cuda_graph_max_packed_seqs": 64})
 
 
 def test_mamba_module_is_rejected_for_gpt():
@@ -289,7 +294,7 @@ def test_cuda_graph_modules_and_scope_keys_together_are_refused():
 
 
 @pytest.mark.parametrize("name, match", [
-    ("full_iteration", "Whole-iteration CUDA graphs for packed data are not available yet"),
+    ("full_iteration", "It is a CUDA graph implementation, not a module"),
     ("full_iteration_inference", "It is an inference graph scope"),
     ("moe_router", "Partial MoE graphs are not built by this fork"),
 ])

@@ -146,9 +146,9 @@ def test_every_reason_is_planned_somewhere():
                                               training=training)))
     planned |= set(reasons(assign_chunk_slots(plan_iteration(CHUNK, 0, (), [1, 1]), 1)))
     # Planned by callers of a plan instead: reruns and the health check's eager pass (the
-    # runtime) and tools (run_eager).
+    # runtime) and tools (run_eager); an iteration graph's miss (full_iteration.py).
     assert set(Reason) - planned == {Reason.MOE_OVERFLOW_RERUN, Reason.HEALTH_CHECK,
-                                     Reason.FORCED}
+                                     Reason.FORCED, Reason.MICRO_BATCH_COUNT}
 
 
 def test_graphs_turned_off_run_everything_eager_as_disabled():
@@ -171,9 +171,9 @@ def test_a_plan_is_graphed_with_a_key_or_eager_without_one():
     assert StepGraphPlan.graphed(Mode.REPLAY, key).with_slot(3).key.slot == 3
 
 
-def test_full_iteration_granularity_is_reserved():
+def test_full_iteration_is_a_key_granularity_not_a_config_one():
     with pytest.raises(ValueError, match="CUDA graph granularity is wrong: full_iteration. "
-                                         "It is not yet available; use layer or chunk"):
+                                         "It names the graph of a whole iteration"):
         GraphRuntimeConfig(impl="local", capacity=8, granularity=Granularity.FULL_ITERATION)
 
 
