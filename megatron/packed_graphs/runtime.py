@@ -266,11 +266,22 @@ class GraphRuntime:
         """
         staged = batch.get(STATIC_KEY)  # an iteration graph's micro-batch is staged already
         if staged is None:
-            staged = forward_step.stage(batch, plan.capacity)
+            staged = forward_step.stage(batch, self._staging_capacity(batch, plan))
         if plan.uses_graphs and self.te_graphs is not None:
             staged.params = self.te_graphs.load(plan.key.cp_size, staged.params)
         with running(plan):
             return forward_step.run(model, staged)
+
+    def _staging_capacity(self, batch: dict, plan: StepGraphPlan) -> Optional[int]:
+        """The capacity ``batch``'s boundaries are padded to: its plan's; under full-iteration
+        graphs also in the eager warm-up when it fits, so the kernels' one-time set-up
+        (autotuning, attention plans per boundary count) sees the layout the iteration graph
+        is captured with, outside the capture. Padding adds zero-length segments only."""
+        if (plan.capacity is None and plan.reason is Reason.WARMUP
+                and self.iteration_graph is not None
+                and fits_capacity(batch["num_segments"], self.config.capacity)):
+            return self.config.capacity
+        return plan.capacity
 
     def run_iteration_graph(self, step: "GraphIteration", schedule: Callable):
         """The iteration as one graph (full_iteration.py): every micro-batch staged at the top

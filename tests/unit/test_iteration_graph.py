@@ -225,8 +225,10 @@ def iteration(runtime, *cu_seqlens, step=None):
 def test_the_runtime_runs_one_graph_per_fitting_iteration_and_counts_misses():
     runtime = GraphRuntime(FULL)
     runtime.iteration_graph = ScheduleRecordingGraph()
-    it, _, step = iteration(runtime, [0, 16], [0, 8, 16])
+    it, _, step = iteration(runtime, [0, 16], [0, *range(1, 9), 16])
     assert it.stats["eager warmup"] == 2 and "iteration graph misses" not in it.stats
+    # The warm-up runs eager on the capture's layout where it fits (9 segments do not).
+    assert step.staged == [8, None]
 
     it, out, step = iteration(runtime, [0, 4, 16], [0, 2, 16])  # capture iteration
     assert it.stats["iteration graphs"] == 1 and "iteration graph capture (s)" in it.stats
