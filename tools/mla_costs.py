@@ -3,7 +3,7 @@
 * V padding: on packed (THD) data megatron-core pads V to the query head size (128 -> 192 at
   Moonlight's head dims) so that TE may pick FlashAttention; the narrower V leaves TE's cuDNN
   backend. Measured: the MLA attention's forward + backward with and without the padding
-  (``PackedMLASelfAttention.pad_value``).
+  (``PackedMLASelfAttention.pad_value``; ``--mla-pad-v never`` trains without it).
 * The fused RoPE scan: each row of the fused MLA RoPE kernels walks every ``cu_seqlens``
   entry (capacity + 2 with the tail segment), so its cost grows with the graph capacity.
   Measured: the query and key RoPE kernels, forward + backward, at each capacity, against

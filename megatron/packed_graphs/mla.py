@@ -13,8 +13,10 @@ spec, with what packed data under CUDA graphs needs:
   CP group itself. megatron-core 0.19.2 refuses ``local_cp_size`` in MLA; the RoPE here
   never reads it;
 * V padding: upstream pads V to the query head size on THD so that TE may choose
-  FlashAttention (``pad_value=True``, the default). ``pad_value=False`` (a spec param) hands
-  TE the narrower V, which leaves TE's cuDNN backend (tools/mla_costs.py measures both).
+  FlashAttention. The config's ``mla_pad_v`` (``--mla-pad-v``) keeps that (True, the
+  default) or hands TE the narrower V (False): TE's cuDNN attention takes unequal query and
+  value head sizes on THD, and on Hopper and newer TE prefers it to FlashAttention whenever
+  both run, so there the pad only widens the work (tools/mla_costs.py measures both).
 
 THD MLA needs Transformer Engine attention: the spec builder refuses other backends, as the
 command line does.
@@ -73,12 +75,13 @@ class PackedMLASelfAttention(MLASelfAttention):
 
     forward: hidden states ``[T_local (/ TP with SP), 1, H]`` and THD ``packed_seq_params``
     (``max_seqlen`` host ints, boundaries on the device) -> ``([T_local, 1, H], bias)``.
-    No host sync. ``pad_value``: pad V to the query head size on THD (upstream's choice).
+    No host sync. ``pad_value`` (from ``config.mla_pad_v``; True where the config has no such
+    field): pad V to the query head size on THD, upstream's choice. Fixed at capture.
     """
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.padding,
                  cp_comm_type: Optional[str] = None, pg_collection=None, pp_layer_offset=None,
-                 name=None, pad_value: bool = True):
+                 name=None):
         if config.rope_type != "yarn" or not config.apply_rope_fusion:
             raise ValueError(
                 f"MLA RoPE is wrong: rope_type {config.rope_type!r}, apply_rope_fusion "
@@ -88,7 +91,7 @@ class PackedMLASelfAttention(MLASelfAttention):
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection,
                          pp_layer_offset=pp_layer_offset, name=name)
         self.rotary_pos_emb = graph_safe_rotary(config, self.pg_collection.cp)
-        self.pad_value = pad_value
+        self.pad_value = getattr(config, "mla_pad_v", True)
 
     def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
         group = micro_batch_cp_group(packed_seq_params)
@@ -136,7 +139,7 @@ def _require_te(provider: BackendSpecProvider) -> None:
                          f"attention; use te (or auto with Transformer Engine installed).")
 
 
-def mla_self_attention_spec(provider: BackendSpecProvider, pad_value: bool = True) -> ModuleSpec:
+def mla_self_attention_spec(provider: BackendSpecProvider) -> ModuleSpec:
     """`PackedMLASelfAttention` over ``provider``'s TE modules (upstream's TE MLA layout).
 
     The Q/KV up projections are left to megatron-core's resolver, which fuses the latent
@@ -145,7 +148,7 @@ def mla_self_attention_spec(provider: BackendSpecProvider, pad_value: bool = Tru
     _require_te(provider)
     return ModuleSpec(
         module=PackedMLASelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal, "pad_value": pad_value},
+        params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=provider.column_parallel_linear(),
             linear_q_down_proj=provider.linear(),
@@ -158,13 +161,13 @@ def mla_self_attention_spec(provider: BackendSpecProvider, pad_value: bool = Tru
     )
 
 
-def mla_attention_submodules(provider: BackendSpecProvider, normalization: str,
-                             pad_value: bool = True) -> TransformerLayerSubmodules:
+def mla_attention_submodules(provider: BackendSpecProvider,
+                             normalization: str) -> TransformerLayerSubmodules:
     """Input norm + MLA self-attention + residual: the attention half of a layer (the hybrid
     '+' layer on its own). The norm stays a module of its own: MLA's down projections do not
     fuse it."""
     return TransformerLayerSubmodules(
         input_layernorm=provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False),
-        self_attention=mla_self_attention_spec(provider, pad_value),
+        self_attention=mla_self_attention_spec(provider),
         self_attn_bda=get_bias_dropout_add,
     )

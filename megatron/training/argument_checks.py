@@ -863,6 +863,7 @@ _MLA_FLAG_DEFAULTS = {
     "--beta-slow": 1.0,
     "--mscale": 1.0,
     "--mscale-all-dim": 0.0,
+    "--mla-pad-v": "always",
 }
 
 MLA_NEEDS_TE = ("Multi-latent attention on packed (THD) data runs only on Transformer Engine "
@@ -932,6 +933,11 @@ def check_mla(args, model: str):
             fail(flag, _mla_value(args, flag), "Use a positive value")
     _at_least(args, "--mscale", 0.0)
     _at_least(args, "--mscale-all-dim", 0.0)
+    query_head = args.qk_head_dim + args.qk_pos_emb_head_dim
+    if _mla_value(args, "--mla-pad-v") == "never" and query_head == args.v_head_dim:
+        fail("--mla-pad-v", "never",
+             f"V already has the query head size ({query_head} = --qk-head-dim + "
+             "--qk-pos-emb-head-dim = --v-head-dim), so nothing is padded; drop the flag")
 
 
 def check_graph_health_check(args):

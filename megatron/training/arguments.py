@@ -227,6 +227,10 @@ def _add_mla_args(parser):
     g.add_argument("--mscale", type=float, default=1.0, help="Yarn attention-scale factor.")
     g.add_argument("--mscale-all-dim", type=float, default=0.0,
                    help="Yarn attention-scale factor applied to all channels.")
+    g.add_argument("--mla-pad-v", choices=["always", "never"], default="always",
+                   help="Packed data: pad V to the query head size before attention "
+                        "(always, megatron-core's choice) or hand Transformer Engine the "
+                        "narrower V (never; docs/mla.md, 'V padding').")
 
 
 def _add_parallelism_args(parser):

@@ -59,6 +59,10 @@ class PackedTransformerConfig(TransformerConfig):
 class PackedMLATransformerConfig(PackedTransformerConfig, MLATransformerConfig):
     """PackedTransformerConfig with megatron-core's MLA fields (--multi-latent-attention)."""
 
+    mla_pad_v: bool = True
+    """Pad V to the query head size on packed data, as megatron-core does (--mla-pad-v);
+    False hands TE's attention the narrower V (packed_graphs/mla.py)."""
+
 
 def transformer_config_from_args(args) -> TransformerConfig:
     """TransformerConfig for a packed GPT or hybrid model (``args.model``: 'gpt' | 'hybrid')."""
@@ -164,6 +168,7 @@ def mla_kwargs(args) -> dict:
         beta_slow=args.beta_slow,
         mscale=args.mscale,
         mscale_all_dim=args.mscale_all_dim,
+        mla_pad_v=getattr(args, "mla_pad_v", "always") == "always",
     )
 
 

@@ -719,7 +719,7 @@ ALLOWED_OPTIONS = [
     "--make-vocab-size-divisible-by", "--mamba-head-dim", "--mamba-num-groups",
     "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings",
     "--max-truncated-token-fraction", "--metrics-file",
-    "--micro-batch-size", "--min-lr", "--mock-data", "--mock-doc-length-median",
+    "--micro-batch-size", "--min-lr", "--mla-pad-v", "--mock-data", "--mock-doc-length-median",
     "--mock-doc-length-sigma",
     "--moe-aux-loss-coeff", "--moe-capacity-overflow", "--moe-expert-capacity-factor",
     "--moe-ffn-hidden-size", "--moe-grouped-gemm", "--moe-pad-expert-input-to-capacity",

@@ -31,9 +31,10 @@ class _Provider(LocalSpecProvider):
 
 def test_mla_spec_wires_the_provider_modules():
     provider = _Provider()
-    spec = mla_self_attention_spec(provider, pad_value=False)
+    spec = mla_self_attention_spec(provider)
     assert spec.module is PackedMLASelfAttention
-    assert spec.params == {"attn_mask_type": AttnMaskType.causal, "pad_value": False}
+    # V padding is the config's (mla_pad_v), not a second switch in the spec.
+    assert spec.params == {"attn_mask_type": AttnMaskType.causal}
     sub = spec.submodules
     assert sub.linear_q_down_proj is provider.linear()
     assert sub.linear_kv_down_proj is provider.linear()
