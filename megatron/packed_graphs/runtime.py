@@ -131,6 +131,8 @@ class GraphRuntime:
         self.te_graphs: Optional[TELayerGraphs] = None
         if config.impl == "transformer_engine":
             self.te_graphs = TELayerGraphs(self.model, model_config, config.tokens_per_rank)
+        # More per-iteration statistics, from graphs outside the schedule (`add_statistics`).
+        self.statistics_sources: List[Callable[[], dict]] = []
         # Full-iteration graphs: the iteration graph, and the group whose ranks agree on it.
         self.iteration_graph: Optional[IterationGraph] = None
         self.agreement_group = None
@@ -139,6 +141,12 @@ class GraphRuntime:
             # wait on; they are complete after the capture's device sync.
             self.iteration_graph = IterationGraph(
                 _rng_states, partial(core_patches.forget_layer_graph_grad_events, self.model))
+
+    def add_statistics(self, source: Callable[[], dict]) -> None:
+        """Add ``source()`` to every training iteration's statistics (called on the
+        iteration's exit, after the optimizer step): e.g. the optimizer graph's eager steps
+        and capture time (optimizer_graph.py)."""
+        self.statistics_sources.append(source)
 
     @staticmethod
     def prepare(args) -> None:
@@ -379,6 +387,8 @@ class GraphRuntime:
         if step.training:
             documents = sum(batch["num_documents"] for batch in batches)
             stats["docs per micro-batch"] = round(documents / max(len(batches), 1), 2)
+            for source in self.statistics_sources:
+                stats |= source()
             if batches and "cp_mix" in batches[0]:  # dynamic CP: the iteration's sizes, rounds
                 stats |= {"cp micro-batches": batches[0]["cp_mix"],
                           "cp rounds": batches[0]["cp_rounds"]}

@@ -287,6 +287,28 @@ def check_training(args):
         _check_rampup(args, per_step)
 
 
+def check_optimizer_graph(args):
+    """--optimizer-cuda-graph: refuse what megatron-core's optimizer step reads on the host
+    (docs/cuda-graphs.md, "Optimizer graph"). Runs before check_training, so that --fp16 gets
+    this reason."""
+    if not getattr(args, "optimizer_cuda_graph", False):
+        return
+    graph = "Not with --optimizer-cuda-graph:"
+    if args.fp16:
+        fail("--fp16", True, f"{graph} fp16 needs a loss scaler, whose found-inf flag the "
+                             "optimizer step reads on the host to skip an update; use --bf16")
+    if args.log_num_zeros_in_grad:
+        fail("--log-num-zeros-in-grad", True,
+             f"{graph} the optimizer step reads the count of zero gradients on the host; drop "
+             "one of the two flags")
+    if getattr(args, "num_experts", None) is not None:
+        fail("--num-experts", args.num_experts,
+             f"{graph} megatron-core steps the expert parameters with a second optimizer and "
+             "merges the two on the host (their gradient norms without "
+             "--use-distributed-optimizer, their step counts at every checkpoint); drop "
+             "--optimizer-cuda-graph for MoE models")
+
+
 def _as_typed(values) -> str:
     """A list-valued flag as the user typed it (``16 64 256``), for error messages."""
     return " ".join(map(str, values))

@@ -279,6 +279,11 @@ def _add_training_args(parser):
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--optimizer-cuda-graph", action="store_true",
+                   help="Capture the optimizer step (gradient norm, clipping, Adam, the update "
+                        "of the model's weights) as one CUDA graph after the eager warm-up "
+                        "(--cuda-graph-warmup-steps), with any --cuda-graph-impl; learning rate "
+                        "and Adam's step count stay device tensors the schedule updates.")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="Deterministic kernels, for bitwise comparisons.")
     g.add_argument("--calculate-per-token-loss", action=argparse.BooleanOptionalAction,
@@ -446,6 +451,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     checks.check_hybrid(args, model)
     checks.check_model(args, model)
     checks.check_parallelism(args, model, world_size)
+    checks.check_optimizer_graph(args)  # before check_training: fp16 gets the graph's reason
     checks.check_training(args)
     checks.check_learning_rate(args)
     checks.check_checkpointing(args)

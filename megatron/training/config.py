@@ -186,6 +186,8 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
         params_dtype=params_dtype(args),
         use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        # Capturable Adam kernels (lr and step count read on the device): optimizer_graph.py.
+        optimizer_cuda_graph=args.optimizer_cuda_graph,
     )
 
 

@@ -42,6 +42,7 @@ from megatron.training.metrics import IntervalTimer, MetricsLogger, MoELosses
 from megatron.training.profiling import StepProfiler
 from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.moe_rerun import MoEOverflowRerun
+from megatron.packed_graphs.optimizer_graph import OptimizerGraph
 from megatron.packed_graphs.runtime import GraphRuntime
 
 
@@ -216,6 +217,9 @@ def pretrain(args, model_provider: Callable, forward_step,
     graphs = GraphRuntime.from_args(args, model, config,
                                     check_guards=[moe_rerun.suspended] if moe_rerun else [])
     print_rank_0(f" > {graphs.describe()}")
+    # --optimizer-cuda-graph: optimizer.step becomes one CUDA graph after the warm-up.
+    if optimizer_graph := OptimizerGraph.install(args, optimizer, graphs):
+        print_rank_0(f" > {optimizer_graph.describe()}")
 
     iteration, consumed_samples = 0, 0
     if args.load:
@@ -270,7 +274,7 @@ def pretrain(args, model_provider: Callable, forward_step,
                 **moe_losses.read(),
                 "grad_norm": _to_float(grad_norm),
                 "num_zeros": int(num_zeros) if num_zeros is not None else 0,
-                "learning_rate": optimizer.param_groups[0]["lr"],
+                "learning_rate": _to_float(optimizer.param_groups[0]["lr"]),  # may be a tensor
                 **interval.timing(),
                 "mem_allocated_bytes": torch.cuda.memory_allocated(),
                 "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(),

@@ -731,7 +731,7 @@ ALLOWED_OPTIONS = [
     "--no-check-for-nan-in-loss-and-grad", "--no-load-optim",
     "--no-load-rng", "--normalization", "--num-attention-heads", "--num-experts", "--num-layers",
     "--num-layers-per-virtual-pipeline-stage", "--num-query-groups", "--num-workers",
-    "--original-max-position-embeddings",
+    "--optimizer-cuda-graph", "--original-max-position-embeddings",
     "--pipeline-model-parallel-size", "--position-embedding-type", "--profile",
     "--profile-step-end", "--profile-step-start", "--profile-trace-dir", "--q-lora-rank",
     "--qk-head-dim", "--qk-layernorm", "--qk-pos-emb-head-dim", "--rampup-batch-size",

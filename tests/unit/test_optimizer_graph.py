@@ -1,0 +1,212 @@
+"""--optimizer-cuda-graph on the CPU: the flag and its refusals, the live schedule tensors
+(learning rate filled in place by megatron-core's scheduler, Adam's step count, a checkpoint
+loaded after capture copied into the captured tensors), eager steps counted in the runtime's
+statistics. Capture and replay themselves run on the GPU (tests/gpu/test_optimizer_graph.py).
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from megatron.packed_graphs.optimizer_graph import (
+    EAGER_KEY,
+    OptimizerGraph,
+    StepTensors,
+    capture_iteration,
+)
+from megatron.packed_graphs.plan import GraphRuntimeConfig
+from megatron.packed_graphs.runtime import GraphRuntime
+from megatron.training import argument_checks
+from megatron.training.arguments import build_parser, validate_args
+from megatron.training.config import optimizer_config_from_args
+from megatron.training.training import build_scheduler
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "256", "--train-iters", "30", "--lr", "1e-3", "--min-lr", "1e-4",
+        "--lr-warmup-iters", "5", "--lr-decay-style", "cosine", "--global-batch-size", "2",
+        "--mock-data"]
+
+
+@pytest.fixture(autouse=True)
+def no_optional_packages(monkeypatch):
+    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+
+
+def validate(*extra):
+    return validate_args(build_parser("gpt").parse_args(BASE + [str(x) for x in extra]), "gpt",
+                         world_size=1)
+
+
+def expected_lr(iteration: int) -> float:
+    """BASE's schedule after ``iteration`` steps: linear warm-up over 5, cosine to 1e-4 at 30."""
+    if iteration <= 5:
+        return 1e-3 * iteration / 5
+    return 1e-4 + 0.5 * (1 + math.cos(math.pi * (iteration - 5) / 25)) * 9e-4
+
+
+def adam():
+    """A CPU AdamW over two parameter groups, the second without weight decay (megatron-core's
+    ``wd_mult``, which its scheduler multiplies in)."""
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))
+    groups = [{"params": [weight]}, {"params": [bias], "weight_decay": 0.0, "wd_mult": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.01, foreach=False)
+
+
+def step(optimizer, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.randn(param.shape, generator=generator)
+    optimizer.step()
+
+
+# -- the flag ----------------------------------------------------------------------------------
+
+def test_flag_is_off_by_default_and_asks_megatron_core_for_capturable_kernels():
+    assert not validate().optimizer_cuda_graph
+    assert not optimizer_config_from_args(validate()).optimizer_cuda_graph
+    assert optimizer_config_from_args(validate("--optimizer-cuda-graph")).optimizer_cuda_graph
+
+
+@pytest.mark.parametrize("extra", [
+    ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16"],
+    ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
+     "--cuda-graph-granularity", "chunk"],
+    ["--use-distributed-optimizer", "--bf16", "--cuda-graph-warmup-steps", "0"],
+    [],  # model graphs off
+])
+def test_flag_goes_with_every_granularity(extra):
+    assert validate("--optimizer-cuda-graph", *extra).optimizer_cuda_graph
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--fp16"], "--fp16 is wrong: True. Not with --optimizer-cuda-graph: fp16 needs a loss "
+                 "scaler, whose found-inf flag the optimizer step reads on the host"),
+    (["--bf16", "--fp16"], "--fp16 is wrong: True. Not with --optimizer-cuda-graph"),
+    (["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad is wrong: True. Not with "
+                                  "--optimizer-cuda-graph: the optimizer step reads the count"),
+    (["--num-experts", "4"], "--num-experts is wrong: 4. Not with --optimizer-cuda-graph: "
+                             "megatron-core steps the expert parameters with a second optimizer"),
+])
+def test_what_the_step_reads_on_the_host_is_refused(extra, message):
+    with pytest.raises(ValueError, match=message):
+        validate("--optimizer-cuda-graph", *extra)
+
+
+def test_the_capture_comes_after_the_warm_up_and_never_first():
+    assert capture_iteration(3) == 4
+    assert capture_iteration(1) == 2
+    assert capture_iteration(0) == 2  # the first step creates Adam's state
+    with pytest.raises(ValueError, match="capture step is wrong: 1. Capture at step 2 or later"):
+        OptimizerGraph(lambda: None, [], capture_at=1)
+
+
+# -- live schedule values ----------------------------------------------------------------------
+
+def test_the_scheduler_fills_the_bound_learning_rate_tensors_in_place():
+    optimizer = adam()
+    StepTensors([optimizer]).make_live()
+    rates = [group["lr"] for group in optimizer.param_groups]
+    assert all(torch.is_tensor(lr) and lr.dtype == torch.float32 for lr in rates)
+    scheduler = build_scheduler(validate("--optimizer-cuda-graph"), optimizer)
+    for iteration in range(1, 31):
+        step(optimizer, iteration)
+        scheduler.step(increment=2)  # the global batch size, as train_step does
+        for group, lr in zip(optimizer.param_groups, rates):
+            assert group["lr"] is lr  # the object a captured step reads
+            assert lr.item() == pytest.approx(expected_lr(iteration), rel=1e-6, abs=1e-12)
+        # A constant weight decay (the fork's scheduler has no weight-decay schedule).
+        assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
+
+
+def test_torch_adam_counts_steps_in_a_tensor_it_updates_in_place():
+    optimizer = adam()
+    StepTensors([optimizer]).make_live()
+    step(optimizer, 0)
+    counters = [optimizer.state[p]["step"] for g in optimizer.param_groups for p in g["params"]]
+    for seed in range(1, 5):
+        step(optimizer, seed)
+    now = [optimizer.state[p]["step"] for g in optimizer.param_groups for p in g["params"]]
+    assert all(counter is tensor for counter, tensor in zip(counters, now))  # same objects
+    assert [c.item() for c in counters] == [5.0, 5.0]
+
+
+def test_a_group_step_count_from_a_checkpoint_becomes_the_bound_tensor():
+    """FusedAdam (TE, apex) keeps one step count per group; a checkpoint gives it back as a
+    number or a CPU tensor, which must land in the tensor the optimizer increments."""
+    optimizer = adam()
+    tensors = StepTensors([optimizer])
+    optimizer.param_groups[0]["step"] = 7
+    tensors.make_live()
+    counter = optimizer.param_groups[0]["step"]
+    assert torch.is_tensor(counter) and counter.dtype == torch.int32 and counter.tolist() == [7]
+    optimizer.param_groups[0]["step"] = torch.tensor([9], dtype=torch.int32)
+    tensors.make_live()
+    assert optimizer.param_groups[0]["step"] is counter and counter.tolist() == [9]
+
+
+def test_a_checkpoint_loaded_after_capture_is_copied_into_the_captured_tensors():
+    optimizer = adam()
+    tensors = StepTensors([optimizer])
+    tensors.make_live()
+    for seed in range(3):
+        step(optimizer, seed)
+    saved = copy.deepcopy(optimizer.state_dict())
+    tensors.record()  # what a capture now reads by address
+    weight = optimizer.param_groups[0]["params"][0]
+    captured = dict(optimizer.state[weight])
+    lr = optimizer.param_groups[0]["lr"]
+    for seed in range(3, 6):
+        step(optimizer, seed)
+    lr.fill_(5e-4)
+    assert tensors.restore() is False  # nothing rebound: a replay reads them as they are
+
+    optimizer.load_state_dict(saved)  # torch binds fresh tensors
+    assert optimizer.state[weight]["exp_avg"] is not captured["exp_avg"]
+    assert tensors.restore() is True
+    for name, tensor in captured.items():
+        assert optimizer.state[weight][name] is tensor
+        assert torch.equal(tensor, saved["state"][0][name])
+    assert optimizer.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(1e-3)
+    assert tensors.restore() is False
+    step(optimizer, 6)  # the optimizer goes on in the captured tensors
+    assert optimizer.state[weight]["step"] is captured["step"] and captured["step"].item() == 4
+
+
+def test_a_weight_decay_changed_after_capture_is_refused():
+    optimizer = adam()
+    tensors = StepTensors([optimizer])
+    step(optimizer, 0)
+    tensors.record()
+    optimizer.param_groups[1]["weight_decay"] = 0.1
+    with pytest.raises(RuntimeError, match="weight decay of parameter group 1 changed after"):
+        tensors.restore()
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+def test_eager_steps_are_counted_in_training_iterations_only():
+    optimizer = adam()
+
+    def megatron_step():  # megatron-core's return value: (success, grad norm, zeros)
+        optimizer.step()
+        return True, None, 0
+
+    graph = OptimizerGraph(megatron_step, [optimizer], capture_at=None)
+    runtime = GraphRuntime(GraphRuntimeConfig())  # model graphs off
+    runtime.add_statistics(graph.statistics)
+    batches = [[{"num_segments": 2, "num_documents": 2}]]
+    for iteration in range(1, 4):
+        with runtime.iteration(batches, forward_step=None) as it:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = torch.full_like(param, 0.1 * iteration)
+            assert graph() == (True, None, 0)
+        assert it.stats[EAGER_KEY] == 1 and graph.steps == iteration
+    with runtime.iteration(batches, forward_step=None, training=False) as it:
+        pass
+    assert EAGER_KEY not in it.stats
+    assert graph.graph is None and graph.statistics() == {}
