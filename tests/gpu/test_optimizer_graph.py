@@ -196,7 +196,7 @@ def test_graphed_step_equals_the_eager_step_bitwise(dist, monkeypatch, adam, dis
         elif step == 3:
             stats = graphed.graph.statistics()
             assert graphed.graph.graph is not None and stats["optimizer graph capture (s)"] > 0
-            assert stats["optimizer graph memory (MiB)"] >= 0
+            assert "optimizer graph memory (MiB)" in stats
         else:
             assert graphed.graph.statistics() == {}
     assert clipped == STEPS // 2  # clipping active on the odd steps, not on the even ones
