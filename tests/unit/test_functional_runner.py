@@ -39,6 +39,22 @@ def no_optional_packages(monkeypatch):
     monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
 
 
+def pins_te(case) -> bool:
+    return case.model_args.get("--attention-backend") == "te"
+
+
+def fake_te_for(case, monkeypatch):
+    """Transformer Engine (and triton, which ships with the CUDA builds TE runs on) counted
+    as importable for a case that pins TE attention (the MLA cases: packed MLA runs only on
+    TE); every other case validates without them."""
+    from megatron.packed_graphs import attention
+
+    if pins_te(case):
+        monkeypatch.setattr(argument_checks, "is_importable",
+                            lambda package: package in ("transformer_engine", "triton"))
+        monkeypatch.setattr(attention, "is_te_available", lambda: True)
+
+
 def record(step, loss, zeros=0, ms=100.0, mem=1000):
     return {"iteration": step, "lm_loss": loss, "num_zeros": zeros, "iteration_time_ms": ms,
             "mem_max_allocated_bytes": mem, "grad_norm": 1.0, "graph fallbacks": 0}
@@ -52,13 +68,14 @@ def golden_of(losses, start=1, **kw):
 
 MOE_CASES = ["gpt_moe/gpt_moe_eager", "gpt_moe/gpt_moe_layer_graphs",
              "hybrid_moe/hybrid_moe_chunk_graphs", "hybrid_moe/hybrid_moe_eager"]
+MLA_CASES = ["mla/moonlight_tiny_eager", "mla/moonlight_tiny_layer_graphs"]
 GRAPH_FLAGS = {"--cuda-graph-impl", "--cuda-graph-max-packed-seqs", "--cuda-graph-warmup-steps"}
 
 
 def test_the_required_cases_exist():
     assert set(CASES) >= {"gpt/gpt_eager", "gpt/gpt_layer_graphs", "gpt/gpt_ckpt_resume",
                           "hybrid/hybrid_eager", "hybrid/hybrid_layer_graphs",
-                          "hybrid/hybrid_chunk_graphs_pp2", *MOE_CASES}
+                          "hybrid/hybrid_chunk_graphs_pp2", *MOE_CASES, *MLA_CASES}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -71,8 +88,9 @@ def test_case_loads_and_its_script_exists(name):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_case_args_pass_the_real_cli(name, tmp_path):
+def test_case_args_pass_the_real_cli(name, tmp_path, monkeypatch):
     case = load_case(CASES_ROOT / name)
+    fake_te_for(case, monkeypatch)
     for plan in plan_runs(case, case_variables(tmp_path)):
         argv = plan.argv + ["--metrics-file", str(tmp_path / f"{plan.name}.jsonl")]
         args = build_parser(case.model).parse_args(argv)
@@ -88,6 +106,7 @@ def test_case_args_pass_the_real_cli(name, tmp_path):
     ("gpt/gpt_layer_graphs", "gpt/gpt_eager", GRAPH_FLAGS),
     ("hybrid/hybrid_layer_graphs", "hybrid/hybrid_eager", GRAPH_FLAGS),
     ("gpt_moe/gpt_moe_layer_graphs", "gpt_moe/gpt_moe_eager", GRAPH_FLAGS),
+    ("mla/moonlight_tiny_layer_graphs", "mla/moonlight_tiny_eager", GRAPH_FLAGS),
     ("hybrid_moe/hybrid_moe_chunk_graphs", "hybrid_moe/hybrid_moe_eager",
      GRAPH_FLAGS | {"--cuda-graph-granularity"})])
 def test_graph_case_shares_its_eager_twins_golden_file(graphs, eager, graph_flags):
@@ -124,6 +143,44 @@ def test_moe_cases_are_small_drop_and_pad_and_compare_the_moe_metrics(name, tmp_
     if "graphs" in name:
         granularity = "chunk" if "chunk" in name else "layer"
         assert (args.cuda_graph_impl, args.cuda_graph_granularity) == ("local", granularity)
+
+
+@pytest.mark.parametrize("name", MLA_CASES)
+def test_mla_cases_are_small_moonlight_shaped_on_te_attention(name, tmp_path, monkeypatch):
+    """MLA without query compression, V narrower than the query head (so packed data pads
+    it), every MLP an MoE layer with a shared expert and sigmoid router, drop-and-pad; TE
+    attention and TE's RNG tracker pinned in both twins; megatron-core's MLA config builds."""
+    from megatron.training.config import PackedMLATransformerConfig, transformer_config_from_args
+
+    case = load_case(CASES_ROOT / name)
+    (plan,) = plan_runs(case, case_variables(tmp_path))
+    fake_te_for(case, monkeypatch)
+    args = validate_args(build_parser(case.model).parse_args(plan.argv), case.model,
+                         world_size=case.nproc)
+    assert (args.num_layers, args.hidden_size, args.num_experts) == (4, 256, 8)
+    assert args.multi_latent_attention and args.q_lora_rank is None
+    assert args.qk_head_dim + args.qk_pos_emb_head_dim > args.v_head_dim
+    assert args.mla_pad_v == "always"
+    assert (args.attention_backend, args.te_rng_tracker) == ("te", True)
+    assert args.moe_router_score_function == "sigmoid"
+    assert args.moe_shared_expert_intermediate_size
+    assert args.moe_token_dispatcher_type == "alltoall"
+    assert args.moe_expert_capacity_factor > 0 and args.moe_pad_expert_input_to_capacity
+    assert {"lm loss", "load_balancing_loss", "moe_dropped_token_fraction"} <= set(case.metrics)
+    config = transformer_config_from_args(args)
+    assert isinstance(config, PackedMLATransformerConfig) and config.mla_pad_v
+    assert config.num_moe_experts == 8 and config.apply_rope_fusion
+    if "graphs" in name:
+        assert (args.cuda_graph_impl, args.cuda_graph_granularity) == ("local", "layer")
+
+
+@pytest.mark.parametrize("name", MLA_CASES)
+def test_mla_cases_are_refused_without_transformer_engine(name, tmp_path):
+    case = load_case(CASES_ROOT / name)
+    (plan,) = plan_runs(case, case_variables(tmp_path))
+    args = build_parser(case.model).parse_args(plan.argv)
+    with pytest.raises(ValueError, match="needs transformer_engine"):
+        validate_args(args, case.model, world_size=case.nproc)
 
 
 @pytest.mark.parametrize("name", ["gpt_moe/gpt_moe_eager", "hybrid_moe/hybrid_moe_eager"])
