@@ -336,7 +336,8 @@ def validate(*extra, model="gpt", world_size=1):
                          world_size=world_size)
 
 
-def test_the_flag_is_accepted_and_builds_local_layer_graphs_for_misses(monkeypatch):
+def test_the_flag_is_accepted_and_builds_local_layer_graphs_for_misses(monkeypatch, cpu_dist):
+    from megatron.core import parallel_state
     from megatron.training.config import transformer_config_from_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -345,7 +346,12 @@ def test_the_flag_is_accepted_and_builds_local_layer_graphs_for_misses(monkeypat
     config = config_from_args(args)
     assert (config.impl, config.granularity, config.full_iteration,
             config.iteration_micro_batches) == ("local", Granularity.LAYER, True, 4)
-    assert transformer_config_from_args(args).cuda_graph_impl == "local"
+    model_config = transformer_config_from_args(args)
+    assert model_config.cuda_graph_impl == "local"
+    runtime = GraphRuntime.from_args(args, [torch.nn.Identity()], model_config)
+    assert runtime.iteration_graph is not None and not runtime.iteration_graph.captured
+    assert runtime.agreement_group is parallel_state.get_data_parallel_group_gloo(
+        with_context_parallel=True)
     chunk = config_from_args(parse_args(BASE + FULL_FLAGS + ["--cuda-graph-granularity",
                                                              "chunk"]))
     assert chunk.granularity is Granularity.CHUNK and chunk.full_iteration
