@@ -486,3 +486,14 @@ def test_moe_presets_build_and_train_on_cpu_at_a_reduced_size(te_importable, cpu
     losses.float().sum().backward()
     for moe in moe_layers:
         assert moe.router.weight.grad.abs().sum() > 0
+
+
+def test_full_iteration_rows_add_the_iteration_graphs_capture_and_memory():
+    base = {"lm_loss": 5.0, "iteration_time_ms": 100.0, "tokens_per_sec": 1000.0,
+            "mem_max_allocated_bytes": 2**30}
+    records = [{"iteration": 1, **base}, {"iteration": 2, **base},
+               {"iteration": 3, **base, "iteration graph capture (s)": 1.5,
+                "iteration graph memory (MiB)": 300.0},
+               {"iteration": 4, **base, "graph capture (s)": 0.5, "graph memory (MiB)": 20.0}]
+    row = benchmark.summarise("gpt-small", "full-iteration", _args(warmup=1, nproc=1), records)
+    assert row["capture_s"] == 2.0 and row["graph_mem_mib"] == 320.0
