@@ -13,10 +13,13 @@ import sys
 
 import pytest
 
+from megatron.training.argument_checks import is_importable
 from tests.gpu.launch import REPO, TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training
 
 # DDP's NaN check syncs; the eager reference runs without it too, so only graphs differ.
-COMMON = TRAIN + ["--no-check-for-nan-in-loss-and-grad"]
+# Graphs on TE attention switch TE's RNG tracker on: the eager reference takes it too.
+COMMON = TRAIN + ["--no-check-for-nan-in-loss-and-grad"] + (
+    ["--te-rng-tracker"] if is_importable("transformer_engine") else [])
 
 
 def full_iteration(capacity: int, warmup: int, granularity: str = "layer") -> list:
