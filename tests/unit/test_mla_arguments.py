@@ -84,6 +84,41 @@ def test_mla_with_static_context_parallelism():
     assert validate(*MLA, "--context-parallel-size", 2, world_size=2).multi_latent_attention
 
 
+MOE = ["--num-experts", 8, "--moe-router-topk", 2, "--moe-token-dispatcher-type", "alltoall",
+       "--moe-expert-capacity-factor", 1.25, "--moe-pad-expert-input-to-capacity"]
+CHUNK_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-granularity", "chunk",
+                "--cuda-graph-max-packed-seqs", 16]
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("gpt", []), ("gpt", MOE), ("hybrid", []),
+    ("gpt", ["--virtual-pipeline-model-parallel-size", 2, "--num-layers", 4])],
+    ids=["gpt", "gpt-moe", "hybrid", "gpt-vpp2"])
+def test_mla_with_pipeline_parallel_chunk_graphs(model, extra):
+    """PP = 2 chunk graphs take MLA (and MLA + MoE): nothing in the checks refuses them."""
+    args = validate(*MLA, "--pipeline-model-parallel-size", 2, *CHUNK_GRAPHS, *extra,
+                    model=model, world_size=2)
+    assert (args.pipeline_model_parallel_size, args.cuda_graph_granularity) == (2, "chunk")
+    config = transformer_config_from_args(args)
+    assert config.multi_latent_attention and config.pipeline_model_parallel_size == 2
+    assert config.num_moe_experts == (8 if extra == MOE else None)
+
+
+def test_mla_moe_with_pipeline_parallel_layer_graphs():
+    args = validate(*MLA, *MOE, "--pipeline-model-parallel-size", 2, "--cuda-graph-impl",
+                    "local", "--cuda-graph-max-packed-seqs", 16, world_size=2)
+    assert args.cuda_graph_granularity == "layer" and args.multi_latent_attention
+
+
+@pytest.mark.parametrize("sizes,ranks", [((1,), 2), ((2,), 2), ((4,), 4), ((1, 2, 4), 4)])
+def test_mla_moe_under_dynamic_cp_graph_banks(sizes, ranks):
+    """MLA + MoE at forced (one size) and mixed CP sizes, with TE layer-graph banks."""
+    args = validate(*MLA, *MOE, "--seq-length", 512, "--dynamic-cp-sizes", *sizes,
+                    "--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", 8,
+                    world_size=ranks)
+    assert args.dynamic_cp_sizes == list(sizes) and args.num_experts == 8
+
+
 # ------------------------------------------------------------------------------- rejections
 
 @pytest.mark.parametrize("flag,value", [
