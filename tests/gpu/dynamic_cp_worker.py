@@ -1,4 +1,4 @@
-"""Worker of tests/gpu/test_dynamic_cp.py, run under torchrun on 2 GPUs (static CP = 1, DP = 2).
+"""Worker of tests/gpu/test_dynamic_cp_graphs.py, run under torchrun on 2 GPUs (static CP = 1, DP = 2).
 
 One packed micro-batch, three ways, same weights on both ranks:
 
