@@ -41,9 +41,12 @@ def relative_differences(grads, reference):
 
 
 def captured_runners(model) -> list:
-    """The layer graph runners of a model, in module order."""
-    return [runner for module in model.modules()
-            for runner in getattr(getattr(module, "cudagraph_manager", None), "cudagraph_runners", [])]
+    """The layer graph runners of a model, in module order (a partial MoE layer's in forward
+    order: attention, router, postprocess)."""
+    from megatron.packed_graphs.layers import graph_managers
+
+    return [runner for module in model.modules() for manager in graph_managers(module)
+            for runner in manager.cudagraph_runners]
 
 
 def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32,

@@ -25,7 +25,8 @@ explicitly, at the start of training:
 
 **Reaches** are small functions the fork calls where a subclass cannot do the job: the GPT
 decoder class switch (`switch_block_class`), the TE capture flag
-(`te_graph_capture`), the order of a manager's runners
+(`te_graph_capture`), which layers TE graphs for a module list (`layer_graphed_for_modules`),
+the order of a manager's runners
 (`replay_runner_first`, `rotate_runners`, `sort_runners`), upstream's private "graphs
 created" flag (`local_graphs_created`), TE's class-level CP stream (`te_cp_stream`) and the
 process-wide stream switch (`use_side_stream`).
@@ -465,6 +466,13 @@ def replay_runner_first(manager, runner, runners) -> None:
 def sort_runners(manager, key: Callable) -> None:
     """Stable-sort a manager's runners (PP == 1: upstream takes the first whose arguments match)."""
     manager.cudagraph_runners.sort(key=key)
+
+
+def layer_graphed_for_modules(layer) -> bool:
+    """Whether megatron-core graphs ``layer`` under its config's ``cuda_graph_modules`` with the
+    TE implementation (``cuda_graphs._layer_is_graphable``: every layer when the list is
+    empty; else e.g. MoE layers for moe_router, attention layers for attn, Mamba for mamba)."""
+    return cuda_graphs._layer_is_graphable(layer, layer.config)
 
 
 def recorded_kwarg(runner, name: str):

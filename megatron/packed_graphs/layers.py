@@ -13,7 +13,8 @@ plan (a model called outside the runtime) megatron-core decides alone.
 With pipeline parallelism the manager replays its runners round-robin, one per call, in the
 order they were captured. A bypassed micro-batch still takes its turn (`_skip_runner`), so
 every later micro-batch replays exactly the runner captured for its slot and the shared
-memory pool sees the captured order with gaps, never a reordering.
+memory pool sees the captured order with gaps, never a reordering. A layer under partial MoE
+graphs owns several managers (moe_partial.py); each takes its turn.
 """
 
 from megatron.core.ssm.mamba_layer import MambaLayer
@@ -23,6 +24,7 @@ from megatron.core.transformer.transformer_layer import MoETransformerLayer, Tra
 from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.chunk_graphs import chunk_granularity
 from megatron.packed_graphs.moe import PackedMoEMaskMixin
+from megatron.packed_graphs.moe_partial import PartialMoEGraphs
 from megatron.packed_graphs.plan import graphs_bypassed, in_iteration_graph
 from megatron.packed_graphs.te_graphs import TEGraphDispatch
 
@@ -56,20 +58,30 @@ class LocalGraphDispatch:
         Upstream takes the first runner whose arguments match, checking each in turn (a
         Python walk over every argument); sorted, the first check hits.
         """
-        manager = getattr(self, "cudagraph_manager", None)
-        if (manager is None or not manager.reuse_cudagraphs or params is None
-                or params.cu_seqlens_q is None or len(manager.cudagraph_runners) < 2):
+        if params is None or params.cu_seqlens_q is None:
             return
         shape = params.cu_seqlens_q.shape
-        if recorded_cu_seqlens_shape(manager.cudagraph_runners[0]) != shape:
-            core_patches.sort_runners(manager, key=lambda r: recorded_cu_seqlens_shape(r) != shape)
+        for manager in graph_managers(self):
+            if not manager.reuse_cudagraphs or len(manager.cudagraph_runners) < 2:
+                continue
+            if recorded_cu_seqlens_shape(manager.cudagraph_runners[0]) != shape:
+                core_patches.sort_runners(
+                    manager, key=lambda r: recorded_cu_seqlens_shape(r) != shape)
 
     def _skip_runner(self) -> None:
-        manager = getattr(self, "cudagraph_manager", None)
-        if manager is None or manager.reuse_cudagraphs:
-            return  # PP == 1: runners are matched by arguments, not by turn
-        if core_patches.local_graphs_created() and manager.cudagraph_runners:
-            core_patches.rotate_runners(manager)
+        for manager in graph_managers(self):
+            if manager.reuse_cudagraphs:
+                continue  # PP == 1: runners are matched by arguments, not by turn
+            if core_patches.local_graphs_created() and manager.cudagraph_runners:
+                core_patches.rotate_runners(manager)
+
+
+def graph_managers(layer) -> list:
+    """The layer's local graph managers (a whole-layer one, or a partial MoE layer's,
+    moe_partial.py); each takes one runner turn per layer call."""
+    names = getattr(layer, "graph_manager_names", ("cudagraph_manager",))
+    return [manager for manager in (getattr(layer, name, None) for name in names)
+            if manager is not None]
 
 
 def recorded_cu_seqlens_shape(runner):
@@ -84,10 +96,11 @@ class GraphSafeTransformerLayer(LocalGraphDispatch, TEGraphDispatch, PackedMoEMa
     MLP gets the micro-batch's padding mask (moe.py)."""
 
 
-class GraphSafeMoELayer(LocalGraphDispatch, TEGraphDispatch, PackedMoEMaskMixin,
-                        MoETransformerLayer):
-    """Hybrid 'E' layer (megatron-core's MoETransformerLayer: pre-MLP norm + MoE) with the
-    per-micro-batch eager fallback and the micro-batch's padding mask."""
+class GraphSafeMoELayer(PartialMoEGraphs, LocalGraphDispatch, TEGraphDispatch,
+                        PackedMoEMaskMixin, MoETransformerLayer):
+    """MoE layer (megatron-core's MoETransformerLayer): a GPT layer with --num-experts
+    (attention + MoE) or a hybrid 'E' layer (pre-MLP norm + MoE), with the per-micro-batch
+    eager fallback, the micro-batch's padding mask and partial MoE graphs (moe_partial.py)."""
 
 
 class GraphSafeMLPLayer(LocalGraphDispatch, TEGraphDispatch, MLPLayer):

@@ -21,7 +21,8 @@ separate norm module in front (``input_layernorm`` / ``pre_mlp_layernorm`` / Mam
 MoE (``num_experts``): the MLP is megatron-core's MoELayer from its own builder for the
 provider (SequentialMLP experts over the provider's linears; TEGroupedMLP with TE and
 ``moe_grouped_gemm``), with the packed router `moe.PackedTopKRouter`; the norm in front is
-always a separate module (MoE does not fuse it).
+always a separate module (MoE does not fuse it). The layer is `layers.GraphSafeMoELayer`
+(megatron-core's MoETransformerLayer), in GPT and hybrid models alike.
 
 MLA (``multi_latent_attention``, TE only): the self-attention is `mla.PackedMLASelfAttention`
 (megatron-core's MLA with graph-safe fused yarn RoPE) behind a separate input norm; in hybrid
@@ -148,7 +149,8 @@ def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm",
     else:
         pre_mlp_norm, mlp = _moe_spec(provider, normalization, num_experts, moe_grouped_gemm)
     return ModuleSpec(
-        module=GraphSafeTransformerLayer,
+        # MoE: megatron-core's MoETransformerLayer, which the partial MoE graphs need.
+        module=GraphSafeTransformerLayer if num_experts is None else GraphSafeMoELayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=attention.input_layernorm,
             self_attention=attention.self_attention,

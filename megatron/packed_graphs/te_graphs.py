@@ -168,7 +168,12 @@ class TEGraphDispatch:
 
     def _te_cuda_graph_replay(self, *args, **kwargs):
         hidden_states = args[0] if args else kwargs["hidden_states"]
-        params = kwargs.get("packed_seq_params")
+        output = self._replay_graph(hidden_states, kwargs.get("packed_seq_params"),
+                                    kwargs.get("rotary_pos_emb"))
+        return (output, None) if isinstance(self, TransformerLayer) else output
+
+    def _replay_graph(self, hidden_states, params, rotary_pos_emb):
+        """Replay this layer's graph of the running bank; returns its outputs (graph-owned)."""
         bank = self._replay_bank()
         buffers = self._graph_inputs[bank].buffers
         if params is None or params.cu_seqlens_q is not buffers["cu_seqlens"]:
@@ -177,9 +182,7 @@ class TEGraphDispatch:
                 "(TELayerGraphs.load) before the model runs; the graph runtime does this")
         for hook, hook_args in self.cuda_graph_manual_hooks:
             hook(*hook_args)
-        output = self.cuda_graphs[bank](hidden_states,
-                                        **graph_kwargs(params, kwargs.get("rotary_pos_emb")))
-        return (output, None) if isinstance(self, TransformerLayer) else output
+        return self.cuda_graphs[bank](hidden_states, **graph_kwargs(params, rotary_pos_emb))
 
     def _replay_bank(self) -> int:
         """The bank of the running plan's CP size (without a plan: the only bank)."""
@@ -197,9 +200,12 @@ class TEGraphDispatch:
 
 
 def graphable_layers(model_chunk) -> List[torch.nn.Module]:
-    """The TE-graphable layers of one model chunk (DDP/Float16Module-wrapped), in forward order."""
+    """The TE-graphable layers of one model chunk (DDP/Float16Module-wrapped), in forward order:
+    every layer, or with ``cuda_graph_modules`` the layers megatron-core graphs for them
+    (e.g. MoE layers for moe_router, Mamba layers for mamba)."""
     layers = unwrap_model(model_chunk).decoder.layers
-    return [layer for layer in layers if isinstance(layer, TEGraphDispatch)]
+    return [layer for layer in layers if isinstance(layer, TEGraphDispatch)
+            and core_patches.layer_graphed_for_modules(layer)]
 
 
 def rotary_table(model_chunk, max_seqlen: int) -> Optional[Tensor]:

@@ -24,14 +24,15 @@ FULL_ITERATION = ("It is a CUDA graph implementation, not a module: whole traini
 REFUSED_GRAPH_IMPLS: dict = {}
 
 # Names of CudaGraphModule this fork rejects, with the reason.
-_PARTIAL_MOE = ("Partial MoE graphs are not built by this fork: MoE layers are captured whole, "
-                "with drop-and-pad (--moe-expert-capacity-factor with "
-                "--moe-pad-expert-input-to-capacity); omit the flag")
 UNSUPPORTED_MODULES = {
-    "moe": _PARTIAL_MOE,
-    "moe_router": _PARTIAL_MOE,
-    "moe_preprocess": _PARTIAL_MOE,
+    "moe": "MoE layers are captured whole when --cuda-graph-modules is not given (with "
+           "drop-and-pad), and in parts with moe_router / moe_preprocess (docs/moe.md); use "
+           "one of those",
 }
+
+# Partial MoE graphs (megatron-core's names): the router part of each MoE layer is graphed,
+# token dispatch and experts run eager (docs/moe.md).
+PARTIAL_MOE_MODULES = ("moe_router", "moe_preprocess")
 
 # --moe-token-dispatcher-type values megatron-core has and this fork refuses, with the reason.
 REFUSED_DISPATCHERS = {
@@ -520,6 +521,26 @@ def _check_capacity_ladder(args, ladder, impl, capacity):
              "--pipeline-model-parallel-size 1")
 
 
+def partial_moe_modules(args) -> list[str]:
+    """The partial MoE graph modules (moe_router, moe_preprocess) in args.cuda_graph_modules."""
+    return [name for name in args.cuda_graph_modules if name in PARTIAL_MOE_MODULES]
+
+
+def _check_partial_moe_modules(args, flag):
+    """moe_router / moe_preprocess as megatron-core pairs them: the local implementation
+    captures both whenever either is named (TransformerConfig does the same), and
+    transformer_engine's preprocess graph extends the router graph."""
+    partial = partial_moe_modules(args)
+    if not partial:
+        return
+    if args.cuda_graph_impl == "local":
+        args.cuda_graph_modules += [name for name in PARTIAL_MOE_MODULES if name not in partial]
+    elif args.cuda_graph_impl == "transformer_engine" and "moe_router" not in partial:
+        fail(flag, "moe_preprocess",
+             "megatron-core captures the dispatcher's preprocess in the router's graph; add "
+             "moe_router")
+
+
 def _check_te_graphs(args, flag):
     """What --cuda-graph-impl transformer_engine builds: whole-layer graphs, PP = 1."""
     impl = "--cuda-graph-impl transformer_engine"
@@ -531,8 +552,7 @@ def _check_te_graphs(args, flag):
              f"{impl} captures packed layers for PP = 1 only; with pipeline parallelism use "
              "--cuda-graph-impl local (layer or chunk granularity)")
     if args.cuda_graph_modules:
-        fail(flag, " ".join(args.cuda_graph_modules),
-             f"{impl} captures whole layers on packed data; drop {flag}")
+        _check_te_partial_moe_graphs(args, flag, impl)
     if args.cuda_graph_capacity_ladder:
         fail("--cuda-graph-capacity-ladder", _as_typed(args.cuda_graph_capacity_ladder),
              f"{impl} captures one capacity; drop the ladder or use --cuda-graph-impl local")
@@ -541,6 +561,22 @@ def _check_te_graphs(args, flag):
         if value:
             fail(flag, value, f"dropout inside {impl} graphs is not verified in this fork; "
                               "set it to 0 or use --cuda-graph-impl local")
+
+
+def _check_te_partial_moe_graphs(args, flag, impl):
+    """TE graphs take modules only for partial MoE graphs: moe_router [moe_preprocess], with
+    attn and mamba to graph those layers (parts) too."""
+    modules = args.cuda_graph_modules
+    others = [name for name in modules if name not in (*PARTIAL_MOE_MODULES, "attn", "mamba")]
+    if not partial_moe_modules(args) or others:
+        fail(flag, " ".join(modules),
+             f"{impl} captures whole layers on packed data, or with moe_router the router part "
+             f"of MoE layers (attn and mamba may come along); drop {flag} or use moe_router")
+    if "moe_preprocess" in modules and getattr(args, "dynamic_cp_sizes", None):
+        fail(flag, " ".join(modules),
+             "Under dynamic CP each graph bank holds another token count, and the eager part "
+             "of an MoE layer reads shapes its preprocess graph set at capture (the last "
+             "bank's); drop moe_preprocess or --dynamic-cp-sizes")
 
 
 def _check_full_iteration(args, flag):
@@ -623,6 +659,7 @@ def check_cuda_graphs(args):
              f"Chunk graphs are built by the local implementation, not --cuda-graph-impl {impl}; "
              "add --cuda-graph-impl local")
     args.cuda_graph_modules = normalise_cuda_graph_modules(modules or [], flag)
+    _check_partial_moe_modules(args, flag)
     if impl == "transformer_engine":
         _check_te_graphs(args, flag)
     if impl == "full_iteration":
@@ -674,8 +711,10 @@ _MOE_FLAG_DEFAULTS = {
 
 DROPLESS_SYNCS = ("Dropless alltoall reads the per-expert token counts back to the host in "
                   "every MoE layer, and a capacity without padding sizes its output from the "
-                  "routing map; graphs need drop-and-pad: add --moe-expert-capacity-factor "
-                  "<f> --moe-pad-expert-input-to-capacity, or run without graphs")
+                  "routing map; whole-layer graphs need drop-and-pad: add "
+                  "--moe-expert-capacity-factor <f> --moe-pad-expert-input-to-capacity, or "
+                  "graph MoE layers in part (--cuda-graph-modules moe_router: dispatch and "
+                  "experts run eager), or run without graphs")
 
 
 def _value(args, flag: str):
@@ -698,6 +737,10 @@ def check_moe(args, model: str):
         if model == "hybrid" and "E" in pattern:
             fail("--hybrid-override-pattern", repr(pattern),
                  "Its 'E' layers are MoE layers; add --num-experts")
+        if partial_moe_modules(args):
+            fail("--cuda-graph-modules", " ".join(partial_moe_modules(args)),
+                 "It captures parts of MoE layers and the model has none; add --num-experts "
+                 "or drop it")
         for flag, default in _MOE_FLAG_DEFAULTS.items():
             if _value(args, flag) != default:
                 fail(flag, _value(args, flag),
@@ -762,6 +805,12 @@ def check_moe(args, model: str):
 
 def _check_overflow_rerun(args):
     """--moe-capacity-overflow rerun: the dropless mode of graphed MoE layers."""
+    if partial_moe_modules(args):
+        fail("--moe-capacity-overflow", "rerun",
+             "Partial MoE graphs (--cuda-graph-modules moe_router) run token dispatch and "
+             "experts eager, so they run dropless directly, and a dropless rerun would change "
+             "dispatcher state that megatron-core's router graph expects to stay the same; "
+             "drop the flag and --moe-expert-capacity-factor")
     if args.cuda_graph_impl == "none":
         fail("--moe-capacity-overflow", "rerun",
              "It reruns micro-batches whose MoE layers overflowed their graphs' drop-and-pad "
@@ -797,8 +846,19 @@ def _check_expert_parallel(args, experts: int):
 def _check_moe_graphs(args, model: str):
     if args.cuda_graph_impl == "none":
         return
-    if not (args.moe_expert_capacity_factor and args.moe_pad_expert_input_to_capacity):
+    factor = args.moe_expert_capacity_factor
+    drop_and_pad = factor and args.moe_pad_expert_input_to_capacity
+    partial = partial_moe_modules(args)
+    if not partial and not drop_and_pad:
         fail("--cuda-graph-impl", args.cuda_graph_impl, DROPLESS_SYNCS)
+    if "moe_preprocess" in partial and factor and not drop_and_pad:
+        local = " (the local implementation always graphs it with moe_router)" if (
+            args.cuda_graph_impl == "local") else ""
+        fail("--moe-expert-capacity-factor", factor,
+             f"With moe_preprocess in the graph{local}, a capacity without "
+             "--moe-pad-expert-input-to-capacity sizes the permuted tokens from the routing "
+             "map's sum, a host read inside the graph (megatron-core refuses it too); add "
+             "--moe-pad-expert-input-to-capacity, or drop the factor for dropless MoE")
     if "mlp" in args.cuda_graph_modules:
         layers = "every layer is" if model == "gpt" else "the 'E' layers are"
         fail("--cuda-graph-modules", "mlp",

@@ -399,7 +399,8 @@ def _add_cuda_graph_args(parser):
                         "iteration as one graph, layer or chunk graphs where it misses).")
     g.add_argument("--cuda-graph-modules", nargs="+", default=None,
                    help="Parts of each layer to capture, CudaGraphModule names (attn, mlp, "
-                        "mamba), space- or comma-separated (default: the whole layer).")
+                        "mamba; moe_router, moe_preprocess: MoE layers in part), space- or "
+                        "comma-separated (default: the whole layer).")
     g.add_argument("--cuda-graph-scope", nargs="+", default=None,
                    help="Deprecated spelling of --cuda-graph-modules.")
     g.add_argument("--cuda-graph-max-packed-seqs", type=int, nargs="?", const=50, default=0,

@@ -587,7 +587,7 @@ def test_unknown_module_lists_valid_names():
     with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: 'layer'. Valid "
                                          "CudaGraphModule names are attn, mlp, moe, moe_router, "
                                          "moe_preprocess, mamba \\(this fork supports attn, mlp, "
-                                         "mamba\\)"):
+                                         "moe_router, moe_preprocess, mamba\\)"):
         validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
                  "--cuda-graph-modules", "attn,layer")
 
@@ -597,9 +597,7 @@ FULL_ITERATION = "It is a CUDA graph implementation, not a module"
 
 @pytest.mark.parametrize("flag", ["--cuda-graph-modules", "--cuda-graph-scope"])
 @pytest.mark.parametrize("name, reason", [
-    ("moe", "Partial MoE graphs are not built by this fork"),
-    ("moe_router", "Partial MoE graphs are not built by this fork"),
-    ("moe_preprocess", "Partial MoE graphs are not built by this fork"),
+    ("moe", "MoE layers are captured whole when --cuda-graph-modules is not given"),
     ("full_iteration", f"{FULL_ITERATION}: whole training iterations as one graph are "
                        "--cuda-graph-impl full_iteration"),
     ("full_iteration_inference", "It is an inference graph scope"),

@@ -234,7 +234,7 @@ def test_modules_with_impl_none_are_still_checked():
     ("full_iteration", "It is a CUDA graph implementation, not a module: whole training "
                        "iterations as one graph are --cuda-graph-impl full_iteration"),
     ("full_iteration_inference", "It is an inference graph scope"),
-    ("moe", "Partial MoE graphs are not built by this fork"),
+    ("moe", "MoE layers are captured whole when --cuda-graph-modules is not given"),
 ])
 def test_module_names_are_checked_like_the_cli(name, match):
     with pytest.raises(ValueError, match=f"--cuda-graph-modules is wrong: '{name}'. {match}"):
@@ -296,7 +296,7 @@ def test_cuda_graph_modules_and_scope_keys_together_are_refused():
 @pytest.mark.parametrize("name, match", [
     ("full_iteration", "It is a CUDA graph implementation, not a module"),
     ("full_iteration_inference", "It is an inference graph scope"),
-    ("moe_router", "Partial MoE graphs are not built by this fork"),
+    ("moe", "MoE layers are captured whole when --cuda-graph-modules is not given"),
 ])
 def test_deprecated_scope_names_are_refused_with_their_reason(name, match):
     with pytest.warns(FutureWarning), pytest.raises(

@@ -449,3 +449,12 @@ def test_upstream_caches_the_rope_table_and_counts_shared_graph_inputs():
     assert hasattr(RotaryEmbedding.forward, "cache_info")  # functools.lru_cache
     assert "assert fwd_buffer_reuse_ref_count == 0" in source(
         cuda_graphs._CudagraphGlobalRecord._create_cudagraphs.__func__)
+
+
+def test_te_graphs_take_the_layers_megatron_core_graphs_for_the_modules():
+    # When this fails, re-check layer_graphed_for_modules (te_graphs.graphable_layers).
+    text = source(cuda_graphs._layer_is_graphable)
+    assert "if not config.cuda_graph_modules:\n        return True" in text
+    assert "CudaGraphModule.moe_router in config.cuda_graph_modules" in text
+    assert "isinstance(layer.mlp, MoELayer)" in text
+    assert "CudaGraphModule.mamba in config.cuda_graph_modules" in text

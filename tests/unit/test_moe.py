@@ -212,7 +212,7 @@ def test_gpt_moe_layer_builds_megatron_modules(cpu_moe):
     config = moe_config(moe_shared_expert_intermediate_size=16, **DROP_AND_PAD)
     layer = build_module(gpt_layer_spec("torch", num_experts=EXPERTS), config=config,
                          layer_number=1)
-    assert isinstance(layer, GraphSafeTransformerLayer) and layer.is_moe_layer
+    assert isinstance(layer, GraphSafeMoELayer) and layer.is_moe_layer
     assert isinstance(layer.mlp, MoELayer) and isinstance(layer.mlp.router, PackedTopKRouter)
     assert isinstance(layer.mlp.experts, SequentialMLP)
     assert len(layer.mlp.experts.local_experts) == EXPERTS

@@ -251,8 +251,147 @@ def test_mlp_graphs_with_moe(model):
         validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", "mlp", model=model)
 
 
-@pytest.mark.parametrize("name", ["moe", "moe_router", "moe_preprocess"])
-def test_partial_moe_graphs(name):
-    with pytest.raises(ValueError, match=f"--cuda-graph-modules is wrong: '{name}'. Partial "
-                                         "MoE graphs are not built by this fork"):
-        validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", name)
+def test_moe_module_is_refused():
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: 'moe'. MoE layers are "
+                                         "captured whole when --cuda-graph-modules is not given"):
+        validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", "moe")
+
+
+# ------------------------------------------------------------------ partial MoE graphs
+
+@pytest.mark.parametrize("modules, expected", [
+    (["moe_router"], ["moe_router", "moe_preprocess"]),
+    (["moe_preprocess"], ["moe_preprocess", "moe_router"]),
+    (["attn", "moe_router"], ["attn", "moe_router", "moe_preprocess"]),
+    (["attn,moe_router,moe_preprocess"], ["attn", "moe_router", "moe_preprocess"]),
+])
+def test_local_partial_graphs_capture_router_and_preprocess_together(modules, expected):
+    args = validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", *modules)
+    assert args.cuda_graph_modules == expected
+    config = transformer_config_from_args(args)
+    assert {m.name for m in config.cuda_graph_modules} == set(expected)
+
+
+def test_hybrid_partial_graphs_with_mamba_and_attention():
+    args = validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", "mamba", "attn",
+                    "moe_router", model="hybrid")
+    assert args.cuda_graph_modules == ["mamba", "attn", "moe_router", "moe_preprocess"]
+
+
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_partial_graphs_run_dropless_moe(model):
+    args = validate(*MOE, *GRAPHS, "--cuda-graph-modules", "attn", "moe_router", model=model)
+    assert args.moe_expert_capacity_factor is None and "moe_preprocess" in args.cuda_graph_modules
+    transformer_config_from_args(args)  # megatron-core accepts dropless partial graphs too
+
+
+def test_whole_layer_graphs_still_need_drop_and_pad():
+    with pytest.raises(ValueError, match="--cuda-graph-impl is wrong: local. Dropless alltoall .* "
+                                         "or graph MoE layers in part \\(--cuda-graph-modules "
+                                         "moe_router"):
+        validate(*MOE, *GRAPHS, "--cuda-graph-modules", "attn")
+
+
+def test_partial_graphs_refuse_a_capacity_without_padding():
+    with pytest.raises(ValueError, match="--moe-expert-capacity-factor is wrong: 1.0. With "
+                                         "moe_preprocess in the graph \\(the local implementation "
+                                         "always graphs it with moe_router\\), a capacity without "
+                                         "--moe-pad-expert-input-to-capacity"):
+        validate(*MOE, "--moe-expert-capacity-factor", "1.0", *GRAPHS,
+                 "--cuda-graph-modules", "moe_router")
+
+
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_partial_graphs_need_moe_layers(model):
+    extra = ["--hybrid-override-pattern", "M*-M"] if model == "hybrid" else []
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: moe_router "
+                                         "moe_preprocess. It captures parts of MoE layers and "
+                                         "the model has none; add --num-experts"):
+        validate(*GRAPHS, "--cuda-graph-modules", "moe_router", *extra, model=model)
+
+
+def test_partial_graphs_refuse_the_overflow_rerun():
+    with pytest.raises(ValueError, match="--moe-capacity-overflow is wrong: rerun. Partial MoE "
+                                         "graphs .* run dropless directly"):
+        validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", "moe_router",
+                 "--moe-capacity-overflow", "rerun")
+
+
+def test_partial_graphs_refuse_chunk_granularity():
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: moe_router "
+                                         "moe_preprocess. Chunk graphs capture the whole model "
+                                         "chunk"):
+        validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", "moe_router",
+                 "--cuda-graph-granularity", "chunk")
+
+
+def test_partial_graphs_with_pipeline_parallel_layer_graphs():
+    args = validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--cuda-graph-modules", "attn,moe_router",
+                    "--pipeline-model-parallel-size", 2, world_size=2)
+    assert args.pipeline_model_parallel_size == 2
+
+
+TE_GRAPHS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "16"]
+
+
+@pytest.mark.parametrize("modules", [["moe_router"], ["attn", "moe_router"],
+                                     ["moe_router", "moe_preprocess"]])
+def test_te_partial_graphs_keep_the_modules_as_given(with_te, modules):
+    args = validate(*MOE, *DROP_AND_PAD, *TE_GRAPHS, "--cuda-graph-modules", *modules)
+    assert args.cuda_graph_modules == modules
+
+
+def test_te_router_graph_takes_a_capacity_without_padding(with_te):
+    # The preprocess runs eager: its host read of the routing map is outside the graph.
+    args = validate(*MOE, "--moe-expert-capacity-factor", "1.0", *TE_GRAPHS,
+                    "--cuda-graph-modules", "moe_router")
+    assert args.cuda_graph_modules == ["moe_router"]
+
+
+def test_te_preprocess_graph_needs_the_router_graph(with_te):
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: moe_preprocess. "
+                                         "megatron-core captures the dispatcher's preprocess in "
+                                         "the router's graph; add moe_router"):
+        validate(*MOE, *DROP_AND_PAD, *TE_GRAPHS, "--cuda-graph-modules", "moe_preprocess")
+
+
+@pytest.mark.parametrize("modules", [["attn"], ["attn", "mamba"], ["mlp", "moe_router"]])
+def test_te_graphs_take_modules_only_for_partial_moe(with_te, modules):
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: .*--cuda-graph-impl "
+                                         "transformer_engine captures whole layers on packed "
+                                         "data, or with moe_router the router part"):
+        validate(*MOE, *DROP_AND_PAD, *TE_GRAPHS, "--cuda-graph-modules", *modules,
+                 model="hybrid")
+
+
+def test_te_preprocess_graph_with_dynamic_cp(with_te):
+    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: moe_router "
+                                         "moe_preprocess. Under dynamic CP each graph bank holds "
+                                         "another token count"):
+        validate(*MOE, *DROP_AND_PAD, *TE_GRAPHS, "--cuda-graph-modules", "moe_router",
+                 "moe_preprocess", "--dynamic-cp-sizes", 1, 2, world_size=2)
+
+
+# ------------------------------------------------------------------ expert parallelism
+
+@pytest.mark.parametrize("extra, world_size", [
+    (["--expert-model-parallel-size", 2], 2),
+    (["--expert-model-parallel-size", 4], 4),
+    (["--expert-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+      "--cuda-graph-granularity", "chunk"], 4),
+    (["--expert-model-parallel-size", 2, "--pipeline-model-parallel-size", 2], 4),
+    (["--expert-model-parallel-size", 2, "--cuda-graph-modules", "attn,moe_router"], 2),
+])
+def test_expert_parallel_graph_combinations(extra, world_size):
+    args = validate(*MOE, *DROP_AND_PAD, *GRAPHS, *extra, world_size=world_size)
+    config = transformer_config_from_args(args)
+    assert config.expert_model_parallel_size == args.expert_model_parallel_size
+    assert args.data_parallel_size % args.expert_model_parallel_size == 0
+
+
+def test_expert_parallel_with_tensor_and_sequence_parallelism(with_te):
+    args = validate(*MOE, *DROP_AND_PAD, *GRAPHS, "--expert-model-parallel-size", 2,
+                    "--tensor-model-parallel-size", 2, "--sequence-parallel", world_size=4)
+    config = transformer_config_from_args(args)
+    assert (config.expert_model_parallel_size, config.tensor_model_parallel_size) == (2, 2)
+    assert config.sequence_parallel and args.data_parallel_size == 2

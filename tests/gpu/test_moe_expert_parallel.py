@@ -1,0 +1,73 @@
+"""Expert parallelism under CUDA graphs (skipped without CUDA or with too few GPUs).
+
+Each case trains the tiny GPT-MoE eager and with graphs, same seed and data, drop-and-pad
+(the EP exchange is an equal-split all-to-all inside the graphs), and compares the curves:
+lm loss and load-balancing loss within the tolerance of test_moe_graphs.py.
+
+* EP = 2 and EP = 4 (data parallel 2 and 4), layer graphs;
+* EP = 2 x TP = 2 with sequence parallelism (4 GPUs; sequence parallelism needs TE);
+* EP = 2 with PP = 2 under chunk graphs (4 GPUs: data parallel 2).
+"""
+
+import pytest
+
+from megatron.training.argument_checks import is_importable
+from tests.gpu.launch import TRAIN, losses, run_training
+
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+       "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+TINY_GPT_MOE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+                "--num-query-groups", "4", "--swiglu", "--seq-length", "1024",
+                "--vocab-size", "1024", *MOE]
+LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
+                "--cuda-graph-warmup-steps", "2"]
+CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]
+STEPS = 30
+
+
+def _compare(tmp_path, layout, graph_flags, nproc, global_batch, label):
+    common = TINY_GPT_MOE + TRAIN + layout + ["--train-iters", str(STEPS),
+                                              "--global-batch-size", str(global_batch)]
+    eager = run_training("pretrain_gpt.py", common, tmp_path, nproc=nproc, name="eager")
+    graphs = run_training("pretrain_gpt.py", common + graph_flags, tmp_path, nproc=nproc,
+                          name="graphs")
+    assert len(eager) == len(graphs) == STEPS
+    captured = [r for r in graphs if r.get("graph capture (s)")]
+    assert len(captured) == 1, "captured once"
+    assert all(r["load_balancing_loss"] > 0 for r in eager + graphs)
+    dloss = max(abs(e["lm_loss"] - g["lm_loss"]) for e, g in zip(eager, graphs))
+    daux = max(abs(e["load_balancing_loss"] - g["load_balancing_loss"])
+               for e, g in zip(eager, graphs))
+    print(f"{label}: max |dloss| {dloss:.2e}, max |d aux| {daux:.2e}, "
+          f"{captured[0]['graphs captured']} graphs")
+    assert dloss < 5e-3 and daux < 5e-3, (losses(eager), losses(graphs))
+
+
+@pytest.mark.gpus(2)
+def test_ep2_layer_graphs_match_eager(tmp_path):
+    _compare(tmp_path, ["--expert-model-parallel-size", "2"], LAYER_GRAPHS, nproc=2,
+             global_batch=4, label="EP=2 layer graphs")
+
+
+@pytest.mark.gpus(4)
+def test_ep4_layer_graphs_match_eager(tmp_path):
+    _compare(tmp_path, ["--expert-model-parallel-size", "4"], LAYER_GRAPHS, nproc=4,
+             global_batch=8, label="EP=4 layer graphs")
+
+
+@pytest.mark.gpus(4)
+@pytest.mark.skipif(not is_importable("transformer_engine"),
+                    reason="needs Transformer Engine (--sequence-parallel needs it)")
+def test_ep2_with_tensor_and_sequence_parallelism_matches_eager(tmp_path):
+    layout = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+              "--sequence-parallel"]
+    _compare(tmp_path, layout, LAYER_GRAPHS, nproc=4, global_batch=4,
+             label="EP=2 x TP=2 + SP layer graphs")
+
+
+@pytest.mark.gpus(4)
+def test_ep2_with_pipeline_parallel_chunk_graphs_matches_eager(tmp_path):
+    layout = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    _compare(tmp_path, layout, CHUNK_GRAPHS, nproc=4, global_batch=8,
+             label="EP=2 x PP=2 chunk graphs")
