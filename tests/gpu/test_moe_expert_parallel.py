@@ -24,10 +24,12 @@ LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "1
                 "--cuda-graph-warmup-steps", "2"]
 CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]
 STEPS = 30
+# Graphs on TE attention switch TE's RNG tracker on: the eager reference takes it too.
+COMMON = TRAIN + (["--te-rng-tracker"] if is_importable("transformer_engine") else [])
 
 
 def _compare(tmp_path, layout, graph_flags, nproc, global_batch, label):
-    common = TINY_GPT_MOE + TRAIN + layout + ["--train-iters", str(STEPS),
+    common = TINY_GPT_MOE + COMMON + layout + ["--train-iters", str(STEPS),
                                               "--global-batch-size", str(global_batch)]
     eager = run_training("pretrain_gpt.py", common, tmp_path, nproc=nproc, name="eager")
     graphs = run_training("pretrain_gpt.py", common + graph_flags, tmp_path, nproc=nproc,

@@ -39,6 +39,8 @@ TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs",
 STEPS = 30
 needs_te = pytest.mark.skipif(not is_importable("transformer_engine"),
                               reason="needs Transformer Engine")
+# Graphs on TE attention switch TE's RNG tracker on: the eager reference takes it too.
+COMMON = TRAIN + (["--te-rng-tracker"] if is_importable("transformer_engine") else [])
 
 
 # ------------------------------------------------------------------------ gradients
@@ -151,11 +153,25 @@ def test_padded_row_routes_like_unpadded_under_a_partial_graph(dist):
 
 # ------------------------------------------------------------------------ training
 
-def _train(tmp_path, kind, extra, name, nproc=1, steps=STEPS):
+def _train(tmp_path, kind, extra, name, nproc=1):
     script, model = MODELS[kind]
-    return run_training(script, model + TRAIN + ["--train-iters", str(steps),
-                                                 "--global-batch-size", str(2 * nproc),
-                                                 *extra], tmp_path, name=name, nproc=nproc)
+    return run_training(script, model + COMMON + ["--train-iters", str(STEPS),
+                                                  "--global-batch-size", str(2 * nproc),
+                                                  *extra], tmp_path, name=name, nproc=nproc)
+
+
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory):
+    """Eager training runs, one per (model, flags), shared by the tests of this module."""
+    runs = {}
+
+    def run(kind, flags):
+        key = (kind, tuple(flags))
+        if key not in runs:
+            runs[key] = _train(tmp_path_factory.mktemp("eager"), kind, flags, "eager")
+        return runs[key]
+
+    return run
 
 
 def _compare(eager, graphs, label):
@@ -174,9 +190,9 @@ def _compare(eager, graphs, label):
 
 @pytest.mark.parametrize("kind", ["gpt", "hybrid"])
 @pytest.mark.parametrize("capacity", ["drop-and-pad", "dropless"])
-def test_local_partial_graphs_train_like_eager(tmp_path, kind, capacity):
+def test_local_partial_graphs_train_like_eager(tmp_path, eager_run, kind, capacity):
     flags = DROP_AND_PAD if capacity == "drop-and-pad" else []
-    eager = _train(tmp_path, kind, flags, "eager")
+    eager = eager_run(kind, flags)
     graphs = _train(tmp_path, kind, flags + LOCAL + PARTIAL[kind], "partial")
     _compare(eager, graphs, f"{kind} {capacity} local partial")
 
@@ -187,8 +203,8 @@ def test_local_partial_graphs_train_like_eager(tmp_path, kind, capacity):
     ("gpt", ["moe_router", "moe_preprocess"]),
     ("hybrid", ["moe_router", "moe_preprocess"]),
 ])
-def test_te_partial_graphs_train_like_eager(tmp_path, kind, modules):
-    eager = _train(tmp_path, kind, DROP_AND_PAD, "eager")
+def test_te_partial_graphs_train_like_eager(tmp_path, eager_run, kind, modules):
+    eager = eager_run(kind, DROP_AND_PAD)
     graphs = _train(tmp_path, kind, DROP_AND_PAD + TE + ["--cuda-graph-modules", *modules],
                     "te_partial")
     _compare(eager, graphs, f"{kind} TE partial {' '.join(modules)}")
@@ -211,7 +227,7 @@ def test_partial_graphs_with_pipeline_parallelism_and_fallbacks(tmp_path):
     graph_flags = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "9",
                    "--cuda-graph-warmup-steps", "2", *PARTIAL["gpt"]]
     script, model = MODELS["gpt"]
-    common = model + DROP_AND_PAD + TRAIN + ["--train-iters", str(STEPS),
+    common = model + DROP_AND_PAD + COMMON + ["--train-iters", str(STEPS),
                                              "--global-batch-size", "4", *pp]
     eager = run_training(script, common, tmp_path, nproc=2, name="eager_pp2")
     graphs = run_training(script, common + graph_flags, tmp_path, nproc=2, name="partial_pp2")
