@@ -20,6 +20,18 @@ TINY_HYBRID = [
     "--mamba-num-groups", "2", "--mamba-state-dim", "64",
     "--seq-length", "1024", "--vocab-size", "1024",
 ]
+# MoE: 8 experts, top-2, aux and z losses; DROP_AND_PAD (capacity 1.0 x an even share, padded
+# to it) is what whole-layer graphs need, and random routing overflows it now and then.
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+TINY_GPT_MOE = TINY_GPT + MOE
+TINY_HYBRID_MOE = [
+    "--hybrid-override-pattern", "M*EM*E", "--hidden-size", "256",
+    "--num-attention-heads", "8", "--num-query-groups", "4", "--mamba-head-dim", "32",
+    "--mamba-num-groups", "2", "--mamba-state-dim", "64",
+    "--seq-length", "1024", "--vocab-size", "1024", *MOE,
+]
 TRAIN = [
     "--sft", "--mock-data", "--mock-doc-length-median", "128", "--bf16",
     "--lr", "1e-3", "--min-lr", "1e-4", "--seed", "1234",

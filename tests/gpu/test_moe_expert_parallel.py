@@ -12,14 +12,10 @@ lm loss and load-balancing loss within the tolerance of test_moe_graphs.py.
 import pytest
 
 from megatron.training.argument_checks import is_importable
-from tests.gpu.launch import TRAIN, losses, run_training
+from tests.gpu import launch
+from tests.gpu.launch import DROP_AND_PAD, TRAIN, losses, run_training
 
-MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
-       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
-       "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
-TINY_GPT_MOE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
-                "--num-query-groups", "4", "--swiglu", "--seq-length", "1024",
-                "--vocab-size", "1024", *MOE]
+TINY_GPT_MOE = launch.TINY_GPT_MOE + DROP_AND_PAD
 LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
                 "--cuda-graph-warmup-steps", "2"]
 CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]

@@ -14,19 +14,15 @@ import pytest
 import torch
 
 from megatron.training.argument_checks import is_importable
-from tests.gpu.launch import TRAIN, losses, run_training
+from tests.gpu.launch import (
+    DROP_AND_PAD,
+    TINY_GPT_MOE,
+    TINY_HYBRID_MOE,
+    TRAIN,
+    losses,
+    run_training,
+)
 
-MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
-       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
-DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
-TINY_GPT_MOE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
-                "--num-query-groups", "4", "--swiglu", "--seq-length", "1024",
-                "--vocab-size", "1024", *MOE]
-TINY_HYBRID_MOE = ["--hybrid-override-pattern", "M*EM*E", "--hidden-size", "256",
-                   "--num-attention-heads", "8", "--num-query-groups", "4",
-                   "--mamba-head-dim", "32", "--mamba-num-groups", "2",
-                   "--mamba-state-dim", "64", "--seq-length", "1024", "--vocab-size", "1024",
-                   *MOE]
 MODELS = {"gpt": ("pretrain_gpt.py", TINY_GPT_MOE), "hybrid": ("pretrain_mamba.py",
                                                                  TINY_HYBRID_MOE)}
 # Per model, the modules that graph every layer kind it has (MoE layers in part).
