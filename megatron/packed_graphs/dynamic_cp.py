@@ -1,4 +1,4 @@
-"""Dynamic context parallelism, host side: a CP size for every packed micro-batch (issue 7).
+"""Dynamic context parallelism, host side: a CP size for every packed micro-batch.
 
 Every rank holds the same number of positions, ``tokens_per_rank`` (N), whatever the CP size:
 a micro-batch of CP size ``c`` spans ``c * N`` positions over ``c`` ranks. So the local shape

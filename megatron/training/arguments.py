@@ -387,7 +387,8 @@ def _add_attention_args(parser):
                    help="auto: Transformer Engine if importable, else flash-attn, else torch.")
     g.add_argument("--te-rng-tracker", action="store_true",
                    help="Use Transformer Engine's CUDA RNG tracker (needs TE; always on with "
-                        "--cuda-graph-impl transformer_engine).")
+                        "--cuda-graph-impl transformer_engine, and with any graph "
+                        "implementation over TE attention).")
 
 
 def _add_cuda_graph_args(parser):

@@ -211,7 +211,8 @@ class CudaGraphConfig:
     """
 
     cuda_graph_impl: str | None = None
-    """'none' (default), 'local' (megatron-core CudaGraphManager) or 'transformer_engine'."""
+    """'none' (default), 'local' (megatron-core CudaGraphManager), 'transformer_engine' or
+    'full_iteration' (a training iteration as one graph, local layer graphs for the rest)."""
     cuda_graph_modules: str | list[str] | None = None
     """CudaGraphModule names, comma- or space-separated or a list; unset = the whole layer."""
     cuda_graph_max_packed_seqs: int | None = None
@@ -236,7 +237,7 @@ class ResolvedCudaGraphConfig:
     """Validated graph settings: the values ``validate_args`` leaves on ``args``, plus RNG."""
 
     cuda_graph_impl: str
-    """'none', 'local' or 'transformer_engine'."""
+    """'none', 'local', 'transformer_engine' or 'full_iteration'."""
     cuda_graph_modules: tuple[str, ...]
     """De-duplicated CudaGraphModule names; () = the whole layer."""
     cuda_graph_max_packed_seqs: int
