@@ -24,7 +24,8 @@ place outside the graph, and nothing may rebind them (`StepTensors`):
 Baked in at capture: the weight decay (constant in this fork: no weight-decay schedule; a
 change after capture raises), betas, epsilon and the clipping threshold (flags). A checkpoint
 loaded after capture (``optimizer.load_state_dict`` rebinds fresh tensors) is copied into the
-captured tensors before the next replay, and the captured tensors put back in place.
+captured tensors before the next replay, and the captured tensors put back in place. A
+checkpoint holds them as numbers, as an eager run's does (`StepTensors.as_numbers`).
 
 The step's results: ``(True, grad_norm, 0)``. ``grad_norm`` is graph-owned storage (a 0-dim
 or 1-element CUDA tensor) that the next replay overwrites; read it before the next step.
@@ -44,7 +45,8 @@ norm on the host (megatron-core before Transformer Engine 2.14 without
 """
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -174,6 +176,27 @@ class StepTensors:
                         "weight-decay schedule is not supported with --optimizer-cuda-graph.")
         return rebound
 
+    @contextmanager
+    def as_numbers(self) -> Iterator[None]:
+        """Within this block each group's ``lr`` and ``step`` tensor is a Python number (one
+        host read each); the same tensors are put back on exit. For a checkpoint's state dict:
+        megatron-core's distributed optimizer merges Transformer Engine's per-group step
+        counts in a set (``DistributedOptimizer.state_dict``) and asserts one value, which one
+        tensor object per group never is; numbers also load into a run without the graph."""
+        swapped = []
+        try:
+            for optimizer in self.optimizers:
+                for group in optimizer.param_groups:
+                    for name in ("lr", "step"):
+                        value = group.get(name)
+                        if torch.is_tensor(value) and value.numel() == 1:
+                            swapped.append((group, name, value))
+                            group[name] = value.item()
+            yield
+        finally:
+            for group, name, value in swapped:
+                group[name] = value
+
     def _restore_state(self, i: int, optimizer: torch.optim.Optimizer) -> None:
         for (j, param, name), captured in self._state.items():
             if j != i:
@@ -266,12 +289,20 @@ class OptimizerGraph:
     @classmethod
     def install(cls, args, optimizer, runtime) -> Optional["OptimizerGraph"]:
         """With ``--optimizer-cuda-graph``: make ``optimizer.step`` this graph (as megatron-core's
-        training loop wraps it) and add its statistics to ``runtime``'s (a `GraphRuntime`).
-        Returns it; None without the flag."""
+        training loop wraps it), have ``optimizer.state_dict`` (what a checkpoint save calls)
+        hold the live values as numbers (`StepTensors.as_numbers`), and add the graph's
+        statistics to ``runtime``'s (a `GraphRuntime`). Returns it; None without the flag."""
         if not getattr(args, "optimizer_cuda_graph", False):
             return None
         graph = cls.for_optimizer(optimizer, capture_iteration(args.cuda_graph_warmup_steps))
         optimizer.step = graph
+        upstream_state_dict = optimizer.state_dict
+
+        def state_dict(*positional, **keywords):
+            with graph.tensors.as_numbers():
+                return upstream_state_dict(*positional, **keywords)
+
+        optimizer.state_dict = state_dict
         runtime.add_statistics(graph.statistics)
         return graph
 

@@ -12,7 +12,8 @@
   off, local layer graphs and TE layer graphs: same loss and gradient norm (the capturable
   Adam kernels round like the default ones up to the noise of the attention backward), the
   logged learning rate is the schedule's at every step, the capture is logged once. A run
-  saved (after the capture) and resumed continues the uninterrupted graphed curve.
+  saved (after the capture) and resumed continues the uninterrupted graphed curve, with and
+  without the distributed optimizer.
 """
 
 import copy
@@ -274,9 +275,13 @@ def test_training_with_the_optimizer_graph_matches_the_eager_optimizer(tmp_path,
     assert dloss < 5e-3 and dnorm < 0.02, (dloss, dnorm, losses(eager), losses(graphed))
 
 
-def test_resume_with_the_optimizer_graph_continues_the_uninterrupted_run(tmp_path):
-    common = TINY_GPT + TRAIN + CAPTURE + ["--global-batch-size", "4", "--train-iters", "20",
-                                           "--lr-warmup-iters", "3"]
+@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]],
+                         ids=["optimizer", "distributed"])
+def test_resume_with_the_optimizer_graph_continues_the_uninterrupted_run(tmp_path, optimizer):
+    """With the distributed optimizer and TE's FusedAdam the save merges the groups' step
+    counts (numbers in the checkpoint: OptimizerGraph.install)."""
+    common = TINY_GPT + TRAIN + CAPTURE + optimizer + [
+        "--global-batch-size", "4", "--train-iters", "20", "--lr-warmup-iters", "3"]
     full = run_training("pretrain_gpt.py", common, tmp_path, name="full")
     ckpt = str(tmp_path / "ckpt")
     # Saves at 5 (after the capture at 3) and at 10, then stops.

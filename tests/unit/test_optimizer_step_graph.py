@@ -6,6 +6,8 @@ statistics. Capture and replay themselves run on the GPU (tests/gpu/test_optimiz
 
 import copy
 import math
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -184,6 +186,40 @@ def test_a_weight_decay_changed_after_capture_is_refused():
     optimizer.param_groups[1]["weight_decay"] = 0.1
     with pytest.raises(RuntimeError, match="weight decay of parameter group 1 changed after"):
         tensors.restore()
+
+
+def test_a_checkpoint_holds_the_live_values_as_numbers(monkeypatch):
+    """Transformer Engine's capturable FusedAdam keeps one step-count tensor per parameter
+    group. megatron-core's distributed optimizer merges the groups' counts in a set at every
+    save and asserts one value, which two tensor objects never are (both hold 3 here). The
+    installed graph hands the save numbers and keeps the bound tensors."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))
+    inner = torch.optim.AdamW([{"params": [weight]}, {"params": [bias], "weight_decay": 0.0}],
+                              lr=1e-3, weight_decay=0.01, capturable=True)
+    for group in inner.param_groups:  # FusedAdam(capturable=True) after three steps
+        group["step"] = torch.tensor([3], dtype=torch.int32)
+    # megatron-core's DistributedOptimizer around it: its state_dict, as a save calls it
+    # (sharded_state_dict); building the real one needs CUDA.
+    optimizer = SimpleNamespace(optimizer=inner, grad_scaler=None, step=lambda: (True, None, 0))
+    optimizer.state_dict = partial(distrib_optimizer.DistributedOptimizer.state_dict, optimizer)
+    with pytest.raises(AssertionError, match="steps"):
+        optimizer.state_dict()  # upstream on its own
+    OptimizerGraph.install(validate("--optimizer-cuda-graph"), optimizer,
+                           GraphRuntime(GraphRuntimeConfig()))
+    live = [(group["lr"], group["step"]) for group in inner.param_groups]
+    assert all(torch.is_tensor(lr) for lr, _ in live)
+    saved = optimizer.state_dict()["optimizer"]["param_groups"]
+    assert [group["step"] for group in saved] == [3, 3]
+    assert all(type(group["lr"]) is float and group["lr"] == pytest.approx(1e-3)
+               for group in saved)
+    # The optimizer goes on with the tensors a captured step reads.
+    assert all(group["lr"] is lr and group["step"] is step
+               for group, (lr, step) in zip(inner.param_groups, live))
 
 
 # -- statistics --------------------------------------------------------------------------------
