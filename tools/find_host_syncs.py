@@ -38,11 +38,16 @@ SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MODULE_CALL = "torch/nn/modules/module.py"  # a frame here: an nn.Module call is running
 # Host reads made on purpose once per iteration, outside every graph, by code that lives
 # under a model path: (file, function) -> why. A sync under such a frame, with no module call
-# above it, is reported apart, not as a sync inside the model.
+# in its stack, is reported apart, not as a sync inside the model. (The full-iteration ranks'
+# agreement, full_iteration.all_ranks_fit, is a Gloo all-reduce of a CPU tensor: no device
+# sync, never reported.)
 DELIBERATE_READS = {
     ("megatron/packed_graphs/moe_rerun.py", "read_rows"):
         "MoE overflow rerun (--moe-capacity-overflow rerun): the iteration's overflow rows, "
         "one all-reduce and host read after the schedule, before the optimizer step",
+    ("megatron/packed_graphs/health_check.py", "run"):
+        "graph health check (--cuda-graph-check-interval): the replayed and eager values, one "
+        "all-reduce and host read at the end of a due iteration, after the optimizer step",
 }
 
 
@@ -59,12 +64,13 @@ def call_site(stack: list) -> str:
 
 def deliberate_read(stack: list) -> str | None:
     """Why the sync is a deliberate per-iteration read (`DELIBERATE_READS`), else None. Only
-    when it runs outside every module call: a listed read reached from a forward is a sync
-    inside the model like any other."""
-    for frame in stack:  # outermost first
-        filename = frame.filename.replace(os.sep, "/")
-        if filename.endswith(MODULE_CALL):
-            return None
+    when it runs outside every module call: a listed read reached from a forward, or a model
+    forward a listed function runs (the health check's passes), syncs inside the model like
+    any other."""
+    filenames = [frame.filename.replace(os.sep, "/") for frame in stack]
+    if any(filename.endswith(MODULE_CALL) for filename in filenames):
+        return None
+    for frame, filename in zip(stack, filenames):  # outermost first
         for (path, function), why in DELIBERATE_READS.items():
             if frame.name == function and filename.endswith(path):
                 return why

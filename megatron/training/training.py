@@ -142,9 +142,11 @@ def train_step(args, graphs: GraphRuntime, forward_step, micro_batches, model, o
     ``global_batch_size``-sample iteration.
 
     Returns ``(lm_loss, grad_norm, num_zeros, stats)``. Nothing here waits for the GPU
-    (except ``moe_rerun``'s one read per iteration): lm_loss (None off the last stage) and
-    grad_norm are CUDA tensors, read only when logged; stats are the graph runtime's host
-    counters of the iteration.
+    except ``moe_rerun``'s one read per iteration, the graph health check's at a due
+    iteration's end and the captures (once per run); the full-iteration ranks' agreement is a
+    host all-reduce (Gloo). lm_loss (None off the last stage) and grad_norm are CUDA tensors
+    (grad_norm graph-owned under --optimizer-cuda-graph: the next step overwrites it), read
+    only when logged; stats are the graph runtime's host counters of the iteration.
     """
     _zero_grads(model, optimizer)
     schedule = partial(_run_schedule, args, model=model, forward_only=False)

@@ -57,6 +57,22 @@ def test_the_moe_reruns_per_iteration_read_is_reported_apart_from_model_syncs():
     assert fhs.in_model(read_in_forward) and fhs.deliberate_read(read_in_forward) is None
 
 
+def test_the_health_checks_read_is_reported_apart_and_its_passes_are_in_the_model():
+    exit_ = ("/x/megatron/packed_graphs/runtime.py", 260, "iteration")
+    check = ("/x/megatron/packed_graphs/health_check.py", 165, "run")
+    read = _framed(LOOP, exit_, ("/x/megatron/packed_graphs/runtime.py", 363, "_check_health"),
+                   check, ("/x/site-packages/torch/_tensor.py", 3, "tolist"))
+    module_call = ("/x/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
+    eager_pass = _framed(LOOP, exit_, check, ("/x/megatron/packed_graphs/health_check.py", 191,
+                                              "_pass"), module_call,
+                         ("/x/site-packages/megatron/core/ssm/mamba_mixer.py", 700, "forward"))
+    sites = fhs.group_syncs([read, eager_pass])
+    assert [e["in_model"] for e in sites.values()] == [False, True]
+    assert sites["/x/megatron/packed_graphs/health_check.py:165"]["deliberate"].startswith(
+        "graph health check (--cuda-graph-check-interval)")
+    assert sites["/x/site-packages/megatron/core/ssm/mamba_mixer.py:700"]["deliberate"] is None
+
+
 def test_every_deliberate_read_names_a_function_that_reads_back():
     """The allow-list follows the code: each entry is a function of that file that makes a
     host read, so a rename or a removed read shows here."""
