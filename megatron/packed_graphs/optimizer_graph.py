@@ -256,6 +256,17 @@ def _clipping_on_device() -> bool:
             or mixed_precision.get_grad_norm_fp32 is core_patches.grad_norm_on_device)
 
 
+def _state_dict_with_numbers(part, tensors: StepTensors) -> None:
+    """Make ``part.state_dict()`` run within ``tensors.as_numbers()``."""
+    upstream = part.state_dict
+
+    def state_dict(*positional, **keywords):
+        with tensors.as_numbers():
+            return upstream(*positional, **keywords)
+
+    part.state_dict = state_dict
+
+
 class OptimizerGraph:
     """Stands in for megatron-core's ``optimizer.step``: eager up to ``capture_at``, captured
     at step ``capture_at`` (1-based, counted by this object), replayed after; ``capture_at``
@@ -289,20 +300,19 @@ class OptimizerGraph:
     @classmethod
     def install(cls, args, optimizer, runtime) -> Optional["OptimizerGraph"]:
         """With ``--optimizer-cuda-graph``: make ``optimizer.step`` this graph (as megatron-core's
-        training loop wraps it), have ``optimizer.state_dict`` (what a checkpoint save calls)
-        hold the live values as numbers (`StepTensors.as_numbers`), and add the graph's
-        statistics to ``runtime``'s (a `GraphRuntime`). Returns it; None without the flag."""
+        training loop wraps it), have the ``state_dict`` of each part of ``optimizer`` hold
+        the live values as numbers (`StepTensors.as_numbers`), and add the graph's statistics
+        to ``runtime``'s (a `GraphRuntime`). Returns it; None without the flag.
+
+        The parts' ``state_dict``, not the optimizer's: megatron-core's ChainedOptimizer (what
+        get_megatron_optimizer returns, here around one part) hands a save to its part's
+        ``sharded_state_dict``, which calls that part's own ``state_dict``."""
         if not getattr(args, "optimizer_cuda_graph", False):
             return None
         graph = cls.for_optimizer(optimizer, capture_iteration(args.cuda_graph_warmup_steps))
         optimizer.step = graph
-        upstream_state_dict = optimizer.state_dict
-
-        def state_dict(*positional, **keywords):
-            with graph.tensors.as_numbers():
-                return upstream_state_dict(*positional, **keywords)
-
-        optimizer.state_dict = state_dict
+        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+            _state_dict_with_numbers(part, graph.tensors)
         runtime.add_statistics(graph.statistics)
         return graph
 

@@ -194,6 +194,7 @@ def test_a_checkpoint_holds_the_live_values_as_numbers(monkeypatch):
     save and asserts one value, which two tensor objects never are (both hold 3 here). The
     installed graph hands the save numbers and keeps the bound tensors."""
     from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
 
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
     monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
@@ -203,23 +204,47 @@ def test_a_checkpoint_holds_the_live_values_as_numbers(monkeypatch):
                               lr=1e-3, weight_decay=0.01, capturable=True)
     for group in inner.param_groups:  # FusedAdam(capturable=True) after three steps
         group["step"] = torch.tensor([3], dtype=torch.int32)
-    # megatron-core's DistributedOptimizer around it: its state_dict, as a save calls it
-    # (sharded_state_dict); building the real one needs CUDA.
-    optimizer = SimpleNamespace(optimizer=inner, grad_scaler=None, step=lambda: (True, None, 0))
-    optimizer.state_dict = partial(distrib_optimizer.DistributedOptimizer.state_dict, optimizer)
+    # megatron-core's DistributedOptimizer around it, with its own state_dict (building the
+    # real one needs CUDA), chained as get_megatron_optimizer returns it.
+    part = SimpleNamespace(optimizer=inner, grad_scaler=None)
+    part.state_dict = partial(distrib_optimizer.DistributedOptimizer.state_dict, part)
+    optimizer = ChainedOptimizer([part])
+    optimizer.step = lambda: (True, None, 0)
     with pytest.raises(AssertionError, match="steps"):
-        optimizer.state_dict()  # upstream on its own
+        part.state_dict()  # upstream on its own
     OptimizerGraph.install(validate("--optimizer-cuda-graph"), optimizer,
                            GraphRuntime(GraphRuntimeConfig()))
     live = [(group["lr"], group["step"]) for group in inner.param_groups]
     assert all(torch.is_tensor(lr) for lr, _ in live)
-    saved = optimizer.state_dict()["optimizer"]["param_groups"]
-    assert [group["step"] for group in saved] == [3, 3]
-    assert all(type(group["lr"]) is float and group["lr"] == pytest.approx(1e-3)
-               for group in saved)
+    # A save reaches the part's own state_dict (the sentinels below), and so does this.
+    for state in (part.state_dict(), optimizer.state_dict()):
+        groups = state["optimizer"]["param_groups"]
+        assert [group["step"] for group in groups] == [3, 3]
+        assert all(type(group["lr"]) is float and group["lr"] == pytest.approx(1e-3)
+                   for group in groups)
     # The optimizer goes on with the tensors a captured step reads.
     assert all(group["lr"] is lr and group["step"] is step
                for group, (lr, step) in zip(inner.param_groups, live))
+
+
+def test_upstream_saves_through_the_parts_own_state_dict():
+    """Sentinels for the above: get_megatron_optimizer chains even one optimizer; a chain of
+    one hands the save to its part; the distributed optimizer's save calls its state_dict,
+    which merges the groups' step counts in a set."""
+    import inspect
+
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    source = inspect.getsource
+    assert "return ChainedOptimizer(optimizers)" in source(
+        megatron_optimizer.get_megatron_optimizer)
+    assert "return self.chained_optimizers[0].sharded_state_dict(" in source(
+        ChainedOptimizer.sharded_state_dict)
+    distributed = distrib_optimizer.DistributedOptimizer
+    assert "state_dict = self.state_dict()" in source(distributed.sharded_state_dict)
+    assert 'assert len(steps) <= 1, f"steps: {steps}"' in source(distributed.state_dict)
 
 
 # -- statistics --------------------------------------------------------------------------------
