@@ -6,6 +6,8 @@ out of the medians. All rows of a table come from the same invocation on the sam
 
     python tools/benchmark.py --presets hybrid-small gpt-small --steps 30
     python tools/benchmark.py --presets sweep --variants eager layer-graphs --profile
+    python tools/benchmark.py --presets gpt-16x1024x4096 --variants eager layer-graphs \
+        --profile --keep-traces /tmp/traces
     python tools/benchmark.py --presets hybrid-small --variants eager --capacities 16 64 256 1024
     python tools/benchmark.py --presets hybrid-small --variants eager layer-graphs te-layer-graphs
     python tools/benchmark.py --variants eager layer-graphs chunk-graphs --nproc 2 \
@@ -31,6 +33,10 @@ every set holds the same positions per rank: a single-size set measures one grap
 --profile profiles the last two iterations of every run (excluded from the step-time median)
 and reports the GPU-busy time of a step (union of its kernel intervals) and the ratio
 step time / GPU-busy time: 1.0 is the physical limit, a launch-bound step is far above it.
+--keep-traces DIR (with --profile) also records host activity in those iterations and keeps
+their Chrome traces in ``DIR/<preset>/<variant>/trace_iter<N>_rank<R>.json`` (spaces of a
+row label become ``_``): tools/kernel_time_diff.py compares two variants' GPU time per
+kernel, tools/step_gaps.py names the host code a step waits on.
 
 MoE presets (group ``moe``) train drop-and-pad MoE layers, the mode CUDA graphs capture
 (docs/moe.md). --expert-model-parallel-size applies to them only (row label ``ep<N>``);
@@ -232,6 +238,9 @@ def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = 
             str(args.expert_model_parallel_size)] if is_moe(preset) else [])
     profile = (["--profile", "--profile-step-start", str(args.steps - 1),
                 "--profile-step-end", str(args.steps + 1)] if args.profile else [])
+    if args.keep_traces:
+        profile += ["--profile-trace-dir", trace_dir(args.keep_traces, preset, variant, args,
+                                                     cp_set, experts)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
             "--nproc-per-node", str(args.nproc), os.path.join(REPO, script), *model_flags,
             *COMMON, *variant_flags(variant), *moe, *profile, "--train-iters", str(args.steps),
@@ -240,6 +249,29 @@ def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = 
             "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
             "--log-interval", str(args.log_interval), "--metrics-file", metrics,
             *shlex.split(args.extra_args), *dynamic_cp]
+
+
+def trace_dir(root: str, preset: str, variant: str, args, cp_set: str = "",
+              experts: str = "sequential") -> str:
+    """Where --keep-traces keeps one configuration's traces: ``root/<row label>/<variant>``,
+    the label's spaces as ``_``."""
+    return os.path.join(root, row_label(preset, args, cp_set, experts).replace(" ", "_"), variant)
+
+
+def check_keep_traces(parser, args) -> None:
+    """--keep-traces needs --profile, a training run, and a directory free of earlier traces."""
+    root = args.keep_traces
+    if root is None:
+        return
+    if args.from_metrics:
+        parser.error(f"--keep-traces is wrong: {root}. --from-metrics trains nothing, so no "
+                     f"trace is recorded; drop one of them.")
+    if not args.profile:
+        parser.error(f"--keep-traces is wrong: {root}. Traces are recorded in the profiled "
+                     f"iterations only; add --profile.")
+    if os.path.exists(root) and not (os.path.isdir(root) and not os.listdir(root)):
+        parser.error(f"--keep-traces is wrong: {root} exists and is not an empty directory. "
+                     f"Name a new or empty one, so that no earlier run's traces mix in.")
 
 
 def failure_summary(output: str, returncode: int) -> str:
@@ -390,6 +422,10 @@ def main(argv=None) -> int:
                         help="add a layer-graphs variant per capacity (capacity sweep)")
     parser.add_argument("--profile", action="store_true",
                         help="report GPU-busy time and step/busy from the last two iterations")
+    parser.add_argument("--keep-traces", default=None, metavar="DIR",
+                        help="with --profile: keep the profiled iterations' Chrome traces (host "
+                             "activity included) in DIR/<preset>/<variant>/, for "
+                             "tools/kernel_time_diff.py and tools/step_gaps.py")
     parser.add_argument("--steps", type=int, default=30, help="training iterations per run")
     parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
     parser.add_argument("--log-interval", type=int, default=1,
@@ -424,6 +460,7 @@ def main(argv=None) -> int:
                              "row each (--warmup, --log-interval, --nproc and "
                              "--global-batch-size describe those runs)")
     args = parser.parse_args(argv)
+    check_keep_traces(parser, args)
     if args.from_metrics:
         return tabulate_metrics_files(parser, args)
     presets = [p for name in args.presets for p in PRESET_GROUPS.get(name, [name])]

@@ -66,7 +66,7 @@ def test_dynamic_cp_sets_keep_the_positions_per_rank():
 def _args(**over):
     base = dict(steps=30, warmup=5, log_interval=1, global_batch_size=4, doc_length_median=512,
                 nproc=2, pipeline_model_parallel_size=1, extra_args="", tokens_per_rank=2048,
-                profile=False, expert_model_parallel_size=1)
+                profile=False, expert_model_parallel_size=1, keep_traces=None)
     return Namespace(**{**base, **over})
 
 
@@ -152,6 +152,60 @@ def test_help_shows_the_defaults(capsys):
     for default in ("training iterations per run (default: 30)", "(default: 5)",
                     "(default: 2048)", "(default: ['eager'])"):
         assert default in text
+
+
+def test_kept_traces_go_to_one_directory_per_row_label_and_variant(monkeypatch, tmp_path):
+    launched = []
+
+    def fake_run(cmd, **kwargs):
+        launched.append(cmd)
+        _metrics(cmd[cmd.index("--metrics-file") + 1], 1000.0)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    root = tmp_path / "traces"
+    assert benchmark.main(["--presets", "gpt-small", "--variants", "eager", "layer-graphs",
+                           "--steps", "10", "--profile", "--keep-traces", str(root)]) == 0
+    dirs = [cmd[cmd.index("--profile-trace-dir") + 1] for cmd in launched]
+    assert dirs == [str(root / "gpt-small" / "eager"), str(root / "gpt-small" / "layer-graphs")]
+    assert all(cmd[cmd.index("--profile-step-start") + 1] == "9" for cmd in launched)
+    # A row label with spaces (MoE experts, expert parallelism, a dynamic CP set).
+    assert benchmark.trace_dir("/t", "gpt-moe-small", "eager", _args(expert_model_parallel_size=2),
+                               "1,2", "grouped-gemm") == "/t/gpt-moe-small_grouped-gemm_ep2_cp1,2/eager"
+
+
+def test_a_launch_command_keeping_traces_passes_the_training_parser(te_importable):
+    cmd = benchmark.launch_command("gpt-small", "layer-graphs",
+                                   _args(nproc=1, profile=True, keep_traces="/tmp/tr"), "/m.jsonl")
+    args = _validated(cmd, world_size=1)
+    assert args.profile and args.profile_trace_dir == "/tmp/tr/gpt-small/layer-graphs"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--keep-traces", "{new}"], "--keep-traces is wrong: {new}. Traces are recorded in the "
+                                 "profiled iterations only; add --profile."),
+    (["--profile", "--keep-traces", "{full}"], "--keep-traces is wrong: {full} exists and is not "
+                                               "an empty directory."),
+    (["--profile", "--keep-traces", "{file}"], "--keep-traces is wrong: {file} exists and is not "
+                                               "an empty directory."),
+    (["--profile", "--keep-traces", "{new}", "--from-metrics", "eager=m.jsonl"],
+     "--keep-traces is wrong: {new}. --from-metrics trains nothing"),
+])
+def test_keep_traces_is_checked_at_parse_time(argv, match, tmp_path, capsys):
+    paths = {"new": tmp_path / "new", "full": tmp_path / "full", "file": tmp_path / "f.json"}
+    paths["full"].mkdir()
+    (paths["full"] / "trace_iter9_rank0.json").write_text("{}")
+    paths["file"].write_text("{}")
+    with pytest.raises(SystemExit):
+        benchmark.main([a.format(**paths) for a in argv])
+    assert match.format(**paths) in capsys.readouterr().err
+
+
+def test_keep_traces_takes_an_empty_directory(monkeypatch, tmp_path):
+    monkeypatch.setattr(benchmark.subprocess, "run", lambda cmd, **kw: (
+        _metrics(cmd[cmd.index("--metrics-file") + 1], 1.0), _Completed(0))[1])
+    assert benchmark.main(["--presets", "gpt-small", "--steps", "10", "--profile",
+                           "--keep-traces", str(tmp_path)]) == 0
 
 
 # ------------------------------------------------------------------------------ MoE presets
