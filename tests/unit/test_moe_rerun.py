@@ -15,33 +15,22 @@ on CPU they are host tensors already, so the `cpu_moe` fixture makes that copy a
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.packed_graphs.moe import dropless_moe, packed_routers
 from megatron.packed_graphs.moe_rerun import RERUN_REASON, CachingIterator, MoEOverflowRerun
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
+from tests.unit.test_moe import moe_config  # the same small model config; experts set here
 
-HIDDEN, EXPERTS, TOPK, TOKENS, DOCS, VOCAB = 32, 8, 2, 16, 12, 64
+EXPERTS, TOPK, TOKENS, DOCS, VOCAB = 8, 2, 16, 12, 64
 # Capacity ceil(16 x 2 / 8 x 2.5) = 10 per expert: the 12 document tokens of the uniform
 # micro-batch overflow the two experts they all pick; varied tokens stay below it.
 CAPACITY = dict(moe_expert_capacity_factor=2.5, moe_pad_expert_input_to_capacity=True)
 OVERFLOWING = 2  # position of the uniform micro-batch
 
-
-def moe_config(**overrides):
-    settings = dict(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, bias_dropout_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-        moe_ffn_hidden_size=16, moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    return TransformerConfig(**(settings | overrides))
 
 
 
@@ -53,10 +42,11 @@ def build(kind, capacity):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, max_sequence_length=TOKENS, position_embedding_type="none")
     if kind == "gpt":
-        return GPTModel(config=moe_config(**capacity),
+        return GPTModel(config=moe_config(num_moe_experts=EXPERTS, **capacity),
                         transformer_layer_spec=gpt_layer_spec("torch", num_experts=EXPERTS),
                         **common)
-    return HybridModel(config=moe_config(num_layers=3, **capacity), hybrid_layer_pattern="E*E",
+    config = moe_config(num_layers=3, num_moe_experts=EXPERTS, **capacity)
+    return HybridModel(config=config, hybrid_layer_pattern="E*E",
                        hybrid_stack_spec=hybrid_stack_spec("torch", num_experts=EXPERTS),
                        **common)
 
