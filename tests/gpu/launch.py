@@ -32,6 +32,9 @@ TINY_HYBRID_MOE = [
     "--mamba-num-groups", "2", "--mamba-state-dim", "64",
     "--seq-length", "1024", "--vocab-size", "1024", *MOE,
 ]
+# Local layer graphs at capacity 16 after two eager iterations (the graph tests' default).
+LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
+                "--cuda-graph-warmup-steps", "2"]
 TRAIN = [
     "--sft", "--mock-data", "--mock-doc-length-median", "128", "--bf16",
     "--lr", "1e-3", "--min-lr", "1e-4", "--seed", "1234",
@@ -63,6 +66,23 @@ def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str
     if proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
     return read_metrics(metrics)
+
+
+def find_host_syncs(script: str, args: list, tmp_path, *, iteration: int) -> str:
+    """Run tools/find_host_syncs.py on ``script args`` watching ``iteration``; return its
+    whole output (kept in ``tmp_path/find_host_syncs.log``; the report, from the "host syncs
+    in iteration" line on, is printed). Raises with the output if it fails."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "find_host_syncs.py"), script,
+         "--iteration", str(iteration), "--", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    with open(os.path.join(str(tmp_path), "find_host_syncs.log"), "w") as f:
+        f.write(out)
+    if proc.returncode != 0:
+        raise AssertionError(f"find_host_syncs failed ({proc.returncode}):\n{out[-6000:]}")
+    print(out[out.find("host syncs in iteration"):][:3000])
+    return out
 
 
 def losses(records: list) -> list:

@@ -7,14 +7,17 @@ paths and their hand-overs run. Each run prints its max |dloss| and max relative
 difference against eager with the same flags.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from megatron.training.argument_checks import is_importable
-from tests.gpu.launch import REPO, TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training
+from tests.gpu.launch import (
+    TINY_GPT,
+    TINY_HYBRID,
+    TRAIN,
+    find_host_syncs,
+    losses,
+    run_training,
+)
 
 # DDP's NaN check syncs; the eager reference runs without it too, so only graphs differ.
 # Graphs on TE attention switch TE's RNG tracker on: the eager reference takes it too.
@@ -127,12 +130,5 @@ def test_save_and_resume_continue_the_curve(tmp_path):
 def test_a_replayed_iteration_has_no_host_sync_inside_the_model(tmp_path):
     flags = TINY_HYBRID + COMMON + ["--train-iters", "6", "--global-batch-size", "4",
                                     *full_iteration(16, 2)]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "find_host_syncs.py"), "pretrain_mamba.py",
-         "--iteration", "5", "--", *flags],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    (tmp_path / "find_host_syncs.log").write_text(out)
-    assert proc.returncode == 0, out[-6000:]
-    print(out[out.find("host syncs in iteration"):][:3000])
+    out = find_host_syncs("pretrain_mamba.py", flags, tmp_path, iteration=5)
     assert "(0 inside the model)" in out, out[out.find("host syncs in iteration"):]

@@ -17,7 +17,7 @@ pytest.importorskip("transformer_engine.pytorch",
                     reason="needs Transformer Engine (pip install -e '.[te]'): packed MLA runs "
                            "on TE attention")
 
-from tests.gpu.launch import TRAIN, losses, run_training  # noqa: E402
+from tests.gpu.launch import LAYER_GRAPHS, TRAIN, losses, run_training  # noqa: E402
 
 TE = ["--attention-backend", "te", "--te-rng-tracker"]
 # Query head 32 + 32 = 64, value head 32: upstream pads V on THD (pad_value=True).
@@ -34,11 +34,9 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--moe-shared-expert-intermediate-size", "256", "--moe-router-score-function", "sigmoid",
        "--moe-aux-loss-coeff", "0.01", "--moe-expert-capacity-factor", "1.0",
        "--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm"]
-LOCAL_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
-                "--cuda-graph-warmup-steps", "2"]
 TE_GRAPHS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "16",
              "--cuda-graph-warmup-steps", "2"]
-CHUNK_GRAPHS = LOCAL_GRAPHS + ["--cuda-graph-granularity", "chunk"]
+CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]
 SCRIPT = {"gpt": ("pretrain_gpt.py", TINY_MLA_GPT),
           "hybrid": ("pretrain_mamba.py", TINY_MLA_HYBRID),
           "moe": ("pretrain_gpt.py", TINY_MLA_GPT + MOE)}
@@ -276,7 +274,7 @@ def test_mla_graphs_train_like_eager(tmp_path, eager_run, kind, graphs):
     graphs replay MLA layers with eager's loss and grad norm, over-capacity micro-batches
     included (capacity 16)."""
     script, common = _training(kind)
-    flags = {"local": LOCAL_GRAPHS, "te": TE_GRAPHS, "chunk": CHUNK_GRAPHS}[graphs]
+    flags = {"local": LAYER_GRAPHS, "te": TE_GRAPHS, "chunk": CHUNK_GRAPHS}[graphs]
     eager = eager_run(kind)
     graphed = run_training(script, common + flags, tmp_path, name=f"{kind}_{graphs}")
     assert graphed[2]["graph capture (s)"] > 0

@@ -13,11 +13,9 @@ import pytest
 
 from megatron.training.argument_checks import is_importable
 from tests.gpu import launch
-from tests.gpu.launch import DROP_AND_PAD, TRAIN, losses, run_training
+from tests.gpu.launch import DROP_AND_PAD, LAYER_GRAPHS, TRAIN, losses, run_training
 
 TINY_GPT_MOE = launch.TINY_GPT_MOE + DROP_AND_PAD
-LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
-                "--cuda-graph-warmup-steps", "2"]
 CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]
 STEPS = 30
 # Graphs on TE attention switch TE's RNG tracker on: the eager reference takes it too.

@@ -11,6 +11,7 @@ import torch
 
 from tests.gpu.launch import (
     DROP_AND_PAD,
+    LAYER_GRAPHS,
     TINY_GPT_MOE,
     TINY_HYBRID_MOE,
     TRAIN,
@@ -18,8 +19,6 @@ from tests.gpu.launch import (
     run_training,
 )
 
-GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
-          "--cuda-graph-warmup-steps", "2"]
 STEPS = 30
 
 
@@ -74,7 +73,7 @@ def test_layer_graphs_match_eager_with_drop_and_pad(tmp_path, kind):
     common = model + DROP_AND_PAD + TRAIN + ["--train-iters", str(STEPS),
                                              "--global-batch-size", "2"]
     eager = run_training(script, common, tmp_path, name="eager")
-    graphs = run_training(script, common + GRAPHS, tmp_path, name="graphs")
+    graphs = run_training(script, common + LAYER_GRAPHS, tmp_path, name="graphs")
     assert all(r["load_balancing_loss"] > 0 and r["z_loss"] > 0 for r in eager + graphs)
     assert graphs[2]["graph capture (s)"] > 0
     dloss = max(abs(e["lm_loss"] - g["lm_loss"]) for e, g in zip(eager, graphs))
@@ -88,7 +87,7 @@ def test_layer_graphs_match_eager_with_drop_and_pad(tmp_path, kind):
 @pytest.mark.gpus(4)
 def test_expert_parallel_training_runs(tmp_path):
     """EP = 4 with drop-and-pad under layer graphs: trains and logs the aux loss."""
-    records = run_training("pretrain_gpt.py", TINY_GPT_MOE + DROP_AND_PAD + TRAIN + GRAPHS + [
+    records = run_training("pretrain_gpt.py", TINY_GPT_MOE + DROP_AND_PAD + TRAIN + LAYER_GRAPHS + [
         "--train-iters", "10", "--expert-model-parallel-size", "4",
         "--global-batch-size", "8"], tmp_path, nproc=4, name="ep4")
     assert len(records) == 10 and all(r["load_balancing_loss"] > 0 for r in records)

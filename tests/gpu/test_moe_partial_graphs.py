@@ -16,6 +16,7 @@ import torch
 from megatron.training.argument_checks import is_importable
 from tests.gpu.launch import (
     DROP_AND_PAD,
+    LAYER_GRAPHS,
     TINY_GPT_MOE,
     TINY_HYBRID_MOE,
     TRAIN,
@@ -28,8 +29,6 @@ MODELS = {"gpt": ("pretrain_gpt.py", TINY_GPT_MOE), "hybrid": ("pretrain_mamba.p
 # Per model, the modules that graph every layer kind it has (MoE layers in part).
 PARTIAL = {"gpt": ["--cuda-graph-modules", "attn", "moe_router"],
            "hybrid": ["--cuda-graph-modules", "mamba", "attn", "moe_router"]}
-LOCAL = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
-         "--cuda-graph-warmup-steps", "2"]
 TE = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "16",
       "--cuda-graph-warmup-steps", "2"]
 STEPS = 30
@@ -189,7 +188,7 @@ def _compare(eager, graphs, label):
 def test_local_partial_graphs_train_like_eager(tmp_path, eager_run, kind, capacity):
     flags = DROP_AND_PAD if capacity == "drop-and-pad" else []
     eager = eager_run(kind, flags)
-    graphs = _train(tmp_path, kind, flags + LOCAL + PARTIAL[kind], "partial")
+    graphs = _train(tmp_path, kind, flags + LAYER_GRAPHS + PARTIAL[kind], "partial")
     _compare(eager, graphs, f"{kind} {capacity} local partial")
 
 
@@ -211,7 +210,7 @@ def test_dropless_partial_graphs_with_expert_parallelism(tmp_path):
     """EP = 2: the eager token all-to-all takes each micro-batch's split sizes."""
     ep = ["--expert-model-parallel-size", "2"]
     eager = _train(tmp_path, "gpt", ep, "eager_ep2", nproc=2)
-    graphs = _train(tmp_path, "gpt", ep + LOCAL + PARTIAL["gpt"], "partial_ep2", nproc=2)
+    graphs = _train(tmp_path, "gpt", ep + LAYER_GRAPHS + PARTIAL["gpt"], "partial_ep2", nproc=2)
     _compare(eager, graphs, "gpt dropless local partial EP=2")
 
 

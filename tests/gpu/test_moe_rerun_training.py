@@ -15,6 +15,7 @@ import torch
 
 from tests.gpu.launch import (
     DROP_AND_PAD,
+    LAYER_GRAPHS,
     TINY_GPT_MOE,
     TINY_HYBRID_MOE,
     TRAIN,
@@ -22,8 +23,6 @@ from tests.gpu.launch import (
     run_training,
 )
 
-GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
-          "--cuda-graph-warmup-steps", "2"]
 RERUN_KEY = "eager moe_overflow_rerun"  # the graph runtime's count, in each metrics record
 STEPS = 50
 HIDDEN, EXPERTS, TOKENS, DOCS = 64, 8, 128, 96
@@ -148,7 +147,7 @@ def _compare(eager, rerun, label):
 def test_graphs_with_reruns_match_eager_dropless_training(tmp_path, kind):
     loads = tmp_path / "loads.json"
     eager = _train(tmp_path, kind, [], "eager_dropless")
-    rerun = _train(tmp_path, kind, DROP_AND_PAD + GRAPHS + [
+    rerun = _train(tmp_path, kind, DROP_AND_PAD + LAYER_GRAPHS + [
         "--moe-capacity-overflow", "rerun", "--moe-router-load-file", str(loads)], "rerun")
     _compare(eager, rerun, f"{kind} MoE")
     assert rerun[2]["graph capture (s)"] > 0  # the graphs were captured and replayed
@@ -169,6 +168,6 @@ def test_expert_parallel_reruns_match_eager_dropless_training(tmp_path):
     their expert all-to-alls agree on the dispatch (dropless or drop-and-pad)."""
     ep = ["--expert-model-parallel-size", "2"]
     eager = _train(tmp_path, "gpt", ep, "eager_dropless_ep2", nproc=2)
-    rerun = _train(tmp_path, "gpt", ep + DROP_AND_PAD + GRAPHS + [
+    rerun = _train(tmp_path, "gpt", ep + DROP_AND_PAD + LAYER_GRAPHS + [
         "--moe-capacity-overflow", "rerun"], "rerun_ep2", nproc=2)
     _compare(eager, rerun, "EP=2 GPT MoE")

@@ -8,14 +8,12 @@
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from megatron.training.argument_checks import is_importable
 from megatron.training.metrics import read_metrics
-from tests.gpu.launch import REPO, TINY_GPT, TRAIN, run_training
+from tests.gpu.launch import TINY_GPT, TRAIN, find_host_syncs, run_training
 
 # Capacity 7 with median-128-token documents in 1024-token rows: some micro-batches overflow.
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "7",
@@ -46,13 +44,6 @@ def test_sync_finder_trains_with_te_graphs(tmp_path):
         "--te-rng-tracker", "--cuda-graph-impl", "transformer_engine",
         "--cuda-graph-max-packed-seqs", "32", "--cuda-graph-warmup-steps", "2",
         "--no-check-for-nan-in-loss-and-grad"]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "find_host_syncs.py"), "pretrain_gpt.py",
-         "--iteration", "5", "--", *flags],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    (tmp_path / "find_host_syncs.log").write_text(out)
-    assert proc.returncode == 0, out[-6000:]
-    print(out[out.find("host syncs in iteration"):][:3000])
+    out = find_host_syncs("pretrain_gpt.py", flags, tmp_path, iteration=5)
     assert "graphs captured: 8" in out, out[-6000:]  # 4 layers, forward + backward
     assert "(0 inside the model)" in out, out[out.find("host syncs in iteration"):]
