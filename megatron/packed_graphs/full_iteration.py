@@ -33,7 +33,6 @@ replay; the graph reads only those. Nothing inside the captured region reads the
 """
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -41,7 +40,7 @@ import torch
 
 from megatron.packed_graphs.capacity import fits_capacity
 from megatron.packed_graphs.dispatch import Captured, plan_iteration
-from megatron.packed_graphs.graph_memory import reserved_without_cache
+from megatron.packed_graphs.graph_memory import capture_in_own_pool
 from megatron.packed_graphs.plan import (
     Granularity,
     GraphKey,
@@ -234,23 +233,11 @@ class IterationGraph:
         The current stream: autograd runs parameters' gradient accumulation on the stream
         DDP built its hooks on (`GraphRuntime.prepare` put the process on a side stream
         first), and torch 2.11 cannot redirect those nodes to another capture stream.
-        ``thread_local``: other threads (NCCL watchdog, data loader) may use CUDA meanwhile.
         """
         torch.cuda.synchronize()
         self._before_capture()
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()  # every rank captures the same collectives
-        before = reserved_without_cache()
-        start = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
-        for state in self._rng_states().values():
-            graph.register_generator_state(state)
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(),
-                              stream=torch.cuda.current_stream(),
-                              capture_error_mode="thread_local"):
-            self.result = body()
-        torch.cuda.synchronize()
-        self.graph = graph
-        return {"iteration graph capture (s)": round(time.perf_counter() - start, 2),
-                "iteration graph memory (MiB)":
-                    round((reserved_without_cache() - before) / 2**20, 1)}
+        self.graph, self.result, seconds, graph_bytes = capture_in_own_pool(
+            body, stream=torch.cuda.current_stream(),
+            generators=self._rng_states().values())
+        return {"iteration graph capture (s)": round(seconds, 2),
+                "iteration graph memory (MiB)": round(graph_bytes / 2**20, 1)}

@@ -1,6 +1,10 @@
-"""Graph memory as the log line reports it (both graph implementations measure alike)."""
+"""Graph memory as the log line reports it (every implementation measures alike), and the
+capture of a whole callable into a graph with a pool of its own (iteration and optimizer
+graphs)."""
 
 import gc
+import time
+from typing import Any, Callable, Iterable, Optional, Tuple
 
 import torch
 
@@ -15,3 +19,32 @@ def reserved_without_cache() -> int:
     gc.collect()
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved()
+
+
+def capture_in_own_pool(body: Callable[[], Any], *, stream: Optional[torch.cuda.Stream] = None,
+                        generators: Iterable = ()) -> Tuple[torch.cuda.CUDAGraph, Any, float, int]:
+    """Capture ``body()`` into a new CUDA graph with a memory pool of its own.
+
+    Syncs the device before and after; with torch.distributed, a barrier first, so every rank
+    captures the same collectives at the same step. ``stream``: the capture stream (None:
+    torch's side stream); ``generators``: RNG states the graph advances (dropout).
+    ``thread_local`` capture: other threads (NCCL watchdog, data loader) may use CUDA meanwhile.
+
+    Returns ``(graph, body's result, capture seconds, bytes its pool and buffers keep)``. The
+    capture only records: nothing of ``body`` has run until the first ``graph.replay()``, and
+    the result's tensors are graph-owned (each replay overwrites them).
+    """
+    torch.cuda.synchronize()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    before = reserved_without_cache()
+    start = time.perf_counter()
+    graph = torch.cuda.CUDAGraph()
+    for state in generators:
+        graph.register_generator_state(state)
+    with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream,
+                          capture_error_mode="thread_local"):
+        result = body()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return graph, result, seconds, reserved_without_cache() - before

@@ -44,13 +44,12 @@ norm on the host (megatron-core before Transformer Engine 2.14 without
 ``core_patches.clip_gradients_without_host_sync``).
 """
 
-import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.packed_graphs.graph_memory import reserved_without_cache
+from megatron.packed_graphs.graph_memory import capture_in_own_pool
 
 EAGER_KEY = "eager optimizer steps"  # summed over the log interval, like the runtime's "eager *"
 
@@ -344,28 +343,16 @@ class OptimizerGraph:
         """Capture the step (syncs the device; with torch.distributed, a barrier: every rank
         captures the step's collectives at the same step), then replay it: capture only
         records."""
-        torch.cuda.synchronize()
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        before = reserved_without_cache()
-        start = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: a data-loader thread's host allocations may go on meanwhile.
-            with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(),
-                                  capture_error_mode="thread_local"):
-                result = self.step_fn()
+            graph, result, seconds, graph_bytes = capture_in_own_pool(self.step_fn)
         except RuntimeError as err:
             raise RuntimeError(
                 "Capturing the optimizer step failed; most likely something in it reads a "
                 "device value on the host (tools/find_host_syncs.py shows where). Run without "
                 "--optimizer-cuda-graph meanwhile.") from err
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
         self.tensors.record()
         self.graph, self.result = graph, result
-        self._stats |= {"optimizer graph capture (s)": round(elapsed, 3),
-                        "optimizer graph memory (MiB)":
-                            round((reserved_without_cache() - before) / 2**20, 1)}
+        self._stats |= {"optimizer graph capture (s)": round(seconds, 3),
+                        "optimizer graph memory (MiB)": round(graph_bytes / 2**20, 1)}
         graph.replay()
         return result
