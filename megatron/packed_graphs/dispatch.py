@@ -53,8 +53,7 @@ def plan_iteration(config: GraphRuntimeConfig, iteration: int, captured: Capture
         return [StepGraphPlan.eager(Reason.WARMUP)] * n
     if config.granularity is Granularity.CP_BANK:
         # Every bank is captured in this iteration, whatever this rank's micro-batches are.
-        banks = [(size, capacity) for size, capacity in config.bank_capacities]
-        return [_smallest_fit(config, count, size, banks, Mode.CAPTURE)
+        return [_smallest_fit(config, count, size, config.bank_capacities, Mode.CAPTURE)
                 for count, size in zip(segment_counts, sizes)]
     fits = [fits_capacity(count, config.capacity) for count in segment_counts]
     if config.capture_needs_all_micro_batches and not all(fits):

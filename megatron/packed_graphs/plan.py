@@ -178,10 +178,6 @@ class GraphRuntimeConfig:
         """Every capacity a static-layout graph may be captured for, ascending."""
         return tuple(self.ladder) + (self.capacity,)
 
-    def bank_capacity(self, cp_size: int) -> int:
-        """The capacity of the CP-size ``cp_size`` bank (dynamic CP)."""
-        return dict(self.bank_capacities)[cp_size]
-
 
 _active_plan: ContextVar[Optional[StepGraphPlan]] = ContextVar("packed_graph_plan", default=None)
 
