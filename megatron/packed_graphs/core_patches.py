@@ -376,6 +376,11 @@ def record_capture_statistics() -> None:
     capture empties the allocator cache first, so it can be negative. We measure reserved
     memory with the cache emptied before and after the capture instead: what the graph
     pools and their static buffers hold. Also counts the graphs (forward and backward).
+
+    And keeps the process on its stream: upstream ends the capture by switching the process
+    to the default stream, where a later whole-iteration or optimizer capture is refused
+    ("CUDA graphs must be captured on a non-default stream") and parameters' gradient
+    accumulation no longer runs on the stream DDP built it on (`use_side_stream`).
     """
     upstream = schedules.create_cudagraphs
     record = cuda_graphs._CudagraphGlobalRecord
@@ -385,10 +390,12 @@ def record_capture_statistics() -> None:
             return upstream()  # nothing to capture: no cache flush on ordinary iterations
         graphs = len(record.cudagraph_record)  # one entry per forward or backward graph
         before = reserved_without_cache()
+        stream = torch.cuda.current_stream()
         with contextlib.ExitStack() as guards:
             for guard in _capture_guards:
                 guards.enter_context(guard())
             stats = upstream()
+        torch.cuda.set_stream(stream)
         if stats:
             stats = dict(stats, graphs=graphs,
                          graph_reserved_bytes=reserved_without_cache() - before)

@@ -64,6 +64,12 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+# The distributed optimizer's state as Megatron saves it by default: one tensor per
+# contiguous buffer, reshardable across data-parallel sizes. megatron-core 0.19's own default
+# when none is named (per-parameter flattened ranges) is refused by its dist_checkpointing.
+OPTIMIZER_LAYOUT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def _model_key(i: int, num_chunks: int) -> str:
     return "model" if num_chunks == 1 else f"model{i}"
 
@@ -76,7 +82,8 @@ def _sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool
         state[_model_key(i, len(model))] = chunk.sharded_state_dict()
     if with_optimizer:
         model_state = {k: v for k, v in state.items()}
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                          metadata=OPTIMIZER_LAYOUT)
     if with_rng:
         state["rng_state"] = _rng_state()
     return state

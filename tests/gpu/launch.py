@@ -1,6 +1,7 @@
 """Run the real training scripts under torchrun and read back their metrics file."""
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -43,9 +44,22 @@ TRAIN = [
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port torchrun's rendezvous store can bind: free now, and below Linux's ephemeral
+    range (32768-60999), so the outgoing NCCL and gloo connections of runs beside this one
+    cannot take it before torchrun binds it (a port the kernel handed out, as bind(0) does,
+    can)."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+def _lost_port_race(output: str) -> bool:
+    return "EADDRINUSE" in output and "TCPStore" in output
 
 
 def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str = "run",
@@ -55,11 +69,14 @@ def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str
     Raises with the run's output if it fails.
     """
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), os.path.join(REPO, script), *args,
-           "--metrics-file", metrics]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=900)
+    for _ in range(3):  # a run beside this one may bind the port between our check and torchrun
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), os.path.join(REPO, script), *args,
+               "--metrics-file", metrics]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, **(env or {})}, timeout=900)
+        if proc.returncode == 0 or not _lost_port_race(proc.stdout + proc.stderr):
+            break
     log = os.path.join(str(tmp_path), f"{name}.log")
     with open(log, "w") as f:
         f.write(proc.stdout + proc.stderr)

@@ -9,8 +9,8 @@ hidden 1024: MLA with a key/value latent of rank 256, head dims 128 + 64 RoPE fo
 key and 128 for value, 64 experts top-6 with a shared expert, sigmoid router, drop-and-pad)
 with TE's grouped-GEMM experts, at 4 layers and 2048 positions per micro-batch:
 
-* eager vs layer graphs (local and TE implementations) on one GPU, 50 steps; and bitwise,
-  with deterministic kernels;
+* eager vs layer graphs (local and TE implementations) on one GPU, 50 steps; local ones
+  bitwise;
 * eager vs chunk graphs at PP = 2, 50 steps;
 * eager vs TE layer-graph banks at one forced dynamic-CP size (1 and 2 on two GPUs, 4 on
   four), 50 steps;
@@ -42,16 +42,23 @@ LOCAL_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "3
 TE_GRAPHS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "32",
              "--cuda-graph-warmup-steps", "2"]
 CHUNK_GRAPHS = LOCAL_GRAPHS + ["--cuda-graph-granularity", "chunk"]
-# Deterministic kernels: torch's (megatron-core's MoE unpermute then adds each token's six
-# expert outputs with index_add, not scatter_add) and TE's attention backward.
+# Every Moonlight run uses deterministic kernels: torch's (megatron-core's MoE unpermute then
+# adds each token's six expert outputs with index_add, not scatter_add) and TE's attention
+# backward. Without them two eager runs differ from the first iteration on (atomic adds), and
+# the router turns bf16 noise into other expert choices: on this memorising mock task the
+# curves drift apart by up to 0.09 in 50 steps whatever runs them, which hides real errors.
 DETERMINISTIC = ["--deterministic-mode"]
 DETERMINISTIC_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
                      "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def _training(steps=STEPS, global_batch=4):
-    return MOONLIGHT + TRAIN + ["--train-iters", str(steps),
-                                "--global-batch-size", str(global_batch)]
+    return MOONLIGHT + TRAIN + DETERMINISTIC + ["--train-iters", str(steps),
+                                                "--global-batch-size", str(global_batch)]
+
+
+def _run(args, tmp_path, name, nproc=1):
+    return run_training(SCRIPT, args, tmp_path, nproc=nproc, name=name, env=DETERMINISTIC_ENV)
 
 
 def _finite(records):
@@ -60,9 +67,8 @@ def _finite(records):
 
 def _compare(eager, graphs, what, tolerance=5e-3):
     """Graphs train like eager: every iteration's loss within ``tolerance`` and grad norm
-    within 2 % (replays equal eager where the kernels are deterministic; not promised here:
-    TE's attention backward and the MoE unpermute's scatter_add of six expert outputs per
-    token add in an order of their own). Prints whether the runs were bitwise equal."""
+    within 2 % (kernels that differ between eager and a graph, e.g. TE's graphed modules or
+    ring attention's split, leave bf16 noise). Prints whether the runs were bitwise equal."""
     assert len(graphs) == len(eager) and _finite(eager) and _finite(graphs)  # no NaN, no inf
     dloss = max(abs(e - g) for e, g in zip(losses(eager), losses(graphs)))
     dnorm = max(abs(e["grad_norm"] - g["grad_norm"]) / e["grad_norm"]
@@ -86,32 +92,22 @@ def _replayed(records, micro_batches, after=4):
 @pytest.fixture(scope="module")
 def moonlight_eager(tmp_path_factory):
     """The eager reference of the one-GPU graph variants (the same flags, so one run)."""
-    return run_training(SCRIPT, _training(), tmp_path_factory.mktemp("moonlight"),
-                        name="moonlight_eager")
+    return _run(_training(), tmp_path_factory.mktemp("moonlight"), "moonlight_eager")
 
 
 @pytest.mark.parametrize("graphs", ["local", "te"])
 def test_moonlight_layer_graphs_train_like_eager(tmp_path, moonlight_eager, graphs):
     """50 steps of 4 micro-batches (2 eager warm-up iterations, then replays; over-capacity
-    micro-batches run eager): MLA + MoE layer graphs follow eager's loss and grad norm."""
+    micro-batches run eager): MLA + MoE layer graphs follow eager's loss and grad norm;
+    megatron-core's local graphs replay eager's kernels, so theirs bit for bit."""
     flags = {"local": LOCAL_GRAPHS, "te": TE_GRAPHS}[graphs]
-    graphed = run_training(SCRIPT, _training() + flags, tmp_path, name=f"moonlight_{graphs}")
+    graphed = _run(_training() + flags, tmp_path, f"moonlight_{graphs}")
     assert graphed[2]["graph capture (s)"] > 0
     assert _replayed(graphed, micro_batches=4) > 2 * (STEPS - 3)  # most micro-batches replay
     _compare(moonlight_eager, graphed, f"moonlight-like, {graphs} layer graphs")
-
-
-def test_moonlight_layer_graphs_are_bitwise_eager_with_deterministic_kernels(tmp_path):
-    """With deterministic kernels (``--deterministic-mode``, TE's deterministic attention)
-    a layer-graph run is eager's, loss and grad norm, bit for bit, at every iteration."""
-    common = _training(steps=20) + DETERMINISTIC
-    eager = run_training(SCRIPT, common, tmp_path, name="deterministic_eager",
-                         env=DETERMINISTIC_ENV)
-    graphs = run_training(SCRIPT, common + LOCAL_GRAPHS, tmp_path, name="deterministic_local",
-                          env=DETERMINISTIC_ENV)
-    assert graphs[2]["graph capture (s)"] > 0 and _replayed(graphs, micro_batches=4) > 0
-    assert losses(graphs) == losses(eager)
-    assert [r["grad_norm"] for r in graphs] == [r["grad_norm"] for r in eager]
+    if graphs == "local":
+        assert losses(graphed) == losses(moonlight_eager)
+        assert [r["grad_norm"] for r in graphed] == [r["grad_norm"] for r in moonlight_eager]
 
 
 # ------------------------------------------------------------------- pipeline parallelism
@@ -121,9 +117,8 @@ def test_moonlight_chunk_graphs_with_pipeline_parallelism(tmp_path):
     """PP = 2 (two layers a stage), 4 micro-batches an iteration: chunk graphs (one graph
     pair per stage and slot) follow eager over 50 steps. Metrics come from the last stage."""
     common = _training() + ["--pipeline-model-parallel-size", "2"]
-    eager = run_training(SCRIPT, common, tmp_path, nproc=2, name="moonlight_pp2_eager")
-    graphs = run_training(SCRIPT, common + CHUNK_GRAPHS, tmp_path, nproc=2,
-                          name="moonlight_pp2_chunk")
+    eager = _run(common, tmp_path, "moonlight_pp2_eager", nproc=2)
+    graphs = _run(common + CHUNK_GRAPHS, tmp_path, "moonlight_pp2_chunk", nproc=2)
     captured = [r for r in graphs if r.get("graph capture (s)")]
     assert len(captured) == 1, "captured once, never again"
     assert _replayed(graphs, micro_batches=4) > 2 * (STEPS - 3)
@@ -145,9 +140,8 @@ def test_moonlight_forced_cp_size_graphs_match_eager(tmp_path, size, ranks):
     """Every micro-batch at one CP size (``--dynamic-cp-sizes size``; MoE at expert parallel
     size 1): the bank's TE layer graphs follow eager over 50 steps."""
     common = _training(global_batch=2 * ranks) + ["--dynamic-cp-sizes", str(size)]
-    eager = run_training(SCRIPT, common, tmp_path, nproc=ranks, name=f"moonlight_cp{size}_eager")
-    graphs = run_training(SCRIPT, common + TE_GRAPHS, tmp_path, nproc=ranks,
-                          name=f"moonlight_cp{size}_graphs")
+    eager = _run(common, tmp_path, f"moonlight_cp{size}_eager", nproc=ranks)
+    graphs = _run(common + TE_GRAPHS, tmp_path, f"moonlight_cp{size}_graphs", nproc=ranks)
     assert {r["cp micro-batches"] for r in eager} == {f"{size}x{2 * ranks}"}
     assert graphs[2][f"graph memory cp{size} (MiB)"] > 0
     _compare(eager, graphs, f"moonlight-like, forced CP {size} on {ranks} ranks")
@@ -164,8 +158,8 @@ def test_moonlight_mixed_cp_sizes_soak(tmp_path):
     # Capacity 16 a bank: a CP 4 micro-batch holds 2048 positions, a CP 1 one 512.
     banks = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "16",
              "--cuda-graph-warmup-steps", "2"]
-    eager = run_training(SCRIPT, common, tmp_path, nproc=4, name="moonlight_mixed_eager")
-    graphs = run_training(SCRIPT, common + banks, tmp_path, nproc=4, name="moonlight_mixed_graphs")
+    eager = _run(common, tmp_path, "moonlight_mixed_eager", nproc=4)
+    graphs = _run(common + banks, tmp_path, "moonlight_mixed_graphs", nproc=4)
     assert len(graphs) == 100
     mixes = [r["cp micro-batches"] for r in graphs]
     print(f"moonlight-like mixed CP sizes: e.g. {mixes[:5]}")

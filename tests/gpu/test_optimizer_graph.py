@@ -110,6 +110,7 @@ class Run:
         return counters
 
 
+@torch.no_grad()  # fp32 parameters: param.float() is the parameter itself
 def write_gradients(model, step: int) -> None:
     """Deterministic gradients that depend on the weights; global norm 2 on odd steps (clipped
     by --clip-grad 1.0), 0.5 on even ones."""

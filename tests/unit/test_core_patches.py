@@ -359,6 +359,9 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
     monkeypatch.setattr(record, "cudagraph_created", False)
     monkeypatch.setattr(record, "cudagraph_record", [object(), object()])
     monkeypatch.setattr(core_patches, "capture_log", collections.deque(maxlen=8))
+    streams = []  # no CUDA here: the process's stream is a name
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "side stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", streams.append)
     core_patches.record_capture_statistics()  # wraps the stand-in
     with core_patches.guard_local_capture(lambda: guard("moe")):
         with core_patches.guard_local_capture(lambda: guard("other")):
@@ -369,6 +372,13 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
     assert entered == [] and core_patches._capture_guards == []
     assert list(core_patches.capture_log)[-1] == {"time": 0.5, "graphs": 2,
                                                   "graph_reserved_bytes": 0}
+    assert streams == ["side stream"] * 3  # back on the stream the capture began on
+
+
+def test_upstream_capture_ends_on_the_default_stream():
+    # Why record_capture_statistics puts the process back on its own stream.
+    body = source(cuda_graphs._CudagraphGlobalRecord._create_cudagraphs)
+    assert "torch.cuda.set_stream(torch.cuda.default_stream())" in body
 
 
 def test_capture_log_keeps_the_last_few_captures_only():
