@@ -30,7 +30,17 @@ What this module adds for packed training (`PartialMoEGraphs`, a layer mixin):
   (``graph_manager_names``; with pipeline parallelism runners replay by turn).
 
 The padding mask reaches the router graph as a graph input: `moe.PackedMoEMaskMixin` takes it
-from the packed params before upstream's ``_forward_mlp`` hands it to the router graph.
+from the packed params before upstream's ``_forward_mlp`` hands it to the router graph. While
+graphs are recorded, that input is a copy (`router_graph_padding_mask`), not a ``[1, T]`` view
+of ``packed_seq_params.padding_mask``: megatron-core 0.19.2 keeps one buffer record for a
+tensor and all its views (``_apply_cudagraph_buffer_metadata`` follows ``_base``), counts each
+graph input among them as a use of one shared buffer, and at capture allocates that buffer
+in the shape of the first graph input it meets. The packed params, ``[T]`` mask included (the
+dataclass is walked field by field), are an input of the attention graph and of the other
+layers' graphs, so one of the two shapes got the other's buffer: an attention or Mamba graph
+captured first handed the router graph a ``[T]`` mask, and moe_layer.py's
+``transpose(0, 1)`` failed at capture. Replays need no copy: they copy every input into the
+graph's own buffer.
 
 Without a partial module the layer keeps TransformerLayer's rule (a whole-layer manager, also
 under ``attn``), so a GPT MoE layer graphs as before.
@@ -48,6 +58,8 @@ from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.packed_graphs import core_patches
+from megatron.packed_graphs.moe import layer_padding_mask
 from megatron.packed_graphs.plan import graphs_bypassed, in_iteration_graph
 
 PARTIAL_MODULES = (CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess)
@@ -73,6 +85,15 @@ def te_partial_moe_graphs(config) -> bool:
     with or without moe_preprocess)."""
     return (config.cuda_graph_impl == "transformer_engine"
             and CudaGraphModule.moe_router in (config.cuda_graph_modules or []))
+
+
+def router_graph_padding_mask(layer, hidden_states, packed_seq_params):
+    """The layer's padding mask (`moe.layer_padding_mask`, ``[1, T]``) as a tensor of its
+    own, no view of ``packed_seq_params.padding_mask``: a separate input of the router graph
+    while graphs are recorded (see module doc). None when the params carry no mask."""
+    mask = layer_padding_mask(packed_seq_params, hidden_states.shape[0], layer.pg_collection.tp,
+                              layer.config.sequence_parallel)
+    return None if mask is None else mask.clone()
 
 
 class PartialMoEGraphs:
@@ -109,6 +130,14 @@ class PartialMoEGraphs:
             return graphed(*args, eager=self._partial_graphs_off(), **kwargs)
 
         setattr(self, function, call)
+
+    def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
+                     packed_seq_params=None):
+        if (padding_mask is None and self.use_partial_cudagraphs
+                and not core_patches.local_graphs_created()):
+            padding_mask = router_graph_padding_mask(self, hidden_states, packed_seq_params)
+        return super()._forward_mlp(hidden_states, inference_context, padding_mask=padding_mask,
+                                    packed_seq_params=packed_seq_params)
 
     def _partial_graphs_off(self) -> bool:
         """Eager for evaluation and for micro-batches the graph runtime planned eager (as

@@ -8,6 +8,11 @@
 * Training with partial graphs matches eager training over 30 steps: loss and aux loss within
   the tolerance of test_moe_graphs.py, for GPT-MoE and hybrid-MoE, drop-and-pad and dropless,
   local and (with Transformer Engine) TE graphs, EP = 2 and PP = 2.
+
+The in-process tests share megatron-core's process-wide graph record and MoE metrics tracker
+(`fresh_graph_state`): a capture that fails part-way leaves its runners in the record (the
+next schedule's end captures them again, on stale buffer counts) and the tracker keeps the
+first model's layer count (a model with more layers then indexes past it).
 """
 
 import pytest
@@ -38,18 +43,35 @@ needs_te = pytest.mark.skipif(not is_importable("transformer_engine"),
 COMMON = TRAIN + (["--te-rng-tracker"] if is_importable("transformer_engine") else [])
 
 
+def _reset_graph_state():
+    """Forget every recorded or captured local graph, a capture left half done included
+    (its capture flag and buffer counts), and the MoE metrics tracker's entries."""
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    cuda_graphs.delete_cuda_graphs()
+    cuda_graphs._set_capture_end()
+    cuda_graphs.fwd_buffer_reuse_ref_count = cuda_graphs.bwd_buffer_reuse_ref_count = 0
+    get_moe_metrics_tracker().metrics.clear()
+
+
+@pytest.fixture
+def fresh_graph_state(dist):
+    """No graph or MoE metric of an earlier in-process test, and none left for a later one."""
+    _reset_graph_state()
+    yield
+    _reset_graph_state()
+
+
 # ------------------------------------------------------------------------ gradients
 
 @pytest.mark.parametrize("kind, capacity", [("gpt", DROP_AND_PAD), ("hybrid", DROP_AND_PAD),
                                             ("gpt", [])])
-def test_replayed_partial_graphs_give_the_eager_gradients(dist, kind, capacity):
-    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
+def test_replayed_partial_graphs_give_the_eager_gradients(fresh_graph_state, kind, capacity):
     from tools.compare_graph_grads import compare_replay_with_eager
 
     aliasing, results = compare_replay_with_eager(
         kind, MODELS[kind][1] + capacity + PARTIAL[kind], capacity=32, micro_batches=2)
-    delete_cuda_graphs()
     assert aliasing == []
     floor = results["eager again vs eager (noise floor)"][0]
     for case, (total, rows) in results.items():
@@ -102,11 +124,11 @@ def _params(mask):
     return params
 
 
-def test_padded_row_routes_like_unpadded_under_a_partial_graph(dist):
+def test_padded_row_routes_like_unpadded_under_a_partial_graph(fresh_graph_state):
     """Capacities equal (128 tokens at factor 0.25, the 64 documents alone at 0.5): the
     replayed router graph routes the documents of a padded row as the documents alone, and
     the layer's output on them is the same; the router ran inside the graph (no Python call)."""
-    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
     from megatron.packed_graphs.core_patches import apply_core_patches
     from megatron.packed_graphs.plan import Reason, run_eager
@@ -128,22 +150,19 @@ def test_padded_row_routes_like_unpadded_under_a_partial_graph(dist):
     run(torch.randn(DOCS + PAD, 1, HIDDEN, device="cuda", generator=generator))  # records
     _CudagraphGlobalRecord.create_cudagraphs()
     assert layer.cudagraph_manager_router.cudagraph_runners[0].fwd_graph is not None
-    try:
-        calls = []
-        layer.mlp.router.register_forward_hook(lambda *args: calls.append(1))
-        hidden = torch.randn(DOCS + PAD, 1, HIDDEN, device="cuda", generator=generator)
-        hidden[DOCS:] *= 10
-        replayed, grad = run(hidden)
-        assert calls == []  # the router replayed inside its graph
-        expected, _ = alone(hidden[:DOCS], attention_mask=None)
-        torch.testing.assert_close(replayed[:DOCS], expected)
-        with run_eager(Reason.FORCED):
-            eager, eager_grad = run(hidden)
-        assert calls == [1]  # planned eager: the router ran in Python
-        torch.testing.assert_close(replayed, eager)
-        torch.testing.assert_close(grad, eager_grad)
-    finally:
-        delete_cuda_graphs()
+    calls = []
+    layer.mlp.router.register_forward_hook(lambda *args: calls.append(1))
+    hidden = torch.randn(DOCS + PAD, 1, HIDDEN, device="cuda", generator=generator)
+    hidden[DOCS:] *= 10
+    replayed, grad = run(hidden)
+    assert calls == []  # the router replayed inside its graph
+    expected, _ = alone(hidden[:DOCS], attention_mask=None)
+    torch.testing.assert_close(replayed[:DOCS], expected)
+    with run_eager(Reason.FORCED):
+        eager, eager_grad = run(hidden)
+    assert calls == [1]  # planned eager: the router ran in Python
+    torch.testing.assert_close(replayed, eager)
+    torch.testing.assert_close(grad, eager_grad)
 
 
 # ------------------------------------------------------------------------ training
