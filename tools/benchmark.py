@@ -454,7 +454,8 @@ def main(argv=None) -> int:
                         help="run everything once per set of dynamic CP sizes, e.g. 1 2 1,2")
     parser.add_argument("--tokens-per-rank", type=int, default=2048,
                         help="positions per rank with --dynamic-cp-sets")
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--json", default=None, help="also write the rows to this file, "
+                        "rewritten as each run finishes")
     parser.add_argument("--from-metrics", nargs="+", default=[], metavar="VARIANT=FILE",
                         help="train nothing: tabulate these metrics files of finished runs, one "
                              "row each (--warmup, --log-interval, --nproc and "
@@ -484,6 +485,7 @@ def main(argv=None) -> int:
             for cp_set in args.dynamic_cp_sets or [""]:
                 for variant in variants:
                     rows.append(run_row(preset, variant, args, cp_set, experts))
+                    write_json(rows, args.json)  # a run cut off by a time limit keeps its rows
     return report(rows, args)
 
 
@@ -543,12 +545,17 @@ def tabulate_metrics_files(parser, args) -> int:
     return report(rows, args)
 
 
+def write_json(rows: list, path) -> None:
+    """The rows so far to ``path`` (--json; nothing when None), replacing what it held."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
 def report(rows: list, args) -> int:
     """Print the table (and write --json); 1 when a row failed."""
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(rows, args.json)
     failed = [f"{r['preset']}/{r['variant']}" for r in rows if r.get("error")]
     if failed:
         print(f"benchmark: {len(failed)} of {len(rows)} runs failed: {', '.join(failed)}",

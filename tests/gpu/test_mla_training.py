@@ -9,8 +9,7 @@ hidden 1024: MLA with a key/value latent of rank 256, head dims 128 + 64 RoPE fo
 key and 128 for value, 64 experts top-6 with a shared expert, sigmoid router, drop-and-pad)
 with TE's grouped-GEMM experts, at 4 layers and 2048 positions per micro-batch:
 
-* eager vs layer graphs (local and TE implementations) on one GPU, 50 steps; local ones
-  bitwise;
+* eager vs layer graphs (local and TE implementations) on one GPU, 50 steps;
 * eager vs chunk graphs at PP = 2, 50 steps;
 * eager vs TE layer-graph banks at one forced dynamic-CP size (1 and 2 on two GPUs, 4 on
   four), 50 steps;
@@ -19,6 +18,16 @@ with TE's grouped-GEMM experts, at 4 layers and 2048 positions per micro-batch:
 
 And, on a tiny MLA model, ``--mla-pad-v never`` trains like the default (V padded), eager
 and under layer graphs.
+
+The Moonlight comparisons are against a measured noise floor: the kernels are not
+deterministic (atomic adds in the MoE unpermute, TE's attention backward), so two eager runs of
+one seed differ from the first iteration on, and the router turns that bf16 noise into other
+expert choices. On this memorising mock task two such runs drift apart by up to 0.09 in loss
+within 50 steps, so a fixed tolerance either fails healthy graphs or hides real errors. Each
+of those tests runs eager twice and requires the graphs to stay as close to eager as eager
+stays to itself (within a factor of three; never looser than the fixed tolerances).
+``--deterministic-mode`` is no way out: with it, Moonlight-shaped MLA + MoE gives NaN
+gradients in the first backward pass on an H200 with TE 2.20.2 (eager, no graphs).
 """
 
 import math
@@ -42,41 +51,46 @@ LOCAL_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "3
 TE_GRAPHS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "32",
              "--cuda-graph-warmup-steps", "2"]
 CHUNK_GRAPHS = LOCAL_GRAPHS + ["--cuda-graph-granularity", "chunk"]
-# Every Moonlight run uses deterministic kernels: torch's (megatron-core's MoE unpermute then
-# adds each token's six expert outputs with index_add, not scatter_add) and TE's attention
-# backward. Without them two eager runs differ from the first iteration on (atomic adds), and
-# the router turns bf16 noise into other expert choices: on this memorising mock task the
-# curves drift apart by up to 0.09 in 50 steps whatever runs them, which hides real errors.
-DETERMINISTIC = ["--deterministic-mode"]
-DETERMINISTIC_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
-                     "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def _training(steps=STEPS, global_batch=4):
-    return MOONLIGHT + TRAIN + DETERMINISTIC + ["--train-iters", str(steps),
-                                                "--global-batch-size", str(global_batch)]
+    return MOONLIGHT + TRAIN + ["--train-iters", str(steps),
+                                "--global-batch-size", str(global_batch)]
 
 
 def _run(args, tmp_path, name, nproc=1):
-    return run_training(SCRIPT, args, tmp_path, nproc=nproc, name=name, env=DETERMINISTIC_ENV)
+    return run_training(SCRIPT, args, tmp_path, nproc=nproc, name=name)
+
+
+def _eager_twice(args, tmp_path, name, nproc=1):
+    """Two eager runs of the same flags and seed: the reference and its noise floor."""
+    return _run(args, tmp_path, name, nproc), _run(args, tmp_path, f"{name}_again", nproc)
 
 
 def _finite(records):
     return all(math.isfinite(r["lm_loss"]) and math.isfinite(r["grad_norm"]) for r in records)
 
 
-def _compare(eager, graphs, what, tolerance=5e-3):
-    """Graphs train like eager: every iteration's loss within ``tolerance`` and grad norm
-    within 2 % (kernels that differ between eager and a graph, e.g. TE's graphed modules or
-    ring attention's split, leave bf16 noise). Prints whether the runs were bitwise equal."""
-    assert len(graphs) == len(eager) and _finite(eager) and _finite(graphs)  # no NaN, no inf
-    dloss = max(abs(e - g) for e, g in zip(losses(eager), losses(graphs)))
-    dnorm = max(abs(e["grad_norm"] - g["grad_norm"]) / e["grad_norm"]
-                for e, g in zip(eager, graphs))
-    print(f"{what}: max |dloss| {dloss:.2e}, max grad-norm rel diff {dnorm:.2e}, "
-          f"bitwise {dloss == 0 and dnorm == 0}")
-    assert dloss < tolerance, (losses(eager), losses(graphs))
-    assert dnorm < 2e-2, ([r["grad_norm"] for r in eager], [r["grad_norm"] for r in graphs])
+def _drift(a, b):
+    """Largest per-iteration loss difference and grad-norm relative difference of two runs."""
+    dloss = max(abs(x - y) for x, y in zip(losses(a), losses(b)))
+    dnorm = max(abs(x["grad_norm"] - y["grad_norm"]) / x["grad_norm"] for x, y in zip(a, b))
+    return dloss, dnorm
+
+
+def _compare(eager, graphs, what, *, again=None, tolerance=5e-3):
+    """Graphs train like eager: no NaN, every iteration's loss within ``tolerance`` and grad
+    norm within 2 % of eager's; with ``again`` (a second eager run of the same seed), within
+    three times the drift between the two eager runs where that is larger."""
+    runs = [eager, graphs] + ([again] if again else [])
+    assert len({len(r) for r in runs}) == 1 and all(_finite(r) for r in runs)  # no NaN, no inf
+    floor_loss, floor_norm = _drift(eager, again) if again else (0.0, 0.0)
+    dloss, dnorm = _drift(eager, graphs)
+    print(f"{what}: max |dloss| {dloss:.2e}, max grad-norm rel diff {dnorm:.2e}; "
+          f"eager vs eager {floor_loss:.2e}, {floor_norm:.2e}")
+    assert dloss <= max(tolerance, 3 * floor_loss), (losses(eager), losses(graphs))
+    assert dnorm <= max(2e-2, 3 * floor_norm), ([r["grad_norm"] for r in eager],
+                                                [r["grad_norm"] for r in graphs])
     assert losses(eager)[-1] < losses(eager)[0]
 
 
@@ -91,23 +105,21 @@ def _replayed(records, micro_batches, after=4):
 
 @pytest.fixture(scope="module")
 def moonlight_eager(tmp_path_factory):
-    """The eager reference of the one-GPU graph variants (the same flags, so one run)."""
-    return _run(_training(), tmp_path_factory.mktemp("moonlight"), "moonlight_eager")
+    """The eager reference of the one-GPU graph variants and its noise floor (the same flags,
+    so one pair)."""
+    return _eager_twice(_training(), tmp_path_factory.mktemp("moonlight"), "moonlight_eager")
 
 
 @pytest.mark.parametrize("graphs", ["local", "te"])
 def test_moonlight_layer_graphs_train_like_eager(tmp_path, moonlight_eager, graphs):
     """50 steps of 4 micro-batches (2 eager warm-up iterations, then replays; over-capacity
-    micro-batches run eager): MLA + MoE layer graphs follow eager's loss and grad norm;
-    megatron-core's local graphs replay eager's kernels, so theirs bit for bit."""
+    micro-batches run eager): MLA + MoE layer graphs follow eager's loss and grad norm."""
     flags = {"local": LOCAL_GRAPHS, "te": TE_GRAPHS}[graphs]
     graphed = _run(_training() + flags, tmp_path, f"moonlight_{graphs}")
     assert graphed[2]["graph capture (s)"] > 0
     assert _replayed(graphed, micro_batches=4) > 2 * (STEPS - 3)  # most micro-batches replay
-    _compare(moonlight_eager, graphed, f"moonlight-like, {graphs} layer graphs")
-    if graphs == "local":
-        assert losses(graphed) == losses(moonlight_eager)
-        assert [r["grad_norm"] for r in graphed] == [r["grad_norm"] for r in moonlight_eager]
+    eager, again = moonlight_eager
+    _compare(eager, graphed, f"moonlight-like, {graphs} layer graphs", again=again)
 
 
 # ------------------------------------------------------------------- pipeline parallelism
@@ -117,12 +129,12 @@ def test_moonlight_chunk_graphs_with_pipeline_parallelism(tmp_path):
     """PP = 2 (two layers a stage), 4 micro-batches an iteration: chunk graphs (one graph
     pair per stage and slot) follow eager over 50 steps. Metrics come from the last stage."""
     common = _training() + ["--pipeline-model-parallel-size", "2"]
-    eager = _run(common, tmp_path, "moonlight_pp2_eager", nproc=2)
+    eager, again = _eager_twice(common, tmp_path, "moonlight_pp2_eager", nproc=2)
     graphs = _run(common + CHUNK_GRAPHS, tmp_path, "moonlight_pp2_chunk", nproc=2)
     captured = [r for r in graphs if r.get("graph capture (s)")]
     assert len(captured) == 1, "captured once, never again"
     assert _replayed(graphs, micro_batches=4) > 2 * (STEPS - 3)
-    _compare(eager, graphs, "moonlight-like, chunk graphs at PP = 2")
+    _compare(eager, graphs, "moonlight-like, chunk graphs at PP = 2", again=again)
 
 
 # ----------------------------------------------------------------------------- dynamic CP
@@ -140,11 +152,11 @@ def test_moonlight_forced_cp_size_graphs_match_eager(tmp_path, size, ranks):
     """Every micro-batch at one CP size (``--dynamic-cp-sizes size``; MoE at expert parallel
     size 1): the bank's TE layer graphs follow eager over 50 steps."""
     common = _training(global_batch=2 * ranks) + ["--dynamic-cp-sizes", str(size)]
-    eager = _run(common, tmp_path, f"moonlight_cp{size}_eager", nproc=ranks)
+    eager, again = _eager_twice(common, tmp_path, f"moonlight_cp{size}_eager", nproc=ranks)
     graphs = _run(common + TE_GRAPHS, tmp_path, f"moonlight_cp{size}_graphs", nproc=ranks)
     assert {r["cp micro-batches"] for r in eager} == {f"{size}x{2 * ranks}"}
     assert graphs[2][f"graph memory cp{size} (MiB)"] > 0
-    _compare(eager, graphs, f"moonlight-like, forced CP {size} on {ranks} ranks")
+    _compare(eager, graphs, f"moonlight-like, forced CP {size} on {ranks} ranks", again=again)
 
 
 @pytest.mark.gpus(4)
@@ -158,7 +170,7 @@ def test_moonlight_mixed_cp_sizes_soak(tmp_path):
     # Capacity 16 a bank: a CP 4 micro-batch holds 2048 positions, a CP 1 one 512.
     banks = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "16",
              "--cuda-graph-warmup-steps", "2"]
-    eager = _run(common, tmp_path, "moonlight_mixed_eager", nproc=4)
+    eager, again = _eager_twice(common, tmp_path, "moonlight_mixed_eager", nproc=4)
     graphs = _run(common + banks, tmp_path, "moonlight_mixed_graphs", nproc=4)
     assert len(graphs) == 100
     mixes = [r["cp micro-batches"] for r in graphs]
@@ -166,7 +178,7 @@ def test_moonlight_mixed_cp_sizes_soak(tmp_path):
     assert _cp_sizes_used(graphs) == {1, 2, 4}, mixes
     for size in (1, 2, 4):
         assert graphs[2][f"graph memory cp{size} (MiB)"] > 0
-    _compare(eager, graphs, "moonlight-like, mixed CP sizes 1/2/4 on 4 ranks")
+    _compare(eager, graphs, "moonlight-like, mixed CP sizes 1/2/4 on 4 ranks", again=again)
 
 
 # ----------------------------------------------------------------------------- V padding

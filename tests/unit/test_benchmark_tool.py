@@ -114,6 +114,22 @@ def test_a_failed_row_shows_its_error_and_the_other_rows_still_run(monkeypatch, 
     assert "benchmark: 1 of 2 runs failed: gpt-small/layer-graphs" in err
 
 
+def test_json_holds_every_finished_row_while_later_runs_go_on(monkeypatch, tmp_path):
+    out = tmp_path / "rows.json"
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(json.loads(out.read_text()) if out.exists() else [])
+        _metrics(cmd[cmd.index("--metrics-file") + 1], 1000.0)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    assert benchmark.main(["--presets", "gpt-small", "--variants", "eager", "layer-graphs",
+                           "--steps", "10", "--json", str(out)]) == 0
+    assert [[r["variant"] for r in rows] for rows in seen] == [[], ["eager"]]
+    assert [r["variant"] for r in json.loads(out.read_text())] == ["eager", "layer-graphs"]
+
+
 def test_a_run_without_metrics_is_a_failed_row(monkeypatch, capsys):
     monkeypatch.setattr(benchmark.subprocess, "run", lambda cmd, **kw: _Completed(0))
     assert benchmark.main(["--presets", "gpt-small", "--steps", "10"]) == 1
