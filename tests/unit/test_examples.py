@@ -4,7 +4,6 @@ script's --dry-run runs nothing; te_patches on PYTHONPATH exactly where Transfor
 context parallelism; the first-run script (capacity from the advisor, eager reference, graphed
 run, both tokens/s) end to end with a fake torchrun (CPU)."""
 
-import json
 import os
 import shlex
 import subprocess

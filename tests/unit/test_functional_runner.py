@@ -7,7 +7,6 @@ import math
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml

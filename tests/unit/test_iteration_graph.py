@@ -28,7 +28,7 @@ from megatron.packed_graphs.plan import (
     graphs_bypassed,
     in_iteration_graph,
 )
-from megatron.packed_graphs.runtime import STATIC_KEY, GraphRuntime, config_from_args
+from megatron.packed_graphs.runtime import GraphRuntime, config_from_args
 from megatron.training import argument_checks
 from megatron.training.arguments import build_parser, parse_args, validate_args
 from megatron.training.packed_step import to_device_micro_batch

@@ -1,4 +1,3 @@
-import json
 
 from megatron.training.checkpointing import latest_iteration
 from megatron.training.metrics import MetricsLogger, read_metrics

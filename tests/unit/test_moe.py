@@ -23,7 +23,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.packed_graphs.layers import GraphSafeMoELayer, GraphSafeTransformerLayer
+from megatron.packed_graphs.layers import GraphSafeMoELayer
 from megatron.packed_graphs.moe import PackedTopKRouter, layer_padding_mask
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
