@@ -23,7 +23,8 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         transformer_layer_spec=gpt_layer_spec(
             backend, args.normalization, num_experts=getattr(args, "num_experts", None),
             moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
-            multi_latent_attention=getattr(args, "multi_latent_attention", False)),
+            multi_latent_attention=getattr(args, "multi_latent_attention", False),
+            qk_layernorm=args.qk_layernorm),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

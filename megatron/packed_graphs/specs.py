@@ -83,9 +83,15 @@ def _norm_and_linear(provider: BackendSpecProvider, normalization: str):
     return _norm(provider, normalization), provider.column_parallel_linear()
 
 
-def attention_layer_spec(provider: BackendSpecProvider, normalization: str) -> ModuleSpec:
-    """A TransformerLayer holding only causal self-attention (the hybrid '*' layer)."""
+def attention_layer_spec(provider: BackendSpecProvider, normalization: str,
+                         qk_layernorm: bool = False) -> ModuleSpec:
+    """A TransformerLayer holding only causal self-attention (the hybrid '*' layer);
+    ``qk_layernorm``: a norm on each head's query and key (Qwen3, OLMo 2), of the model's
+    ``normalization`` kind. It must match the config's ``qk_layernorm``: megatron-core's
+    SelfAttention refuses a spec norm the config turned off."""
     norm, linear_qkv = _norm_and_linear(provider, normalization)
+    qk_norm = (provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=True)
+               if qk_layernorm else None)
     return ModuleSpec(
         module=GraphSafeTransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -97,6 +103,8 @@ def attention_layer_spec(provider: BackendSpecProvider, normalization: str) -> M
                     linear_qkv=linear_qkv,
                     core_attention=provider.core_attention(),
                     linear_proj=provider.row_parallel_linear(),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -136,14 +144,16 @@ def moe_layer_spec(provider: BackendSpecProvider, normalization: str, num_expert
 
 def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm",
                    num_experts: int | None = None, moe_grouped_gemm: bool = False,
-                   multi_latent_attention: bool = False) -> ModuleSpec:
+                   multi_latent_attention: bool = False,
+                   qk_layernorm: bool = False) -> ModuleSpec:
     """GPT TransformerLayer (attention + MLP, or MoE with ``num_experts``) for packed sequences;
-    MLA self-attention with ``multi_latent_attention``."""
+    MLA self-attention with ``multi_latent_attention``; ``qk_layernorm`` as the config's (see
+    `attention_layer_spec`; MLA's latent norms come from the config alone)."""
     provider = backend_provider(attention_backend)
     if multi_latent_attention:
         attention = mla_attention_submodules(provider, normalization)
     else:
-        attention = attention_layer_spec(provider, normalization).submodules
+        attention = attention_layer_spec(provider, normalization, qk_layernorm).submodules
     if num_experts is None:
         pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
     else:
@@ -164,9 +174,11 @@ def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm",
 
 def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
                       num_experts: int | None = None, moe_grouped_gemm: bool = False,
-                      multi_latent_attention: bool = False) -> ModuleSpec:
+                      multi_latent_attention: bool = False,
+                      qk_layernorm: bool = False) -> ModuleSpec:
     """`PackedHybridStack` spec: Mamba ('M'), attention ('*'), MLP ('-'), with
-    ``num_experts`` MoE ('E') and with ``multi_latent_attention`` MLA ('+') layers.
+    ``num_experts`` MoE ('E') and with ``multi_latent_attention`` MLA ('+') layers;
+    ``qk_layernorm`` as in `gpt_layer_spec`.
 
     Imports the Mamba modules on call: megatron-core's MambaMixer needs triton and mamba-ssm.
     """
@@ -198,7 +210,7 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
                     mamba_bda=get_bias_dropout_add,
                 ),
             ),
-            attention_layer=attention_layer_spec(provider, normalization),
+            attention_layer=attention_layer_spec(provider, normalization, qk_layernorm),
             mlp_layer=ModuleSpec(
                 module=GraphSafeMLPLayer,
                 submodules=TransformerLayerSubmodules(

@@ -937,7 +937,6 @@ _MLA_FLAG_DEFAULTS = {
     "--qk-head-dim": 128,
     "--qk-pos-emb-head-dim": 64,
     "--v-head-dim": 128,
-    "--qk-layernorm": False,
     "--rope-type": None,
     "--rotary-scaling-factor": 1.0,
     "--original-max-position-embeddings": 4096,

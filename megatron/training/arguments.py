@@ -103,6 +103,10 @@ def build_parser(model: str) -> argparse.ArgumentParser:
 
 def _add_model_args(parser, model):
     g = parser.add_argument_group("model")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="A norm (--normalization's kind) on each head's query and key, as in "
+                        "Qwen3 and OLMo 2; with --multi-latent-attention on the query and "
+                        "key/value latents instead (DeepSeek's latent norms).")
     g.add_argument("--num-layers", type=int, default=None,
                    help="Transformer layers. Required for gpt; for hybrid it defaults to the "
                         "length of --hybrid-override-pattern.")
@@ -212,8 +216,6 @@ def _add_mla_args(parser):
     g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
                    help="Per-head width of the decoupled RoPE part of query and key.")
     g.add_argument("--v-head-dim", type=int, default=128, help="Per-head value width.")
-    g.add_argument("--qk-layernorm", action="store_true",
-                   help="RMSNorm on the query and key/value latents (DeepSeek's latent norms).")
     g.add_argument("--rope-type", choices=["yarn", "rope"], default=None,
                    help="MLA RoPE kind (default: yarn, the only one packed MLA runs).")
     g.add_argument("--rotary-scaling-factor", type=float, default=1.0,

@@ -85,6 +85,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         normalization=args.normalization,
         layernorm_epsilon=args.layernorm_epsilon,
         gated_linear_unit=args.swiglu,
+        qk_layernorm=args.qk_layernorm,  # per-head norms; MLA: latent norms
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=False,
         hidden_dropout=args.hidden_dropout,
@@ -159,7 +160,6 @@ def mla_kwargs(args) -> dict:
         qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
         v_head_dim=args.v_head_dim,
-        qk_layernorm=args.qk_layernorm,
         rope_type="yarn",
         rotary_base=args.rotary_base,
         rotary_scaling_factor=args.rotary_scaling_factor,

@@ -92,8 +92,10 @@ def test_per_token_rope_equals_megatron_thd_rope(cpu_dist):
     torch.testing.assert_close(ours, upstream)
 
 
-def test_cpu_gpt_packed_forward_equals_documents_alone(cpu_dist):
-    """A tiny GPTModel on CPU: packing 3 documents changes no document's logits."""
+@pytest.mark.parametrize("qk_layernorm", [False, True])
+def test_cpu_gpt_packed_forward_equals_documents_alone(cpu_dist, qk_layernorm):
+    """A tiny GPTModel on CPU: packing 3 documents changes no document's logits, with and
+    without a norm on each head's query and key (--qk-layernorm, per token)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -102,9 +104,14 @@ def test_cpu_gpt_packed_forward_equals_documents_alone(cpu_dist):
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
         use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, bias_dropout_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config, gpt_layer_spec("torch"), vocab_size=128, max_sequence_length=64,
-                     position_embedding_type="none")
+        hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=qk_layernorm)
+    model = GPTModel(config, gpt_layer_spec("torch", qk_layernorm=qk_layernorm), vocab_size=128,
+                     max_sequence_length=64, position_embedding_type="none")
+    attention = model.decoder.layers[0].self_attention
+    assert (attention.q_layernorm is not None) == qk_layernorm
+    if qk_layernorm:  # one norm per head width, of the model's kind
+        assert attention.q_layernorm.weight.shape == attention.k_layernorm.weight.shape == (16,)
+        assert "RMSNorm" in type(attention.q_layernorm).__name__
     docs = [torch.randint(1, 128, (n,)) for n in (5, 9, 3)]
 
     def logits(parts):
@@ -119,6 +126,8 @@ def test_cpu_gpt_packed_forward_equals_documents_alone(cpu_dist):
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     packed.float().sum().backward()
     assert model.embedding.word_embeddings.weight.grad.abs().sum() > 0
+    if qk_layernorm:
+        assert attention.q_layernorm.weight.grad.abs().sum() > 0
 
 
 def test_varlen_attention_rejects_what_it_cannot_run(cpu_dist):

@@ -41,6 +41,12 @@ def test_without_mla_the_config_is_the_dense_one():
     assert not isinstance(config, MLATransformerConfig) and not config.multi_latent_attention
 
 
+def test_qk_layernorm_also_serves_standard_attention():
+    # Per-head query and key norms (Qwen3, OLMo 2); MLA reads the same flag as latent norms.
+    config = transformer_config_from_args(validate("--qk-layernorm"))
+    assert config.qk_layernorm and not config.multi_latent_attention
+
+
 def test_flags_map_onto_the_mla_config():
     args = validate(*MLA, "--q-lora-rank", 48, "--kv-lora-rank", 32, "--qk-head-dim", 16,
                     "--qk-pos-emb-head-dim", 8, "--v-head-dim", 24, "--qk-layernorm",
@@ -123,7 +129,7 @@ def test_mla_moe_under_dynamic_cp_graph_banks(sizes, ranks):
 
 @pytest.mark.parametrize("flag,value", [
     ("--q-lora-rank", 64), ("--kv-lora-rank", 64), ("--qk-head-dim", 64),
-    ("--qk-pos-emb-head-dim", 32), ("--v-head-dim", 64), ("--qk-layernorm", None),
+    ("--qk-pos-emb-head-dim", 32), ("--v-head-dim", 64),
     ("--rope-type", "yarn"), ("--rotary-scaling-factor", 40),
     ("--original-max-position-embeddings", 8192), ("--beta-fast", 16), ("--beta-slow", 2),
     ("--mscale", 0.7), ("--mscale-all-dim", 0.7)])
