@@ -23,8 +23,10 @@ out of the aux loss, the z-loss and the expert-bias counts.
   routed token reaches its experts. It syncs with the host (dropless dispatch reads token
   counts back), so it runs eager only; moe_rerun.py uses it to rerun overflowed micro-batches.
 
-Expert-bias counts (``moe_router_enable_expert_bias``, not a flag of this fork) would count
-the routed map before the capacity is applied.
+Expert-bias counts (``--moe-router-enable-expert-bias``, aux-loss-free balancing) are
+upstream's: taken inside the routing, so they leave out the padding and count every
+document token's top-k choice, before the capacity drops any (upstream counts after it). The
+bias moves toward balanced choices, which is what it steers; drops are counted apart.
 """
 
 import copy
@@ -78,6 +80,14 @@ class PackedTopKRouter(TopKRouter):
         # moves the whole model to the GPU first, so this branch serves CPU runs only.
         dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
         return router_gating_linear(input, self.weight, self.bias, dtype)
+
+    def _apply_expert_bias(self, routing_map: Tensor, padding_mask: Optional[Tensor] = None):
+        # megatron-core 0.19.2 ands the [tokens, experts] map with the flattened [tokens]
+        # mask, which does not broadcast: expert bias with any padding mask fails there.
+        # A [tokens, 1] mask masks whole rows, as meant (tests/unit/test_moe.py pins the line).
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1, 1)
+        super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
 
     def routing(self, logits: Tensor, padding_mask: Optional[Tensor] = None):
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
@@ -137,9 +147,12 @@ def read_dropped_token_fraction(model_chunks) -> float:
 
 class MoEAccumulators:
     """A device copy of what an MoE forward pass adds to across a training step: megatron-
-    core's MoE metrics tracker (aux and z-loss per layer) and every router's dropped-slot
-    counts. `restore` puts them back, for passes that are not training's own: graph warm-up
-    and capture (placeholder inputs), and the first pass of a rerun iteration.
+    core's MoE metrics tracker (aux and z-loss per layer), every router's dropped-slot counts
+    and, with --moe-router-enable-expert-bias, its tokens per expert and the expert bias that
+    finalize_model_grads moves with them at the end of a step. `restore` puts them back, for
+    passes that are not training's own: graph warm-up and capture (placeholder inputs), the
+    health check's eager pass, and the first pass of a rerun iteration (whose end already
+    moved the bias once).
 
     Device copies only, no host sync. A tracker entry first created after the snapshot is
     zeroed by `restore`.
@@ -153,6 +166,9 @@ class MoEAccumulators:
                         for name, entry in self._tracker.metrics.items()}
         self._routers = [router for chunk in model_chunks for router in packed_routers(chunk)]
         self._slots = [router.token_slots.clone() for router in self._routers]
+        self._biased = [router for router in self._routers if router.enable_expert_bias]
+        self._tokens = [router.local_tokens_per_expert.clone() for router in self._biased]
+        self._bias = [router.expert_bias.clone() for router in self._biased]
 
     def restore(self) -> None:
         for name, entry in self._tracker.metrics.items():
@@ -162,6 +178,9 @@ class MoEAccumulators:
                 entry.values.zero_()
         for router, saved in zip(self._routers, self._slots):
             router.token_slots.copy_(saved)
+        for router, tokens, bias in zip(self._biased, self._tokens, self._bias):
+            router.local_tokens_per_expert.copy_(tokens)
+            router.expert_bias.copy_(bias)
 
 
 @contextmanager

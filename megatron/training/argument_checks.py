@@ -699,6 +699,9 @@ _MOE_FLAG_DEFAULTS = {
     "--moe-aux-loss-coeff": 0.0,
     "--moe-z-loss-coeff": None,
     "--moe-router-score-function": "softmax",
+    "--moe-router-enable-expert-bias": False,
+    "--moe-router-bias-update-rate": 1e-3,
+    "--moe-router-topk-scaling-factor": None,
     "--moe-router-dtype": None,
     "--moe-token-dispatcher-type": "alltoall",
     "--moe-expert-capacity-factor": None,
@@ -761,6 +764,7 @@ def check_moe(args, model: str):
     _at_least(args, "--moe-z-loss-coeff", 0.0)
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
+    _check_expert_bias(args)
     if args.moe_router_load_balancing_type == "none" and args.moe_aux_loss_coeff > 0:
         fail("--moe-aux-loss-coeff", args.moe_aux_loss_coeff,
              "--moe-router-load-balancing-type none has no load-balancing loss to weigh; drop "
@@ -801,6 +805,27 @@ def check_moe(args, model: str):
              "MoE layers with tensor parallelism need --sequence-parallel (megatron-core "
              "refuses the combination in training)")
     _check_moe_graphs(args, model)
+
+
+def _check_expert_bias(args):
+    """Aux-loss-free balancing and the top-k weight scale."""
+    factor = args.moe_router_topk_scaling_factor
+    if factor is not None and not factor > 0:
+        fail("--moe-router-topk-scaling-factor", factor,
+             "It multiplies the routed experts' weights; use a positive factor, e.g. 2.5, "
+             "or drop it")
+    if not args.moe_router_enable_expert_bias:
+        if args.moe_router_bias_update_rate != 1e-3:
+            fail("--moe-router-bias-update-rate", args.moe_router_bias_update_rate,
+                 "It moves the expert bias; add --moe-router-enable-expert-bias or drop it")
+        return
+    if args.moe_router_score_function != "sigmoid":
+        fail("--moe-router-enable-expert-bias", True,
+             f"Aux-loss-free balancing biases sigmoid scores (megatron-core refuses "
+             f"{args.moe_router_score_function}); add --moe-router-score-function sigmoid")
+    if not args.moe_router_bias_update_rate > 0:
+        fail("--moe-router-bias-update-rate", args.moe_router_bias_update_rate,
+             "Use a positive rate, e.g. 1e-3 (megatron-core's default)")
 
 
 def _check_overflow_rerun(args):

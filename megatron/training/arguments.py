@@ -175,6 +175,16 @@ def _add_moe_args(parser):
                    help="Weight of the router z-loss (default: off).")
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
                    default="softmax")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free load balancing (DeepSeek-V3, Moonlight): a per-expert "
+                        "bias added to the scores for the top-k choice only, moved toward "
+                        "balance after every global batch by --moe-router-bias-update-rate. "
+                        "Needs --moe-router-score-function sigmoid.")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="Step of the expert-bias update per global batch.")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="Multiplies the routed experts' weights (e.g. DeepSeek-V3's 2.5, "
+                        "Moonlight's 2.446; default: 1).")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
                    help="Precision of the router's logits and scores (default: the model's).")
     g.add_argument("--moe-token-dispatcher-type", default="alltoall",

@@ -194,6 +194,66 @@ def test_aux_and_z_loss_ignore_padding(cpu_moe):
         torch.testing.assert_close(values[0][name], values[1][name])
 
 
+@pytest.fixture
+def expert_bias_on_cpu(monkeypatch):
+    # megatron-core allocates the bias and its counts on the current CUDA device.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+
+@pytest.mark.parametrize("capacity", [{}, DROP_AND_PAD])
+def test_expert_bias_counts_the_documents_choices_only(cpu_moe, expert_bias_on_cpu, capacity):
+    """Aux-loss-free balancing: tokens per expert count each document token's top-k choice
+    (before any capacity drop), never the padding, and not outside training (no grad)."""
+    config = moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                        **capacity)
+    hidden, mask = _documents_and_padding()
+    padded, alone = seeded(PackedTopKRouter, config), seeded(PackedTopKRouter, config)
+    padded(hidden, padding_mask=mask.transpose(0, 1))
+    alone(hidden[:8])
+    assert padded.local_tokens_per_expert.sum() == 8 * TOPK
+    assert torch.equal(padded.local_tokens_per_expert, alone.local_tokens_per_expert)
+    with torch.no_grad():
+        padded(hidden, padding_mask=mask.transpose(0, 1))
+    assert padded.local_tokens_per_expert.sum() == 8 * TOPK
+
+
+def test_upstream_expert_bias_count_does_not_broadcast_a_flat_mask(cpu_moe, expert_bias_on_cpu):
+    # Why PackedTopKRouter._apply_expert_bias reshapes the mask: megatron-core 0.19.2's
+    # count fails on the flattened mask its own routing() hands it.
+    import inspect
+
+    assert "routing_map = routing_map & (~padding_mask)" in inspect.getsource(
+        TopKRouter._apply_expert_bias)
+    upstream = seeded(TopKRouter, moe_config(moe_router_score_function="sigmoid",
+                                             moe_router_enable_expert_bias=True))
+    hidden, mask = _documents_and_padding()
+    with pytest.raises(Exception, match="broadcast|size of tensor"):
+        upstream(hidden, padding_mask=mask.transpose(0, 1))
+
+
+def test_passes_that_are_not_trainings_leave_the_expert_bias_and_its_counts(cpu_moe, expert_bias_on_cpu):
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+    from megatron.packed_graphs.moe import moe_accumulators_kept
+
+    config = moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    layer = build_module(gpt_layer_spec("torch", num_experts=EXPERTS), config=config,
+                         layer_number=1)
+    router = layer.mlp.router
+    hidden = torch.randn(16, 1, HIDDEN)
+    router(hidden)
+    before, bias = router.local_tokens_per_expert.clone(), router.expert_bias.clone()
+    with moe_accumulators_kept([layer]):  # e.g. graph warm-up, or a rerun's first pass
+        router(hidden)
+        _update_router_expert_bias([layer], config)  # what finalize_model_grads does
+        assert not torch.equal(router.expert_bias, bias)
+    assert torch.equal(router.local_tokens_per_expert, before)
+    assert torch.equal(router.expert_bias, bias)
+    _update_router_expert_bias([layer], config)  # the step's own update: against the load
+    loads = before - before.mean()
+    assert torch.equal(torch.sign(router.expert_bias), -torch.sign(loads))
+
+
 # ------------------------------------------------------------------------------ models
 
 def _packed_params(num_documents_tokens=12, total=16):

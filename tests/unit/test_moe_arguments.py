@@ -98,7 +98,8 @@ def test_grouped_gemm_with_te(with_te):
     ("--moe-z-loss-coeff", 0.001), ("--moe-router-score-function", "sigmoid"),
     ("--moe-router-dtype", "fp32"), ("--moe-expert-capacity-factor", 1.0),
     ("--expert-model-parallel-size", 2), ("--moe-capacity-overflow", "rerun"),
-    ("--moe-router-load-file", "loads.json"),
+    ("--moe-router-load-file", "loads.json"), ("--moe-router-bias-update-rate", 0.01),
+    ("--moe-router-topk-scaling-factor", 2.5),
 ])
 def test_moe_flag_without_experts(flag, value):
     with pytest.raises(ValueError, match=f"{flag} is wrong: {value}. It configures MoE layers; "
@@ -106,7 +107,8 @@ def test_moe_flag_without_experts(flag, value):
         validate(flag, value)
 
 
-@pytest.mark.parametrize("flag", ["--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm"])
+@pytest.mark.parametrize("flag", ["--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm",
+                                  "--moe-router-enable-expert-bias"])
 def test_moe_switch_without_experts(flag):
     with pytest.raises(ValueError, match=f"{flag} is wrong: True. It configures MoE layers"):
         validate(flag)
@@ -138,6 +140,33 @@ def test_topk_range(topk):
 def test_moe_sizes_and_coefficients_bounded(flag, value, minimum):
     with pytest.raises(ValueError, match=f"{flag} is wrong: {value}. Use a value >= {minimum}"):
         validate(*MOE, flag, value)
+
+
+def test_aux_loss_free_balancing_maps_onto_the_config():
+    # DeepSeek-V3 / Moonlight: sigmoid scores, a per-expert bias, scaled top-k weights.
+    config = transformer_config_from_args(validate(
+        *MOE, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", 0.002, "--moe-router-topk-scaling-factor", 2.446))
+    assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.002
+    assert config.moe_router_topk_scaling_factor == 2.446
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias is wrong: True. Aux-loss-free balancing biases sigmoid "
+     "scores .*softmax.*add --moe-router-score-function sigmoid"),
+    (["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+      "--moe-router-bias-update-rate", 0], "--moe-router-bias-update-rate is wrong: 0.0. Use a "
+                                           "positive rate"),
+    (["--moe-router-bias-update-rate", 0.01], "--moe-router-bias-update-rate is wrong: 0.01. "
+                                              "It moves the expert bias; add "
+                                              "--moe-router-enable-expert-bias"),
+    (["--moe-router-topk-scaling-factor", 0], "--moe-router-topk-scaling-factor is wrong: 0.0. "
+                                              "It multiplies the routed experts' weights"),
+])
+def test_aux_loss_free_balancing_refusals(extra, match):
+    with pytest.raises(ValueError, match=match):
+        validate(*MOE, *extra)
 
 
 def test_aux_coefficient_with_no_balancing():
