@@ -132,9 +132,10 @@ PRESETS = {
         "--rotary-base", "50000",
         "--num-experts", "64", "--moe-router-topk", "6", "--moe-ffn-hidden-size", "704",
         "--moe-shared-expert-intermediate-size", "1408", "--moe-router-score-function",
-        "sigmoid", "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor",
-        "1.25", "--moe-pad-expert-input-to-capacity", "--moe-aux-loss-coeff", "1e-3",
-        "--attention-backend", "te"]),
+        "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor",
+        "2.446", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
+        "1e-3", "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor",
+        "1.25", "--moe-pad-expert-input-to-capacity", "--attention-backend", "te"]),
 }
 PRESET_GROUPS = {
     "sweep": ["gpt-8x512x2048", "gpt-16x1024x4096", "gpt-24x2048x4096",
