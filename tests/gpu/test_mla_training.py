@@ -6,8 +6,9 @@ models) so that the two files, and the tests here, run as separate streams.
 
 The model is tools/benchmark.py's ``moonlight-small`` preset (Moonlight-16B-A3B's ratios at
 hidden 1024: MLA with a key/value latent of rank 256, head dims 128 + 64 RoPE for query and
-key and 128 for value, 64 experts top-6 with a shared expert, sigmoid router with expert bias, drop-and-pad)
-with TE's grouped-GEMM experts, at 4 layers and 2048 positions per micro-batch:
+key and 128 for value, 64 experts top-6 with a shared expert, sigmoid router with expert
+bias, drop-and-pad) with TE's grouped-GEMM experts, at 4 layers and 2048 positions per
+micro-batch:
 
 * eager vs layer graphs (local and TE implementations) on one GPU, 50 steps;
 * eager vs chunk graphs at PP = 2, 50 steps;
