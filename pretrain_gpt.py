@@ -15,16 +15,16 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
     from megatron.packed_graphs.attention import resolve_attention_backend
     from megatron.packed_graphs.chunk_graphs import use_chunk_graph_block
-    from megatron.packed_graphs.specs import gpt_layer_spec
+    from megatron.packed_graphs.specs import gpt_decoder_spec
 
     backend = resolve_attention_backend(args.attention_backend)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(
-            backend, args.normalization, num_experts=getattr(args, "num_experts", None),
+        transformer_layer_spec=gpt_decoder_spec(
+            config, backend, args.normalization, num_experts=getattr(args, "num_experts", None),
             moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
             multi_latent_attention=getattr(args, "multi_latent_attention", False),
-            qk_layernorm=args.qk_layernorm),
+            qk_layernorm=args.qk_layernorm, vp_stage=vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

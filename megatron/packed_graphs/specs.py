@@ -37,7 +37,15 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 
 from megatron.packed_graphs.attention import PackedSelfAttention, VarlenAttention
@@ -170,6 +178,36 @@ def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm",
             mlp_bda=get_bias_dropout_add,
         ),
     )
+
+
+def moe_layer_pattern(moe_layer_freq, num_layers: int) -> list:
+    """Megatron's --moe-layer-freq as one 0/1 entry per layer (1: MoE): an int N makes every
+    N-th layer MoE, starting with the first; a list is taken as it is."""
+    if isinstance(moe_layer_freq, int):
+        return [int(i % moe_layer_freq == 0) for i in range(num_layers)]
+    return list(moe_layer_freq)
+
+
+def gpt_decoder_spec(config, attention_backend: str, normalization: str = "RMSNorm",
+                     num_experts: int | None = None, moe_grouped_gemm: bool = False,
+                     multi_latent_attention: bool = False, qk_layernorm: bool = False,
+                     vp_stage: int | None = None):
+    """GPTModel's ``transformer_layer_spec``: `gpt_layer_spec` for every layer, or, when the
+    config's ``moe_layer_freq`` leaves some layers dense (e.g. DeepSeek's and Moonlight's
+    dense first layers), the layers of this pipeline stage (``vp_stage``), each dense or MoE,
+    with megatron-core's default final norm (as a single layer spec gets)."""
+    layer = functools.partial(gpt_layer_spec, attention_backend, normalization,
+                              moe_grouped_gemm=moe_grouped_gemm,
+                              multi_latent_attention=multi_latent_attention,
+                              qk_layernorm=qk_layernorm)
+    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+    if num_experts is None or all(pattern):
+        return layer(num_experts=num_experts)
+    dense, moe = layer(num_experts=None), layer(num_experts=num_experts)
+    first = get_transformer_layer_offset(config, vp_stage)
+    local = pattern[first:first + get_num_layers_to_build(config, vp_stage)]
+    return TransformerBlockSubmodules(layer_specs=[moe if is_moe else dense for is_moe in local],
+                                      layer_norm=LayerNormImpl)
 
 
 def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",

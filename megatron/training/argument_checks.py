@@ -693,6 +693,7 @@ def check_cuda_graphs(args):
 # MoE flags and their defaults: any other value needs MoE layers (--num-experts).
 _MOE_FLAG_DEFAULTS = {
     "--moe-router-topk": 2,
+    "--moe-layer-freq": 1,
     "--moe-ffn-hidden-size": None,
     "--moe-shared-expert-intermediate-size": None,
     "--moe-router-load-balancing-type": "aux_loss",
@@ -736,6 +737,7 @@ def check_moe(args, model: str):
     the reason (docs/moe.md)."""
     experts = getattr(args, "num_experts", None)
     pattern = args.hybrid_override_pattern or ""
+    args.moe_layer_freq = _moe_layer_freq(args.moe_layer_freq)
     if experts is None:
         if model == "hybrid" and "E" in pattern:
             fail("--hybrid-override-pattern", repr(pattern),
@@ -765,6 +767,7 @@ def check_moe(args, model: str):
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     _check_expert_bias(args)
+    _check_moe_layer_freq(args, model)
     if args.moe_router_load_balancing_type == "none" and args.moe_aux_loss_coeff > 0:
         fail("--moe-aux-loss-coeff", args.moe_aux_loss_coeff,
              "--moe-router-load-balancing-type none has no load-balancing loss to weigh; drop "
@@ -805,6 +808,57 @@ def check_moe(args, model: str):
              "MoE layers with tensor parallelism need --sequence-parallel (megatron-core "
              "refuses the combination in training)")
     _check_moe_graphs(args, model)
+
+
+_LAYER_FREQ_FORMAT = ("Give N (every N-th layer is MoE, the first included) or one 0/1 per "
+                      "layer as a list expression of lists, ints, + and *, e.g. [0]*1+[1]*26")
+
+
+def _moe_layer_freq(value):
+    """--moe-layer-freq as an int or a list of ints (Megatron's two forms). A list is
+    evaluated from its literal syntax only: lists, ints, + and * (no names, no calls)."""
+    if not isinstance(value, str):
+        return value
+    import ast
+
+    def evaluate(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [evaluate(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = evaluate(node.left), evaluate(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(ast.dump(node))
+
+    try:
+        result = evaluate(ast.parse(value.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        fail("--moe-layer-freq", repr(value), _LAYER_FREQ_FORMAT)
+    if not isinstance(result, (int, list)):
+        fail("--moe-layer-freq", repr(value), _LAYER_FREQ_FORMAT)
+    return result
+
+
+def _check_moe_layer_freq(args, model: str):
+    freq = args.moe_layer_freq
+    if freq == 1:
+        return
+    if model == "hybrid":
+        fail("--moe-layer-freq", freq,
+             "A hybrid model's MoE layers are the 'E' layers of --hybrid-override-pattern; "
+             "drop the flag")
+    if isinstance(freq, int):
+        if freq < 1:
+            fail("--moe-layer-freq", freq, "Use N >= 1: every N-th layer is MoE")
+        return
+    if len(freq) != args.num_layers or not all(type(v) is int and v in (0, 1) for v in freq):
+        fail("--moe-layer-freq", freq,
+             f"Give one 0 (dense) or 1 (MoE) per layer: {args.num_layers} for --num-layers "
+             f"{args.num_layers}")
+    if 1 not in freq:
+        fail("--moe-layer-freq", freq,
+             "It makes no layer MoE; drop --num-experts and the MoE flags for a dense model")
 
 
 def _check_expert_bias(args):

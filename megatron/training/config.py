@@ -132,6 +132,7 @@ def moe_kwargs(args) -> dict:
         return {}
     return dict(
         num_moe_experts=args.num_experts,
+        moe_layer_freq=args.moe_layer_freq,
         moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,

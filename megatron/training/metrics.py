@@ -74,8 +74,9 @@ class MoELosses:
         self.model_chunks = model_chunks
         pattern = getattr(args, "hybrid_override_pattern", None)
         self.num_layers = args.num_layers
-        # gpt: every layer is MoE; hybrid: the 'E' layers.
-        self.moe_layer_freq = [int(c == "E") for c in pattern] if pattern else 1
+        # gpt: --moe-layer-freq (every layer by default); hybrid: the 'E' layers.
+        self.moe_layer_freq = ([int(c == "E") for c in pattern] if pattern
+                               else getattr(args, "moe_layer_freq", 1))
         self._totals: dict = {}
         self._iterations = 0
 

@@ -303,6 +303,37 @@ def test_gpt_moe_model_forward_backward_on_cpu(cpu_moe):
     assert (get_moe_metrics_tracker().metrics["load_balancing_loss"].values > 0).all()
 
 
+def test_gpt_with_a_dense_first_layer(cpu_moe):
+    """--moe-layer-freq [0, 1]: the first layer keeps a dense MLP, the second is MoE; the
+    model trains on a packed row and the aux loss is recorded for the MoE layer only."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron.packed_graphs.layers import GraphSafeTransformerLayer
+    from megatron.packed_graphs.specs import gpt_decoder_spec, moe_layer_pattern
+
+    assert moe_layer_pattern(2, 5) == [1, 0, 1, 0, 1] and moe_layer_pattern([0, 1], 2) == [0, 1]
+    config = moe_config(moe_layer_freq=[0, 1], **DROP_AND_PAD)
+    torch.manual_seed(0)
+    model = GPTModel(config=config, transformer_layer_spec=gpt_decoder_spec(
+                         config, "torch", num_experts=EXPERTS),
+                     vocab_size=64, max_sequence_length=16, position_embedding_type="none")
+    dense, moe = model.decoder.layers
+    assert type(dense) is GraphSafeTransformerLayer and type(dense.mlp) is MLP
+    assert isinstance(moe, GraphSafeMoELayer) and isinstance(moe.mlp, MoELayer)
+    params = _packed_params()
+    tokens = torch.randint(1, 64, (1, 16))
+    model(tokens, params.position_ids.view(1, -1), None, labels=tokens,
+          packed_seq_params=params).sum().backward()
+    assert dense.mlp.linear_fc1.weight.grad.abs().sum() > 0
+    assert moe.mlp.router.weight.grad.abs().sum() > 0
+    recorded = get_moe_metrics_tracker().metrics["load_balancing_loss"].values
+    assert recorded[0] == 0 and recorded[1] > 0
+    # Every layer MoE: the plain layer spec, as before.
+    assert gpt_decoder_spec(moe_config(), "torch", num_experts=EXPERTS).module is GraphSafeMoELayer
+
+
 def test_padding_does_not_change_the_documents_outputs(cpu_moe):
     """A layer's outputs on the documents do not depend on what the padding holds."""
     config = moe_config(**DROP_AND_PAD)

@@ -142,6 +142,35 @@ def test_moe_sizes_and_coefficients_bounded(flag, value, minimum):
         validate(*MOE, flag, value)
 
 
+@pytest.mark.parametrize("given, parsed", [("2", 2), ("[0]*1+[1]*1", [0, 1]), ("[1, 0]", [1, 0])])
+def test_moe_layer_freq_takes_megatrons_two_forms(given, parsed):
+    args = validate(*MOE, "--moe-layer-freq", given)
+    assert args.moe_layer_freq == parsed
+    assert transformer_config_from_args(args).moe_layer_freq == parsed
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq is wrong: \"__import__\('os'\)\". "
+                                              "Give N .*lists, ints, \+ and \*"),
+    (["--moe-layer-freq", "[0]*3"], "--moe-layer-freq is wrong: \[0, 0, 0\]. Give one 0 "
+                                    "\(dense\) or 1 \(MoE\) per layer: 2 for --num-layers 2"),
+    (["--moe-layer-freq", "[0, 2]"], "Give one 0 \(dense\) or 1 \(MoE\) per layer"),
+    (["--moe-layer-freq", "[0, 0]"], "It makes no layer MoE; drop --num-experts"),
+    (["--moe-layer-freq", "0"], "--moe-layer-freq is wrong: 0. Use N >= 1"),
+])
+def test_moe_layer_freq_refusals(extra, match):
+    with pytest.raises(ValueError, match=match):
+        validate(*MOE, *extra)
+
+
+def test_moe_layer_freq_needs_experts_and_a_gpt_model():
+    with pytest.raises(ValueError, match="--moe-layer-freq is wrong: 2. It configures MoE layers"):
+        validate("--moe-layer-freq", "2")
+    with pytest.raises(ValueError, match="A hybrid model's MoE layers are the 'E' layers"):
+        validate(*MOE, "--hybrid-override-pattern", "M*EE", "--moe-layer-freq", "2",
+                 model="hybrid")
+
+
 def test_aux_loss_free_balancing_maps_onto_the_config():
     # DeepSeek-V3 / Moonlight: sigmoid scores, a per-expert bias, scaled top-k weights.
     config = transformer_config_from_args(validate(
