@@ -150,11 +150,11 @@ def test_moe_layer_freq_takes_megatrons_two_forms(given, parsed):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq is wrong: \"__import__\('os'\)\". "
-                                              "Give N .*lists, ints, \+ and \*"),
-    (["--moe-layer-freq", "[0]*3"], "--moe-layer-freq is wrong: \[0, 0, 0\]. Give one 0 "
-                                    "\(dense\) or 1 \(MoE\) per layer: 2 for --num-layers 2"),
-    (["--moe-layer-freq", "[0, 2]"], "Give one 0 \(dense\) or 1 \(MoE\) per layer"),
+    (["--moe-layer-freq", "__import__('os')"],
+     r"--moe-layer-freq is wrong: \"__import__\('os'\)\". Give N .*lists, ints, \+ and \*"),
+    (["--moe-layer-freq", "[0]*3"], r"--moe-layer-freq is wrong: \[0, 0, 0\]. Give one 0 "
+                                    r"\(dense\) or 1 \(MoE\) per layer: 2 for --num-layers 2"),
+    (["--moe-layer-freq", "[0, 2]"], r"Give one 0 \(dense\) or 1 \(MoE\) per layer"),
     (["--moe-layer-freq", "[0, 0]"], "It makes no layer MoE; drop --num-experts"),
     (["--moe-layer-freq", "0"], "--moe-layer-freq is wrong: 0. Use N >= 1"),
 ])
