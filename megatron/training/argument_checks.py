@@ -703,6 +703,8 @@ _MOE_FLAG_DEFAULTS = {
     "--moe-router-enable-expert-bias": False,
     "--moe-router-bias-update-rate": 1e-3,
     "--moe-router-topk-scaling-factor": None,
+    "--moe-router-num-groups": None,
+    "--moe-router-group-topk": None,
     "--moe-router-dtype": None,
     "--moe-token-dispatcher-type": "alltoall",
     "--moe-expert-capacity-factor": None,
@@ -768,6 +770,7 @@ def check_moe(args, model: str):
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     _check_expert_bias(args)
     _check_moe_layer_freq(args, model)
+    _check_group_limited_routing(args, experts)
     if args.moe_router_load_balancing_type == "none" and args.moe_aux_loss_coeff > 0:
         fail("--moe-aux-loss-coeff", args.moe_aux_loss_coeff,
              "--moe-router-load-balancing-type none has no load-balancing loss to weigh; drop "
@@ -859,6 +862,29 @@ def _check_moe_layer_freq(args, model: str):
     if 1 not in freq:
         fail("--moe-layer-freq", freq,
              "It makes no layer MoE; drop --num-experts and the MoE flags for a dense model")
+
+
+def _check_group_limited_routing(args, experts: int):
+    groups, chosen = args.moe_router_num_groups, args.moe_router_group_topk
+    topk = args.moe_router_topk
+    if groups is None and chosen is None:
+        return
+    if groups is None or chosen is None:
+        given = "--moe-router-num-groups" if groups is not None else "--moe-router-group-topk"
+        fail(given, groups if groups is not None else chosen,
+             "Group-limited routing needs both --moe-router-num-groups and "
+             "--moe-router-group-topk; add the other or drop it")
+    if groups < 1 or experts % groups:
+        fail("--moe-router-num-groups", groups,
+             f"Use a divisor of --num-experts ({experts}): the groups are equal")
+    if not 1 <= chosen <= groups:
+        fail("--moe-router-group-topk", chosen,
+             f"Use a value in [1, --moe-router-num-groups ({groups})]")
+    if topk % chosen or topk // chosen > experts // groups:
+        fail("--moe-router-group-topk", chosen,
+             f"megatron-core scores a group by its best --moe-router-topk / group-topk experts: "
+             f"it must divide --moe-router-topk ({topk}) into at most the {experts // groups} "
+             f"experts of a group")
 
 
 def _check_expert_bias(args):

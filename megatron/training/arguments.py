@@ -187,6 +187,12 @@ def _add_moe_args(parser):
                         "Needs --moe-router-score-function sigmoid.")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
                    help="Step of the expert-bias update per global batch.")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="Group-limited routing (DeepSeek-V2/V3): the experts form this many "
+                        "equal groups and each token chooses within --moe-router-group-topk "
+                        "of them (e.g. one group per EP rank or node).")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Groups each token may route to, with --moe-router-num-groups.")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
                    help="Multiplies the routed experts' weights (e.g. DeepSeek-V3's 2.5, "
                         "Moonlight's 2.446; default: 1).")

@@ -143,6 +143,8 @@ def moe_kwargs(args) -> dict:
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
         moe_router_dtype=args.moe_router_dtype,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,

@@ -231,7 +231,8 @@ def test_upstream_expert_bias_count_does_not_broadcast_a_flat_mask(cpu_moe, expe
         upstream(hidden, padding_mask=mask.transpose(0, 1))
 
 
-def test_passes_that_are_not_trainings_leave_the_expert_bias_and_its_counts(cpu_moe, expert_bias_on_cpu):
+def test_passes_that_are_not_trainings_leave_the_expert_bias_and_its_counts(cpu_moe,
+                                                                            expert_bias_on_cpu):
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
 
     from megatron.packed_graphs.moe import moe_accumulators_kept

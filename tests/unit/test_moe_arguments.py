@@ -99,7 +99,8 @@ def test_grouped_gemm_with_te(with_te):
     ("--moe-router-dtype", "fp32"), ("--moe-expert-capacity-factor", 1.0),
     ("--expert-model-parallel-size", 2), ("--moe-capacity-overflow", "rerun"),
     ("--moe-router-load-file", "loads.json"), ("--moe-router-bias-update-rate", 0.01),
-    ("--moe-router-topk-scaling-factor", 2.5),
+    ("--moe-router-topk-scaling-factor", 2.5), ("--moe-router-num-groups", 2),
+    ("--moe-router-group-topk", 1),
 ])
 def test_moe_flag_without_experts(flag, value):
     with pytest.raises(ValueError, match=f"{flag} is wrong: {value}. It configures MoE layers; "
@@ -169,6 +170,30 @@ def test_moe_layer_freq_needs_experts_and_a_gpt_model():
     with pytest.raises(ValueError, match="A hybrid model's MoE layers are the 'E' layers"):
         validate(*MOE, "--hybrid-override-pattern", "M*EE", "--moe-layer-freq", "2",
                  model="hybrid")
+
+
+def test_group_limited_routing_maps_onto_the_config():
+    config = transformer_config_from_args(validate(
+        *MOE, "--moe-router-topk", 4, "--moe-router-num-groups", 4, "--moe-router-group-topk", 2))
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (4, 2)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--moe-router-num-groups", 4], "--moe-router-num-groups is wrong: 4. Group-limited "
+                                     "routing needs both"),
+    (["--moe-router-group-topk", 2], "--moe-router-group-topk is wrong: 2. Group-limited"),
+    (["--moe-router-num-groups", 3, "--moe-router-group-topk", 1],
+     r"--moe-router-num-groups is wrong: 3. Use a divisor of --num-experts \(8\)"),
+    (["--moe-router-num-groups", 4, "--moe-router-group-topk", 5],
+     r"--moe-router-group-topk is wrong: 5. Use a value in \[1, --moe-router-num-groups \(4\)\]"),
+    (["--moe-router-topk", 3, "--moe-router-num-groups", 4, "--moe-router-group-topk", 2],
+     r"--moe-router-group-topk is wrong: 2. megatron-core scores a group by its best"),
+    (["--moe-router-topk", 6, "--moe-router-num-groups", 4, "--moe-router-group-topk", 2],
+     r"at most the 2 experts of a group"),
+])
+def test_group_limited_routing_refusals(extra, match):
+    with pytest.raises(ValueError, match=match):
+        validate(*MOE, *extra)
 
 
 def test_aux_loss_free_balancing_maps_onto_the_config():
