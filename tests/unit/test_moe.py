@@ -194,6 +194,17 @@ def test_aux_and_z_loss_ignore_padding(cpu_moe):
         torch.testing.assert_close(values[0][name], values[1][name])
 
 
+def test_group_limited_routing_keeps_each_token_in_its_groups(cpu_moe):
+    # 4 experts in 2 groups, each token routed within 1 group; padding as always.
+    router = seeded(PackedTopKRouter, moe_config(moe_router_num_groups=2,
+                                                 moe_router_group_topk=1))
+    hidden, mask = _documents_and_padding()
+    probs, routing_map = router(hidden, padding_mask=mask.transpose(0, 1))
+    groups = routing_map[:8].view(8, 2, 2).any(dim=-1).sum(dim=-1)
+    assert (groups == 1).all() and (routing_map[:8].sum(dim=1) == TOPK).all()
+    assert not probs[8:].any()
+
+
 @pytest.fixture
 def expert_bias_on_cpu(monkeypatch):
     # megatron-core allocates the bias and its counts on the current CUDA device.
