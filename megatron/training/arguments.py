@@ -161,11 +161,13 @@ def _add_moe_args(parser):
                    help="Routed experts per MoE layer. gpt: every layer's MLP is an MoE layer; "
                         "hybrid: the 'E' layers of the pattern.")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
-    g.add_argument("--moe-layer-freq", default=1,
-                   help="gpt: which layers are MoE, the others dense: N makes every N-th "
-                        "layer MoE (the first included), or one 0/1 per layer as a Python "
-                        "list expression, e.g. \"[0]*1+[1]*26\" for a dense first layer "
-                        "(hybrid models take theirs from the pattern's 'E').")
+    layer_freq = g.add_argument(
+        "--moe-layer-freq", default=1,
+        help="gpt: which layers are MoE, the others dense: N makes every N-th layer MoE (the "
+             "first included), or one 0/1 per layer as a Python list expression, e.g. "
+             "\"[0]*1+[1]*26\" for a dense first layer (hybrid models take theirs from the "
+             "pattern's 'E').")
+    layer_freq.list_literal = True  # a library config may give the list itself (config.py)
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                    help="Inner width of each routed expert (default: --ffn-hidden-size).")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,

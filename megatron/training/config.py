@@ -426,6 +426,8 @@ def _argv(action: argparse.Action, value) -> list[str]:
         return [flag] if value else []
     if isinstance(value, bool) or isinstance(value, (dict, set)):
         checks.fail(action.dest, repr(value), "It takes a value, not an on/off switch or mapping")
+    if isinstance(value, (list, tuple)) and getattr(action, "list_literal", False):
+        return [flag, repr(list(value))]  # the CLI's list expression, e.g. [0, 1, 1]
     if isinstance(value, (list, tuple)):
         if action.nargs != "+":
             checks.fail(action.dest, repr(value), "It takes one value, not a list")

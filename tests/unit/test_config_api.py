@@ -74,7 +74,10 @@ def assert_same_transformer_config(a, b):
      GPT_ARGV + ["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn",
                  "--cuda-graph-max-packed-seqs", "64"]),
     (GPT, GPT_ARGV),
-], ids=["gpt-graphs", "hybrid-graphs", "gpt-deprecated-scope", "gpt-eager"])
+    # A layer list as YAML gives it, and as the CLI's list expression.
+    ({**GPT, "num_experts": 4, "moe_layer_freq": [0, 1, 1, 1]},
+     GPT_ARGV + ["--num-experts", "4", "--moe-layer-freq", "[0]*1+[1]*3"]),
+], ids=["gpt-graphs", "hybrid-graphs", "gpt-deprecated-scope", "gpt-eager", "gpt-moe-layers"])
 def test_cli_and_api_give_the_same_transformer_config(settings, argv):
     model = settings.get("model", "gpt")
     cli = parse_args(argv, model=model)
