@@ -394,8 +394,12 @@ def record_capture_statistics() -> None:
         with contextlib.ExitStack() as guards:
             for guard in _capture_guards:
                 guards.enter_context(guard())
-            stats = upstream()
-        torch.cuda.set_stream(stream)
+            try:
+                stats = upstream()
+            finally:
+                # Before the guards' exits: what they restore is read on this stream next,
+                # and torch's side streams do not wait for the default stream.
+                torch.cuda.set_stream(stream)
         if stats:
             stats = dict(stats, graphs=graphs,
                          graph_reserved_bytes=reserved_without_cache() - before)

@@ -965,11 +965,13 @@ def _check_moe_graphs(args, model: str):
              "map's sum, a host read inside the graph (megatron-core refuses it too); add "
              "--moe-pad-expert-input-to-capacity, or drop the factor for dropless MoE")
     if "mlp" in args.cuda_graph_modules:
-        layers = "every layer is" if model == "gpt" else "the 'E' layers are"
+        layers = ("the layers --moe-layer-freq names (every layer by default)" if model == "gpt"
+                  else "the 'E' layers")
         fail("--cuda-graph-modules", "mlp",
-             f"With --num-experts {layers} an MoE layer, and megatron-core refuses mlp graphs "
-             "in a model whose layers are all MoE (it counts hybrid '-' layers as MoE too); "
-             "drop mlp or capture whole layers")
+             f"With --num-experts the MLPs of {layers} are MoE layers, which mlp graphs do not "
+             "capture; megatron-core refuses mlp graphs when every layer is MoE (it counts "
+             "hybrid '-' layers as MoE too), and this fork does not graph the dense MLPs of a "
+             "mixed model apart: drop mlp or capture whole layers")
 
 
 def check_dynamic_cp(args):

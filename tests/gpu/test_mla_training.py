@@ -26,7 +26,9 @@ one seed differ from the first iteration on, and the router turns that bf16 nois
 expert choices. On this memorising mock task two such runs drift apart by up to 0.09 in loss
 within 50 steps, so a fixed tolerance either fails healthy graphs or hides real errors. Each
 of those tests runs eager twice and requires the graphs to stay as close to eager as eager
-stays to itself (within a factor of three; never looser than the fixed tolerances).
+stays to itself: within three times that drift, in the largest and in the mean per-iteration
+difference (the mean, which noise moves much less, is what catches a consistent error), and
+never tighter than the fixed tolerances.
 ``--deterministic-mode`` is no way out: with it, Moonlight-shaped MLA + MoE gives NaN
 gradients in the first backward pass on an H200 with TE 2.20.2 (eager, no graphs).
 """
@@ -73,26 +75,29 @@ def _finite(records):
 
 
 def _drift(a, b):
-    """Largest per-iteration loss difference and grad-norm relative difference of two runs."""
-    dloss = max(abs(x - y) for x, y in zip(losses(a), losses(b)))
+    """Per-iteration differences of two runs: (largest loss difference, mean loss difference,
+    largest grad-norm relative difference)."""
+    dloss = [abs(x - y) for x, y in zip(losses(a), losses(b))]
     dnorm = max(abs(x["grad_norm"] - y["grad_norm"]) / x["grad_norm"] for x, y in zip(a, b))
-    return dloss, dnorm
+    return max(dloss), sum(dloss) / len(dloss), dnorm
 
 
 def _compare(eager, graphs, what, *, again=None, tolerance=5e-3):
-    """Graphs train like eager: no NaN, every iteration's loss within ``tolerance`` and grad
-    norm within 2 % of eager's; with ``again`` (a second eager run of the same seed), within
-    three times the drift between the two eager runs where that is larger."""
+    """Graphs train like eager: no NaN, the graphed loss falls, and every iteration's loss is
+    within ``tolerance`` (largest and mean difference) and grad norm within 2 % of eager's;
+    with ``again`` (a second eager run of the same seed), within three times the drift
+    between the two eager runs where that is larger."""
     runs = [eager, graphs] + ([again] if again else [])
     assert len({len(r) for r in runs}) == 1 and all(_finite(r) for r in runs)  # no NaN, no inf
-    floor_loss, floor_norm = _drift(eager, again) if again else (0.0, 0.0)
-    dloss, dnorm = _drift(eager, graphs)
-    print(f"{what}: max |dloss| {dloss:.2e}, max grad-norm rel diff {dnorm:.2e}; "
-          f"eager vs eager {floor_loss:.2e}, {floor_norm:.2e}")
-    assert dloss <= max(tolerance, 3 * floor_loss), (losses(eager), losses(graphs))
+    floor_max, floor_mean, floor_norm = _drift(eager, again) if again else (0.0, 0.0, 0.0)
+    dmax, dmean, dnorm = _drift(eager, graphs)
+    print(f"{what}: |dloss| max {dmax:.2e} mean {dmean:.2e}, grad-norm rel diff {dnorm:.2e}; "
+          f"eager vs eager {floor_max:.2e}, {floor_mean:.2e}, {floor_norm:.2e}")
+    assert dmean <= max(tolerance, 3 * floor_mean), (losses(eager), losses(graphs))
+    assert dmax <= max(tolerance, 3 * floor_max), (losses(eager), losses(graphs))
     assert dnorm <= max(2e-2, 3 * floor_norm), ([r["grad_norm"] for r in eager],
                                                 [r["grad_norm"] for r in graphs])
-    assert losses(eager)[-1] < losses(eager)[0]
+    assert losses(eager)[-1] < losses(eager)[0] and losses(graphs)[-1] < losses(graphs)[0]
 
 
 def _replayed(records, micro_batches, after=4):

@@ -345,6 +345,8 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
 
     entered = []
 
+    events = []  # guard exits and stream switches, in order
+
     @contextlib.contextmanager
     def guard(name):
         entered.append(name)
@@ -352,6 +354,7 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
             yield
         finally:
             entered.remove(name)
+            events.append(f"exit {name}")
 
     monkeypatch.setattr(schedules, "create_cudagraphs", upstream_capture)
     monkeypatch.setattr(core_patches, "reserved_without_cache", lambda: 0)  # needs CUDA
@@ -361,7 +364,8 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
     monkeypatch.setattr(core_patches, "capture_log", collections.deque(maxlen=8))
     streams = []  # no CUDA here: the process's stream is a name
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: "side stream")
-    monkeypatch.setattr(torch.cuda, "set_stream", streams.append)
+    monkeypatch.setattr(torch.cuda, "set_stream",
+                        lambda s: (streams.append(s), events.append(f"stream {s}")))
     core_patches.record_capture_statistics()  # wraps the stand-in
     with core_patches.guard_local_capture(lambda: guard("moe")):
         with core_patches.guard_local_capture(lambda: guard("other")):
@@ -373,6 +377,8 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
     assert list(core_patches.capture_log)[-1] == {"time": 0.5, "graphs": 2,
                                                   "graph_reserved_bytes": 0}
     assert streams == ["side stream"] * 3  # back on the stream the capture began on
+    # ... before the guards restore anything (they write on the stream that reads next).
+    assert events[:3] == ["stream side stream", "exit other", "exit moe"]
 
 
 def test_upstream_capture_ends_on_the_default_stream():
