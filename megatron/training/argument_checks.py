@@ -700,6 +700,7 @@ _MOE_FLAG_DEFAULTS = {
     "--moe-aux-loss-coeff": 0.0,
     "--moe-z-loss-coeff": None,
     "--moe-router-score-function": "softmax",
+    "--moe-router-pre-softmax": False,
     "--moe-router-enable-expert-bias": False,
     "--moe-router-bias-update-rate": 1e-3,
     "--moe-router-topk-scaling-factor": None,
@@ -762,6 +763,12 @@ def check_moe(args, model: str):
     topk = args.moe_router_topk
     if not 1 <= topk <= experts:
         fail("--moe-router-topk", topk, f"Use a value in [1, --num-experts ({experts})]")
+    if (topk == 1 and args.moe_router_score_function == "softmax"
+            and not args.moe_router_pre_softmax):
+        fail("--moe-router-topk", 1,
+             "Top-1 softmax routing needs --moe-router-pre-softmax: a softmax over the one "
+             "chosen expert is always 1 and gives the router no gradient (megatron-core "
+             "refuses it); add it, or use --moe-router-score-function sigmoid")
     _at_least(args, "--moe-ffn-hidden-size", 1)
     _at_least(args, "--moe-shared-expert-intermediate-size", 1)
     _at_least(args, "--moe-aux-loss-coeff", 0.0)

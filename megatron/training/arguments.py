@@ -182,6 +182,10 @@ def _add_moe_args(parser):
                    help="Weight of the router z-loss (default: off).")
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
                    default="softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="Softmax over all experts before the top-k choice, weights not "
+                        "renormalised (DeepSeek-V2; needed for top-1 softmax routing). "
+                        "Default: softmax over the chosen experts' logits.")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="Aux-loss-free load balancing (DeepSeek-V3, Moonlight): a per-expert "
                         "bias added to the scores for the top-k choice only, moved toward "

@@ -140,6 +140,7 @@ def moe_kwargs(args) -> dict:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,

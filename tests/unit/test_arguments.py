@@ -724,7 +724,7 @@ ALLOWED_OPTIONS = [
     "--moe-pad-expert-input-to-capacity",
     "--moe-router-bias-update-rate", "--moe-router-dtype", "--moe-router-enable-expert-bias",
     "--moe-router-group-topk", "--moe-router-load-balancing-type", "--moe-router-load-file",
-    "--moe-router-num-groups",
+    "--moe-router-num-groups", "--moe-router-pre-softmax",
     "--moe-router-score-function", "--moe-router-topk", "--moe-router-topk-scaling-factor",
     "--moe-shared-expert-intermediate-size", "--moe-token-dispatcher-type", "--moe-z-loss-coeff",
     "--mscale", "--mscale-all-dim", "--multi-latent-attention",

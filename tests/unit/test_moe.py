@@ -194,6 +194,19 @@ def test_aux_and_z_loss_ignore_padding(cpu_moe):
         torch.testing.assert_close(values[0][name], values[1][name])
 
 
+def test_top1_pre_softmax_routing_leaves_padding_out(cpu_moe):
+    # Switch-style top-1 routing (--moe-router-pre-softmax): one expert a document token,
+    # weighted by its softmax over all experts; padding unrouted, no capacity taken.
+    router = seeded(PackedTopKRouter, moe_config(moe_router_topk=1, moe_router_pre_softmax=True,
+                                                 **DROP_AND_PAD))
+    hidden, mask = _documents_and_padding()
+    probs, routing_map = router(hidden, padding_mask=mask.transpose(0, 1))
+    assert not probs[8:].any()
+    weighted = routing_map & (probs > 0)
+    assert (weighted.sum(dim=1)[:8] <= 1).all() and weighted[:8].sum() > 0
+    assert (probs[:8].max(dim=1).values < 1).all()  # not renormalised over the one choice
+
+
 def test_group_limited_routing_keeps_each_token_in_its_groups(cpu_moe):
     # 4 experts in 2 groups, each token routed within 1 group; padding as always.
     router = seeded(PackedTopKRouter, moe_config(moe_router_num_groups=2,

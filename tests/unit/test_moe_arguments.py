@@ -109,7 +109,7 @@ def test_moe_flag_without_experts(flag, value):
 
 
 @pytest.mark.parametrize("flag", ["--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm",
-                                  "--moe-router-enable-expert-bias"])
+                                  "--moe-router-enable-expert-bias", "--moe-router-pre-softmax"])
 def test_moe_switch_without_experts(flag):
     with pytest.raises(ValueError, match=f"{flag} is wrong: True. It configures MoE layers"):
         validate(flag)
@@ -170,6 +170,17 @@ def test_moe_layer_freq_needs_experts_and_a_gpt_model():
     with pytest.raises(ValueError, match="A hybrid model's MoE layers are the 'E' layers"):
         validate(*MOE, "--hybrid-override-pattern", "M*EE", "--moe-layer-freq", "2",
                  model="hybrid")
+
+
+def test_top1_softmax_routing_needs_pre_softmax():
+    with pytest.raises(ValueError, match="--moe-router-topk is wrong: 1. Top-1 softmax routing "
+                                         "needs --moe-router-pre-softmax"):
+        validate(*MOE, "--moe-router-topk", 1)
+    for extra in (["--moe-router-pre-softmax"], ["--moe-router-score-function", "sigmoid"]):
+        config = transformer_config_from_args(validate(*MOE, "--moe-router-topk", 1, *extra))
+        assert config.moe_router_topk == 1
+    config = transformer_config_from_args(validate(*MOE, "--moe-router-pre-softmax"))
+    assert config.moe_router_pre_softmax
 
 
 def test_group_limited_routing_maps_onto_the_config():
