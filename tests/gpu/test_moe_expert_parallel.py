@@ -13,7 +13,13 @@ import pytest
 
 from megatron.training.argument_checks import is_importable
 from tests.gpu import launch
-from tests.gpu.launch import DROP_AND_PAD, LAYER_GRAPHS, TRAIN, losses, run_training
+from tests.gpu.launch import (
+    DROP_AND_PAD,
+    LAYER_GRAPHS,
+    TRAIN,
+    assert_moe_follows_eager,
+    run_training,
+)
 
 TINY_GPT_MOE = launch.TINY_GPT_MOE + DROP_AND_PAD
 CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]
@@ -32,12 +38,7 @@ def _compare(tmp_path, layout, graph_flags, nproc, global_batch, label):
     captured = [r for r in graphs if r.get("graph capture (s)")]
     assert len(captured) == 1, "captured once"
     assert all(r["load_balancing_loss"] > 0 for r in eager + graphs)
-    dloss = max(abs(e["lm_loss"] - g["lm_loss"]) for e, g in zip(eager, graphs))
-    daux = max(abs(e["load_balancing_loss"] - g["load_balancing_loss"])
-               for e, g in zip(eager, graphs))
-    print(f"{label}: max |dloss| {dloss:.2e}, max |d aux| {daux:.2e}, "
-          f"{captured[0]['graphs captured']} graphs")
-    assert dloss < 5e-3 and daux < 5e-3, (losses(eager), losses(graphs))
+    assert_moe_follows_eager(eager, graphs, f"{label}, {captured[0]['graphs captured']} graphs")
 
 
 @pytest.mark.gpus(2)
