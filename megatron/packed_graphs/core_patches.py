@@ -16,7 +16,8 @@ explicitly, at the start of training:
 * `keep_saved_tensor_observer_armed_until_capture`: upstream disarms that observer at the end
   of the first schedule, which in this fork is an eager warm-up iteration.
 * `keep_chunk_graph_buffers_private` (replaces 0.16.1's ``keep_graph_buffers_private``):
-  chunk-graph slots replay out of capture order, so their buffers are never shared.
+  chunk-graph slots replay out of capture order, and eager code reads a partial MoE router
+  graph's outputs, so the buffers of those runners are never shared.
 * `sync_free_multi_tensor_fallbacks`, `clip_gradients_without_host_sync`: gradient norm and
   clipping without host syncs where neither TE >= 2.14 nor apex provides the kernels.
 * `warm_up_graphs_on_recorded_layouts`: the capture's warm-up passes run on the recorded
@@ -125,7 +126,9 @@ def keep_chunk_graph_buffers_private() -> None:
     capture order. Chunk-graph slots replay in the order the schedule needs, which changes
     with the micro-batch count, so a slot reusing another slot's released buffer would
     overwrite it. Runners that chunk graphs mark ``keep_buffers_private`` keep strong
-    references (chunks are few: the cost is a few activation-sized buffers per slot).
+    references (chunks are few: the cost is a few activation-sized buffers per slot). The
+    router graphs of partial MoE layers are marked too: eager code reads their outputs
+    (moe_partial.keep_router_graph_buffers).
     Forward buffers are handled in `keep_forward_inputs_until_backward_captured`.
     """
     def create_bwd_graph(self):

@@ -27,7 +27,9 @@ What this module adds for packed training (`PartialMoEGraphs`, a layer mixin):
   micro-batch, warm-up, evaluation and the health check's eager pass, as the whole-layer
   manager does through ``_should_call_local_cudagraph`` (layers.py);
 * a bypassed micro-batch takes its runner turn in every manager of the layer
-  (``graph_manager_names``; with pipeline parallelism runners replay by turn).
+  (``graph_manager_names``; with pipeline parallelism runners replay by turn);
+* the router graph's buffers stay owned by its runners (`keep_router_graph_buffers`): eager
+  code reads its outputs until the layer's backward.
 
 The padding mask reaches the router graph as a graph input: `moe.PackedMoEMaskMixin` takes it
 from the packed params before upstream's ``_forward_mlp`` hands it to the router graph. While
@@ -96,6 +98,22 @@ def router_graph_padding_mask(layer, hidden_states, packed_seq_params):
     return None if mask is None else mask.clone()
 
 
+def keep_router_graph_buffers(manager) -> None:
+    """Mark the router graph's runners ``keep_buffers_private``: their buffers stay owned.
+
+    Eager code reads the router graph's outputs until the layer's backward: the dispatch and
+    experts between the two graphs, and autograd's saved copies of the routing map and the
+    permutation map. megatron-core 0.19.2 keeps a forward output owned only while another
+    graph reads it or when it requires grad (``_weakref_forward_buffers``), so the integer
+    maps went back to the graph pool at capture; the next layer's graphs were captured onto
+    them and overwrote them at replay before this layer's backward read them (wrong expert
+    gradients, and an out-of-bounds gather with dropless dispatch). The cost is the router
+    graph's buffers, a few activation-sized tensors per MoE layer
+    (core_patches.keep_chunk_graph_buffers_private keeps them)."""
+    for runner in manager.cudagraph_runners:
+        runner.keep_buffers_private = True
+
+
 class PartialMoEGraphs:
     """Mixin for a graph-safe ``MoETransformerLayer``: partial MoE graphs for packed training
     (see module doc). Put it before `layers.LocalGraphDispatch` in the bases."""
@@ -119,15 +137,21 @@ class PartialMoEGraphs:
                 config, self, function_name="_forward_attention")
         for manager, function in PARTIAL_GRAPH_FUNCTIONS.items():
             if hasattr(self, manager):
-                self._follow_plan(function)
+                self._follow_plan(manager, function)
 
-    def _follow_plan(self, function: str) -> None:
+    def _follow_plan(self, manager_name: str, function: str) -> None:
         """Route calls of ``function`` (already wrapped by its manager, which runs the plain
-        function when passed ``eager=True``) eager whenever the layer must not use graphs."""
+        function when passed ``eager=True``) eager whenever the layer must not use graphs.
+        The router graph's runners keep their buffers (`keep_router_graph_buffers`)."""
         graphed = getattr(self, function)
+        manager = getattr(self, manager_name)
+        router = manager_name == "cudagraph_manager_router"
 
         def call(*args, **kwargs):
-            return graphed(*args, eager=self._partial_graphs_off(), **kwargs)
+            out = graphed(*args, eager=self._partial_graphs_off(), **kwargs)
+            if router and not core_patches.local_graphs_created():
+                keep_router_graph_buffers(manager)
+            return out
 
         setattr(self, function, call)
 

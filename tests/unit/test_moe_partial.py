@@ -227,13 +227,16 @@ def test_partial_graph_functions_follow_the_plan(cpu_moe):
     calls = []
     # Stands in for upstream's manager wrapper, which runs the plain function on eager=True.
     layer._forward_mlp_router = lambda *args, eager=False, **kwargs: calls.append(eager)
-    layer._follow_plan("_forward_mlp_router")
+    runner = SimpleNamespace()
+    layer.cudagraph_manager_router = SimpleNamespace(cudagraph_runners=[runner])
+    layer._follow_plan("cudagraph_manager_router", "_forward_mlp_router")
     layer._forward_mlp_router(torch.zeros(1))
     with run_eager(Reason.OVERFLOW):
         layer._forward_mlp_router(torch.zeros(1))
     layer.eval()
     layer._forward_mlp_router(torch.zeros(1))
     assert calls == [False, True, True]
+    assert runner.keep_buffers_private  # recorded runners keep their buffers (see module)
 
 
 def _manager(reuse, runners):

@@ -237,3 +237,26 @@ def test_upstream_buffer_records_are_what_the_checks_model():
             in create)
     record = source(cuda_graphs._CudaGraphRunner.apply_cudagraph_record_metadata)
     assert "cg_buffer_metadata.input_use_count += 1" in record
+
+
+@pytest.mark.parametrize("dropless", [False, True])
+def test_router_graph_runners_keep_their_buffers(recording, dropless):
+    """Eager code reads the router graphs' outputs (routing and permutation maps) until the
+    layer's backward: their runners are marked to keep every buffer; the other graphs'
+    runners give theirs back to the pool as upstream does."""
+    _record_step(_stack("gpt", **(DROPLESS if dropless else {})))
+    runners = {runner for runner, _, *rest in recording.cudagraph_record}
+    routers = [r for r in runners if _name(r).startswith("_forward_mlp_router")]
+    others = [r for r in runners if r not in routers]
+    assert len(routers) == 4 and others
+    assert all(getattr(r, "keep_buffers_private", False) for r in routers)
+    assert not any(getattr(r, "keep_buffers_private", False) for r in others)
+
+
+def test_upstream_keeps_only_differentiable_outputs_that_escape_to_eager_code():
+    """Why the router runners are marked: 0.19.2 keeps a forward output owned past its capture
+    only when it is saved for backward, or requires grad and no other graph reads it; the
+    router graph's integer maps are neither."""
+    text = inspect.getsource(core_patches.UPSTREAM_WEAKREF_FORWARD_BUFFERS)
+    assert "and tensor.requires_grad" in text
+    assert "and not metadata.is_cudagraph_input" in text
