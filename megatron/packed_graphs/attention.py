@@ -216,13 +216,23 @@ class PackedSelfAttention(SelfAttention):
 
     For THD inputs with a rotary table, ``forward`` gathers per-token angles
     ``rotary_pos_emb[position_ids]`` and runs the parent with ``rotary_pos_emb=None``; the
-    rotation is applied in ``get_query_key_value_tensors`` (the one hook between the QKV
-    projection and core attention). Other inputs take the parent's path unchanged.
+    rotation (`rotate`) is applied in ``get_query_key_value_tensors`` (the one hook between
+    the QKV projection and core attention). Other inputs take the parent's path unchanged.
+
+    The work is linear in the tokens whatever the segment count and ``max_seqlen``: under
+    graphs those are the capacity and the packed length, and a kernel over segments x
+    ``max_seqlen`` would launch for all of them.
     """
+
+    rotates_interleaved = False  # `rotate` below rotates halves only
+
+    def rotate(self, t: Tensor, freqs: Tensor) -> Tensor:
+        """``t`` ``[T, b, h, d]`` rotated by per-token angles ``freqs`` ``[T, 1, 1, rot_dim]``."""
+        return apply_rotary_per_token(t, freqs)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.config.rotary_interleaved:
+        if self.config.rotary_interleaved and not self.rotates_interleaved:
             raise ValueError(
                 "rotary_interleaved is not supported by the packed RoPE. Use the default "
                 "(non-interleaved) rotary embedding."
@@ -254,6 +264,6 @@ class PackedSelfAttention(SelfAttention):
         if self._token_freqs is None:
             return qkv
         query, key, *rest = qkv
-        query = apply_rotary_per_token(query, self._token_freqs)
-        key = apply_rotary_per_token(key, self._token_freqs)
+        query = self.rotate(query, self._token_freqs)
+        key = self.rotate(key, self._token_freqs)
         return (query, key, *rest)

@@ -5,9 +5,7 @@ classes to use) instead of boolean switches:
 
 * ``te``: `PackedTESpecProvider` (te_attention.py) = megatron-core's `TESpecProvider`
   (fused norm+linear) with `PackedTEDotProductAttention` (TE THD attention, no host syncs)
-  and `DynamicCPSelfAttention`, megatron-core's `SelfAttention` whose THD RoPE is TE's fused
-  kernel (``apply_rope_fusion``, set by the config for this backend; it reads ``cu_seqlens``
-  on the GPU, no host sync), with the micro-batch's CP group under dynamic CP;
+  and `PackedTESelfAttention` (the sync-free RoPE by gather, rotated by TE's fused kernel);
 * ``torch`` / ``flash``: `VarlenSpecProvider` = megatron-core's `LocalSpecProvider`
   (torch norms, Megatron column/row-parallel linears) with `VarlenAttention` as the core
   attention and `PackedSelfAttention` (sync-free RoPE by gather). This is the path that runs

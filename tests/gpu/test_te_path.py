@@ -85,10 +85,10 @@ def test_te_thd_attention_matches_varlen_and_captures(dist):
 
 
 def test_te_spec_uses_packed_attention_and_fused_rope(dist):
-    """The TE spec wires the sync-free core attention and megatron-core's fused-RoPE attention
-    (through DynamicCPSelfAttention, which is SelfAttention outside dynamic CP)."""
+    """The TE spec wires the sync-free core attention and the packed RoPE rotated by TE's
+    fused kernel (PackedTESelfAttention)."""
     import pretrain_gpt
-    from megatron.packed_graphs.te_attention import DynamicCPSelfAttention
+    from megatron.packed_graphs.te_attention import PackedTESelfAttention
     from megatron.training.arguments import parse_args
     from megatron.training.config import transformer_config_from_args
     from tests.gpu.launch import TINY_GPT, TRAIN
@@ -99,8 +99,36 @@ def test_te_spec_uses_packed_attention_and_fused_rope(dist):
     assert config.apply_rope_fusion
     model = pretrain_gpt.model_provider(args, config)
     attention = model.decoder.layers[0].self_attention
-    assert type(attention) is DynamicCPSelfAttention
+    assert type(attention) is PackedTESelfAttention
     assert isinstance(attention.core_attention, PackedTEDotProductAttention)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_te_rope_by_gather_equals_te_thd_rope(interleaved):
+    """The TE spec's RoPE (a per-token table, TE's fused kernel over tokens) rotates every
+    token as TE's THD RoPE kernel does, bit for bit, with capacity padding and the row's
+    padding tail (a segment of its own, as the training step packs it)."""
+    from megatron.core.extensions.transformer_engine import (
+        fused_apply_rotary_pos_emb,
+        fused_apply_rotary_pos_emb_thd,
+    )
+
+    torch.manual_seed(0)
+    segments = [5, 17, 1, 40, 9, 8]  # documents, then the padding tail
+    total = sum(segments)
+    cu = pad_cu_seqlens(torch.tensor([0, *segments], dtype=torch.int32).cumsum(
+        0, dtype=torch.int32), 12).cuda()
+    positions = torch.cat([torch.arange(n) for n in segments]).cuda()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, DIM, 2, device="cuda").float() / DIM))
+    angles = torch.outer(torch.arange(total, device="cuda").float(), inv_freq)
+    if interleaved:
+        freqs = torch.stack([angles, angles], dim=-1).flatten(-2)[:, None, None, :]
+    else:
+        freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [total, 1, 1, DIM]
+    t = torch.randn(total, 1, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    thd = fused_apply_rotary_pos_emb_thd(t.squeeze(1), cu, freqs, interleaved=interleaved)
+    gathered = fused_apply_rotary_pos_emb(t, freqs[positions], interleaved=interleaved)
+    assert torch.equal(gathered.squeeze(1), thd)
 
 
 TE_GRAPHS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "7",

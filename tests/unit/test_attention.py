@@ -1,5 +1,6 @@
 """TE-free attention: backend selection, specs, the reference kernel, sync-free RoPE, a CPU GPT."""
 
+import dataclasses
 import math
 
 import pytest
@@ -90,6 +91,37 @@ def test_per_token_rope_equals_megatron_thd_rope(cpu_dist):
     ours = apply_rotary_per_token(t.unsqueeze(1), freqs[positions]).squeeze(1)
     upstream = _apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=torch.distributed.group.WORLD)
     torch.testing.assert_close(ours, upstream)
+
+
+def test_packed_self_attention_rotates_queries_and_keys_with_its_rotate_hook(cpu_dist):
+    """Subclasses choose the rotation kernel (the TE spec's is TE's fused one): `rotate`
+    gets the queries and keys with the gathered per-token table."""
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        use_cpu_initialization=True, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0)
+    spec = gpt_layer_spec("torch").submodules.self_attention
+    calls = []
+
+    class Spy(PackedSelfAttention):
+        def rotate(self, t, freqs):
+            calls.append((tuple(t.shape), tuple(freqs.shape)))
+            return super().rotate(t, freqs)
+
+    spec = dataclasses.replace(spec, module=Spy)  # the layer specs are shared: no mutation
+    attn = build_module(spec, config=config, layer_number=1)
+    lengths = [3, 5]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    params = build_packed_batch_params(cu, positions, max(lengths), with_seq_idx=False)
+    freqs = torch.randn(8, 1, 1, config.kv_channels)
+    attn(torch.randn(8, 1, config.hidden_size), None, rotary_pos_emb=freqs,
+         packed_seq_params=params)
+    heads, groups, dim = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    assert calls == [((8, 1, heads, dim), (8, 1, 1, dim)), ((8, 1, groups, dim), (8, 1, 1, dim))]
 
 
 @pytest.mark.parametrize("qk_layernorm", [False, True])
