@@ -226,19 +226,19 @@ class PackedSelfAttention(SelfAttention):
 
     rotates_interleaved = False  # `rotate` below rotates halves only
 
-    def rotate(self, t: Tensor, freqs: Tensor) -> Tensor:
-        """``t`` ``[T, b, h, d]`` rotated by per-token angles ``freqs`` ``[T, 1, 1, rot_dim]``."""
-        return apply_rotary_per_token(t, freqs)
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.config.rotary_interleaved and not self.rotates_interleaved:
             raise ValueError(
-                "rotary_interleaved is not supported by the packed RoPE. Use the default "
-                "(non-interleaved) rotary embedding."
+                "rotary_interleaved is not supported by the TE-free packed RoPE. Use the "
+                "default (non-interleaved) rotary embedding, or the TE spec."
             )
         # Per-token angles of the forward in flight; set and cleared by forward().
         self._token_freqs: Optional[Tensor] = None
+
+    def rotate(self, t: Tensor, freqs: Tensor) -> Tensor:
+        """``t`` ``[T, b, h, d]`` rotated by per-token angles ``freqs`` ``[T, 1, 1, rot_dim]``."""
+        return apply_rotary_per_token(t, freqs)
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         rotary_pos_emb = kwargs.get("rotary_pos_emb")

@@ -9,9 +9,9 @@ spec, with what packed data under CUDA graphs needs:
   as long as the stream, so no row reads outside it (see mla_rope.py);
 * dynamic CP: a micro-batch with its own CP group (``packed_seq_params.cp_group``) runs the
   fused RoPE with that group's size and rank (standard attention's RoPE needs no group: it
-  gathers each rank's own positions); the core attention (`PackedTEDotProductAttention`) switches TE's
-  CP group itself. megatron-core 0.19.2 refuses ``local_cp_size`` in MLA; the RoPE here
-  never reads it;
+  gathers each rank's own positions); the core attention (`PackedTEDotProductAttention`)
+  switches TE's CP group itself. megatron-core 0.19.2 refuses ``local_cp_size`` in MLA; the
+  RoPE here never reads it;
 * V padding: upstream pads V to the query head size on THD so that TE may choose
   FlashAttention. The config's ``mla_pad_v`` (``--mla-pad-v``) keeps that (True, the
   default) or hands TE the narrower V (False): TE's cuDNN attention takes unequal query and
