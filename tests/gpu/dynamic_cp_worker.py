@@ -4,7 +4,7 @@ One packed micro-batch, three ways, same weights on both ranks:
 
 * ``reference``: each rank runs the whole micro-batch without CP;
 * ``dynamic CP 2``: the two ranks split it with the THD CP layout and run TE's CP attention
-  and fused RoPE over their data-parallel group, passed per micro-batch
+  over their data-parallel group (RoPE at each rank's own positions), passed per micro-batch
   (``packed_seq_params.cp_group``, ``local_cp_size = 2``); loss sums, token counts and
   gradients are summed over the two ranks;
 * ``dynamic CP 1``: the whole micro-batch again with ``local_cp_size = 1`` (no group): the

@@ -62,6 +62,22 @@ def _lost_port_race(output: str) -> bool:
     return "EADDRINUSE" in output and "TCPStore" in output
 
 
+def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
+             timeout: int = 900) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc REPO/path args`` on a free port, its output captured.
+
+    A run beside this one may bind the port between the check and torchrun: a run that
+    lost that race is started again on another port (three tries)."""
+    for _ in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), os.path.join(REPO, path), *args]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, **(env or {})}, timeout=timeout)
+        if proc.returncode == 0 or not _lost_port_race(proc.stdout + proc.stderr):
+            break
+    return proc
+
+
 def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str = "run",
                  env: dict | None = None) -> list:
     """Train with ``torchrun --nproc-per-node nproc script args``; return train records.
@@ -69,14 +85,7 @@ def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str
     Raises with the run's output if it fails.
     """
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    for _ in range(3):  # a run beside this one may bind the port between our check and torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), os.path.join(REPO, script), *args,
-               "--metrics-file", metrics]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, **(env or {})}, timeout=900)
-        if proc.returncode == 0 or not _lost_port_race(proc.stdout + proc.stderr):
-            break
+    proc = torchrun(script, [*args, "--metrics-file", metrics], nproc=nproc, env=env)
     log = os.path.join(str(tmp_path), f"{name}.log")
     with open(log, "w") as f:
         f.write(proc.stdout + proc.stderr)

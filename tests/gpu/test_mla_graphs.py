@@ -17,6 +17,7 @@ pytest.importorskip("transformer_engine.pytorch",
                     reason="needs Transformer Engine (pip install -e '.[te]'): packed MLA runs "
                            "on TE attention")
 
+from tests.gpu.capture import capture_without_host_sync  # noqa: E402
 from tests.gpu.launch import LAYER_GRAPHS, TRAIN, losses, run_training  # noqa: E402
 
 TE = ["--attention-backend", "te", "--te-rng-tracker"]
@@ -169,8 +170,6 @@ def test_graph_reads_valid_tables_after_a_longer_eager_micro_batch(dist):
     """Capture an MLA forward + backward, run an eager micro-batch 4x as long (its RoPE table
     is longer: a new table, the captured one retired, not freed), churn the allocator, then
     replay with new documents: the replay equals eager on the same input."""
-    from megatron.core.tensor_parallel.random import get_all_rng_states
-
     model, _ = _model(["--rotary-base", "40000"])  # RoPE tables no other test has built
     attention = model.decoder.layers[0].self_attention
     rows, capacity = 512, 8
@@ -182,21 +181,7 @@ def test_graph_reads_valid_tables_after_a_longer_eager_micro_batch(dist):
         out, _ = attention(static, None, packed_seq_params=params)
         return out, torch.autograd.grad(out, static, grad)[0]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    for state in get_all_rng_states().values():
-        graph.register_generator_state(state)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            static_out, static_grad = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    graph, (static_out, static_grad) = capture_without_host_sync(step)
 
     table = attention.rotary_pos_emb.table_rows(torch.bfloat16)
     long_hidden = torch.randn(4 * rows, 1, 256, device="cuda", dtype=torch.bfloat16)

@@ -9,13 +9,13 @@ import torch
 te = pytest.importorskip("transformer_engine.pytorch",
                          reason="needs Transformer Engine (pip install -e '.[te]')")
 
-from megatron.core.tensor_parallel.random import get_all_rng_states  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.packed_graphs.attention import VarlenAttention  # noqa: E402
 from megatron.packed_graphs.capacity import pad_cu_seqlens  # noqa: E402
 from megatron.packed_graphs.packed_seq import PackedBatchParams  # noqa: E402
 from megatron.packed_graphs.te_attention import PackedTEDotProductAttention  # noqa: E402
+from tests.gpu.capture import capture_without_host_sync  # noqa: E402
 
 HEADS, GROUPS, DIM = 8, 4, 64
 
@@ -56,23 +56,12 @@ def test_te_thd_attention_matches_varlen_and_captures(dist):
     # Capture fwd + bwd against static inputs; then replay another document layout.
     static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     grad_out = torch.randn_like(out)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the graph (cuDNN plans, workspaces)
-        for _ in range(2):
-            te_attn(*static, None, AttnMaskType.causal, packed_seq_params=params).backward(grad_out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # TE's fused attention advances the tracker's RNG offset: its generators join the graph.
-    for state in get_all_rng_states().values():
-        graph.register_generator_state(state)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            static_out = te_attn(*static, None, AttnMaskType.causal, packed_seq_params=params)
-            grads = torch.autograd.grad(static_out, static, grad_out)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+
+    def step():
+        static_out = te_attn(*static, None, AttnMaskType.causal, packed_seq_params=params)
+        return static_out, torch.autograd.grad(static_out, static, grad_out)
+
+    graph, (static_out, grads) = capture_without_host_sync(step)
 
     params.cu_seqlens_q.copy_(pad_cu_seqlens(
         torch.tensor([0, 7, 519, 520, 1024], dtype=torch.int32), capacity).cuda())
