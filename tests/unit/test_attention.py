@@ -93,6 +93,35 @@ def test_per_token_rope_equals_megatron_thd_rope(cpu_dist):
     torch.testing.assert_close(ours, upstream)
 
 
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_per_token_rope_on_a_cp_rank_equals_megatron_thd_rope_with_cp(cpu_dist, cp_rank):
+    """Under CP each rank keeps its tokens' document-local positions (``position_ids`` are
+    split like the tokens), so the gathered RoPE needs no CP size or rank: it rotates a
+    rank's tokens as megatron-core's THD RoPE does given the CP size and rank (the rule TE's
+    fused THD kernel follows too)."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+    from megatron.packed_graphs.context_parallel import thd_partition_index
+
+    torch.manual_seed(0)
+    cp, lengths = 2, [8, 4, 12, 0]  # segments padded to multiples of 2 * cp; a capacity slot
+    total = sum(lengths)
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    t = torch.randn(total, 4, 16)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    # Longer than the stream: upstream then maps each document from position 0.
+    angles = torch.outer(torch.arange(total + 8).float(), inv_freq)
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    index = thd_partition_index(cu, total, cp, cp_rank)
+    local = t[index]
+    ours = apply_rotary_per_token(local.unsqueeze(1), freqs[positions[index]]).squeeze(1)
+    group = SimpleNamespace(size=lambda: cp, rank=lambda: cp_rank)
+    upstream = _apply_rotary_pos_emb_thd(local, cu, freqs, cp_group=group)
+    torch.testing.assert_close(ours, upstream)
+
+
 def test_packed_self_attention_rotates_queries_and_keys_with_its_rotate_hook(cpu_dist):
     """Subclasses choose the rotation kernel (the TE spec's is TE's fused one): `rotate`
     gets the queries and keys with the gathered per-token table."""
