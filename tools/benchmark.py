@@ -52,7 +52,9 @@ docs/mla.md) run on Transformer Engine attention whatever the variant. They are 
 too (64 experts; --moe-experts and --expert-model-parallel-size apply), outside the TE-free
 group ``moe``.
 
-Prints a Markdown table; --json FILE also writes the rows. A configuration that fails
+Prints a Markdown table, headed by the machine (the visible GPUs, from nvidia-smi), the date,
+the installed torch / megatron-core / TE / mamba-ssm and the command; --json FILE also
+writes the rows. A configuration that fails
 (training exits non-zero, or leaves no metrics) does not stop the others: its row shows the
 error, its log tail goes to stderr, and the exit status is 1.
 
@@ -61,9 +63,13 @@ itself, so several benchmarks can share one machine without a port race.
 """
 
 import argparse
+import collections
+import datetime
+import importlib.metadata
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -487,7 +493,49 @@ def main(argv=None) -> int:
                 for variant in variants:
                     rows.append(run_row(preset, variant, args, cp_set, experts))
                     write_json(rows, args.json)  # a run cut off by a time limit keeps its rows
+    print(run_header(sys.argv[1:] if argv is None else argv))
     return report(rows, args)
+
+
+def run_header(argv: list, tool: str = "tools/benchmark.py") -> str:
+    """Where, when and how the table below was measured: the GPUs the runs saw, the date, the
+    installed torch / megatron-core / TE / mamba-ssm, and the command (``python tool argv``)."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = shlex.join(["python", tool, *argv])
+    software = ", ".join(f"{name} {version}" for name, version in installed_versions())
+    return f"Machine: {machine_description()}. Date: {date}.\nSoftware: {software}.\nCommand: {command}\n"
+
+
+def machine_description() -> str:
+    """The GPUs visible to the runs (CUDA_VISIBLE_DEVICES), by name, from nvidia-smi: this
+    process makes no CUDA context, which would take GPU memory from the runs."""
+    if shutil.which("nvidia-smi") is None:
+        return "no NVIDIA GPU (nvidia-smi not found)"
+    query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        query += ["-i", visible]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"unknown ({err})"
+    names = collections.Counter(line.strip() for line in out.splitlines() if line.strip())
+    return ", ".join(f"{count} x {name}" for name, count in names.items()) or "no GPU listed"
+
+
+def installed_versions() -> list:
+    """(name, version) of the packages that set a benchmark's speed, those installed."""
+    versions = []
+    for name, dists in (("torch", ["torch"]), ("megatron-core", ["megatron-core"]),
+                        ("Transformer Engine", ["transformer_engine", "transformer-engine"]),
+                        ("mamba-ssm", ["mamba-ssm", "mamba_ssm"])):
+        for dist in dists:
+            try:
+                versions.append((name, importlib.metadata.version(dist)))
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return versions
 
 
 def check_moe_options(parser, args, presets: list) -> None:

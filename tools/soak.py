@@ -14,7 +14,8 @@ next ones, round-robin), then checks every graph run against the eager one:
     python tools/soak.py --preset hybrid-small --variants chunk-graphs te-layer-graphs \\
         --steps 1000
 
-Prints a Markdown table and exits 1 when a check fails.
+Prints a Markdown table, headed by the machine, date, software and command, and exits 1
+when a check fails.
 """
 
 import argparse
@@ -28,7 +29,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tools.benchmark import COMMON, PRESETS, VARIANTS  # noqa: E402
+from tools.benchmark import COMMON, PRESETS, VARIANTS, run_header  # noqa: E402
 
 
 def window_means(values: list, window: int) -> list:
@@ -131,6 +132,7 @@ def main(argv=None) -> int:
                 print(f"--- {variant} failed ---\n{f.read()[-4000:]}")
         return 1
     eager = read_metrics(os.path.join(out, "eager.jsonl"))
+    print(run_header(sys.argv[1:] if argv is None else argv, "tools/soak.py"))
     print(f"| {args.preset}, {args.steps} steps | loss gap, {args.window}-step means | "
           "max step gap | final loss (eager) | allocated growth (MiB) | reserved growth (MiB) "
           "| verdict |")

@@ -3,6 +3,7 @@ port race, --from-metrics, --help, the MoE and MLA presets (every launch command
 real training parser and megatron-core's config; expert parallelism against --nproc; the MoE
 columns) (CPU)."""
 
+import importlib.metadata
 import json
 import os
 import re
@@ -14,6 +15,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import benchmark  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_query(monkeypatch):
+    """The table's header asks nvidia-smi for the GPUs; tests that stand in for
+    subprocess.run must not get that query."""
+    monkeypatch.setattr(benchmark, "machine_description", lambda: "2 x Test GPU")
 
 
 def _row(variant, step_ms, tps, busy=None, **extra):
@@ -112,6 +120,29 @@ def test_a_failed_row_shows_its_error_and_the_other_rows_still_run(monkeypatch, 
     assert rows[1].startswith("| gpt-small | eager | 100.0 |") and "| 1,000 | 1.00x |" in rows[1]
     assert "failed: gpt-small/layer-graphs" in err and "Traceback" in err  # the log tail
     assert "benchmark: 1 of 2 runs failed: gpt-small/layer-graphs" in err
+
+
+def test_the_table_is_headed_by_machine_date_software_and_command(monkeypatch, capsys):
+    def fake_run(cmd, **kwargs):
+        _metrics(cmd[cmd.index("--metrics-file") + 1], 1000.0)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    argv = ["--presets", "gpt-small", "--variants", "eager", "--steps", "10"]
+    assert benchmark.main(argv) == 0
+    out = capsys.readouterr().out
+    header = out[:out.index("| preset |")]
+    assert re.search(r"Machine: 2 x Test GPU\. Date: \d{4}-\d\d-\d\d \d\d:\d\d UTC\.", header)
+    assert f"torch {importlib.metadata.version('torch')}" in header
+    assert f"megatron-core {importlib.metadata.version('megatron-core')}" in header
+    assert "Command: python tools/benchmark.py --presets gpt-small --variants eager --steps 10" \
+        in header
+
+
+def test_the_machine_is_unknown_without_nvidia_smi(monkeypatch):
+    monkeypatch.undo()  # the real machine_description
+    monkeypatch.setattr(benchmark.shutil, "which", lambda name: None)
+    assert benchmark.machine_description() == "no NVIDIA GPU (nvidia-smi not found)"
 
 
 def test_json_holds_every_finished_row_while_later_runs_go_on(monkeypatch, tmp_path):
