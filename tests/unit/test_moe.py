@@ -359,6 +359,31 @@ def test_gpt_with_a_dense_first_layer(cpu_moe):
     assert gpt_decoder_spec(moe_config(), "torch", num_experts=EXPERTS).module is GraphSafeMoELayer
 
 
+def test_moe_layer_freq_slices_by_pipeline_stage(cpu_moe, monkeypatch):
+    """PP = 2 x VPP = 2 over 8 layers: each (rank, virtual stage) builds its own layers of the
+    --moe-layer-freq pattern, by megatron-core's layer offsets, and together they build the
+    whole pattern once."""
+    from megatron.core import parallel_state
+
+    from megatron.packed_graphs.specs import gpt_decoder_spec, moe_layer_pattern
+
+    pattern = [0, 1, 1, 0, 1, 0, 1, 1]
+    config = moe_config(num_layers=8, moe_layer_freq=pattern, pipeline_model_parallel_size=2,
+                        virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                        **DROP_AND_PAD)
+    assert moe_layer_pattern(config.moe_layer_freq, 8) == pattern
+    built = {}
+    for rank in range(2):
+        monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: rank)
+        for stage in range(2):
+            spec = gpt_decoder_spec(config, "torch", num_experts=EXPERTS, vp_stage=stage)
+            kinds = [int(layer.module is GraphSafeMoELayer) for layer in spec.layer_specs]
+            built[(rank, stage)] = kinds
+    # Interleaved: stage 0 of ranks 0 and 1 hold layers 0-1 and 2-3; stage 1 layers 4-5, 6-7.
+    assert built == {(0, 0): pattern[0:2], (1, 0): pattern[2:4],
+                     (0, 1): pattern[4:6], (1, 1): pattern[6:8]}
+
+
 def test_padding_does_not_change_the_documents_outputs(cpu_moe):
     """A layer's outputs on the documents do not depend on what the padding holds."""
     config = moe_config(**DROP_AND_PAD)
