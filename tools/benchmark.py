@@ -524,17 +524,15 @@ def machine_description() -> str:
 
 
 def installed_versions() -> list:
-    """(name, version) of the packages that set a benchmark's speed, those installed."""
+    """(name, version) of the packages that set a benchmark's speed, those installed
+    (distribution names are matched with ``-`` and ``_`` alike)."""
     versions = []
-    for name, dists in (("torch", ["torch"]), ("megatron-core", ["megatron-core"]),
-                        ("Transformer Engine", ["transformer_engine", "transformer-engine"]),
-                        ("mamba-ssm", ["mamba-ssm", "mamba_ssm"])):
-        for dist in dists:
-            try:
-                versions.append((name, importlib.metadata.version(dist)))
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
+    for name, dist in (("torch", "torch"), ("megatron-core", "megatron-core"),
+                       ("Transformer Engine", "transformer-engine"), ("mamba-ssm", "mamba-ssm")):
+        try:
+            versions.append((name, importlib.metadata.version(dist)))
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return versions
 
 
