@@ -94,6 +94,19 @@ def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str
     return read_metrics(metrics)
 
 
+def train_then_resume(script: str, args: list, tmp_path, *, save_interval: int,
+                      exit_interval: int) -> tuple:
+    """Train ``script args`` in two processes: the first saves to ``tmp_path/ckpt`` every
+    ``save_interval`` iterations and stops after ``exit_interval``, the second resumes from
+    the last save (``--load``) to the end. Returns both runs' train records."""
+    ckpt = str(tmp_path / "ckpt")
+    first = run_training(script, args + ["--save", ckpt, "--save-interval", str(save_interval),
+                                         "--exit-interval", str(exit_interval)],
+                         tmp_path, name="first_half")
+    second = run_training(script, args + ["--load", ckpt], tmp_path, name="second_half")
+    return first, second
+
+
 def find_host_syncs(script: str, args: list, tmp_path, *, iteration: int) -> str:
     """Run tools/find_host_syncs.py on ``script args`` watching ``iteration``; return its
     whole output (kept in ``tmp_path/find_host_syncs.log``; the report, from the "host syncs

@@ -17,6 +17,7 @@ from tests.gpu.launch import (
     find_host_syncs,
     losses,
     run_training,
+    train_then_resume,
 )
 
 # DDP's NaN check syncs; the eager reference runs without it too, so only graphs differ.
@@ -113,12 +114,8 @@ def test_save_and_resume_continue_the_curve(tmp_path):
     flags = common + full_iteration(9, 2)
     eager = run_training("pretrain_gpt.py", common, tmp_path, name="eager")
     full = run_training("pretrain_gpt.py", flags, tmp_path, name="full")
-    ckpt = str(tmp_path / "ckpt")
-    first = run_training("pretrain_gpt.py", flags + ["--save", ckpt, "--save-interval", "15",
-                                                     "--exit-interval", "15"],
-                         tmp_path, name="first_half")
-    second = run_training("pretrain_gpt.py", flags + ["--load", ckpt], tmp_path,
-                          name="second_half")
+    first, second = train_then_resume("pretrain_gpt.py", flags, tmp_path, save_interval=15,
+                                      exit_interval=15)
     assert [r["iteration"] for r in first] == list(range(1, 16))
     assert [r["iteration"] for r in second] == list(range(16, 31))
     # The resumed process warms up and captures again; the curve goes on where it stopped.

@@ -40,7 +40,7 @@ from megatron.training.datasets.mock import MockPackedDataset
 from megatron.training.datasets.packing import collate_packed_rows
 from megatron.training.packed_step import masked_lm_loss, to_device_micro_batch
 from megatron.training.training import build_scheduler
-from tests.gpu.launch import TINY_GPT, TRAIN, losses, run_training
+from tests.gpu.launch import TINY_GPT, TRAIN, losses, run_training, train_then_resume
 
 STEPS = 30
 SCHEDULE = ["--train-iters", str(STEPS), "--lr-warmup-iters", "5", "--lr-decay-style", "cosine"]
@@ -284,13 +284,9 @@ def test_resume_with_the_optimizer_graph_continues_the_uninterrupted_run(tmp_pat
     common = TINY_GPT + TRAIN + CAPTURE + optimizer + [
         "--global-batch-size", "4", "--train-iters", "20", "--lr-warmup-iters", "3"]
     full = run_training("pretrain_gpt.py", common, tmp_path, name="full")
-    ckpt = str(tmp_path / "ckpt")
     # Saves at 5 (after the capture at 3) and at 10, then stops.
-    first = run_training("pretrain_gpt.py", common + ["--save", ckpt, "--save-interval", "5",
-                                                      "--exit-interval", "10"],
-                         tmp_path, name="first_half")
-    second = run_training("pretrain_gpt.py", common + ["--load", ckpt], tmp_path,
-                          name="second_half")
+    first, second = train_then_resume("pretrain_gpt.py", common, tmp_path, save_interval=5,
+                                      exit_interval=10)
     assert [r["iteration"] for r in second] == list(range(11, 21))
     # The resumed process warms up and captures again: its third step.
     assert [r.get(EAGER_KEY) for r in second[:3]] == [1, 1, None]

@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training
+from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training, train_then_resume
 
 
 @pytest.mark.parametrize("kind", ["gpt", "hybrid"])
@@ -24,12 +24,9 @@ def test_loss_falls_over_200_steps(tmp_path, kind):
 def test_resume_matches_uninterrupted_run(tmp_path):
     common = TINY_GPT + TRAIN + ["--global-batch-size", "4", "--train-iters", "20"]
     full = run_training("pretrain_gpt.py", common, tmp_path, name="full")
-    ckpt = str(tmp_path / "ckpt")
-    first = run_training("pretrain_gpt.py", common + ["--save", ckpt, "--save-interval", "10",
-                                                      "--exit-interval", "10"],
-                         tmp_path, name="first_half")
+    first, second = train_then_resume("pretrain_gpt.py", common, tmp_path, save_interval=10,
+                                      exit_interval=10)
     assert [r["iteration"] for r in first] == list(range(1, 11))
-    second = run_training("pretrain_gpt.py", common + ["--load", ckpt], tmp_path, name="second_half")
     assert [r["iteration"] for r in second] == list(range(11, 21))
     assert second[0]["consumed_samples"] == 44
     # Same weights, optimizer state, LR schedule, RNG and data position: the resumed curve is
