@@ -14,6 +14,11 @@ A step whose GPU-idle time is mostly under one frame is waiting on that code: a 
 
     python tools/step_gaps.py /tmp/traces/trace_iter20_rank0.json --top 20
 
+``--census`` looks at the gaps of a step the host no longer limits (a replayed CUDA graph):
+how many GPU operations it has and how many a graph launched, the gaps between them by
+length, inside a graph or not, and the operation pairs with the most gap time. Short gaps
+between a graph's dependent kernels are the GPU's own launch latency.
+
 A missing, unreadable or cut-off trace (not complete JSON), or one without GPU kernels, is
 named in one line on stderr, with exit status 1.
 """
@@ -91,6 +96,67 @@ def analyse(trace: dict, min_gap_us: float) -> dict:
             "gaps": len(gaps), "self": self_time, "inclusive": inclusive}
 
 
+GAP_BUCKETS_US = (2.0, 10.0, 50.0, float("inf"))
+
+
+def _short(name: str) -> str:
+    """A kernel's name without template arguments and parameter lists."""
+    return name.split("<")[0].split("(")[0].strip()[:60]
+
+
+def census(trace: dict) -> dict:
+    """GPU operations of ``trace``, the ones a CUDA graph launched, and every gap between
+    consecutive ones: counts and time per length bucket (upper bounds in GAP_BUCKETS_US),
+    inside a graph (both neighbours graph-launched) or not, and gap time per operation pair."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    ops = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    if not ops:
+        raise ValueError("trace is wrong: it holds no GPU kernels. Record it with CUDA "
+                         "activity (--profile --profile-trace-dir on a GPU run).")
+    launched_by = {e["args"]["correlation"]: e["name"] for e in events
+                   if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+
+    def from_graph(op) -> bool:
+        return launched_by.get(op.get("args", {}).get("correlation")) == "cudaGraphLaunch"
+
+    buckets = {(bound, inside): [0, 0.0] for bound in GAP_BUCKETS_US for inside in (True, False)}
+    pairs: Dict[Tuple[str, str], List[float]] = defaultdict(lambda: [0, 0.0])
+    last, end = None, None
+    for op in ops:
+        if end is not None and op["ts"] > end:
+            gap = op["ts"] - end
+            inside = from_graph(last) and from_graph(op)
+            bucket = buckets[(next(b for b in GAP_BUCKETS_US if gap < b), inside)]
+            bucket[0] += 1
+            bucket[1] += gap
+            pair = pairs[(_short(last["name"]), _short(op["name"]))]
+            pair[0] += 1
+            pair[1] += gap
+        if end is None or op["ts"] + op["dur"] > end:
+            last, end = op, op["ts"] + op["dur"]
+    return {"ops": len(ops), "graph_ops": sum(map(from_graph, ops)), "buckets": buckets,
+            "pairs": dict(pairs)}
+
+
+def print_census(result: dict, top: int) -> None:
+    print(f"{result['ops']} GPU operations, {result['graph_ops']} launched from CUDA graphs")
+    print("| gap | inside a graph | count | time (ms) |")
+    print("| --- | --- | ---: | ---: |")
+    lower = 0.0
+    for bound in GAP_BUCKETS_US:
+        label = f">= {lower:g} us" if bound == float("inf") else f"{lower:g}-{bound:g} us"
+        for inside in (True, False):
+            count, time = result["buckets"][(bound, inside)]
+            print(f"| {label} | {'yes' if inside else 'no'} | {count} | {time / 1000:.3f} |")
+        lower = bound
+    print()
+    print("| after | before | gaps | time (ms) |")
+    print("| --- | --- | ---: | ---: |")
+    for (after, before), (count, time) in sorted(result["pairs"].items(),
+                                                 key=lambda kv: -kv[1][1])[:top]:
+        print(f"| `{after}` | `{before}` | {count} | {time / 1000:.3f} |")
+
+
 def _table(title: str, times: Dict[str, float], idle_us: float, top: int) -> str:
     lines = [f"| {title} | idle (ms) | share of idle |", "| --- | ---: | ---: |"]
     for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
@@ -128,9 +194,16 @@ def main(argv=None) -> int:
     parser.add_argument("--min-gap-us", type=float, default=20.0,
                         help="shorter gaps between GPU work are launch latency, not waiting")
     parser.add_argument("--top", type=int, default=15, help="frames listed per table")
+    parser.add_argument("--census", action="store_true",
+                        help="gaps between GPU operations by length and by graph, and the "
+                             "operation pairs with the most gap time, instead of host frames")
     args = parser.parse_args(argv)
     try:
-        result = analyse(read_trace(args.trace), args.min_gap_us)
+        trace = read_trace(args.trace)
+        if args.census:
+            print_census(census(trace), args.top)
+            return 0
+        result = analyse(trace, args.min_gap_us)
     except ValueError as error:
         print(f"step_gaps: {error}", file=sys.stderr)
         return 1

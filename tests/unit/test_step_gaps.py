@@ -83,3 +83,33 @@ def test_help_shows_the_defaults(capsys):
         step_gaps.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 20.0)" in text and "(default: 15)" in text
+
+
+# --- --census: gaps of a graph-bound step, inside graphs or not ---------------------------------
+
+def _launched(cat, name, ts, dur, correlation):
+    return {**_event(cat, name, ts, dur), "args": {"correlation": correlation}}
+
+
+def test_census_splits_gaps_by_length_and_by_graph(tmp_path, capsys):
+    trace = {"traceEvents": [
+        _launched("cuda_runtime", "cudaGraphLaunch", 0, 5, 1),
+        _launched("cuda_runtime", "cudaMemcpyAsync", 6, 5, 2),
+        # One graph launch: three kernels 1 us and 5 us apart, then an eager copy 100 us later.
+        _launched("kernel", "gemm<float>(int)", 10, 10, 1),
+        _launched("kernel", "add_kernel<4>", 21, 10, 1),
+        _launched("gpu_memset", "Memset (Device)", 36, 1, 1),
+        _launched("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 137, 2, 2)]}
+    result = step_gaps.census(trace)
+    assert (result["ops"], result["graph_ops"]) == (4, 3)
+    assert result["buckets"][(2.0, True)] == [1, 1.0]
+    assert result["buckets"][(10.0, True)] == [1, 5.0]
+    assert result["buckets"][(float("inf"), False)] == [1, 100.0]
+    assert result["pairs"][("gemm", "add_kernel")] == [1, 1.0]
+
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    assert step_gaps.main([str(path), "--census"]) == 0
+    out = capsys.readouterr().out
+    assert "4 GPU operations, 3 launched from CUDA graphs" in out
+    assert "| 2-10 us | yes | 1 | 0.005 |" in out and "| >= 50 us | no | 1 | 0.100 |" in out
