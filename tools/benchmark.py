@@ -70,6 +70,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -486,15 +487,35 @@ def main(argv=None) -> int:
                      f"It must divide --nproc ({args.nproc}).")
     check_moe_options(parser, args, presets)
     variants = args.variants + [f"layer-graphs-c{c}" for c in args.capacities]
+    runs = [(preset, variant, cp_set, experts) for preset in presets
+            for experts in (args.moe_experts if is_moe(preset) else ["sequential"])
+            for cp_set in args.dynamic_cp_sets or [""] for variant in variants]
     rows = []
-    for preset in presets:
-        for experts in args.moe_experts if is_moe(preset) else ["sequential"]:
-            for cp_set in args.dynamic_cp_sets or [""]:
-                for variant in variants:
-                    rows.append(run_row(preset, variant, args, cp_set, experts))
-                    write_json(rows, args.json)  # a run cut off by a time limit keeps its rows
+    # A time limit (timeout, Slurm) sends SIGTERM: print the rows measured so far.
+    previous = signal.signal(signal.SIGTERM, _raise_time_limit)
+    try:
+        for preset, variant, cp_set, experts in runs:
+            rows.append(run_row(preset, variant, args, cp_set, experts))
+            write_json(rows, args.json)
+    except TimeLimit:
+        print(run_header(sys.argv[1:] if argv is None else argv))
+        report(rows, args)
+        print(f"benchmark: stopped by SIGTERM after {len(rows)} of {len(runs)} runs; the "
+              f"table holds those", file=sys.stderr)
+        return 124  # what timeout(1) returns
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(run_header(sys.argv[1:] if argv is None else argv))
     return report(rows, args)
+
+
+class TimeLimit(Exception):
+    """SIGTERM arrived while runs were left."""
+
+
+def _raise_time_limit(signum, frame):
+    # subprocess.run kills the run in flight when this propagates through it.
+    raise TimeLimit()
 
 
 def run_header(argv: list, tool: str = "tools/benchmark.py") -> str:

@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import os
 import re
+import signal
 import sys
 from argparse import Namespace
 
@@ -120,6 +121,32 @@ def test_a_failed_row_shows_its_error_and_the_other_rows_still_run(monkeypatch, 
     assert rows[1].startswith("| gpt-small | eager | 100.0 |") and "| 1,000 | 1.00x |" in rows[1]
     assert "failed: gpt-small/layer-graphs" in err and "Traceback" in err  # the log tail
     assert "benchmark: 1 of 2 runs failed: gpt-small/layer-graphs" in err
+
+
+def test_a_time_limit_prints_the_rows_measured_so_far(monkeypatch, capsys, tmp_path):
+    """SIGTERM (timeout, Slurm) during the second run: the first run's row is printed and
+    kept in --json, the exit status is timeout's, and SIGTERM's handler is restored."""
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled in this process
+        _metrics(cmd[cmd.index("--metrics-file") + 1], 1000.0)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    before = signal.getsignal(signal.SIGTERM)
+    code = benchmark.main(["--presets", "gpt-small", "--variants", "eager", "layer-graphs",
+                           "chunk-graphs", "--steps", "10", "--json", str(tmp_path / "r.json")])
+    out, err = capsys.readouterr()
+    assert code == 124 and len(calls) == 2
+    rows = [ln for ln in out.splitlines() if ln.startswith("| gpt-small")]
+    assert len(rows) == 1 and rows[0].startswith("| gpt-small | eager | 100.0 |")
+    assert "Command: python tools/benchmark.py" in out
+    assert "benchmark: stopped by SIGTERM after 1 of 3 runs" in err
+    assert [r["variant"] for r in json.loads((tmp_path / "r.json").read_text())] == ["eager"]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_the_table_is_headed_by_machine_date_software_and_command(monkeypatch, capsys):
