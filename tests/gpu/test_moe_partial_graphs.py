@@ -146,8 +146,11 @@ def test_padded_row_routes_like_unpadded_under_a_partial_graph(fresh_graph_state
     def run(hidden):
         x = hidden.clone().requires_grad_()
         out, _ = layer(x, attention_mask=None, packed_seq_params=params)
+        # Copied before the backward: the postprocess graph's output buffer is graph-owned,
+        # and megatron-core 0.19.2 may hand it to the backward graphs once autograd is done.
+        result = out.detach().clone()
         out.float().square().sum().backward()
-        return out.detach().clone(), x.grad.clone()  # copies: graph buffers get overwritten
+        return result, x.grad.clone()
 
     generator = torch.Generator(device="cuda").manual_seed(3)
     run(torch.randn(DOCS + PAD, 1, HIDDEN, device="cuda", generator=generator))  # records
