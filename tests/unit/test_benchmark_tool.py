@@ -625,3 +625,19 @@ def test_full_iteration_rows_add_the_iteration_graphs_capture_and_memory():
                {"iteration": 4, **base, "graph capture (s)": 0.5, "graph memory (MiB)": 20.0}]
     row = benchmark.summarise("gpt-small", "full-iteration", _args(warmup=1, nproc=1), records)
     assert row["capture_s"] == 2.0 and row["graph_mem_mib"] == 320.0
+
+
+@pytest.mark.parametrize("cp_set", ["1", "2", "4", "1,2,4"])
+def test_the_documented_mla_dynamic_cp_benchmark_passes_the_training_parser(te_importable,
+                                                                            cp_set):
+    """docs/benchmarks.md's moonlight-small dynamic-CP command (four GPUs, TE layer graphs,
+    grouped GEMM): every CP set's launch command is a valid training command."""
+    te_importable(True)
+    args = _args(nproc=4, global_batch_size=4, tokens_per_rank=4096, steps=40, warmup=10,
+                 log_interval=10, profile=True,
+                 extra_args="--no-check-for-nan-in-loss-and-grad")
+    cmd = benchmark.launch_command("moonlight-small", "te-layer-graphs", args, "/tmp/m.jsonl",
+                                   cp_set, "grouped-gemm")
+    parsed = _validated(cmd, world_size=4)
+    assert parsed.dynamic_cp_sizes == [int(size) for size in cp_set.split(",")]
+    assert parsed.multi_latent_attention and parsed.cuda_graph_impl == "transformer_engine"
