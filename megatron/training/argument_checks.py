@@ -1070,15 +1070,6 @@ def _mla_value(args, flag: str):
     return getattr(args, flag[2:].replace("-", "_"), _MLA_FLAG_DEFAULTS[flag])
 
 
-# Runs, but does not yet match one rank: warned rather than refused, so that the cause can be
-# found on real models (docs/mla.md, "Known issues").
-MLA_UNDER_CP_WARNING = (
-    "--multi-latent-attention with context parallelism (CP size {cp_size}) is a known issue: "
-    "on a tiny MLA model, CP 2 followed CP 1 for three steps and then differed by up to 0.13 "
-    "in loss on some micro-batches (the CP-split forward differs, not the update). Compare a "
-    "short run against CP 1 before training on it (docs/mla.md, \"Known issues\").")
-
-
 def check_mla(args, model: str):
     """--multi-latent-attention and its flags (Megatron's names). Runs after the attention
     and parallelism checks. Refused, with the reason: what packed MLA cannot run (no TE
@@ -1137,9 +1128,6 @@ def check_mla(args, model: str):
             fail(flag, _mla_value(args, flag), "Use a positive value")
     _at_least(args, "--mscale", 0.0)
     _at_least(args, "--mscale-all-dim", 0.0)
-    cp_size = max(args.context_parallel_size, *(getattr(args, "dynamic_cp_sizes", None) or [1]))
-    if cp_size > 1:
-        warnings.warn(MLA_UNDER_CP_WARNING.format(cp_size=cp_size), UserWarning, stacklevel=2)
     query_head = args.qk_head_dim + args.qk_pos_emb_head_dim
     if _mla_value(args, "--mla-pad-v") == "never" and query_head == args.v_head_dim:
         fail("--mla-pad-v", "never",

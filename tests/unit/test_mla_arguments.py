@@ -86,20 +86,8 @@ def test_mla_under_graphs_and_dynamic_cp():
     assert args.dynamic_cp_sizes == [1, 2, 4] and args.multi_latent_attention
 
 
-def test_mla_with_static_context_parallelism_runs_with_the_known_issue_warned():
-    with pytest.warns(UserWarning, match=r"context parallelism \(CP size 2\) is a known issue"):
-        assert validate(*MLA, "--context-parallel-size", 2, world_size=2).multi_latent_attention
-
-
-def test_mla_under_dynamic_cp_sizes_above_one_warns_and_cp_one_does_not(recwarn):
-    with pytest.warns(UserWarning, match=r"CP size 4"):
-        validate(*MLA, "--cuda-graph-impl", "transformer_engine",
-                 "--cuda-graph-max-packed-seqs", 16, "--dynamic-cp-sizes", 1, 2, 4, world_size=4)
-    recwarn.clear()
-    validate(*MLA, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", 16,
-             "--dynamic-cp-sizes", 1, world_size=2)
-    validate(*MLA)
-    assert not [w for w in recwarn if "known issue" in str(w.message)]
+def test_mla_with_static_context_parallelism():
+    assert validate(*MLA, "--context-parallel-size", 2, world_size=2).multi_latent_attention
 
 
 MOE = ["--num-experts", 8, "--moe-router-topk", 2, "--moe-token-dispatcher-type", "alltoall",
