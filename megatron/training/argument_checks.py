@@ -87,7 +87,9 @@ def check_model_name(model: str):
 
 
 def check_hybrid(args, model: str):
-    """--hybrid-override-pattern: only for hybrid, required there; infers num_layers."""
+    """--hybrid-override-pattern: only for hybrid, required there (or built from Megatron's
+    --hybrid-attention-ratio / --hybrid-mlp-ratio); infers num_layers."""
+    _pattern_from_ratios(args, model)
     pattern = args.hybrid_override_pattern
     if model == "gpt":
         if pattern is not None:
@@ -109,6 +111,34 @@ def check_hybrid(args, model: str):
         fail("--num-layers", args.num_layers,
              f"--hybrid-override-pattern has {len(pattern)} layers; make them equal or drop "
              "--num-layers")
+
+
+def _pattern_from_ratios(args, model: str):
+    """Megatron's ratio flags: the pattern megatron-core's pattern_from_ratios lays out."""
+    attention = getattr(args, "hybrid_attention_ratio", 0.0) or 0.0
+    mlp = getattr(args, "hybrid_mlp_ratio", 0.0) or 0.0
+    if attention == 0.0 and mlp == 0.0:
+        return
+    if model != "hybrid":
+        fail("--hybrid-attention-ratio" if attention else "--hybrid-mlp-ratio",
+             attention or mlp, "It lays out a hybrid Mamba model: run pretrain_mamba.py, or "
+                               "drop the flag")
+    for flag, ratio in (("--hybrid-attention-ratio", attention), ("--hybrid-mlp-ratio", mlp)):
+        if not 0.0 <= ratio <= 1.0:
+            fail(flag, ratio, "A fraction of --num-layers: use a value from 0 to 1")
+    if attention + mlp > 1.0:
+        fail("--hybrid-mlp-ratio", mlp,
+             f"With --hybrid-attention-ratio {attention} the two exceed all layers; make "
+             "their sum at most 1")
+    if args.hybrid_override_pattern is not None:
+        fail("--hybrid-attention-ratio", attention,
+             "--hybrid-override-pattern already lays out the layers; give one or the other")
+    if args.num_layers is None:
+        fail("--hybrid-attention-ratio", attention,
+             "The ratios are fractions of --num-layers; add --num-layers")
+    from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
+
+    args.hybrid_override_pattern = pattern_from_ratios(args.num_layers, attention, mlp)
 
 
 def check_model(args, model: str):
@@ -286,6 +316,47 @@ def check_training(args):
     args.num_microbatches = args.global_batch_size // per_step
     if args.rampup_batch_size is not None:
         _check_rampup(args, per_step)
+    _at_least(args, "--manual-gc-interval", 0)
+    if args.manual_gc_interval and not args.manual_gc:
+        fail("--manual-gc-interval", args.manual_gc_interval,
+             "It sets how often --manual-gc collects; add --manual-gc or drop it")
+
+
+def check_training_length(args):
+    """--train-iters, or Megatron's --train-samples with --lr-warmup-samples and
+    --lr-decay-samples, turned into iterations (``samples // global batch``, as Megatron
+    does without a batch-size ramp-up). Runs after check_training (global_batch_size)."""
+    samples = {flag: getattr(args, flag[2:].replace("-", "_"), None)
+               for flag in ("--train-samples", "--lr-warmup-samples", "--lr-decay-samples")}
+    if samples["--train-samples"] is None:
+        if args.train_iters is None:
+            fail("--train-iters", None, "Give the training length: --train-iters N, or "
+                                        "--train-samples N")
+        for flag in ("--lr-warmup-samples", "--lr-decay-samples"):
+            if samples[flag] is not None:
+                fail(flag, samples[flag], "Sample-based schedules go with --train-samples; "
+                                          "with --train-iters use the -iters flag")
+        return
+    if args.train_iters is not None:
+        fail("--train-samples", samples["--train-samples"],
+             f"--train-iters ({args.train_iters}) gives the length already; give one of them")
+    if args.rampup_batch_size is not None:
+        fail("--train-samples", samples["--train-samples"],
+             "With --rampup-batch-size the iterations per sample change along the run; give "
+             "--train-iters")
+    gbs = args.global_batch_size
+    for flag, twin, default in (("--lr-warmup-samples", "lr_warmup_iters", 0),
+                                ("--lr-decay-samples", "lr_decay_iters", None)):
+        if samples[flag] is not None and getattr(args, twin) != default:
+            fail(flag, samples[flag], f"--{twin.replace('_', '-')} is given too; give one")
+    _at_least(args, "--train-samples", gbs)
+    _at_least(args, "--lr-warmup-samples", 0)
+    _at_least(args, "--lr-decay-samples", gbs)
+    args.train_iters = samples["--train-samples"] // gbs
+    if samples["--lr-warmup-samples"] is not None:
+        args.lr_warmup_iters = samples["--lr-warmup-samples"] // gbs
+    if samples["--lr-decay-samples"] is not None:
+        args.lr_decay_iters = samples["--lr-decay-samples"] // gbs
 
 
 def check_optimizer_graph(args):

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 from megatron.training import argument_checks as checks
+from megatron.training import megatron_flags
+from megatron.training.megatron_flags import add_megatron_flags
 
 MODELS = ("gpt", "hybrid")
 
@@ -98,6 +100,7 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     _add_attention_args(parser)
     _add_cuda_graph_args(parser)
     _add_distributed_args(parser)
+    add_megatron_flags(parser)
     return parser
 
 
@@ -148,6 +151,13 @@ def _add_hybrid_args(parser):
                    help="One character per layer: 'M' Mamba, '*' attention, '-' MLP, 'E' MoE "
                         "(needs --num-experts), '+' multi-latent attention (needs "
                         "--multi-latent-attention).")
+    g.add_argument("--hybrid-attention-ratio", type=float, default=0.0,
+                   help="Megatron's older way to lay out a hybrid model: this fraction of "
+                        "--num-layers as attention layers, evenly spaced (megatron-core's "
+                        "pattern_from_ratios); instead of --hybrid-override-pattern.")
+    g.add_argument("--hybrid-mlp-ratio", type=float, default=0.0,
+                   help="With --hybrid-attention-ratio: this fraction of --num-layers as MLP "
+                        "layers.")
     g.add_argument("--mamba-state-dim", type=int, default=128)
     g.add_argument("--mamba-head-dim", type=int, default=64)
     g.add_argument("--mamba-num-groups", type=int, default=8)
@@ -295,7 +305,17 @@ def _add_training_args(parser):
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Batch-size ramp-up as in Megatron: START samples per step, growing by "
                         "INCREMENT up to --global-batch-size over SAMPLES samples.")
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="Training iterations (or give --train-samples).")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Megatron's sample-based length: --train-iters = this // "
+                        "--global-batch-size (not with --rampup-batch-size).")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Turn Python's automatic garbage collection off and collect every "
+                        "--manual-gc-interval iterations instead, so collection pauses never "
+                        "land inside a step (as Megatron's --manual-gc).")
+    g.add_argument("--manual-gc-interval", type=int, default=0, metavar="N",
+                   help="With --manual-gc: collect every N iterations (0: only at start).")
     g.add_argument("--bf16", action="store_true", help="bf16 mixed precision.")
     g.add_argument("--fp16", action="store_true", help="Not supported by this fork.")
     g.add_argument("--seed", type=int, default=1234)
@@ -326,6 +346,10 @@ def _add_learning_rate_args(parser):
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "WSD"],
                    default="cosine")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=None,
+                   help="With --train-samples: --lr-warmup-iters = this // --global-batch-size.")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="With --train-samples: --lr-decay-iters = this // --global-batch-size.")
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="Default: --train-iters.")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
@@ -479,11 +503,14 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
     args.model = model
+    # Megatron flags of existing scripts: refused with the reason, or named in the log.
+    args.megatron_flags_without_effect = megatron_flags.check(args)
     checks.check_hybrid(args, model)
     checks.check_model(args, model)
     checks.check_parallelism(args, model, world_size)
     checks.check_optimizer_graph(args)  # before check_training: fp16 gets the graph's reason
     checks.check_training(args)
+    checks.check_training_length(args)
     checks.check_learning_rate(args)
     checks.check_checkpointing(args)
     checks.check_logging(args)

@@ -6,6 +6,7 @@ forward step's business and CUDA graphs the graph runtime's (megatron/packed_gra
 which runs every iteration's schedule.
 """
 
+import gc
 from contextlib import nullcontext
 from functools import partial
 from typing import Callable, List, Optional
@@ -183,6 +184,24 @@ def evaluate(args, graphs: GraphRuntime, forward_step, read_valid, model):
     return _to_float(_reduce_loss(losses)), stats
 
 
+class ManualGC:
+    """--manual-gc: Python's automatic garbage collection off for the run, one collection
+    now and one after every ``interval``-th iteration (0: none), so that no collection pause
+    lands inside a step's launches. ``close`` turns automatic collection back on."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        gc.disable()
+        gc.collect()
+
+    def after_step(self, iteration: int) -> None:
+        if self.interval and iteration % self.interval == 0:
+            gc.collect()
+
+    def close(self) -> None:
+        gc.enable()
+
+
 def _configure_schedule_hooks(config, model, optimizer) -> None:
     """The hooks megatron-core's schedules call (gradient sync, loss scaling)."""
     config.no_sync_func = [chunk.no_sync for chunk in model]
@@ -205,6 +224,9 @@ def pretrain(args, model_provider: Callable, forward_step,
     patches = apply_core_patches()
     set_seeds(args.seed, args.deterministic_mode, args.te_rng_tracker)
     print_rank_0(format_args(args))
+    if args.megatron_flags_without_effect:
+        print_rank_0(" > Megatron flags with no effect here: "
+                     + "; ".join(args.megatron_flags_without_effect))
     print_rank_0(" > megatron-core patches: " + ", ".join(
         f"{name} ({state})" for name, state in patches.items()))
     config = transformer_config_from_args(args)
@@ -249,6 +271,7 @@ def pretrain(args, model_provider: Callable, forward_step,
     # one. Times are per log interval (Megatron's "elapsed time per iteration"), measured
     # up to the log point, which waits for the GPU when it reads the loss.
     interval = IntervalTimer()
+    manual_gc = ManualGC(args.manual_gc_interval) if args.manual_gc else None
     moe_losses = MoELosses(args, model)  # MoE aux losses and drops, read at log points only
     while iteration < args.train_iters:
         profiler.begin(iteration + 1)
@@ -261,6 +284,8 @@ def pretrain(args, model_provider: Callable, forward_step,
                 args, graphs, forward_step, micro_batches, model, optimizer, scheduler, batch,
                 moe_rerun)
         iteration += 1
+        if manual_gc:
+            manual_gc.after_step(iteration)
         moe_losses.after_step(num_microbatches, iteration)
         consumed_samples += batch
         # Dynamic-CP samples differ in length; the reader counts their positions.
@@ -302,6 +327,8 @@ def pretrain(args, model_provider: Callable, forward_step,
     if moe_rerun is not None and args.moe_router_load_file:
         moe_rerun.write_router_loads(args.moe_router_load_file)  # for tools/capacity_advisor.py
     logger.close()
+    if manual_gc:
+        manual_gc.close()
     return record
 
 

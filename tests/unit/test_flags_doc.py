@@ -21,7 +21,7 @@ def documented_rows() -> dict:
             section = line[3:].strip()
         elif line.startswith("| `-"):
             cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-            for flag in re.findall(r"`(--[a-z0-9-]+)", cells[0]):
+            for flag in re.findall(r"`(--[a-z0-9_-]+)", cells[0]):
                 rows.setdefault(flag, []).append((section, cells[1]))
     return rows
 

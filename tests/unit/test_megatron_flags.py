@@ -1,0 +1,155 @@
+"""Megatron-LM script flags: a Megatron-style launch line parses; flags that change nothing
+here are accepted and named; the rest are refused with the reason; --train-samples,
+the hybrid layer ratios and --manual-gc work as in Megatron-LM (CPU)."""
+
+import gc
+
+import pytest
+from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
+
+from megatron.training.arguments import build_parser, validate_args
+from megatron.training.megatron_flags import ALREADY, REFUSED
+from megatron.training.training import ManualGC
+
+HYBRID = ["--hidden-size", "64", "--num-attention-heads", "4", "--mamba-head-dim", "16",
+          "--seq-length", "256", "--lr", "1e-3", "--mock-data"]
+GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+       "--seq-length", "256", "--train-iters", "10", "--lr", "1e-3", "--mock-data"]
+
+
+def validate(model, *argv, world_size=1):
+    args = build_parser(model).parse_args([str(a) for a in argv])
+    return validate_args(args, model, world_size=world_size)
+
+
+def test_a_megatron_mamba_launch_line_runs_with_its_own_flags():
+    """The flags of a Megatron-LM hybrid launch script: ratios for the layout, sample-based
+    length and schedule, GQA, no biases, manual GC, fused-kernel switches."""
+    args = validate(
+        "hybrid", *HYBRID, "--num-layers", 12, "--hybrid-attention-ratio", 0.08,
+        "--hybrid-mlp-ratio", 0.5, "--group-query-attention", "--num-query-groups", 2,
+        "--use-mcore-models", "--disable-bias-linear", "--no-create-attention-mask-in-dataloader",
+        "--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+        "--ckpt-format", "torch_dist", "--global-batch-size", 4, "--train-samples", 400,
+        "--lr-warmup-samples", 40, "--lr-decay-samples", 360, "--manual-gc",
+        "--manual-gc-interval", 50)
+    assert args.hybrid_override_pattern == pattern_from_ratios(12, 0.08, 0.5) == "M-M-M-*-M-M-"
+    assert args.num_layers == 12 and args.num_query_groups == 2
+    assert (args.train_iters, args.lr_warmup_iters, args.lr_decay_iters) == (100, 10, 90)
+    named = [entry.split(" (")[0] for entry in args.megatron_flags_without_effect]
+    assert named == ["--use-mcore-models", "--disable-bias-linear", "--group-query-attention",
+                     "--no-create-attention-mask-in-dataloader", "--no-masked-softmax-fusion",
+                     "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+                     "--ckpt-format"]
+    assert "(checkpoints are megatron-core distributed checkpoints)" in \
+        args.megatron_flags_without_effect[-1]
+
+
+def test_no_megatron_flag_given_names_none():
+    assert validate("gpt", *GPT).megatron_flags_without_effect == []
+
+
+@pytest.mark.parametrize("entry", REFUSED, ids=[e.flag for e in REFUSED])
+def test_every_refused_flag_names_its_reason(entry):
+    values = ["x"] * (entry.nargs or 0)
+    with pytest.raises(ValueError) as error:
+        validate("gpt", *GPT, entry.flag, *values)
+    assert str(error.value).startswith(f"{entry.flag} is wrong: ")
+    assert entry.why in str(error.value)
+
+
+@pytest.mark.parametrize("entry", [e for e in ALREADY if e.value is not None],
+                         ids=lambda e: e.flag)
+def test_a_value_flag_takes_only_the_value_this_fork_runs(entry):
+    assert validate("gpt", *GPT, entry.flag, entry.value).megatron_flags_without_effect
+    with pytest.raises(ValueError, match=f"{entry.flag} is wrong: 7. This fork runs as "
+                                         f"{entry.flag} {entry.value}"):
+        validate("gpt", *GPT, entry.flag, 7)
+
+
+# --- --train-samples and the sample-based schedule --------------------------------------------
+
+def test_the_training_length_is_required_in_one_form():
+    base = [a for a in GPT if a not in ("--train-iters", "10")]
+    with pytest.raises(ValueError, match="--train-iters is wrong: None. Give the training length"):
+        validate("gpt", *base)
+    with pytest.raises(ValueError, match="--train-samples is wrong: 40. --train-iters .10. gives"):
+        validate("gpt", *GPT, "--train-samples", 40)
+    args = validate("gpt", *base, "--train-samples", 41, "--global-batch-size", 4)
+    assert (args.train_iters, args.lr_warmup_iters, args.lr_decay_iters) == (10, 0, 10)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--lr-warmup-samples", 8], "--lr-warmup-samples is wrong: 8. Sample-based schedules go "
+                                 "with --train-samples"),
+    (["--lr-decay-samples", 8], "--lr-decay-samples is wrong: 8. Sample-based"),
+])
+def test_sample_based_schedules_need_train_samples(extra, message):
+    with pytest.raises(ValueError, match=message):
+        validate("gpt", *GPT, *extra)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--lr-warmup-samples", 8, "--lr-warmup-iters", 2], "--lr-warmup-iters is given too"),
+    (["--lr-decay-samples", 80, "--lr-decay-iters", 20], "--lr-decay-iters is given too"),
+    (["--rampup-batch-size", 2, 2, 8], "--train-samples is wrong: 400. With --rampup-batch-size"),
+    (["--lr-decay-samples", 2], "--lr-decay-samples is wrong: 2. Use a value >= 4"),
+])
+def test_sample_based_rules(extra, message):
+    base = [a for a in GPT if a not in ("--train-iters", "10")]
+    with pytest.raises(ValueError, match=message):
+        validate("gpt", *base, "--train-samples", 400, "--global-batch-size", 4, *extra)
+
+
+# --- --hybrid-attention-ratio / --hybrid-mlp-ratio --------------------------------------------
+
+@pytest.mark.parametrize("model,extra,message", [
+    ("hybrid", ["--num-layers", 8, "--hybrid-attention-ratio", 1.5],
+     "--hybrid-attention-ratio is wrong: 1.5. A fraction of --num-layers"),
+    ("hybrid", ["--num-layers", 8, "--hybrid-attention-ratio", 0.6, "--hybrid-mlp-ratio", 0.6],
+     "--hybrid-mlp-ratio is wrong: 0.6. With --hybrid-attention-ratio 0.6 the two exceed"),
+    ("hybrid", ["--hybrid-attention-ratio", 0.25],
+     "--hybrid-attention-ratio is wrong: 0.25. The ratios are fractions of --num-layers"),
+    ("hybrid", ["--hybrid-override-pattern", "M*M-", "--hybrid-mlp-ratio", 0.25],
+     "--hybrid-override-pattern already lays out the layers"),
+    ("gpt", ["--hybrid-attention-ratio", 0.25], "It lays out a hybrid Mamba model"),
+])
+def test_hybrid_ratio_rules(model, extra, message):
+    base = HYBRID + ["--train-iters", 10] if model == "hybrid" else GPT
+    with pytest.raises(ValueError, match=message):
+        validate(model, *base, *extra)
+
+
+# --- --manual-gc ------------------------------------------------------------------------------
+
+def test_manual_gc_interval_needs_manual_gc():
+    with pytest.raises(ValueError, match="--manual-gc-interval is wrong: 5. It sets how often "
+                                         "--manual-gc collects"):
+        validate("gpt", *GPT, "--manual-gc-interval", 5)
+
+
+def test_manual_gc_collects_only_at_its_interval():
+    """Observed through gc.callbacks: one collection at start, then every 3rd iteration; the
+    automatic collector stays off until close."""
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    was_enabled = gc.isenabled()
+    gc.callbacks.append(count)
+    try:
+        manual = ManualGC(3)
+        assert not gc.isenabled() and len(collections) == 1
+        for iteration in range(1, 8):
+            garbage = [[] for _ in range(2000)]  # would trigger an automatic collection
+            del garbage
+            manual.after_step(iteration)
+        assert len(collections) == 3  # start, iteration 3, iteration 6
+        manual.close()
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+        if not was_enabled:
+            gc.disable()
