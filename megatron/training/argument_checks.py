@@ -434,6 +434,9 @@ def check_logging(args):
     _at_least(args, "--eval-interval", 0)
     if args.exit_interval is not None:
         _at_least(args, "--exit-interval", 1)
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        fail("--exit-duration-in-mins", args.exit_duration_in_mins, "Use a positive number of "
+                                                                    "minutes")
     if args.profile:
         _at_least(args, "--profile-step-start", 1)
         if args.profile_step_end <= args.profile_step_start:

@@ -379,6 +379,11 @@ def _add_logging_args(parser):
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Stop after the iteration that is a multiple of this (checkpoint first "
                         "when --save is set); the LR schedule still spans --train-iters.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, metavar="MINUTES",
+                   help="Stop once this many minutes have passed since training started "
+                        "(checkpoint first when --save is set), e.g. before a Slurm time "
+                        "limit. Checked at log lines, which wait for the GPU anyway: the run "
+                        "may go up to --log-interval iterations past it.")
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--profile", action="store_true",
                    help="Profile iterations [--profile-step-start, --profile-step-end): nsys "

@@ -6,7 +6,8 @@ nothing (`ALREADY`); the start-up log names them with the reason. Flags for feat
 fork does not have are refused with the reason and what to do (`REFUSED`), never silently
 ignored. Some Megatron flags are implemented where their features live: --train-samples and
 the sample-based LR flags (argument_checks.check_training_length), --hybrid-attention-ratio
-and --hybrid-mlp-ratio (argument_checks.check_hybrid), --manual-gc (training.py).
+and --hybrid-mlp-ratio (argument_checks.check_hybrid), --manual-gc and
+--exit-duration-in-mins (training.py).
 
 A flag with a value is accepted only with the value that states this fork's behaviour
 (``--ckpt-format torch_dist``); any other value is refused, naming the one accepted.
@@ -77,9 +78,6 @@ REFUSED = (
     MegatronFlag("--use-torch-fsdp2",
                  "FSDP is not supported here; use --use-distributed-optimizer to shard the "
                  "optimizer state"),
-    MegatronFlag("--exit-duration-in-mins",
-                 "Not implemented here; stop at an iteration with --exit-interval N (with "
-                 "--save, a checkpoint is written first)", nargs=1),
     MegatronFlag("--split",
                  "This fork reads validation data from its own file; give --valid-data-path "
                  "and drop --split", nargs=1),

@@ -7,6 +7,7 @@ which runs every iteration's schedule.
 """
 
 import gc
+import time
 from contextlib import nullcontext
 from functools import partial
 from typing import Callable, List, Optional
@@ -202,6 +203,28 @@ class ManualGC:
         gc.enable()
 
 
+class ExitDeadline:
+    """--exit-duration-in-mins: whether the run has used its minutes, decided alike on every
+    rank. ``passed`` is called at log points only: it all-reduces one flag (the slowest
+    rank's clock decides) and reads it back, a host sync the log line pays anyway."""
+
+    def __init__(self, minutes: float, start: float, clock: Callable[[], float] = time.time):
+        self.minutes, self.start, self.clock = minutes, start, clock
+
+    def elapsed_minutes(self) -> float:
+        return (self.clock() - self.start) / 60
+
+    def passed(self) -> bool:
+        late = self.elapsed_minutes() >= self.minutes
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            backend = torch.distributed.get_backend()
+            flag = torch.tensor([float(late)],
+                                device="cuda" if backend == "nccl" else "cpu")
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            late = bool(flag.item())
+        return late
+
+
 def _configure_schedule_hooks(config, model, optimizer) -> None:
     """The hooks megatron-core's schedules call (gradient sync, loss scaling)."""
     config.no_sync_func = [chunk.no_sync for chunk in model]
@@ -220,6 +243,7 @@ def pretrain(args, model_provider: Callable, forward_step,
     ``packed_rows``: rows of data files packed already (the data check's, by path).
     ``iteration_hook(iteration)``: a context manager entered around each training
     iteration's step (1-based number; tools/find_host_syncs.py watches one)."""
+    start = time.time()  # --exit-duration-in-mins counts from here, as Megatron's does
     initialize_distributed(args)
     patches = apply_core_patches()
     set_seeds(args.seed, args.deterministic_mode, args.te_rng_tracker)
@@ -272,6 +296,8 @@ def pretrain(args, model_provider: Callable, forward_step,
     # up to the log point, which waits for the GPU when it reads the loss.
     interval = IntervalTimer()
     manual_gc = ManualGC(args.manual_gc_interval) if args.manual_gc else None
+    deadline = (ExitDeadline(args.exit_duration_in_mins, start)
+                if args.exit_duration_in_mins is not None else None)
     moe_losses = MoELosses(args, model)  # MoE aux losses and drops, read at log points only
     while iteration < args.train_iters:
         profiler.begin(iteration + 1)
@@ -320,6 +346,11 @@ def pretrain(args, model_provider: Callable, forward_step,
             interval.restart()
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f" exiting after iteration {iteration} (--exit-interval)")
+            break
+        if deadline and iteration % args.log_interval == 0 and deadline.passed():
+            print_rank_0(f" exiting after iteration {iteration} (--exit-duration-in-mins "
+                         f"{args.exit_duration_in_mins:g}: {deadline.elapsed_minutes():.1f} "
+                         "minutes)")
             break
     if args.save and not saved:
         save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,

@@ -1,6 +1,7 @@
 """Megatron-LM script flags: a Megatron-style launch line parses; flags that change nothing
 here are accepted and named; the rest are refused with the reason; --train-samples,
-the hybrid layer ratios and --manual-gc work as in Megatron-LM (CPU)."""
+the hybrid layer ratios, --manual-gc and --exit-duration-in-mins work as in Megatron-LM
+(CPU; the deadline's agreement across ranks with two real gloo processes)."""
 
 import gc
 
@@ -9,7 +10,7 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_rat
 
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.megatron_flags import ALREADY, REFUSED
-from megatron.training.training import ManualGC
+from megatron.training.training import ExitDeadline, ManualGC
 
 HYBRID = ["--hidden-size", "64", "--num-attention-heads", "4", "--mamba-head-dim", "16",
           "--seq-length", "256", "--lr", "1e-3", "--mock-data"]
@@ -153,3 +154,44 @@ def test_manual_gc_collects_only_at_its_interval():
         gc.callbacks.remove(count)
         if not was_enabled:
             gc.disable()
+
+
+# --- --exit-duration-in-mins ------------------------------------------------------------------
+
+def test_exit_duration_must_be_positive():
+    with pytest.raises(ValueError, match="--exit-duration-in-mins is wrong: 0.0. Use a positive"):
+        validate("gpt", *GPT, "--exit-duration-in-mins", 0)
+    assert validate("gpt", *GPT, "--exit-duration-in-mins", 1.5).exit_duration_in_mins == 1.5
+
+
+def test_the_deadline_passes_at_its_minutes():
+    now = [100.0]
+    deadline = ExitDeadline(2.0, start=100.0, clock=lambda: now[0])
+    now[0] += 119.0
+    assert not deadline.passed()
+    now[0] += 1.0
+    assert deadline.passed() and deadline.elapsed_minutes() == 2.0
+
+
+def _deadline_rank(rank, world_size, init_file, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        # Rank 1's clock is past the deadline, rank 0's is not: both must stop.
+        deadline = ExitDeadline(1.0, start=0.0, clock=lambda: 30.0 if rank == 0 else 90.0)
+        results[rank] = deadline.passed()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_stops_when_the_slowest_clock_passes(tmp_path):
+    """Two real processes (gloo): the decision is all-reduced, so no rank leaves the loop
+    while another trains on."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_deadline_rank, args=(2, str(tmp_path / "init"), results), nprocs=2)
+        assert dict(results) == {0: True, 1: True}
