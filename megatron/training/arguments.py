@@ -509,7 +509,7 @@ def validate_args(args: argparse.Namespace, model: str, world_size: int | None =
         world_size = int(os.environ.get("WORLD_SIZE", 1))
     args.model = model
     # Megatron flags of existing scripts: refused with the reason, or named in the log.
-    args.megatron_flags_without_effect = megatron_flags.check(args)
+    args.megatron_flags_without_effect = megatron_flags.check(args, model)
     checks.check_hybrid(args, model)
     checks.check_model(args, model)
     checks.check_parallelism(args, model, world_size)

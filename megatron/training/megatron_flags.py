@@ -9,29 +9,37 @@ the sample-based LR flags (argument_checks.check_training_length), --hybrid-atte
 and --hybrid-mlp-ratio (argument_checks.check_hybrid), --manual-gc and
 --exit-duration-in-mins (training.py).
 
-A flag with a value is accepted only with the value that states this fork's behaviour
-(``--ckpt-format torch_dist``); any other value is refused, naming the one accepted.
+A flag with values is accepted only with those that state this fork's behaviour
+(``--ckpt-format torch_dist``, megatron-core's own hybrid stack for ``--spec``); any other is
+refused, naming the accepted ones.
 """
 
 import argparse
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 
 @dataclass(frozen=True)
 class MegatronFlag:
-    """One Megatron flag: ``value`` is the only value accepted (None: a switch), ``why``
-    says why it changes nothing here (`ALREADY`) or why it is refused and what to do."""
+    """One Megatron flag and ``why`` it changes nothing here (`ALREADY`) or is refused, with
+    what to do (`REFUSED`). ``nargs``: its values (None: a switch); ``values``: for an
+    `ALREADY` flag with values, the ones accepted (each as typed, space-joined); ``models``:
+    the scripts it is accepted in."""
 
     flag: str
     why: str
-    value: Optional[str] = None
-    nargs: Optional[int] = None  # values of a refused flag (None: a switch or one value)
+    nargs: Optional[int] = None
+    values: Tuple[str, ...] = ()
+    models: Tuple[str, ...] = ("gpt", "hybrid")
 
     @property
     def dest(self) -> str:
         return "megatron_" + self.flag.lstrip("-").replace("-", "_")
 
+
+# megatron-core's own hybrid stack spec (0.16 and 0.19 names), which this fork's is built on.
+HYBRID_STACK_SPECS = ("megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec",
+                      "megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec")
 
 ALREADY = (
     MegatronFlag("--use-mcore-models", "this fork builds megatron-core models only"),
@@ -53,10 +61,12 @@ ALREADY = (
                  "Megatron deprecated it; there is nothing to turn off"),
     MegatronFlag("--log-throughput", "the log line reports tokens/s"),
     MegatronFlag("--ckpt-format", "checkpoints are megatron-core distributed checkpoints",
-                 value="torch_dist"),
+                 nargs=1, values=("torch_dist",)),
     MegatronFlag("--timing-log-level",
                  "this fork keeps no Megatron timers; the log line times each interval",
-                 value="0"),
+                 nargs=1, values=("0",)),
+    MegatronFlag("--spec", "pretrain_mamba.py builds megatron-core's hybrid stack, packed",
+                 nargs=2, values=HYBRID_STACK_SPECS, models=("hybrid",)),
 )
 
 REFUSED = (
@@ -87,9 +97,6 @@ REFUSED = (
     MegatronFlag("--merge-file",
                  "This fork tokenizes with --tokenizer-type HuggingFaceTokenizer "
                  "--tokenizer-model DIR, or reads rows tokenized already", nargs=1),
-    MegatronFlag("--spec",
-                 "This fork builds its own packed layer specs on megatron-core's "
-                 "(docs/architecture.md); drop --spec", nargs=2),
     MegatronFlag("--log-params-norm", "Not implemented here; drop it"),
     MegatronFlag("--apply-layernorm-1p",
                  "Zero-centred norm weights are not supported here; drop it"),
@@ -112,38 +119,49 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
         "Megatron-LM flags of existing scripts: accepted where this fork already behaves so "
         "(no effect), refused with the reason otherwise (docs/flags.md).")
     for entry in ALREADY:
-        if entry.value is None:
-            g.add_argument(entry.flag, dest=entry.dest, action="store_true",
-                           help=f"Accepted, no effect: {entry.why}.")
-        else:
-            g.add_argument(entry.flag, dest=entry.dest, default=None, metavar=entry.value,
-                           help=f"Accepted with {entry.value} only, no effect: {entry.why}.")
+        accepted = " or ".join(entry.values)
+        _add(g, entry, f"Accepted with {accepted} only, no effect: {entry.why}." if accepted
+             else f"Accepted, no effect: {entry.why}.")
     for entry in REFUSED:
-        if entry.nargs is None:
-            g.add_argument(entry.flag, dest=entry.dest, action="store_true",
-                           help=f"Refused. {entry.why}.")
-        else:
-            g.add_argument(entry.flag, dest=entry.dest, default=None, nargs=entry.nargs,
-                           help=f"Refused. {entry.why}.")
+        _add(g, entry, f"Refused. {entry.why}.")
 
 
-def check(args: argparse.Namespace) -> List[str]:
-    """Refuse what `REFUSED` names and a wrong value of an `ALREADY` flag (ValueError, in the
-    `argument_checks.fail` shape); return the given `ALREADY` flags, each with its reason."""
+def _add(group, entry: MegatronFlag, text: str) -> None:
+    if entry.nargs is None:
+        group.add_argument(entry.flag, dest=entry.dest, action="store_true", help=text)
+    else:
+        group.add_argument(entry.flag, dest=entry.dest, default=None, nargs=entry.nargs,
+                           help=text)
+
+
+def _as_typed(value) -> Optional[str]:
+    """A given flag's value as typed (a switch: "True"); None when not given."""
+    if value is None or value is False:
+        return None
+    return "True" if value is True else " ".join(map(str, value))
+
+
+def check(args: argparse.Namespace, model: str) -> List[str]:
+    """Refuse what `REFUSED` names and an `ALREADY` flag with another value or in another
+    script (ValueError, in the `argument_checks.fail` shape); return the given `ALREADY`
+    flags, each with its reason, for the start-up log."""
     from megatron.training.argument_checks import fail
 
     for entry in REFUSED:
-        value = getattr(args, entry.dest, None)
-        if value not in (None, False):
-            shown = True if value is True else " ".join(map(str, value))
-            fail(entry.flag, shown, entry.why)
+        typed = _as_typed(getattr(args, entry.dest, None))
+        if typed is not None:
+            fail(entry.flag, typed, entry.why)
     given = []
     for entry in ALREADY:
-        value = getattr(args, entry.dest, None)
-        if value in (None, False):
+        typed = _as_typed(getattr(args, entry.dest, None))
+        if typed is None:
             continue
-        if entry.value is not None and str(value) != entry.value:
-            fail(entry.flag, value, f"This fork runs as {entry.flag} {entry.value}: "
-                                    f"{entry.why}; use {entry.value} or drop the flag")
+        if model not in entry.models:
+            fail(entry.flag, typed, f"It is for {' and '.join(entry.models)} models; run "
+                                    "pretrain_mamba.py, or drop the flag")
+        if entry.values and typed not in entry.values:
+            accepted = " or ".join(entry.values)
+            fail(entry.flag, typed, f"This fork runs as {entry.flag} {accepted}: {entry.why}; "
+                                    f"use that or drop the flag")
         given.append(f"{entry.flag} ({entry.why})")
     return given

@@ -59,13 +59,29 @@ def test_every_refused_flag_names_its_reason(entry):
     assert entry.why in str(error.value)
 
 
-@pytest.mark.parametrize("entry", [e for e in ALREADY if e.value is not None],
-                         ids=lambda e: e.flag)
-def test_a_value_flag_takes_only_the_value_this_fork_runs(entry):
-    assert validate("gpt", *GPT, entry.flag, entry.value).megatron_flags_without_effect
-    with pytest.raises(ValueError, match=f"{entry.flag} is wrong: 7. This fork runs as "
-                                         f"{entry.flag} {entry.value}"):
-        validate("gpt", *GPT, entry.flag, 7)
+VALUED = [e for e in ALREADY if e.values]
+
+
+@pytest.mark.parametrize("entry", VALUED, ids=[e.flag for e in VALUED])
+def test_a_valued_flag_takes_only_the_values_this_fork_runs(entry):
+    model, base = ("hybrid", HYBRID + ["--hybrid-override-pattern", "M*", "--train-iters", 10]) \
+        if "gpt" not in entry.models else ("gpt", GPT)
+    for value in entry.values:
+        assert validate(model, *base, entry.flag, *value.split()).megatron_flags_without_effect
+    wrong = ["7"] * entry.nargs
+    with pytest.raises(ValueError, match=f"{entry.flag} is wrong: {' '.join(wrong)}. This fork "
+                                         f"runs as {entry.flag} "):
+        validate(model, *base, entry.flag, *wrong)
+
+
+def test_megatron_cores_hybrid_spec_is_accepted_for_hybrid_models_only():
+    spec = "megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec".split()
+    args = validate("hybrid", *HYBRID, "--hybrid-override-pattern", "M*", "--train-iters", 10,
+                    "--spec", *spec)
+    assert args.megatron_flags_without_effect[0].startswith("--spec (pretrain_mamba.py builds")
+    with pytest.raises(ValueError, match="--spec is wrong: megatron.core.models.mamba.mamba_layer"
+                                         "_specs mamba_stack_spec. It is for hybrid models"):
+        validate("gpt", *GPT, "--spec", *spec)
 
 
 # --- --train-samples and the sample-based schedule --------------------------------------------
