@@ -59,7 +59,8 @@ ALREADY = (
                  "--load always restores the learning-rate schedule from the checkpoint"),
     MegatronFlag("--no-async-tensor-model-parallel-allreduce",
                  "Megatron deprecated it; there is nothing to turn off"),
-    MegatronFlag("--log-throughput", "the log line reports tokens/s"),
+    MegatronFlag("--log-throughput",
+                 "the log line always reports throughput, as tokens/s (not TFLOP/s)"),
     MegatronFlag("--ckpt-format", "checkpoints are megatron-core distributed checkpoints",
                  nargs=1, values=("torch_dist",)),
     MegatronFlag("--timing-log-level",
@@ -78,8 +79,8 @@ REFUSED = (
                  "Overlapping the parameter all-gather with the forward is not supported here; "
                  "drop the flag (--use-distributed-optimizer still shards the optimizer)"),
     MegatronFlag("--recompute-granularity",
-                 "Activation recomputation is not supported with packed CUDA graphs here; "
-                 "drop it (lower --micro-batch-size or raise parallelism to save memory)",
+                 "Activation recomputation is not supported here; drop it (lower "
+                 "--micro-batch-size or raise parallelism to save memory)",
                  nargs=1),
     MegatronFlag("--recompute-method", "Activation recomputation is not supported here; drop it",
                  nargs=1),

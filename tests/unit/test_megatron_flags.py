@@ -211,3 +211,12 @@ def test_every_rank_stops_when_the_slowest_clock_passes(tmp_path):
         results = manager.dict()
         mp.spawn(_deadline_rank, args=(2, str(tmp_path / "init"), results), nprocs=2)
         assert dict(results) == {0: True, 1: True}
+
+
+def test_docs_give_every_entry_its_reason():
+    """docs/flags.md's "Megatron compatibility" tables say what the tables here say."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "flags.md").read_text()
+    section = docs[docs.index("## Megatron compatibility"):docs.index("## Compared with")]
+    assert [e.flag for e in ALREADY + REFUSED if e.why not in section] == []
