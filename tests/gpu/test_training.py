@@ -34,3 +34,33 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     for resumed, reference in zip(second, full[10:]):
         assert abs(resumed["lm_loss"] - reference["lm_loss"]) < 2e-3, (resumed, reference)
         assert resumed["learning_rate"] == pytest.approx(reference["learning_rate"])
+
+
+def test_megatron_launch_flags_train_as_in_megatron(tmp_path):
+    """A Megatron-style line: --train-samples and --lr-warmup-samples set the length and the
+    warm-up in iterations, --manual-gc runs, and the accepted no-op flags are named in the
+    start-up log. Then --exit-duration-in-mins stops a second run at its first log line,
+    with a checkpoint, and --load continues from it."""
+    import os
+
+    common = TINY_GPT + TRAIN + [
+        "--global-batch-size", "4", "--train-samples", "48", "--lr-warmup-samples", "8",
+        "--manual-gc", "--manual-gc-interval", "5", "--use-mcore-models", "--disable-bias-linear",
+        "--group-query-attention", "--ckpt-format", "torch_dist"]
+    records = run_training("pretrain_gpt.py", common, tmp_path, name="samples")
+    assert [r["iteration"] for r in records] == list(range(1, 13))  # 48 // 4
+    assert records[0]["learning_rate"] < records[2]["learning_rate"]  # warming up for 2
+    log = (tmp_path / "samples.log").read_text()
+    assert "Megatron flags with no effect here: --use-mcore-models" in log
+
+    ckpt = tmp_path / "ckpt"
+    stopped = run_training("pretrain_gpt.py", common + [
+        "--log-interval", "3", "--exit-duration-in-mins", "1e-6", "--save", str(ckpt)],
+        tmp_path, name="deadline")
+    assert [r["iteration"] for r in stopped] == [3]  # the first log line, past the minutes
+    assert "exiting after iteration 3 (--exit-duration-in-mins" in \
+        (tmp_path / "deadline.log").read_text()
+    assert os.path.isdir(ckpt / "iter_0000003")
+    resumed = run_training("pretrain_gpt.py", common + ["--load", str(ckpt)], tmp_path,
+                           name="resumed")
+    assert [r["iteration"] for r in resumed] == list(range(4, 13))
