@@ -70,6 +70,12 @@ ALREADY = (
                  nargs=2, values=HYBRID_STACK_SPECS, models=("hybrid",)),
 )
 
+_NO_RECOMPUTE = "Activation recomputation is not supported here; drop it"
+_HF_TOKENIZER = ("This fork tokenizes with --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+                 "DIR, or reads rows tokenized already")
+_NO_WANDB = ("Weights & Biases logging is not built in; use --tensorboard-dir or "
+             "--metrics-file")
+
 REFUSED = (
     MegatronFlag("--overlap-grad-reduce",
                  "Overlapping the gradient reduction with the backward is not supported here: "
@@ -82,34 +88,24 @@ REFUSED = (
                  "Activation recomputation is not supported here; drop it (lower "
                  "--micro-batch-size or raise parallelism to save memory)",
                  nargs=1),
-    MegatronFlag("--recompute-method", "Activation recomputation is not supported here; drop it",
-                 nargs=1),
-    MegatronFlag("--recompute-num-layers",
-                 "Activation recomputation is not supported here; drop it", nargs=1),
+    MegatronFlag("--recompute-method", _NO_RECOMPUTE, nargs=1),
+    MegatronFlag("--recompute-num-layers", _NO_RECOMPUTE, nargs=1),
     MegatronFlag("--use-torch-fsdp2",
                  "FSDP is not supported here; use --use-distributed-optimizer to shard the "
                  "optimizer state"),
     MegatronFlag("--split",
                  "This fork reads validation data from its own file; give --valid-data-path "
                  "and drop --split", nargs=1),
-    MegatronFlag("--vocab-file",
-                 "This fork tokenizes with --tokenizer-type HuggingFaceTokenizer "
-                 "--tokenizer-model DIR, or reads rows tokenized already", nargs=1),
-    MegatronFlag("--merge-file",
-                 "This fork tokenizes with --tokenizer-type HuggingFaceTokenizer "
-                 "--tokenizer-model DIR, or reads rows tokenized already", nargs=1),
+    MegatronFlag("--vocab-file", _HF_TOKENIZER, nargs=1),
+    MegatronFlag("--merge-file", _HF_TOKENIZER, nargs=1),
     MegatronFlag("--log-params-norm", "Not implemented here; drop it"),
     MegatronFlag("--apply-layernorm-1p",
                  "Zero-centred norm weights are not supported here; drop it"),
     MegatronFlag("--moe-permute-fusion",
                  "Transformer Engine's fused token permutation has not been verified under "
                  "packed CUDA graphs here; drop it"),
-    MegatronFlag("--wandb-project",
-                 "Weights & Biases logging is not built in; use --tensorboard-dir or "
-                 "--metrics-file", nargs=1),
-    MegatronFlag("--wandb-exp-name",
-                 "Weights & Biases logging is not built in; use --tensorboard-dir or "
-                 "--metrics-file", nargs=1),
+    MegatronFlag("--wandb-project", _NO_WANDB, nargs=1),
+    MegatronFlag("--wandb-exp-name", _NO_WANDB, nargs=1),
 )
 
 
