@@ -490,7 +490,7 @@ def main(argv=None) -> int:
     runs = [(preset, variant, cp_set, experts) for preset in presets
             for experts in (args.moe_experts if is_moe(preset) else ["sequential"])
             for cp_set in args.dynamic_cp_sets or [""] for variant in variants]
-    rows = []
+    rows, stopped = [], False
     # A time limit (timeout, Slurm) sends SIGTERM: print the rows measured so far.
     previous = signal.signal(signal.SIGTERM, _raise_time_limit)
     try:
@@ -498,15 +498,16 @@ def main(argv=None) -> int:
             rows.append(run_row(preset, variant, args, cp_set, experts))
             write_json(rows, args.json)
     except TimeLimit:
-        print(run_header(sys.argv[1:] if argv is None else argv))
-        report(rows, args)
-        print(f"benchmark: stopped by SIGTERM after {len(rows)} of {len(runs)} runs; the "
-              f"table holds those", file=sys.stderr)
-        return 124  # what timeout(1) returns
+        stopped = True
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(run_header(sys.argv[1:] if argv is None else argv))
-    return report(rows, args)
+    code = report(rows, args)
+    if stopped:
+        print(f"benchmark: stopped by SIGTERM after {len(rows)} of {len(runs)} runs; the "
+              f"table holds those", file=sys.stderr)
+        return 124  # what timeout(1) returns
+    return code
 
 
 class TimeLimit(Exception):

@@ -75,13 +75,21 @@ def idle_by_frame(frames: List[Tuple[str, float, float]], gaps: List[Interval]
     return dict(self_time), dict(inclusive)
 
 
-def analyse(trace: dict, min_gap_us: float) -> dict:
-    """Busy/idle summary and idle time per host frame of the busiest host thread."""
+def timed_events(trace: dict) -> Tuple[List[dict], List[dict]]:
+    """``(complete events, GPU operations by start time)`` of ``trace``; ValueError when it
+    holds no GPU operation."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    busy = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES]
-    if not busy:
+    ops = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    if not ops:
         raise ValueError("trace is wrong: it holds no GPU kernels. Record it with CUDA "
                          "activity (--profile --profile-trace-dir on a GPU run).")
+    return events, ops
+
+
+def analyse(trace: dict, min_gap_us: float) -> dict:
+    """Busy/idle summary and idle time per host frame of the busiest host thread."""
+    events, ops = timed_events(trace)
+    busy = [(e["ts"], e["ts"] + e["dur"]) for e in ops]
     host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
     threads = defaultdict(list)
     for e in host:
@@ -108,11 +116,7 @@ def census(trace: dict) -> dict:
     """GPU operations of ``trace``, the ones a CUDA graph launched, and every gap between
     consecutive ones: counts and time per length bucket (upper bounds in GAP_BUCKETS_US),
     inside a graph (both neighbours graph-launched) or not, and gap time per operation pair."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    ops = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
-    if not ops:
-        raise ValueError("trace is wrong: it holds no GPU kernels. Record it with CUDA "
-                         "activity (--profile --profile-trace-dir on a GPU run).")
+    events, ops = timed_events(trace)
     launched_by = {e["args"]["correlation"]: e["name"] for e in events
                    if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
 
