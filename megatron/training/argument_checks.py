@@ -788,6 +788,7 @@ _MOE_FLAG_DEFAULTS = {
     "--moe-router-load-file": None,
     "--moe-grouped-gemm": False,
     "--expert-model-parallel-size": 1,
+    "--expert-tensor-parallel-size": None,
 }
 
 DROPLESS_SYNCS = ("Dropless alltoall reads the per-expert token counts back to the host in "
@@ -1010,18 +1011,32 @@ def _check_overflow_rerun(args):
 
 
 def _check_expert_parallel(args, experts: int):
+    """Fills expert_tensor_parallel_size (Megatron's default: the tensor-parallel size)."""
     _at_least(args, "--expert-model-parallel-size", 1)
     ep = args.expert_model_parallel_size
     if experts % ep:
         fail("--expert-model-parallel-size", ep,
              f"It must divide --num-experts ({experts}): every rank holds the same number of "
              "experts")
-    ranks = args.data_parallel_size * args.context_parallel_size
-    if ranks % ep:
-        fail("--expert-model-parallel-size", ep,
-             f"Expert-parallel ranks are taken from the data x context parallel ranks "
-             f"({args.data_parallel_size} x {args.context_parallel_size} = {ranks}); use a "
-             f"size that divides {ranks}")
+    tp = args.tensor_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    _at_least(args, "--expert-tensor-parallel-size", 1)
+    etp = args.expert_tensor_parallel_size
+    # megatron-core lays the expert groups (expert TP x EP x expert DP) over the same ranks as
+    # the dense ones (TP x CP x DP) within each pipeline stage.
+    if tp % etp:
+        fail("--expert-tensor-parallel-size", etp,
+             f"It must divide --tensor-model-parallel-size ({tp}); 1 folds the attention's "
+             "tensor-parallel ranks into expert parallelism")
+    ranks = tp * args.context_parallel_size * args.data_parallel_size
+    if ranks % (etp * ep):
+        fail("--expert-model-parallel-size" if etp == tp else "--expert-tensor-parallel-size",
+             ep if etp == tp else etp,
+             f"Expert tensor x expert parallel ranks ({etp} x {ep}) are taken from the tensor "
+             f"x context x data parallel ranks of a pipeline stage ({tp} x "
+             f"{args.context_parallel_size} x {args.data_parallel_size} = {ranks}); use sizes "
+             f"whose product divides {ranks}")
     if ep > 1 and getattr(args, "dynamic_cp_sizes", None):
         fail("--expert-model-parallel-size", ep,
              "Under dynamic CP ranks hold different token counts, so expert capacities differ "

@@ -236,6 +236,11 @@ def _add_moe_args(parser):
                    help="Transformer Engine's grouped GEMM for the local experts (TEGroupedMLP).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Expert parallelism: ranks that split the experts of a layer.")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="Tensor parallelism inside each expert (default: "
+                        "--tensor-model-parallel-size). 1 with TP > 1 folds the attention's "
+                        "TP ranks into expert parallelism (megatron-core's MoE parallel "
+                        "folding).")
 
 
 def _add_mla_args(parser):

@@ -152,6 +152,7 @@ def moe_kwargs(args) -> dict:
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_grouped_gemm=args.moe_grouped_gemm,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
 
 

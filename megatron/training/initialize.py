@@ -51,6 +51,7 @@ def initialize_distributed(args) -> None:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         # Dynamic CP: megatron-core's aligned DP x CP groups of every power-of-two size.
         hybrid_context_parallel=max(args.dynamic_cp_sizes or [1]) > 1,
     )

@@ -5,7 +5,9 @@ Each case trains the tiny GPT-MoE eager and with graphs, same seed and data, dro
 lm loss and load-balancing loss within the tolerance of test_moe_graphs.py.
 
 * EP = 2 and EP = 4 (data parallel 2 and 4), layer graphs;
-* EP = 2 x TP = 2 with sequence parallelism (4 GPUs; sequence parallelism needs TE);
+* EP = 2 x TP = 2 with sequence parallelism (4 GPUs; sequence parallelism needs TE), and
+  the same folded onto 2 GPUs with --expert-tensor-parallel-size 1 (each GPU holds half of
+  the experts, whole, and attention is split over both);
 * EP = 2 with PP = 2 under chunk graphs (4 GPUs: data parallel 2).
 """
 
@@ -61,6 +63,16 @@ def test_ep2_with_tensor_and_sequence_parallelism_matches_eager(tmp_path):
               "--sequence-parallel"]
     _compare(tmp_path, layout, LAYER_GRAPHS, nproc=4, global_batch=4,
              label="EP=2 x TP=2 + SP layer graphs")
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.skipif(not is_importable("transformer_engine"),
+                    reason="needs Transformer Engine (--sequence-parallel needs it)")
+def test_ep2_folded_onto_tensor_parallel_ranks_matches_eager(tmp_path):
+    layout = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+              "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+    _compare(tmp_path, layout, LAYER_GRAPHS, nproc=2, global_batch=4,
+             label="EP=2 folded onto TP=2 + SP (expert TP 1) layer graphs")
 
 
 @pytest.mark.gpus(4)

@@ -710,6 +710,7 @@ ALLOWED_OPTIONS = [
     "--disable-bias-linear", "--distributed-backend", "--distributed-timeout-minutes",
     "--dynamic-cp-max-packed-seqs", "--dynamic-cp-sizes", "--eval-interval", "--eval-iters",
     "--exit-duration-in-mins", "--exit-interval", "--expert-model-parallel-size",
+    "--expert-tensor-parallel-size",
     "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size", "--group-query-attention",
     "--help", "--hidden-dropout", "--hidden-size", "--hybrid-attention-ratio",
     "--hybrid-mlp-ratio", "--hybrid-override-pattern", "--init-method-std", "--kv-channels",

@@ -312,10 +312,55 @@ def test_expert_parallel_divides_experts():
 
 
 def test_expert_parallel_divides_data_parallel():
-    with pytest.raises(ValueError, match="--expert-model-parallel-size is wrong: 4. "
-                                         "Expert-parallel ranks are taken from the data x "
-                                         "context parallel ranks \\(2 x 1 = 2\\)"):
+    with pytest.raises(ValueError, match="--expert-model-parallel-size is wrong: 4. Expert "
+                                         "tensor x expert parallel ranks \\(1 x 4\\) are taken "
+                                         "from the tensor x context x data parallel ranks of a "
+                                         "pipeline stage \\(1 x 1 x 2 = 2\\)"):
         validate(*MOE, "--expert-model-parallel-size", 4, world_size=2)
+
+
+def test_expert_tensor_parallel_defaults_to_tensor_parallel(with_te):
+    args = validate(*MOE, "--tensor-model-parallel-size", 2, "--sequence-parallel",
+                    world_size=2)
+    assert args.expert_tensor_parallel_size == 2
+    assert transformer_config_from_args(args).expert_tensor_parallel_size == 2
+
+
+def test_expert_tensor_parallel_one_folds_tensor_ranks_into_expert_parallel(with_te):
+    # Two ranks: attention TP = 2, experts EP = 2 with whole (unsplit) experts.
+    args = validate(*MOE, "--tensor-model-parallel-size", 2, "--sequence-parallel",
+                    "--expert-model-parallel-size", 2, "--expert-tensor-parallel-size", 1,
+                    world_size=2)
+    config = transformer_config_from_args(args)
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (2, 1)
+
+
+@pytest.mark.parametrize("etp", [3, 4])
+def test_expert_tensor_parallel_divides_tensor_parallel(with_te, etp):
+    with pytest.raises(ValueError, match=f"--expert-tensor-parallel-size is wrong: {etp}. It "
+                                         "must divide --tensor-model-parallel-size \\(2\\)"):
+        validate(*MOE, "--tensor-model-parallel-size", 2, "--sequence-parallel",
+                 "--expert-tensor-parallel-size", etp, world_size=2)
+
+
+def test_folded_expert_parallel_must_fit_the_stage(with_te):
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size is wrong: 1. Expert "
+                                         "tensor x expert parallel ranks \\(1 x 4\\)"):
+        validate(*MOE, "--tensor-model-parallel-size", 2, "--sequence-parallel",
+                 "--expert-model-parallel-size", 4, "--expert-tensor-parallel-size", 1,
+                 world_size=2)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_expert_tensor_parallel_is_positive(value):
+    with pytest.raises(ValueError, match=f"--expert-tensor-parallel-size is wrong: {value}"):
+        validate(*MOE, "--expert-tensor-parallel-size", value)
+
+
+def test_expert_tensor_parallel_needs_moe():
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size is wrong: 1. It "
+                                         "configures MoE layers; add --num-experts"):
+        validate("--expert-tensor-parallel-size", 1)
 
 
 def test_expert_parallel_with_dynamic_cp(with_te):
