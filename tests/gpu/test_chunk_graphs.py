@@ -32,7 +32,8 @@ def _compare(tmp_path, script, model, layout, nproc):
 
 
 @pytest.mark.parametrize("script,model", [("pretrain_gpt.py", TINY_GPT),
-                                          ("pretrain_mamba.py", TINY_HYBRID)])
+                                          ("pretrain_mamba.py", TINY_HYBRID)],
+                         ids=["gpt", "hybrid"])
 def test_chunk_graphs_match_eager_on_one_gpu(tmp_path, script, model):
     capture = _compare(tmp_path, script, model, [], nproc=1)
     assert capture["graphs captured"] == 2  # one chunk, one slot, forward + backward
@@ -41,7 +42,8 @@ def test_chunk_graphs_match_eager_on_one_gpu(tmp_path, script, model):
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("script,model,vpp", [("pretrain_gpt.py", TINY_GPT, 1),
                                               ("pretrain_gpt.py", TINY_GPT, 2),
-                                              ("pretrain_mamba.py", TINY_HYBRID, 1)])
+                                              ("pretrain_mamba.py", TINY_HYBRID, 1)],
+                         ids=["gpt", "gpt-vpp2", "hybrid"])
 def test_chunk_graphs_match_eager_with_pipeline_parallelism(tmp_path, script, model, vpp):
     layout = ["--pipeline-model-parallel-size", "2"]
     if vpp > 1:
