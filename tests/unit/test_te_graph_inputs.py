@@ -1,11 +1,15 @@
-"""Static packed inputs of TE layer graphs (te_graphs.py): host logic, on CPU."""
+"""TE layer graphs (te_graphs.py): static packed inputs and capture options, on CPU."""
 
 import pytest
 import torch
 
 from megatron.packed_graphs.capacity import pad_cu_seqlens
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
-from megatron.packed_graphs.te_graphs import PackedGraphInputs, graph_kwargs
+from megatron.packed_graphs.te_graphs import (
+    PackedGraphInputs,
+    graph_kwargs,
+    param_grads_returned_uncloned,
+)
 
 
 def _params(lengths, capacity=8, seq_idx=True):
@@ -141,3 +145,17 @@ def test_replay_picks_the_bank_of_the_plan_cp_size():
     layer.cuda_graphs = layer.cuda_graphs[:1]
     params = layer._graph_inputs[0].load(_cp_params([4, 12], 1))
     assert layer._te_cuda_graph_replay(torch.zeros(16, 1, 8), packed_seq_params=params)[0] == "bank 0"
+
+
+# ------------------------------------------------------------- returned weight gradients
+
+def test_weight_gradients_are_asked_uncopied_where_te_can():
+    # TE 2.20's signature has the option (default: copy); TE 2.11's has not (never copied).
+    def te_2_20(modules, sample_args, *, clone_param_grads_on_return=True, **kwargs):
+        pass
+
+    def te_2_11(modules, sample_args, **kwargs):
+        pass
+
+    assert param_grads_returned_uncloned(te_2_20) == {"clone_param_grads_on_return": False}
+    assert param_grads_returned_uncloned(te_2_11) == {}
