@@ -142,7 +142,10 @@ def _add_model_args(parser, model):
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="layernorm_epsilon",
+                   type=float, default=1e-5,
+                   help="Epsilon of every norm (Megatron's --norm-epsilon; "
+                        "--layernorm-epsilon is its older spelling).")
 
 
 def _add_hybrid_args(parser):

@@ -7,7 +7,8 @@ fork does not have are refused with the reason and what to do (`REFUSED`), never
 ignored. Some Megatron flags are implemented where their features live: --train-samples and
 the sample-based LR flags (argument_checks.check_training_length), --hybrid-attention-ratio
 and --hybrid-mlp-ratio (argument_checks.check_hybrid), --manual-gc and
---exit-duration-in-mins (training.py).
+--exit-duration-in-mins (training.py); --transformer-impl here (`resolve_transformer_impl`), as
+the attention backend this fork picks its layer spec from.
 
 A flag with values is accepted only with those that state this fork's behaviour
 (``--ckpt-format torch_dist``, megatron-core's own hybrid stack for ``--spec``); any other is
@@ -68,6 +69,26 @@ ALREADY = (
                  nargs=1, values=("0",)),
     MegatronFlag("--spec", "pretrain_mamba.py builds megatron-core's hybrid stack, packed",
                  nargs=2, values=HYBRID_STACK_SPECS, models=("hybrid",)),
+    MegatronFlag("--attention-softmax-in-fp32",
+                 "attention runs in Transformer Engine, flash-attn or PyTorch's varlen kernel, "
+                 "which keep the softmax in fp32"),
+    MegatronFlag("--no-persist-layer-norm", "apex's persistent LayerNorm is never used here"),
+    MegatronFlag("--moe-token-drop-policy",
+                 "tokens over an expert's capacity are dropped lowest routing probability "
+                 "first, megatron-core's default", nargs=1, values=("probs",)),
+    MegatronFlag("--cp-comm-type",
+                 "context parallelism passes keys and values around the ring (Transformer "
+                 "Engine's p2p exchange)", nargs=1, values=("p2p",)),
+    MegatronFlag("--optimizer", "the optimizer is megatron-core's Adam, as Megatron's adam",
+                 nargs=1, values=("adam",)),
+    MegatronFlag("--empty-unused-memory-level",
+                 "the allocator's cache is never emptied between steps here", nargs=1,
+                 values=("0",)),
+    MegatronFlag("--log-memory-to-tensorboard",
+                 "TensorBoard gets the peak allocated memory (mem-max-allocated-bytes) at every "
+                 "log line"),
+    MegatronFlag("--auto-detect-ckpt-format",
+                 "--load reads megatron-core distributed checkpoints, the only format here"),
 )
 
 _NO_RECOMPUTE = "Activation recomputation is not supported here; drop it"
@@ -76,7 +97,61 @@ _HF_TOKENIZER = ("This fork tokenizes with --tokenizer-type HuggingFaceTokenizer
 _NO_WANDB = ("Weights & Biases logging is not built in; use --tensorboard-dir or "
              "--metrics-file")
 
+_NOT_VERIFIED_IN_GRAPHS = "has not been verified under packed CUDA graphs here; drop it"
+_NO_FP8 = "FP8 training is not supported here; drop it (training runs in bf16 or fp16)"
+_NO_TB_EXTRA = ("TensorBoard gets the log line's values and the validation loss here, nothing "
+                "more; drop it")
+_UNEVEN_PP = ("Uneven pipeline stages are not supported here: every stage holds --num-layers "
+              "/ --pipeline-model-parallel-size layers; drop it")
+
 REFUSED = (
+    MegatronFlag("--use-flash-attn",
+                 "Megatron's older switch for flash attention; use --attention-backend flash "
+                 "(flash-attn) or te (Transformer Engine, which picks its fastest kernel)"),
+    MegatronFlag("--no-rope-fusion",
+                 "RoPE here is a gather at packed positions or Transformer Engine's fused "
+                 "kernel, the forms that need no host sync; drop it"),
+    MegatronFlag("--cross-entropy-loss-fusion",
+                 f"The fused cross entropy {_NOT_VERIFIED_IN_GRAPHS}"),
+    MegatronFlag("--cross-entropy-fusion-impl",
+                 f"The fused cross entropy {_NOT_VERIFIED_IN_GRAPHS}", nargs=1),
+    MegatronFlag("--moe-shared-expert-overlap",
+                 f"Running shared experts on a side stream during the token exchange "
+                 f"{_NOT_VERIFIED_IN_GRAPHS}"),
+    MegatronFlag("--moe-router-fusion",
+                 f"Transformer Engine's fused router {_NOT_VERIFIED_IN_GRAPHS}"),
+    MegatronFlag("--moe-per-layer-logging",
+                 "Per-layer MoE losses are not logged here; the log line has each loss summed "
+                 "over the MoE layers. Drop it"),
+    MegatronFlag("--moe-layer-recompute", _NO_RECOMPUTE),
+    MegatronFlag("--moe-enable-deepep",
+                 "DeepEP (the flex dispatcher) is not built here; use "
+                 "--moe-token-dispatcher-type alltoall"),
+    MegatronFlag("--moe-flex-dispatcher-backend",
+                 "The flex dispatcher (DeepEP, HybridEP) is not built here; use "
+                 "--moe-token-dispatcher-type alltoall", nargs=1),
+    MegatronFlag("--mtp-num-layers",
+                 "Multi-token prediction is not supported here; drop it", nargs=1),
+    MegatronFlag("--fp8-format", _NO_FP8, nargs=1),
+    MegatronFlag("--fp8-recipe", _NO_FP8, nargs=1),
+    MegatronFlag("--log-timers-to-tensorboard",
+                 "This fork keeps no Megatron timers; TensorBoard gets the iteration time. "
+                 "Drop it"),
+    MegatronFlag("--log-validation-ppl-to-tensorboard", _NO_TB_EXTRA),
+    MegatronFlag("--decoder-first-pipeline-num-layers", _UNEVEN_PP, nargs=1),
+    MegatronFlag("--decoder-last-pipeline-num-layers", _UNEVEN_PP, nargs=1),
+    MegatronFlag("--account-for-embedding-in-pipeline-split", _UNEVEN_PP),
+    MegatronFlag("--account-for-loss-in-pipeline-split", _UNEVEN_PP),
+    MegatronFlag("--enable-cuda-graph",
+                 "Megatron's older switch; use --cuda-graph-impl local (or full_iteration, "
+                 "docs/cuda-graphs.md)"),
+    MegatronFlag("--external-cuda-graph",
+                 "Megatron's older switch; use --cuda-graph-impl transformer_engine"),
+    MegatronFlag("--async-save",
+                 "Asynchronous checkpoint saving is not supported here; drop it"),
+    MegatronFlag("--use-checkpoint-args",
+                 "The model's shape comes from the command line here, not from the "
+                 "checkpoint; drop it and pass the shape flags"),
     MegatronFlag("--overlap-grad-reduce",
                  "Overlapping the gradient reduction with the backward is not supported here: "
                  "gradients are reduced after the backward (inside the graph with "
@@ -121,6 +196,10 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
              else f"Accepted, no effect: {entry.why}.")
     for entry in REFUSED:
         _add(g, entry, f"Refused. {entry.why}.")
+    g.add_argument("--transformer-impl", choices=sorted(TRANSFORMER_IMPL_BACKENDS), default=None,
+                   help="Megatron's layer implementation, as an attention backend: "
+                        "transformer_engine is --attention-backend te, local is torch or "
+                        "flash (auto becomes torch).")
 
 
 def _add(group, entry: MegatronFlag, text: str) -> None:
@@ -136,6 +215,28 @@ def _as_typed(value) -> Optional[str]:
     if value is None or value is False:
         return None
     return "True" if value is True else " ".join(map(str, value))
+
+
+# --transformer-impl: the --attention-backend values of each implementation (the first one
+# replaces auto). This fork picks its layer spec from the attention backend.
+TRANSFORMER_IMPL_BACKENDS = {"transformer_engine": ("te",), "local": ("torch", "flash")}
+
+
+def resolve_transformer_impl(args: argparse.Namespace) -> None:
+    """Set ``attention_backend`` from Megatron's --transformer-impl (auto takes the
+    implementation's first backend); refuse a backend of the other implementation."""
+    from megatron.training.argument_checks import fail
+
+    impl = getattr(args, "transformer_impl", None)
+    if impl is None:
+        return
+    backends = TRANSFORMER_IMPL_BACKENDS[impl]
+    if args.attention_backend == "auto":
+        args.attention_backend = backends[0]
+    elif args.attention_backend not in backends:
+        fail("--transformer-impl", impl,
+             f"It asks for the {' or '.join(backends)} attention backend, and "
+             f"--attention-backend is {args.attention_backend}; drop one of the two flags")
 
 
 def check(args: argparse.Namespace, model: str) -> List[str]:
@@ -161,4 +262,5 @@ def check(args: argparse.Namespace, model: str) -> List[str]:
             fail(entry.flag, typed, f"This fork runs as {entry.flag} {accepted}: {entry.why}; "
                                     f"use that or drop the flag")
         given.append(f"{entry.flag} ({entry.why})")
+    resolve_transformer_impl(args)
     return given

@@ -220,3 +220,57 @@ def test_docs_give_every_entry_its_reason():
     docs = (Path(__file__).resolve().parents[2] / "docs" / "flags.md").read_text()
     section = docs[docs.index("## Megatron compatibility"):docs.index("## Compared with")]
     assert [e.flag for e in ALREADY + REFUSED if e.why not in section] == []
+
+
+# --- --transformer-impl, --norm-epsilon ---------------------------------------------------------
+
+@pytest.fixture
+def with_te(monkeypatch):
+    from megatron.training import argument_checks
+
+    monkeypatch.setattr(argument_checks, "is_importable",
+                        lambda package: package == "transformer_engine")
+
+
+def test_transformer_impl_picks_the_attention_backend(with_te):
+    args = validate("gpt", *GPT, "--transformer-impl", "transformer_engine")
+    assert args.attention_backend == "te" and args.megatron_flags_without_effect == []
+    assert validate("gpt", *GPT, "--transformer-impl", "local").attention_backend == "torch"
+    args = validate("gpt", *GPT, "--transformer-impl", "local", "--attention-backend", "torch")
+    assert args.attention_backend == "torch"
+
+
+@pytest.mark.parametrize("impl,backend", [("transformer_engine", "torch"), ("local", "te")])
+def test_transformer_impl_refuses_the_other_implementations_backend(with_te, impl, backend):
+    with pytest.raises(ValueError, match=f"--transformer-impl is wrong: {impl}. It asks for the "
+                                         f".* attention backend, and --attention-backend is "
+                                         f"{backend}; drop one of the two flags"):
+        validate("gpt", *GPT, "--transformer-impl", impl, "--attention-backend", backend)
+
+
+def test_transformer_engine_impl_needs_transformer_engine():
+    with pytest.raises(ValueError, match="--attention-backend is wrong: te. It needs "
+                                         "transformer_engine"):
+        validate("gpt", *GPT, "--transformer-impl", "transformer_engine")
+
+
+@pytest.mark.parametrize("spelling", ["--norm-epsilon", "--layernorm-epsilon"])
+def test_norm_epsilon_reaches_the_config(spelling):
+    from megatron.training.config import transformer_config_from_args
+
+    args = validate("gpt", *GPT, spelling, "1e-6")
+    assert transformer_config_from_args(args).layernorm_epsilon == 1e-6
+
+
+def test_a_megatron_moe_launch_line_runs_with_its_own_flags(with_te):
+    """The extra flags of a Megatron-LM MoE script (Qwen3-MoE / Moonlight style)."""
+    args = validate(
+        "gpt", *GPT, "--transformer-impl", "transformer_engine", "--norm-epsilon", "1e-6",
+        "--attention-softmax-in-fp32", "--no-persist-layer-norm", "--num-experts", "8",
+        "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+        "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32", "--optimizer", "adam",
+        "--log-memory-to-tensorboard", "--auto-detect-ckpt-format")
+    assert args.attention_backend == "te" and args.layernorm_epsilon == 1e-6
+    assert [e.split(" (")[0] for e in args.megatron_flags_without_effect] == [
+        "--attention-softmax-in-fp32", "--no-persist-layer-norm", "--moe-token-drop-policy",
+        "--optimizer", "--log-memory-to-tensorboard", "--auto-detect-ckpt-format"]
