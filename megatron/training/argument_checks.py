@@ -419,6 +419,16 @@ def check_learning_rate(args):
              f"It must not exceed --lr-decay-iters ({args.lr_decay_iters})")
     if args.lr < args.min_lr:
         fail("--lr", args.lr, f"It must be >= --min-lr ({args.min_lr})")
+    fraction = args.lr_warmup_fraction
+    if fraction is not None:
+        if not 0.0 <= fraction <= 1.0:
+            fail("--lr-warmup-fraction", fraction, "Use a fraction of the decay length in [0, 1]")
+        if args.lr_warmup_iters:
+            fail("--lr-warmup-fraction", fraction,
+                 "It sets the warm-up length, and so does --lr-warmup-iters (or "
+                 "--lr-warmup-samples); give one of them")
+    if not 0.0 <= args.lr_warmup_init <= args.lr:
+        fail("--lr-warmup-init", args.lr_warmup_init, f"Use a rate in [0, --lr ({args.lr})]")
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
         fail("--lr-wsd-decay-iters", None, "--lr-decay-style WSD needs it")
 

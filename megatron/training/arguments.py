@@ -354,6 +354,11 @@ def _add_learning_rate_args(parser):
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "WSD"],
                    default="cosine")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warm-up as a fraction of the decay length (Megatron's flag), instead "
+                        "of --lr-warmup-iters or --lr-warmup-samples.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="Learning rate at the start of the warm-up.")
     g.add_argument("--lr-warmup-samples", type=int, default=None,
                    help="With --train-samples: --lr-warmup-iters = this // --global-batch-size.")
     g.add_argument("--lr-decay-samples", type=int, default=None,

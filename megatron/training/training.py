@@ -85,14 +85,19 @@ def build_model(args, config, model_provider: Callable) -> List[torch.nn.Module]
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+    """megatron-core's scheduler, counted in samples as Megatron counts them."""
     gbs = args.global_batch_size
+    decay_steps = args.lr_decay_iters * gbs
+    # --lr-warmup-fraction: a fraction of the decay samples, as Megatron computes it.
+    warmup_steps = (args.lr_warmup_iters * gbs if args.lr_warmup_fraction is None
+                    else args.lr_warmup_fraction * decay_steps)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,

@@ -426,6 +426,43 @@ def test_warmup_within_decay():
         validate("--lr-warmup-iters", 20)
 
 
+@pytest.mark.parametrize("extra,message", [
+    (["--lr-warmup-fraction", 1.5], "--lr-warmup-fraction is wrong: 1.5. Use a fraction of the "
+                                    "decay length in \\[0, 1\\]"),
+    (["--lr-warmup-fraction", 0.1, "--lr-warmup-iters", 2],
+     "--lr-warmup-fraction is wrong: 0.1. It sets the warm-up length, and so does "
+     "--lr-warmup-iters"),
+    (["--lr-warmup-init", 0.01], "--lr-warmup-init is wrong: 0.01. Use a rate in \\[0, --lr "
+                                 "\\(0.001\\)\\]"),
+    (["--lr-warmup-init", -1e-4], "--lr-warmup-init is wrong: -0.0001"),
+])
+def test_warmup_fraction_and_initial_rate_rules(extra, message):
+    with pytest.raises(ValueError, match=message):
+        validate(*extra)
+
+
+def test_warmup_fraction_and_initial_rate_shape_the_schedule():
+    """Megatron's --lr-warmup-fraction: warm-up over that fraction of the decay samples, from
+    --lr-warmup-init; megatron-core's scheduler on a real torch optimizer."""
+    import torch
+
+    from megatron.training.training import build_scheduler
+
+    args = validate("--lr-warmup-fraction", 0.25, "--lr-warmup-init", 1e-4,
+                    "--lr-decay-style", "linear", "--global-batch-size", 2)
+    assert (args.train_iters, args.lr_decay_iters) == (10, 10)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = build_scheduler(args, optimizer)
+    assert scheduler.lr_warmup_steps == 0.25 * 10 * 2 and scheduler.init_lr == 1e-4
+    rates = []
+    for _ in range(4):
+        rates.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=2)
+    # Samples 0, 2, 4 warm up linearly from 1e-4 towards 1e-3 (reached at sample 5).
+    assert rates[:3] == pytest.approx([1e-4, 1e-4 + 0.9e-3 * 2 / 5, 1e-4 + 0.9e-3 * 4 / 5])
+    assert rates[3] < 1e-3  # sample 6: decaying
+
+
 def test_lr_at_least_min_lr():
     with pytest.raises(ValueError, match="--lr is wrong: 0.001.*--min-lr"):
         validate("--min-lr", 0.01)
@@ -723,20 +760,21 @@ ALLOWED_OPTIONS = [
     "--log-memory-to-tensorboard", "--log-num-zeros-in-grad", "--log-params-norm",
     "--log-throughput", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
     "--long-document-policy", "--lr", "--lr-decay-iters", "--lr-decay-samples",
-    "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-wsd-decay-iters",
-    "--lr-wsd-decay-style", "--make-vocab-size-divisible-by", "--mamba-head-dim",
-    "--mamba-num-groups", "--mamba-num-heads", "--mamba-state-dim", "--manual-gc",
-    "--manual-gc-interval", "--max-position-embeddings", "--max-truncated-token-fraction",
-    "--merge-file", "--metrics-file", "--micro-batch-size", "--min-lr", "--mla-pad-v",
-    "--mock-data", "--mock-doc-length-median", "--mock-doc-length-sigma",
-    "--moe-aux-loss-coeff", "--moe-capacity-overflow", "--moe-enable-deepep",
-    "--moe-expert-capacity-factor", "--moe-ffn-hidden-size", "--moe-flex-dispatcher-backend",
-    "--moe-grouped-gemm", "--moe-layer-freq", "--moe-layer-recompute",
-    "--moe-pad-expert-input-to-capacity", "--moe-per-layer-logging", "--moe-permute-fusion",
-    "--moe-router-bias-update-rate", "--moe-router-dtype", "--moe-router-enable-expert-bias",
-    "--moe-router-fusion", "--moe-router-group-topk", "--moe-router-load-balancing-type",
-    "--moe-router-load-file", "--moe-router-num-groups", "--moe-router-pre-softmax",
-    "--moe-router-score-function", "--moe-router-topk", "--moe-router-topk-scaling-factor",
+    "--lr-decay-style", "--lr-warmup-fraction", "--lr-warmup-init", "--lr-warmup-iters",
+    "--lr-warmup-samples", "--lr-wsd-decay-iters", "--lr-wsd-decay-style",
+    "--make-vocab-size-divisible-by", "--mamba-head-dim", "--mamba-num-groups",
+    "--mamba-num-heads", "--mamba-state-dim", "--manual-gc", "--manual-gc-interval",
+    "--max-position-embeddings", "--max-truncated-token-fraction", "--merge-file",
+    "--metrics-file", "--micro-batch-size", "--min-lr", "--mla-pad-v", "--mock-data",
+    "--mock-doc-length-median", "--mock-doc-length-sigma", "--moe-aux-loss-coeff",
+    "--moe-capacity-overflow", "--moe-enable-deepep", "--moe-expert-capacity-factor",
+    "--moe-ffn-hidden-size", "--moe-flex-dispatcher-backend", "--moe-grouped-gemm",
+    "--moe-layer-freq", "--moe-layer-recompute", "--moe-pad-expert-input-to-capacity",
+    "--moe-per-layer-logging", "--moe-permute-fusion", "--moe-router-bias-update-rate",
+    "--moe-router-dtype", "--moe-router-enable-expert-bias", "--moe-router-fusion",
+    "--moe-router-group-topk", "--moe-router-load-balancing-type", "--moe-router-load-file",
+    "--moe-router-num-groups", "--moe-router-pre-softmax", "--moe-router-score-function",
+    "--moe-router-topk", "--moe-router-topk-scaling-factor",
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap",
     "--moe-token-dispatcher-type", "--moe-token-drop-policy", "--moe-z-loss-coeff", "--mscale",
     "--mscale-all-dim", "--mtp-num-layers", "--multi-latent-attention",
