@@ -87,6 +87,24 @@ ALREADY = (
     MegatronFlag("--log-memory-to-tensorboard",
                  "TensorBoard gets the peak allocated memory (mem-max-allocated-bytes) at every "
                  "log line"),
+    MegatronFlag("--dataloader-type",
+                 "packed rows are read in order and resume at the consumed-samples count",
+                 nargs=1, values=("single",)),
+    MegatronFlag("--rerun-mode", "this fork has no rerun state machine", nargs=1,
+                 values=("disabled",)),
+    MegatronFlag("--num-distributed-optimizer-instances",
+                 "one distributed optimizer spans the data-parallel group", nargs=1,
+                 values=("1",)),
+    MegatronFlag("--main-grads-dtype", "main gradients are fp32 here", nargs=1,
+                 values=("fp32",)),
+    MegatronFlag("--exp-avg-dtype", "Adam's moments are fp32 here", nargs=1, values=("fp32",)),
+    MegatronFlag("--exp-avg-sq-dtype", "Adam's moments are fp32 here", nargs=1,
+                 values=("fp32",)),
+    MegatronFlag("--use-rotary-position-embeddings",
+                 "GPT models use RoPE (--position-embedding-type rope, the default)",
+                 models=("gpt",)),
+    MegatronFlag("--no-position-embedding",
+                 "there are no learned absolute position embeddings here (RoPE or none)"),
     MegatronFlag("--auto-detect-ckpt-format",
                  "--load reads megatron-core distributed checkpoints, the only format here"),
 )
@@ -97,6 +115,9 @@ _HF_TOKENIZER = ("This fork tokenizes with --tokenizer-type HuggingFaceTokenizer
 _NO_WANDB = ("Weights & Biases logging is not built in; use --tensorboard-dir or "
              "--metrics-file")
 
+_FULL_CHECKPOINTS = ("Checkpoints always hold the optimizer and RNG state here; drop it "
+                     "(--no-load-optim, --no-load-rng and --finetune skip them when loading)")
+_NO_CKPT_TUNING = "Checkpoint save and load tuning is not supported here; drop it"
 _NOT_VERIFIED_IN_GRAPHS = "has not been verified under packed CUDA graphs here; drop it"
 _NO_FP8 = "FP8 training is not supported here; drop it (training runs in bf16 or fp16)"
 _NO_TB_EXTRA = ("TensorBoard gets the log line's values and the validation loss here, nothing "
@@ -149,6 +170,60 @@ REFUSED = (
                  "Megatron's older switch; use --cuda-graph-impl transformer_engine"),
     MegatronFlag("--async-save",
                  "Asynchronous checkpoint saving is not supported here; drop it"),
+    MegatronFlag("--no-save-optim", _FULL_CHECKPOINTS),
+    MegatronFlag("--no-save-rng", _FULL_CHECKPOINTS),
+    MegatronFlag("--override-opt_param-scheduler",
+                 "--load restores the learning-rate schedule from the checkpoint here; drop it "
+                 "(or start from the weights alone with --finetune)"),
+    MegatronFlag("--use-persistent-ckpt-worker", _NO_CKPT_TUNING),
+    MegatronFlag("--ckpt-fully-parallel-load", _NO_CKPT_TUNING),
+    MegatronFlag("--ckpt-assume-constant-structure", _NO_CKPT_TUNING),
+    MegatronFlag("--dist-ckpt-strictness", _NO_CKPT_TUNING, nargs=1),
+    MegatronFlag("--data-cache-path",
+                 "This fork packs rows in memory from --data-path and keeps no index cache; "
+                 "drop it", nargs=1),
+    MegatronFlag("--tensorboard-log-interval",
+                 "TensorBoard is written at every log line here (--log-interval); drop it",
+                 nargs=1),
+    MegatronFlag("--tensorboard-queue-size",
+                 "The TensorBoard writer's queue is not configurable here; drop it", nargs=1),
+    MegatronFlag("--timing-log-option",
+                 "This fork keeps no Megatron timers; drop it", nargs=1),
+    MegatronFlag("--wandb-save-dir", _NO_WANDB, nargs=1),
+    MegatronFlag("--log-progress", "Not implemented here; drop it"),
+    MegatronFlag("--log-straggler", "Not implemented here; drop it"),
+    MegatronFlag("--check-weight-hash-across-dp-replicas-interval",
+                 "Not implemented here; drop it", nargs=1),
+    MegatronFlag("--use-precision-aware-optimizer",
+                 "The optimizer keeps fp32 main weights, gradients and moments here; drop it"),
+    MegatronFlag("--first-last-layers-bf16", _NO_FP8),
+    MegatronFlag("--mtp-loss-scaling-factor",
+                 "Multi-token prediction is not supported here; drop it", nargs=1),
+    MegatronFlag("--moe-input-jitter-eps",
+                 "Router input jitter is not supported here; drop it", nargs=1),
+    MegatronFlag("--moe-use-legacy-grouped-gemm",
+                 "Only Transformer Engine's grouped GEMM (--moe-grouped-gemm) is built here; "
+                 "drop it"),
+    MegatronFlag("--cache-mla-latents",
+                 "It is an inference option and this fork trains; drop it"),
+    MegatronFlag("--rope-scaling",
+                 "Llama-3-style RoPE scaling is not supported here; drop it (MLA models take "
+                 "yarn: --rope-type yarn)"),
+    MegatronFlag("--rotary-seq-len-interpolation-factor",
+                 "RoPE position interpolation is not supported here; drop it", nargs=1),
+    MegatronFlag("--init-method-xavier-uniform",
+                 "Weights are initialised from a normal law (--init-method-std) here; drop it"),
+    MegatronFlag("--apply-residual-connection-post-layernorm",
+                 "Layers are pre-norm here; drop it"),
+    MegatronFlag("--fp32-residual-connection",
+                 "The residual stream keeps the training dtype here; drop it"),
+    MegatronFlag("--legacy-tokenizer", _HF_TOKENIZER),
+    MegatronFlag("--padded-vocab-size",
+                 "The vocabulary is padded by --make-vocab-size-divisible-by here; drop it",
+                 nargs=1),
+    MegatronFlag("--is-hybrid-model",
+                 "Hybrid models are built by pretrain_mamba.py with --hybrid-override-pattern; "
+                 "run that script"),
     MegatronFlag("--use-checkpoint-args",
                  "The model's shape comes from the command line here, not from the "
                  "checkpoint; drop it and pass the shape flags"),
