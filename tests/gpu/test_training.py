@@ -4,7 +4,16 @@ import statistics
 
 import pytest
 
-from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training, train_then_resume
+from megatron.training.argument_checks import is_importable
+from tests.gpu.launch import (
+    TINY_GPT,
+    TINY_GPT_MOE,
+    TINY_HYBRID,
+    TRAIN,
+    losses,
+    run_training,
+    train_then_resume,
+)
 
 
 @pytest.mark.parametrize("kind", ["gpt", "hybrid"])
@@ -64,3 +73,23 @@ def test_megatron_launch_flags_train_as_in_megatron(tmp_path):
     resumed = run_training("pretrain_gpt.py", common + ["--load", str(ckpt)], tmp_path,
                            name="resumed")
     assert [r["iteration"] for r in resumed] == list(range(4, 13))
+
+
+@pytest.mark.skipif(not is_importable("transformer_engine"),
+                    reason="needs Transformer Engine (--transformer-impl transformer_engine)")
+def test_a_megatron_moe_launch_line_trains(tmp_path):
+    """The extra flags of a Megatron-LM MoE script: --transformer-impl picks the TE spec,
+    --lr-warmup-fraction and --lr-warmup-init shape the warm-up (3 of 12 iterations, from
+    1e-4), and the accepted flags are named in the start-up log."""
+    records = run_training("pretrain_gpt.py", TINY_GPT_MOE + TRAIN + [
+        "--global-batch-size", "4", "--train-iters", "12", "--transformer-impl",
+        "transformer_engine", "--norm-epsilon", "1e-6", "--lr-warmup-fraction", "0.25",
+        "--lr-warmup-init", "1e-4", "--attention-softmax-in-fp32", "--moe-token-drop-policy",
+        "probs", "--optimizer", "adam", "--dataloader-type", "single"], tmp_path, name="moe")
+    assert [r["iteration"] for r in records] == list(range(1, 13))
+    rates = [r["learning_rate"] for r in records]
+    assert 1e-4 < rates[0] < rates[1] < rates[2] and max(rates) == pytest.approx(1e-3, rel=0.02)
+    assert rates[-1] < rates[3]  # decaying after the warm-up
+    assert losses(records)[-1] < losses(records)[0]
+    log = (tmp_path / "moe.log").read_text()
+    assert "Megatron flags with no effect here: --attention-softmax-in-fp32" in log
