@@ -18,6 +18,15 @@ def cpu_dist(tmp_path_factory):
 
 
 @pytest.fixture
+def with_te(monkeypatch):
+    """Transformer Engine importable for the parse-time checks; flash-attn still not."""
+    from megatron.training import argument_checks
+
+    monkeypatch.setattr(argument_checks, "is_importable",
+                        lambda package: package == "transformer_engine")
+
+
+@pytest.fixture
 def cpu_moe(cpu_dist, monkeypatch):
     """megatron-core's MoE modules on CPU, with an empty MoE metrics tracker (yielded).
 

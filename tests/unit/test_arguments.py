@@ -38,13 +38,6 @@ def validate(*extra, model="gpt", world_size=1):
     return validate_args(parse(*extra, model=model), model, world_size=world_size)
 
 
-@pytest.fixture
-def with_te(monkeypatch):
-    """Transformer Engine importable; flash-attn still not."""
-    monkeypatch.setattr(argument_checks, "is_importable",
-                        lambda package: package == "transformer_engine")
-
-
 @pytest.fixture(autouse=True)
 def no_optional_packages(monkeypatch):
     """Pin "not installed" so the tests do not depend on the machine."""

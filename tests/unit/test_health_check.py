@@ -106,9 +106,7 @@ def test_check_flag_rejections(extra, world_size, message):
         validate(*extra, world_size=world_size)
 
 
-def test_check_is_refused_under_dynamic_cp(monkeypatch):
-    monkeypatch.setattr(argument_checks, "is_importable",
-                        lambda package: package == "transformer_engine")
+def test_check_is_refused_under_dynamic_cp(with_te):
     with pytest.raises(ValueError, match="--cuda-graph-check-interval is wrong: 5. .*drop the "
                                          "flag or --dynamic-cp-sizes"):
         validate("--dynamic-cp-sizes", 1, 2, "--global-batch-size", 4, "--cuda-graph-impl",

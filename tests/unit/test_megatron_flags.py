@@ -224,14 +224,6 @@ def test_docs_give_every_entry_its_reason():
 
 # --- --transformer-impl, --norm-epsilon ---------------------------------------------------------
 
-@pytest.fixture
-def with_te(monkeypatch):
-    from megatron.training import argument_checks
-
-    monkeypatch.setattr(argument_checks, "is_importable",
-                        lambda package: package == "transformer_engine")
-
-
 def test_transformer_impl_picks_the_attention_backend(with_te):
     args = validate("gpt", *GPT, "--transformer-impl", "transformer_engine")
     assert args.attention_backend == "te" and args.megatron_flags_without_effect == []

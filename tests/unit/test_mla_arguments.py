@@ -169,9 +169,7 @@ def test_mla_refuses_te_free_backends(backend, monkeypatch):
         validate(*MLA, "--attention-backend", backend)
 
 
-def test_mla_needs_triton(monkeypatch):
-    monkeypatch.setattr(argument_checks, "is_importable",
-                        lambda package: package == "transformer_engine")
+def test_mla_needs_triton(with_te):
     with pytest.raises(ValueError, match="fused yarn RoPE is a Triton kernel"):
         validate(*MLA)
 

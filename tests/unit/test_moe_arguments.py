@@ -31,12 +31,6 @@ def no_optional_packages(monkeypatch):
     monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
 
 
-@pytest.fixture
-def with_te(monkeypatch):
-    monkeypatch.setattr(argument_checks, "is_importable",
-                        lambda package: package == "transformer_engine")
-
-
 # ------------------------------------------------------------------------- accepted values
 
 def test_defaults_without_moe_leave_the_config_dense():
