@@ -8,6 +8,7 @@ pattern before the pipeline checks).
 """
 
 import importlib.util
+import signal
 import warnings
 
 from megatron.core.transformer.enums import CudaGraphModule
@@ -439,6 +440,27 @@ def check_checkpointing(args):
         fail("--save-interval", args.save_interval, "It needs --save <dir>")
 
 
+# Signals a process cannot catch, so no handler could see them.
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def _check_exit_signal(args):
+    """--exit-signal names a signal this process can catch, and only with the handler on;
+    it is stored by its full name (``SIGUSR1``), SIGTERM by default."""
+    if args.exit_signal is None:
+        args.exit_signal = "SIGTERM" if args.exit_signal_handler else None
+        return
+    if not args.exit_signal_handler:
+        fail("--exit-signal", args.exit_signal, "It has no effect without "
+                                                "--exit-signal-handler; add that flag or drop it")
+    name = args.exit_signal.upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    if name not in signal.Signals.__members__ or name in _UNCATCHABLE:
+        fail("--exit-signal", args.exit_signal, "Name a signal this process can catch, e.g. "
+                                                "SIGTERM, SIGUSR1 or SIGUSR2")
+    args.exit_signal = name
+
+
 def check_logging(args):
     _at_least(args, "--log-interval", 1)
     _at_least(args, "--eval-interval", 0)
@@ -447,6 +469,7 @@ def check_logging(args):
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
         fail("--exit-duration-in-mins", args.exit_duration_in_mins, "Use a positive number of "
                                                                     "minutes")
+    _check_exit_signal(args)
     if args.profile:
         _at_least(args, "--profile-step-start", 1)
         if args.profile_step_end <= args.profile_step_start:

@@ -397,6 +397,14 @@ def _add_logging_args(parser):
                         "(checkpoint first when --save is set), e.g. before a Slurm time "
                         "limit. Checked at log lines, which wait for the GPU anyway: the run "
                         "may go up to --log-interval iterations past it.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On --exit-signal (SIGTERM by default), stop training and save a "
+                        "checkpoint when --save is set, e.g. on Slurm's warning before a time "
+                        "limit (sbatch --signal). Checked at log lines, like "
+                        "--exit-duration-in-mins; every rank stops at the same iteration.")
+    g.add_argument("--exit-signal", default=None, metavar="SIGNAL",
+                   help="The signal --exit-signal-handler waits for: a name such as SIGTERM "
+                        "or SIGUSR1 (TERM and USR1 also work, as sbatch --signal spells them).")
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--profile", action="store_true",
                    help="Profile iterations [--profile-step-start, --profile-step-end): nsys "

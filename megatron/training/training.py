@@ -7,6 +7,7 @@ which runs every iteration's schedule.
 """
 
 import gc
+import signal
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -220,14 +221,39 @@ class ExitDeadline:
         return (self.clock() - self.start) / 60
 
     def passed(self) -> bool:
-        late = self.elapsed_minutes() >= self.minutes
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            backend = torch.distributed.get_backend()
-            flag = torch.tensor([float(late)],
-                                device="cuda" if backend == "nccl" else "cpu")
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            late = bool(flag.item())
-        return late
+        return on_any_rank(self.elapsed_minutes() >= self.minutes)
+
+
+class ExitSignal:
+    """--exit-signal-handler: whether any rank has received ``sig`` (--exit-signal), decided
+    alike on every rank. The handler only records the signal; ``received`` is called at log
+    points and all-reduces the record, as `ExitDeadline.passed` does. Install from the main
+    thread (Python runs signal handlers there); ``close`` puts the previous handler back."""
+
+    def __init__(self, sig: signal.Signals):
+        self.sig, self.seen = sig, False
+        self._previous = signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.seen = True
+
+    def received(self) -> bool:
+        return on_any_rank(self.seen)
+
+    def close(self) -> None:
+        signal.signal(self.sig, self._previous)
+
+
+def on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank: one all-reduce and a read back (a host sync; call
+    it where the step waits for the GPU anyway). The same answer on every rank, so all leave
+    the training loop at the same iteration."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        backend = torch.distributed.get_backend()
+        value = torch.tensor([float(flag)], device="cuda" if backend == "nccl" else "cpu")
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        flag = bool(value.item())
+    return flag
 
 
 def _configure_schedule_hooks(config, model, optimizer) -> None:
@@ -303,6 +329,8 @@ def pretrain(args, model_provider: Callable, forward_step,
     manual_gc = ManualGC(args.manual_gc_interval) if args.manual_gc else None
     deadline = (ExitDeadline(args.exit_duration_in_mins, start)
                 if args.exit_duration_in_mins is not None else None)
+    exit_signal = (ExitSignal(signal.Signals[args.exit_signal])
+                   if args.exit_signal_handler else None)
     moe_losses = MoELosses(args, model)  # MoE aux losses and drops, read at log points only
     while iteration < args.train_iters:
         profiler.begin(iteration + 1)
@@ -357,6 +385,12 @@ def pretrain(args, model_provider: Callable, forward_step,
                          f"{args.exit_duration_in_mins:g}: {deadline.elapsed_minutes():.1f} "
                          "minutes)")
             break
+        if exit_signal and iteration % args.log_interval == 0 and exit_signal.received():
+            print_rank_0(f" exiting after iteration {iteration} (--exit-signal-handler: "
+                         f"{args.exit_signal} received)")
+            break
+    if exit_signal:
+        exit_signal.close()
     if args.save and not saved:
         save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
                         args_to_dict(args))

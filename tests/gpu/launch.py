@@ -62,6 +62,12 @@ def _lost_port_race(output: str) -> bool:
     return "EADDRINUSE" in output and "TCPStore" in output
 
 
+def torchrun_command(path: str, args: list, *, nproc: int) -> list:
+    """The command line of ``torchrun --nproc-per-node nproc REPO/path args`` on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(_free_port()), os.path.join(REPO, path), *args]
+
+
 def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
              timeout: int = 900) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node nproc REPO/path args`` on a free port, its output captured.
@@ -69,9 +75,8 @@ def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
     A run beside this one may bind the port between the check and torchrun: a run that
     lost that race is started again on another port (three tries)."""
     for _ in range(3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), os.path.join(REPO, path), *args]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+        proc = subprocess.run(torchrun_command(path, args, nproc=nproc), cwd=REPO,
+                              capture_output=True, text=True,
                               env={**os.environ, **(env or {})}, timeout=timeout)
         if proc.returncode == 0 or not _lost_port_race(proc.stdout + proc.stderr):
             break

@@ -75,6 +75,42 @@ def test_megatron_launch_flags_train_as_in_megatron(tmp_path):
     assert [r["iteration"] for r in resumed] == list(range(4, 13))
 
 
+def test_sigterm_to_torchrun_saves_and_stops_with_the_exit_signal_handler(tmp_path):
+    """Slurm's warning signal as it reaches a torchrun job: SIGTERM to torchrun, which passes
+    it to the ranks. With --exit-signal-handler the rank stops at its next log line, saves,
+    and --load continues from that checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from megatron.training.metrics import read_metrics
+    from tests.gpu.launch import REPO, torchrun_command
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "signal.jsonl"
+    common = TINY_GPT + TRAIN + ["--global-batch-size", "4", "--train-iters", "400"]
+    cmd = torchrun_command("pretrain_gpt.py", common + [
+        "--exit-signal-handler", "--save", str(ckpt), "--metrics-file", str(metrics)], nproc=1)
+    with open(tmp_path / "signal.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None and \
+                not (metrics.exists() and len(read_metrics(str(metrics))) >= 5):
+            time.sleep(0.5)
+        assert proc.poll() is None, (tmp_path / "signal.log").read_text()[-4000:]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    stopped = read_metrics(str(metrics))[-1]["iteration"]
+    assert 5 <= stopped < 400
+    assert f"exiting after iteration {stopped} (--exit-signal-handler: SIGTERM received)" in \
+        (tmp_path / "signal.log").read_text()
+    assert os.path.isdir(ckpt / f"iter_{stopped:07d}")
+    resumed = run_training("pretrain_gpt.py",
+                           common + ["--load", str(ckpt), "--exit-interval", "1"],
+                           tmp_path, name="resumed")
+    assert [r["iteration"] for r in resumed] == [stopped + 1]
+
+
 @pytest.mark.skipif(not is_importable("transformer_engine"),
                     reason="needs Transformer Engine (--transformer-impl transformer_engine)")
 def test_a_megatron_moe_launch_line_trains(tmp_path):

@@ -747,7 +747,7 @@ ALLOWED_OPTIONS = [
     "--dist-ckpt-strictness", "--distributed-backend", "--distributed-timeout-minutes",
     "--dynamic-cp-max-packed-seqs", "--dynamic-cp-sizes", "--empty-unused-memory-level",
     "--enable-cuda-graph", "--eval-interval", "--eval-iters", "--exit-duration-in-mins",
-    "--exit-interval", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--expert-model-parallel-size",
+    "--exit-interval", "--exit-signal", "--exit-signal-handler", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--expert-model-parallel-size",
     "--expert-tensor-parallel-size", "--external-cuda-graph", "--ffn-hidden-size", "--finetune",
     "--first-last-layers-bf16", "--fp16", "--fp32-residual-connection", "--fp8-format",
     "--fp8-recipe", "--global-batch-size", "--group-query-attention", "--help",

@@ -10,7 +10,7 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_rat
 
 from megatron.training.arguments import build_parser, validate_args
 from megatron.training.megatron_flags import ALREADY, REFUSED
-from megatron.training.training import ExitDeadline, ManualGC
+from megatron.training.training import ExitDeadline, ExitSignal, ManualGC
 
 HYBRID = ["--hidden-size", "64", "--num-attention-heads", "4", "--mamba-head-dim", "16",
           "--seq-length", "256", "--lr", "1e-3", "--mock-data"]
@@ -266,3 +266,72 @@ def test_a_megatron_moe_launch_line_runs_with_its_own_flags(with_te):
     assert [e.split(" (")[0] for e in args.megatron_flags_without_effect] == [
         "--attention-softmax-in-fp32", "--no-persist-layer-norm", "--moe-token-drop-policy",
         "--optimizer", "--log-memory-to-tensorboard", "--auto-detect-ckpt-format"]
+
+
+# --- --exit-signal-handler ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("given, stored", [(None, "SIGTERM"), ("SIGUSR1", "SIGUSR1"),
+                                           ("USR1", "SIGUSR1"), ("sigusr2", "SIGUSR2")])
+def test_the_exit_signal_is_stored_by_its_full_name(given, stored):
+    extra = ["--exit-signal", given] if given else []
+    args = validate("gpt", *GPT, "--exit-signal-handler", *extra)
+    assert args.exit_signal_handler and args.exit_signal == stored
+
+
+def test_no_exit_signal_without_the_handler():
+    assert validate("gpt", *GPT).exit_signal is None
+    with pytest.raises(ValueError, match="--exit-signal is wrong: SIGUSR1. It has no effect "
+                                         "without --exit-signal-handler"):
+        validate("gpt", *GPT, "--exit-signal", "SIGUSR1")
+
+
+@pytest.mark.parametrize("name", ["SIGKILL", "STOP", "SIGNOPE"])
+def test_the_exit_signal_must_be_one_a_process_can_catch(name):
+    with pytest.raises(ValueError, match=f"--exit-signal is wrong: {name}. Name a signal this "
+                                         "process can catch"):
+        validate("gpt", *GPT, "--exit-signal-handler", "--exit-signal", name)
+
+
+def test_the_exit_signal_is_recorded_not_acted_on_and_the_old_handler_comes_back():
+    """A real signal to this process: the handler only records it (the process goes on);
+    ``close`` puts the previous handler back."""
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    watcher = ExitSignal(signal.SIGUSR1)
+    try:
+        assert not watcher.received()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert watcher.received()
+    finally:
+        watcher.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def _signal_rank(rank, world_size, init_file, results):
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    watcher = ExitSignal(signal.SIGUSR1)
+    try:
+        if rank == 1:  # only rank 1 gets the signal: both must stop
+            os.kill(os.getpid(), signal.SIGUSR1)
+        results[rank] = watcher.received()
+    finally:
+        watcher.close()
+        dist.destroy_process_group()
+
+
+def test_every_rank_stops_when_one_rank_gets_the_signal(tmp_path):
+    """Two real processes (gloo), the signal sent to one: the decision is all-reduced."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_signal_rank, args=(2, str(tmp_path / "init"), results), nprocs=2)
+        assert dict(results) == {0: True, 1: True}
