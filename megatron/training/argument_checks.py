@@ -171,6 +171,8 @@ def check_model(args, model: str):
              "that or shorten the sequence")
     if not 0.0 < args.rotary_percent <= 1.0:
         fail("--rotary-percent", args.rotary_percent, "Use a value in (0, 1]")
+    if args.squared_relu and args.swiglu:
+        fail("--squared-relu", "with --swiglu", "An MLP has one activation: drop one of them")
     if model == "hybrid":
         _check_mamba(args)
 

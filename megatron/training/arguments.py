@@ -132,6 +132,9 @@ def _add_model_args(parser, model):
                    help="Pad the vocabulary to a multiple of this times the TP size.")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="RMSNorm")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP activation.")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="Squared-ReLU MLP activation, relu(x)^2 (Nemotron-H's), in place of "
+                        "GELU; Megatron's flag.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate input embedding and output projection weights.")
     g.add_argument("--position-embedding-type", choices=["rope", "none"],

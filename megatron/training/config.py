@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from megatron.core.activations import squared_relu
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.enums import CudaGraphModule
@@ -86,7 +87,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         layernorm_epsilon=args.layernorm_epsilon,
         gated_linear_unit=args.swiglu,
         qk_layernorm=args.qk_layernorm,  # per-head norms; MLA: latent norms
-        activation_func=F.silu if args.swiglu else F.gelu,
+        activation_func=mlp_activation(args),
         add_bias_linear=False,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
@@ -123,6 +124,14 @@ def transformer_config_from_args(args) -> TransformerConfig:
     if getattr(args, "multi_latent_attention", False):
         return PackedMLATransformerConfig(**kwargs)
     return PackedTransformerConfig(**kwargs)
+
+
+def mlp_activation(args):
+    """The MLP's (and the experts') activation: SiLU gated (--swiglu), relu(x)^2
+    (--squared-relu, megatron-core's own function), else GELU."""
+    if args.swiglu:
+        return F.silu
+    return squared_relu if args.squared_relu else F.gelu
 
 
 def moe_kwargs(args) -> dict:

@@ -1,4 +1,5 @@
-"""Single-GPU training runs of the real scripts: loss falls, resume continues the curve."""
+"""Single-GPU training runs of the real scripts: loss falls, resume continues the curve,
+Megatron-LM launch lines and flags (--exit-signal-handler, --squared-relu) work as there."""
 
 import statistics
 
@@ -6,6 +7,7 @@ import pytest
 
 from megatron.training.argument_checks import is_importable
 from tests.gpu.launch import (
+    LAYER_GRAPHS,
     TINY_GPT,
     TINY_GPT_MOE,
     TINY_HYBRID,
@@ -109,6 +111,20 @@ def test_sigterm_to_torchrun_saves_and_stops_with_the_exit_signal_handler(tmp_pa
                            common + ["--load", str(ckpt), "--exit-interval", "1"],
                            tmp_path, name="resumed")
     assert [r["iteration"] for r in resumed] == [stopped + 1]
+
+
+def test_squared_relu_hybrid_trains_under_layer_graphs_like_eager(tmp_path):
+    """Nemotron-H's MLP activation (--squared-relu): the hybrid trains, and local layer graphs
+    follow eager within the graph tests' tolerance."""
+    common = TINY_HYBRID + TRAIN + ["--squared-relu", "--global-batch-size", "4",
+                                    "--train-iters", "20"]
+    eager = run_training("pretrain_mamba.py", common, tmp_path, name="eager")
+    graphs = run_training("pretrain_mamba.py", common + LAYER_GRAPHS, tmp_path, name="graphs")
+    dloss = max(abs(e - g) for e, g in zip(losses(eager), losses(graphs)))
+    print(f"squared-ReLU hybrid, layer graphs vs eager: max |dloss| {dloss:.2e}")
+    assert dloss < 5e-3, (losses(eager), losses(graphs))
+    curve = losses(eager)
+    assert statistics.mean(curve[-5:]) < statistics.mean(curve[:5])  # it learns
 
 
 @pytest.mark.skipif(not is_importable("transformer_engine"),

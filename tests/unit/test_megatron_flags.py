@@ -335,3 +335,26 @@ def test_every_rank_stops_when_one_rank_gets_the_signal(tmp_path):
         results = manager.dict()
         mp.spawn(_signal_rank, args=(2, str(tmp_path / "init"), results), nprocs=2)
         assert dict(results) == {0: True, 1: True}
+
+
+# --- --squared-relu ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model, base", [("gpt", GPT),
+                                         ("hybrid", HYBRID + ["--hybrid-override-pattern", "M-M*",
+                                                             "--train-iters", 10])])
+def test_squared_relu_is_the_mlp_activation(model, base):
+    import torch
+    from megatron.core.activations import squared_relu
+
+    from megatron.training.config import transformer_config_from_args
+
+    config = transformer_config_from_args(validate(model, *base, "--squared-relu"))
+    assert config.activation_func is squared_relu and not config.gated_linear_unit
+    x = torch.tensor([-2.0, 0.5, 3.0])
+    assert torch.equal(config.activation_func(x), torch.tensor([0.0, 0.25, 9.0]))
+
+
+def test_squared_relu_and_swiglu_are_one_activation_too_many():
+    with pytest.raises(ValueError, match="--squared-relu is wrong: with --swiglu. An MLP has one "
+                                         "activation"):
+        validate("gpt", *GPT, "--squared-relu", "--swiglu")
