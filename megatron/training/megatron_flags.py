@@ -107,6 +107,9 @@ ALREADY = (
                  "there are no learned absolute position embeddings here (RoPE or none)"),
     MegatronFlag("--auto-detect-ckpt-format",
                  "--load reads megatron-core distributed checkpoints, the only format here"),
+    MegatronFlag("--reset-position-ids", "positions restart at 0 in every packed document here"),
+    MegatronFlag("--reset-attention-mask",
+                 "attention never crosses the boundary of a packed document here"),
 )
 
 _NO_RECOMPUTE = "Activation recomputation is not supported here; drop it"
@@ -122,6 +125,8 @@ _NOT_VERIFIED_IN_GRAPHS = "has not been verified under packed CUDA graphs here; 
 _NO_FP8 = "FP8 training is not supported here; drop it (training runs in bf16 or fp16)"
 _NO_TB_EXTRA = ("TensorBoard gets the log line's values and the validation loss here, nothing "
                 "more; drop it")
+_NO_FSDP = ("FSDP is not supported here; use --use-distributed-optimizer to shard the "
+            "optimizer state")
 _UNEVEN_PP = ("Uneven pipeline stages are not supported here: every stage holds --num-layers "
               "/ --pipeline-model-parallel-size layers; drop it")
 
@@ -240,9 +245,7 @@ REFUSED = (
                  nargs=1),
     MegatronFlag("--recompute-method", _NO_RECOMPUTE, nargs=1),
     MegatronFlag("--recompute-num-layers", _NO_RECOMPUTE, nargs=1),
-    MegatronFlag("--use-torch-fsdp2",
-                 "FSDP is not supported here; use --use-distributed-optimizer to shard the "
-                 "optimizer state"),
+    MegatronFlag("--use-torch-fsdp2", _NO_FSDP),
     MegatronFlag("--split",
                  "This fork reads validation data from its own file; give --valid-data-path "
                  "and drop --split", nargs=1),
@@ -256,6 +259,26 @@ REFUSED = (
                  "packed CUDA graphs here; drop it"),
     MegatronFlag("--wandb-project", _NO_WANDB, nargs=1),
     MegatronFlag("--wandb-exp-name", _NO_WANDB, nargs=1),
+    MegatronFlag("--use-megatron-fsdp", _NO_FSDP),
+    MegatronFlag("--data-parallel-sharding-strategy", _NO_FSDP, nargs=1),
+    MegatronFlag("--eod-mask-loss",
+                 "The loss mask comes from the data here (a row's loss_mask with --sft, every "
+                 "real token without); drop it and give end-of-document tokens loss mask 0 in "
+                 "the data"),
+    MegatronFlag("--sft-tokenizer-prompt-format",
+                 "Conversations are rendered with the tokenizer's own chat template here "
+                 "(tools/preprocess_sft.py, --tokenizer-model); drop it", nargs=1),
+    MegatronFlag("--no-mmap-bin-files",
+                 "This fork reads JSONL rows (docs/data-format.md), not indexed .bin/.idx "
+                 "files; drop it"),
+    MegatronFlag("--ddp-bucket-size", f"Gradient bucket tuning {_NOT_VERIFIED_IN_GRAPHS}",
+                 nargs=1),
+    MegatronFlag("--ddp-average-in-collective",
+                 f"Averaging inside the gradient collective {_NOT_VERIFIED_IN_GRAPHS}"),
+    MegatronFlag("--grad-reduce-in-bf16",
+                 f"Gradients are reduced in fp32 here; bf16 reduction {_NOT_VERIFIED_IN_GRAPHS}"),
+    MegatronFlag("--heterogeneous-layers-config-path",
+                 "Per-layer heterogeneous shapes are not supported here; drop it", nargs=1),
 )
 
 
