@@ -17,19 +17,20 @@ refused, naming the accepted ones.
 
 import argparse
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
 class MegatronFlag:
     """One Megatron flag and ``why`` it changes nothing here (`ALREADY`) or is refused, with
     what to do (`REFUSED`). ``nargs``: its values (None: a switch); ``values``: for an
-    `ALREADY` flag with values, the ones accepted (each as typed, space-joined); ``models``:
+    `ALREADY` flag with values, the ones accepted (each as typed, space-joined); "+" takes a
+    list, as Megatron's list flags do (``--recompute-modules core_attn mlp``); ``models``:
     the scripts it is accepted in."""
 
     flag: str
     why: str
-    nargs: Optional[int] = None
+    nargs: Union[int, str, None] = None
     values: Tuple[str, ...] = ()
     models: Tuple[str, ...] = ("gpt", "hybrid")
 
@@ -245,6 +246,7 @@ REFUSED = (
                  nargs=1),
     MegatronFlag("--recompute-method", _NO_RECOMPUTE, nargs=1),
     MegatronFlag("--recompute-num-layers", _NO_RECOMPUTE, nargs=1),
+    MegatronFlag("--recompute-modules", _NO_RECOMPUTE, nargs="+"),
     MegatronFlag("--use-torch-fsdp2", _NO_FSDP),
     MegatronFlag("--split",
                  "This fork reads validation data from its own file; give --valid-data-path "
@@ -277,6 +279,9 @@ REFUSED = (
                  f"Averaging inside the gradient collective {_NOT_VERIFIED_IN_GRAPHS}"),
     MegatronFlag("--grad-reduce-in-bf16",
                  f"Gradients are reduced in fp32 here; bf16 reduction {_NOT_VERIFIED_IN_GRAPHS}"),
+    MegatronFlag("--train-data-path",
+                 "Training data is one JSONL file here; give it with --data-path", nargs="+"),
+    MegatronFlag("--test-data-path", "There is no test split here; drop it", nargs="+"),
     MegatronFlag("--heterogeneous-layers-config-path",
                  "Per-layer heterogeneous shapes are not supported here; drop it", nargs=1),
 )

@@ -52,7 +52,7 @@ def test_no_megatron_flag_given_names_none():
 
 @pytest.mark.parametrize("entry", REFUSED, ids=[e.flag for e in REFUSED])
 def test_every_refused_flag_names_its_reason(entry):
-    values = ["x"] * (entry.nargs or 0)
+    values = ["x"] * (1 if entry.nargs == "+" else entry.nargs or 0)
     with pytest.raises(ValueError) as error:
         validate("gpt", *GPT, entry.flag, *values)
     assert str(error.value).startswith(f"{entry.flag} is wrong: ")
@@ -358,3 +358,10 @@ def test_squared_relu_and_swiglu_are_one_activation_too_many():
     with pytest.raises(ValueError, match="--squared-relu is wrong: with --swiglu. An MLP has one "
                                          "activation"):
         validate("gpt", *GPT, "--squared-relu", "--swiglu")
+
+
+def test_a_refused_list_flag_is_refused_whole_not_unrecognized():
+    """Megatron's list flags take several values; all of them reach the refusal."""
+    with pytest.raises(ValueError, match="--recompute-modules is wrong: core_attn mlp. "
+                                         "Activation recomputation is not supported here"):
+        validate("gpt", *GPT, "--recompute-modules", "core_attn", "mlp")
