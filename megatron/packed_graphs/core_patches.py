@@ -22,6 +22,9 @@ explicitly, at the start of training:
   clipping without host syncs where neither TE >= 2.14 nor apex provides the kernels.
 * `warm_up_graphs_on_recorded_layouts`: the capture's warm-up passes run on the recorded
   call's integer inputs (packed boundaries) instead of zero-filled buffers.
+* `te_cross_entropy_capturable`: megatron-core asks TE's fused cross entropy for its
+  capturable backward only under upstream's own full-iteration graphs; TE versions that still
+  take the flag then copy a host scalar to the GPU each backward, which a capture refuses.
 * `check_arg_types_without_reimporting`, `record_capture_statistics`: host time and statistics.
 
 **Reaches** are small functions the fork calls where a subclass cannot do the job: the GPT
@@ -296,6 +299,37 @@ def clip_gradients_without_host_sync() -> str:
     return "applied"
 
 
+def te_cross_entropy_capturable() -> str:
+    """Always ask TE's fused cross entropy (``--cross-entropy-fusion-impl te``) to be capturable.
+
+    language_module.py passes ``is_cg_capturable`` only when ``config.cuda_graph_impl`` is
+    upstream's "full_iteration"; this fork's graphs keep it "local" (config.py). TE versions
+    whose Triton backward still takes the flag (2.7 to at least 2.11) otherwise compare the
+    gradient with ``torch.tensor(1.0, device=...)``, a host-to-device copy per micro-batch that
+    fails inside a graph capture and stalls the host outside one. With the flag the backward
+    always scales by the gradient: one small kernel, the same values. TE versions where the
+    flag is deprecated are always capturable, and the patch is not needed there.
+    """
+    import inspect
+
+    from megatron.core.models.common.language_module import language_module
+
+    upstream = language_module.te_parallel_cross_entropy
+    if upstream is None:
+        return "not needed: Transformer Engine is not installed"
+    from transformer_engine.pytorch.triton import cross_entropy as te_triton_cross_entropy
+
+    if "is_cg_capturable" not in inspect.signature(
+            te_triton_cross_entropy.cross_entropy_backward).parameters:
+        return "not needed: this TE's cross entropy is always capturable"
+
+    def capturable_cross_entropy(logits, labels, tp_group, is_cg_capturable=False):
+        return upstream(logits, labels, tp_group, True)
+
+    language_module.te_parallel_cross_entropy = capturable_cross_entropy
+    return "applied"
+
+
 # --------------------------------------------------------------------------------------------
 # Host time and statistics
 # --------------------------------------------------------------------------------------------
@@ -427,6 +461,7 @@ def apply_core_patches() -> dict:
                   sync_free_multi_tensor_fallbacks,
                   clip_gradients_without_host_sync,
                   warm_up_graphs_on_recorded_layouts,
+                  te_cross_entropy_capturable,
                   check_arg_types_without_reimporting,
                   record_capture_statistics):
         applied_patches[patch.__name__] = patch() or "applied"

@@ -173,8 +173,22 @@ def check_model(args, model: str):
         fail("--rotary-percent", args.rotary_percent, "Use a value in (0, 1]")
     if args.squared_relu and args.swiglu:
         fail("--squared-relu", "with --swiglu", "An MLP has one activation: drop one of them")
+    _check_cross_entropy_fusion(args)
     if model == "hybrid":
         _check_mamba(args)
+
+
+def _check_cross_entropy_fusion(args):
+    """--cross-entropy-fusion-impl picks the fused kernels, so it needs the fusion on."""
+    impl = args.cross_entropy_fusion_impl
+    if impl is not None and not args.cross_entropy_loss_fusion:
+        fail("--cross-entropy-fusion-impl", impl,
+             "It picks the fused cross entropy's kernels: add --cross-entropy-loss-fusion, or "
+             "drop it")
+    if args.cross_entropy_loss_fusion and impl is None:
+        args.cross_entropy_fusion_impl = "native"  # Megatron's default
+    if impl == "te":
+        _require_package("transformer_engine", "--cross-entropy-fusion-impl", impl)
 
 
 def _check_mamba(args):

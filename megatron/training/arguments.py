@@ -137,6 +137,13 @@ def _add_model_args(parser, model):
                         "GELU; Megatron's flag.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate input embedding and output projection weights.")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="Compute the output layer's cross entropy in fused kernels (no fp32 "
+                        "copy of the logits); Megatron's flag.")
+    g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default=None,
+                   help="The fused cross entropy's kernels: megatron-core's torch.compile'd "
+                        "one ('native', the default) or Transformer Engine's Triton kernel "
+                        "('te'). Needs --cross-entropy-loss-fusion.")
     g.add_argument("--position-embedding-type", choices=["rope", "none"],
                    default="rope" if model == "gpt" else "none")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period.")

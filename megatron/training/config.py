@@ -98,6 +98,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # TE's fused THD RoPE is the sync-free one on the TE path (see packed_graphs/specs.py).
         apply_rope_fusion=resolve_attention_backend(args.attention_backend) == "te",
         calculate_per_token_loss=args.calculate_per_token_loss,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl or "native",
         deterministic_mode=args.deterministic_mode,
         batch_p2p_comm=not _pipeline_peers_coincide(args),
         # full_iteration: the iteration graph is the graph runtime's (full_iteration.py); the

@@ -138,10 +138,6 @@ REFUSED = (
     MegatronFlag("--no-rope-fusion",
                  "RoPE here is a gather at packed positions or Transformer Engine's fused "
                  "kernel, the forms that need no host sync; drop it"),
-    MegatronFlag("--cross-entropy-loss-fusion",
-                 f"The fused cross entropy {_NOT_VERIFIED_IN_GRAPHS}"),
-    MegatronFlag("--cross-entropy-fusion-impl",
-                 f"The fused cross entropy {_NOT_VERIFIED_IN_GRAPHS}", nargs=1),
     MegatronFlag("--moe-shared-expert-overlap",
                  f"Running shared experts on a side stream during the token exchange "
                  f"{_NOT_VERIFIED_IN_GRAPHS}"),

@@ -38,7 +38,8 @@ def test_apply_reports_every_patch():
         "keep_forward_inputs_until_backward_captured", "keep_chunk_graph_buffers_private",
         "keep_saved_tensor_observer_armed_until_capture", "sync_free_multi_tensor_fallbacks",
         "clip_gradients_without_host_sync", "warm_up_graphs_on_recorded_layouts",
-        "check_arg_types_without_reimporting", "record_capture_statistics"}
+        "te_cross_entropy_capturable", "check_arg_types_without_reimporting",
+        "record_capture_statistics"}
     assert all(state == "applied" or state.startswith(("not needed", "l2 norm", "scale"))
                for state in report.values())
     assert core_patches.apply_core_patches() is report  # once
@@ -474,3 +475,48 @@ def test_te_graphs_take_the_layers_megatron_core_graphs_for_the_modules():
     assert "CudaGraphModule.moe_router in config.cuda_graph_modules" in text
     assert "isinstance(layer.mlp, MoELayer)" in text
     assert "CudaGraphModule.mamba in config.cuda_graph_modules" in text
+
+
+# -- TE's fused cross entropy ------------------------------------------------------------------
+
+def test_upstream_asks_te_cross_entropy_for_capturable_only_under_its_full_iteration_graphs():
+    from megatron.core.models.common.language_module import language_module
+
+    code = source(language_module.LanguageModule.compute_language_model_loss)
+    assert "self.config.cuda_graph_impl == \"full_iteration\"" in code
+    assert "te_parallel_cross_entropy(\n" in code and "is_cg_capturable\n" in code
+    assert hasattr(language_module, "te_parallel_cross_entropy")
+
+
+def test_te_cross_entropy_is_always_asked_for_its_capturable_backward(monkeypatch):
+    from megatron.core.models.common.language_module import language_module
+
+    calls = []
+    monkeypatch.setattr(language_module, "te_parallel_cross_entropy",
+                        lambda logits, labels, group, capturable: calls.append(capturable))
+    te_triton = SimpleNamespace(cross_entropy_backward=lambda inp, grad, is_cg_capturable=False: inp)
+    monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.triton.cross_entropy",
+                        te_triton)
+    monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.triton",
+                        SimpleNamespace(cross_entropy=te_triton))
+    assert core_patches.te_cross_entropy_capturable() == "applied"
+    language_module.te_parallel_cross_entropy("logits", "labels", None, False)
+    assert calls == [True]
+
+
+def test_te_cross_entropy_patch_is_not_needed_without_te_or_with_an_always_capturable_te(
+        monkeypatch):
+    from megatron.core.models.common.language_module import language_module
+
+    monkeypatch.setattr(language_module, "te_parallel_cross_entropy", None)
+    assert core_patches.te_cross_entropy_capturable().startswith("not needed: Transformer Engine")
+    upstream = lambda logits, labels, group, capturable=False: None  # noqa: E731
+    monkeypatch.setattr(language_module, "te_parallel_cross_entropy", upstream)
+    te_triton = SimpleNamespace(
+        cross_entropy_backward=lambda saved, stats, target, n, grad, *rest: saved)
+    monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.triton.cross_entropy",
+                        te_triton)
+    monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.triton",
+                        SimpleNamespace(cross_entropy=te_triton))
+    assert core_patches.te_cross_entropy_capturable().endswith("always capturable")
+    assert language_module.te_parallel_cross_entropy is upstream

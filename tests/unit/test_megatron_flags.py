@@ -360,6 +360,49 @@ def test_squared_relu_and_swiglu_are_one_activation_too_many():
         validate("gpt", *GPT, "--squared-relu", "--swiglu")
 
 
+# --- --cross-entropy-loss-fusion ----------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", [None, "native", "te"])
+def test_cross_entropy_fusion_reaches_the_model_config(impl, monkeypatch):
+    from megatron.training import argument_checks
+    from megatron.training.config import transformer_config_from_args
+
+    monkeypatch.setattr(argument_checks, "is_importable", lambda package: True)
+    extra = [] if impl is None else ["--cross-entropy-fusion-impl", impl]
+    args = validate("gpt", *GPT, "--cross-entropy-loss-fusion", *extra)
+    config = transformer_config_from_args(args)
+    assert config.cross_entropy_loss_fusion
+    assert config.cross_entropy_fusion_impl == (impl or "native")  # Megatron's default
+
+
+def test_cross_entropy_is_unfused_by_default():
+    from megatron.training.config import transformer_config_from_args
+
+    assert not transformer_config_from_args(validate("gpt", *GPT)).cross_entropy_loss_fusion
+
+
+def test_cross_entropy_fusion_impl_without_the_fusion_is_refused():
+    with pytest.raises(ValueError, match="--cross-entropy-fusion-impl is wrong: te. It picks the "
+                                         "fused cross entropy's kernels: add "
+                                         "--cross-entropy-loss-fusion"):
+        validate("gpt", *GPT, "--cross-entropy-fusion-impl", "te")
+
+
+def test_te_cross_entropy_needs_transformer_engine(monkeypatch):
+    from megatron.training import argument_checks
+
+    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+    with pytest.raises(ValueError, match="--cross-entropy-fusion-impl is wrong: te. It needs "
+                                         "transformer_engine"):
+        validate("hybrid", *HYBRID, "--hybrid-override-pattern", "M-M*", "--train-iters", "10",
+                 "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te")
+
+
+def test_an_unknown_cross_entropy_impl_is_refused_with_the_choices():
+    with pytest.raises(SystemExit):
+        validate("gpt", *GPT, "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "apex")
+
+
 def test_a_refused_list_flag_is_refused_whole_not_unrecognized():
     """Megatron's list flags take several values; all of them reach the refusal."""
     with pytest.raises(ValueError, match="--recompute-modules is wrong: core_attn mlp. "

@@ -1,0 +1,74 @@
+"""--cross-entropy-loss-fusion: the fused cross entropy follows the unfused one, and trains the
+same under graphs as eager.
+
+megatron-core computes the loss inside the model, so the fused kernels run inside the
+full-iteration graph; under layer graphs they run eager between the graphs. Each comparison
+prints its max |dloss| (and max relative grad-norm difference where graphs are compared).
+"""
+
+import pytest
+
+from megatron.training.argument_checks import is_importable
+from tests.gpu.launch import (
+    LAYER_GRAPHS,
+    TINY_GPT,
+    TINY_HYBRID,
+    TRAIN,
+    find_host_syncs,
+    losses,
+    run_training,
+)
+from tests.gpu.test_full_iteration import COMMON, compare, counts, full_iteration
+
+needs_te = pytest.mark.skipif(not is_importable("transformer_engine"),
+                              reason="--cross-entropy-fusion-impl te needs Transformer Engine")
+IMPLS = ["native", pytest.param("te", marks=needs_te)]
+
+
+def fused(impl: str) -> list:
+    return ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", impl]
+
+
+def model(kind: str):
+    return ("pretrain_gpt.py", TINY_GPT) if kind == "gpt" else ("pretrain_mamba.py", TINY_HYBRID)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_cross_entropy_follows_the_unfused_loss(tmp_path, impl):
+    common = TINY_GPT + TRAIN + ["--train-iters", "20", "--global-batch-size", "4"]
+    unfused = run_training("pretrain_gpt.py", common, tmp_path, name="unfused")
+    fused_run = run_training("pretrain_gpt.py", common + fused(impl), tmp_path, name=impl)
+    dloss = max(abs(u - f) for u, f in zip(losses(unfused), losses(fused_run)))
+    print(f"fused cross entropy ({impl}) vs unfused, eager: max |dloss| {dloss:.2e}")
+    assert len(fused_run) == 20 and dloss < 5e-3, (losses(unfused), losses(fused_run))
+
+
+@pytest.mark.parametrize("kind, impl", [("gpt", "native"),
+                                        pytest.param("gpt", "te", marks=needs_te),
+                                        pytest.param("hybrid", "te", marks=needs_te)])
+def test_fused_cross_entropy_under_full_iteration_graphs_matches_eager(tmp_path, kind, impl):
+    """Capacity 9 of 4 micro-batches: iteration graphs and misses (layer graphs) both run."""
+    script, layers = model(kind)
+    common = layers + COMMON + fused(impl) + ["--train-iters", "30", "--global-batch-size", "4"]
+    eager = run_training(script, common, tmp_path, name="eager")
+    graphs = run_training(script, common + full_iteration(9, 2), tmp_path, name="full_iteration")
+    n = counts(graphs)
+    assert n["iteration graphs"] > 3 and n["iteration graph misses"] > 3, n
+    compare(eager, graphs, f"{kind}, fused cross entropy ({impl})", 5e-3, 1e-2)
+
+
+@needs_te
+def test_te_cross_entropy_under_layer_graphs_matches_eager(tmp_path):
+    common = TINY_HYBRID + COMMON + fused("te") + ["--train-iters", "20",
+                                                   "--global-batch-size", "4"]
+    eager = run_training("pretrain_mamba.py", common, tmp_path, name="eager")
+    graphs = run_training("pretrain_mamba.py", common + LAYER_GRAPHS, tmp_path, name="graphs")
+    compare(eager, graphs, "hybrid layer graphs, fused cross entropy (te)", 5e-3, 1e-2)
+
+
+@needs_te
+def test_te_cross_entropy_adds_no_host_sync_to_a_replayed_iteration(tmp_path):
+    flags = TINY_HYBRID + COMMON + fused("te") + ["--train-iters", "6", "--global-batch-size",
+                                                  "4", *full_iteration(16, 2)]
+    out = find_host_syncs("pretrain_mamba.py", flags, tmp_path, iteration=5)
+    assert "(0 inside the model)" in out, out[out.find("host syncs in iteration"):]
