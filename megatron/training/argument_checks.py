@@ -56,6 +56,7 @@ SUPPORTED_MODULES = [name for name in CudaGraphModule.__members__
 _INSTALL_HINT = {
     "transformer_engine": "install Transformer Engine (`pip install .[te]`)",
     "flash_attn": "install flash-attn (`pip install .[flash]`)",
+    "wandb": "install wandb (`pip install .[wandb]`)",
 }
 
 
@@ -477,6 +478,21 @@ def _check_exit_signal(args):
     args.exit_signal = name
 
 
+def _check_wandb(args):
+    """W&B flags as Megatron reads them: an empty --wandb-project (the default) is off, and a
+    project needs a run name. A name or directory without a project would be ignored: refused."""
+    if not args.wandb_project:
+        for flag in ("--wandb-exp-name", "--wandb-save-dir"):
+            if _value(args, flag):
+                fail(flag, _value(args, flag), "It applies to W&B logging, which is off without "
+                                               "--wandb-project: add the project, or drop it")
+        return
+    if not args.wandb_exp_name:
+        fail("--wandb-project", args.wandb_project,
+             "A W&B run needs a name: add --wandb-exp-name NAME")
+    _require_package("wandb", "--wandb-project", args.wandb_project)
+
+
 def check_logging(args):
     _at_least(args, "--log-interval", 1)
     _at_least(args, "--eval-interval", 0)
@@ -486,6 +502,7 @@ def check_logging(args):
         fail("--exit-duration-in-mins", args.exit_duration_in_mins, "Use a positive number of "
                                                                     "minutes")
     _check_exit_signal(args)
+    _check_wandb(args)
     if args.profile:
         _at_least(args, "--profile-step-start", 1)
         if args.profile_step_end <= args.profile_step_start:

@@ -416,6 +416,15 @@ def _add_logging_args(parser):
                    help="The signal --exit-signal-handler waits for: a name such as SIGTERM "
                         "or SIGUSR1 (TERM and USR1 also work, as sbatch --signal spells them).")
     g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--wandb-project", default="",
+                   help="Weights & Biases project: the reporting rank logs what TensorBoard "
+                        "gets (the log line's values, the validation loss) to a W&B run there. "
+                        "Empty (the default) logs nothing to W&B.")
+    g.add_argument("--wandb-exp-name", default="",
+                   help="The W&B run's name; needed with --wandb-project.")
+    g.add_argument("--wandb-save-dir", default="",
+                   help="Where W&B keeps the run's local files (default: <--save>/wandb, else "
+                        "./wandb).")
     g.add_argument("--profile", action="store_true",
                    help="Profile iterations [--profile-step-start, --profile-step-end): nsys "
                         "capture range (cudaProfilerStart/Stop) and GPU-busy time per iteration.")

@@ -116,9 +116,6 @@ ALREADY = (
 _NO_RECOMPUTE = "Activation recomputation is not supported here; drop it"
 _HF_TOKENIZER = ("This fork tokenizes with --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
                  "DIR, or reads rows tokenized already")
-_NO_WANDB = ("Weights & Biases logging is not built in; use --tensorboard-dir or "
-             "--metrics-file")
-
 _FULL_CHECKPOINTS = ("Checkpoints always hold the optimizer and RNG state here; drop it "
                      "(--no-load-optim, --no-load-rng and --finetune skip them when loading)")
 _NO_CKPT_TUNING = "Checkpoint save and load tuning is not supported here; drop it"
@@ -191,7 +188,6 @@ REFUSED = (
                  "The TensorBoard writer's queue is not configurable here; drop it", nargs=1),
     MegatronFlag("--timing-log-option",
                  "This fork keeps no Megatron timers; drop it", nargs=1),
-    MegatronFlag("--wandb-save-dir", _NO_WANDB, nargs=1),
     MegatronFlag("--log-progress", "Not implemented here; drop it"),
     MegatronFlag("--log-straggler", "Not implemented here; drop it"),
     MegatronFlag("--check-weight-hash-across-dp-replicas-interval",
@@ -255,8 +251,6 @@ REFUSED = (
     MegatronFlag("--moe-permute-fusion",
                  "Transformer Engine's fused token permutation has not been verified under "
                  "packed CUDA graphs here; drop it"),
-    MegatronFlag("--wandb-project", _NO_WANDB, nargs=1),
-    MegatronFlag("--wandb-exp-name", _NO_WANDB, nargs=1),
     MegatronFlag("--use-megatron-fsdp", _NO_FSDP),
     MegatronFlag("--data-parallel-sharding-strategy", _NO_FSDP, nargs=1),
     MegatronFlag("--eod-mask-loss",

@@ -1,4 +1,5 @@
-"""Per-iteration reporting: Megatron's log line, a JSON-lines metrics file, TensorBoard.
+"""Per-iteration reporting: Megatron's log line, a JSON-lines metrics file, TensorBoard and
+Weights & Biases.
 
 The JSON-lines file (``--metrics-file``) has one object per training iteration (and one per
 evaluation, with ``"split": "valid"``); tests, the functional-test runner and the plotting
@@ -144,15 +145,29 @@ def is_reporting_rank() -> bool:
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
+def wandb_run_settings(args) -> Optional[dict]:
+    """``wandb.init`` keywords of ``--wandb-project`` (None when it is empty): the run's name,
+    its local directory (``--wandb-save-dir``, else ``<--save>/wandb``, else ``./wandb``) and
+    the parsed arguments as its config, as Megatron-LM sets them."""
+    if not args.wandb_project:
+        return None
+    directory = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
+    return {"project": args.wandb_project, "name": args.wandb_exp_name, "dir": directory,
+            "config": vars(args)}
+
+
 class MetricsLogger:
-    """Writes log lines, the metrics file and TensorBoard scalars on the reporting rank."""
+    """Writes log lines, the metrics file, TensorBoard scalars and a W&B run (``wandb_run``:
+    `wandb_run_settings`) on the reporting rank. TensorBoard and W&B get the same values
+    under Megatron's tags."""
 
     def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str],
-                 train_iters: int):
+                 train_iters: int, wandb_run: Optional[dict] = None):
         self.train_iters = train_iters
         self.enabled = is_reporting_rank()
         self._file = None
         self._tb = None
+        self._wandb = None
         if not self.enabled:
             return
         if metrics_file:
@@ -162,6 +177,11 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        if wandb_run:
+            import wandb
+
+            os.makedirs(wandb_run["dir"], exist_ok=True)
+            self._wandb = wandb.init(**wandb_run)
 
     def log_train(self, record: dict) -> None:
         """Record one training iteration; prints Megatron's log line."""
@@ -182,12 +202,9 @@ class MetricsLogger:
         parts += [f"{name}: {value}" for name, value in record.get("extra_log", {}).items()]
         print(" " + " | ".join(parts) + " |", flush=True)
         self._write({k: v for k, v in record.items() if k != "extra_log"} | record.get("extra_log", {}))
-        if self._tb is not None:
-            for tag, key in TENSORBOARD_TAGS.items():
-                self._tb.add_scalar(tag, record[key], record["iteration"])
-            for key in MOE_LOSS_KEYS:
-                if key in record:
-                    self._tb.add_scalar(key, record[key], record["iteration"])
+        self._scalars({tag: record[key] for tag, key in TENSORBOARD_TAGS.items()}
+                      | {key: record[key] for key in MOE_LOSS_KEYS if key in record},
+                      record["iteration"])
 
     def log_valid(self, iteration: int, lm_loss: float, stats: Optional[dict] = None) -> None:
         """Record a validation pass; ``stats``: its counters (eager micro-batches by reason)."""
@@ -198,8 +215,16 @@ class MetricsLogger:
         print(f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |"
               f"{extra}", flush=True)
         self._write({"split": "valid", "iteration": iteration, "lm_loss": lm_loss} | stats)
+        self._scalars({"lm loss validation": lm_loss}, iteration)
+
+    def _scalars(self, values: dict, iteration: int) -> None:
+        """TensorBoard scalars and a W&B history row at ``iteration`` (W&B commits a row when a
+        later iteration is logged, so a validation loss joins its iteration's training row)."""
         if self._tb is not None:
-            self._tb.add_scalar("lm loss validation", lm_loss, iteration)
+            for tag, value in values.items():
+                self._tb.add_scalar(tag, value, iteration)
+        if self._wandb is not None:
+            self._wandb.log(values, step=iteration)
 
     def _write(self, record: dict) -> None:
         if self._file is not None:
@@ -210,6 +235,8 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(path: str, split: str = "train") -> list:

@@ -41,7 +41,7 @@ from megatron.training.datasets.builder import (
     describe_packing,
 )
 from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
-from megatron.training.metrics import IntervalTimer, MetricsLogger, MoELosses
+from megatron.training.metrics import IntervalTimer, MetricsLogger, MoELosses, wandb_run_settings
 from megatron.training.profiling import StepProfiler
 from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.moe_rerun import MoEOverflowRerun
@@ -316,7 +316,8 @@ def pretrain(args, model_provider: Callable, forward_step,
     if valid_ds is not None and args.eval_interval > 0:
         read_valid = build_iteration_reader(valid_ds, 0, args, len(model), cycle=True)
 
-    logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters)
+    logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters,
+                           wandb_run_settings(args))
     profiler = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end,
                            args.profile_trace_dir)
     record, saved = {}, False

@@ -403,6 +403,43 @@ def test_an_unknown_cross_entropy_impl_is_refused_with_the_choices():
         validate("gpt", *GPT, "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "apex")
 
 
+# --- --wandb-project -----------------------------------------------------------------------------
+
+def test_wandb_flags_reach_the_run_settings(tmp_path):
+    from megatron.training.metrics import wandb_run_settings
+
+    args = validate("gpt", *GPT, "--wandb-project", "sft", "--wandb-exp-name", "run-1",
+                    "--wandb-save-dir", tmp_path / "wb")
+    settings = wandb_run_settings(args)
+    assert (settings["project"], settings["name"], settings["dir"]) == ("sft", "run-1",
+                                                                        str(tmp_path / "wb"))
+    assert settings["config"]["wandb_project"] == "sft"
+    assert wandb_run_settings(validate("gpt", *GPT, "--wandb-project", "")) is None  # Megatron: off
+
+
+def test_a_wandb_project_needs_a_run_name():
+    with pytest.raises(ValueError, match="--wandb-project is wrong: sft. A W&B run needs a name: "
+                                         "add --wandb-exp-name NAME"):
+        validate("gpt", *GPT, "--wandb-project", "sft")
+
+
+@pytest.mark.parametrize("flag", ["--wandb-exp-name", "--wandb-save-dir"])
+def test_wandb_settings_without_a_project_are_refused(flag):
+    with pytest.raises(ValueError, match=f"{flag} is wrong: x. It applies to W&B logging, which "
+                                         f"is off without --wandb-project"):
+        validate("gpt", *GPT, flag, "x")
+
+
+def test_wandb_logging_needs_wandb(monkeypatch):
+    from megatron.training import argument_checks
+
+    monkeypatch.setattr(argument_checks, "is_importable", lambda package: package != "wandb")
+    with pytest.raises(ValueError, match=r"--wandb-project is wrong: sft. It needs wandb, which "
+                                         r"is not importable: install wandb \(`pip install "
+                                         r"\.\[wandb\]`\)"):
+        validate("gpt", *GPT, "--wandb-project", "sft", "--wandb-exp-name", "run-1")
+
+
 def test_a_refused_list_flag_is_refused_whole_not_unrecognized():
     """Megatron's list flags take several values; all of them reach the refusal."""
     with pytest.raises(ValueError, match="--recompute-modules is wrong: core_attn mlp. "

@@ -30,6 +30,45 @@ def test_log_line_and_metrics_file(cpu_dist, tmp_path, capsys):
     assert "validation loss at iteration 2 | lm loss value: 2.000000E+00 | eager eval: 8 |" in line
 
 
+def test_wandb_gets_what_tensorboard_gets(cpu_dist, tmp_path, monkeypatch):
+    """A real W&B run, offline: the training values under Megatron's tags, the validation loss
+    in its iteration's row, and the arguments as the run's config."""
+    wandb = pytest.importorskip("wandb", reason="wandb is in the test extra (pip install .[test])")
+    from argparse import Namespace
+
+    from megatron.training.metrics import wandb_run_settings
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = Namespace(wandb_project="sft", wandb_exp_name="hybrid-graphs", wandb_save_dir="",
+                     save=str(tmp_path / "ckpt"), lr=1e-4)
+    settings = wandb_run_settings(args)
+    assert settings["dir"] == str(tmp_path / "ckpt" / "wandb")
+    logger = MetricsLogger(None, None, train_iters=10, wandb_run=settings)
+    run = logger._wandb
+    assert (run.project, run.name, run.config["lr"]) == ("sft", "hybrid-graphs", 1e-4)
+    logger.log_train(_record(1))
+    logger.log_train(_record(2) | {"lm_loss": 2.0, "load_balancing_loss": 0.5})
+    logger.log_valid(2, 2.25)
+    logger.log_train(_record(3))  # commits iteration 2's row
+    summary = dict(run.summary)
+    assert summary["_step"] == 2 and summary["lm loss"] == 2.0
+    assert summary["lm loss validation"] == 2.25 and summary["load_balancing_loss"] == 0.5
+    assert summary["throughput/tokens-per-sec"] == 1000.0 and summary["learning-rate"] == 1e-4
+    logger.close()
+    assert wandb.run is None  # finished
+    assert list((tmp_path / "ckpt" / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_wandb_is_off_without_a_project():
+    from argparse import Namespace
+
+    from megatron.training.metrics import wandb_run_settings
+
+    assert wandb_run_settings(Namespace(wandb_project="", wandb_exp_name="", wandb_save_dir="",
+                                        save=None)) is None
+
+
 def test_latest_iteration(tmp_path):
     assert latest_iteration(str(tmp_path)) is None
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("120\n")
