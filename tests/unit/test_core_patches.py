@@ -4,6 +4,7 @@ checks, so a megatron-core upgrade that changes that code fails here first."""
 import collections
 import contextlib
 import inspect
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -488,17 +489,22 @@ def test_upstream_asks_te_cross_entropy_for_capturable_only_under_its_full_itera
     assert hasattr(language_module, "te_parallel_cross_entropy")
 
 
+def _te_cross_entropy_backward(monkeypatch, backward) -> None:
+    """Stand in for TE's Triton module: only its backward's signature is read."""
+    module = SimpleNamespace(cross_entropy_backward=backward)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.triton.cross_entropy", module)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.triton",
+                        SimpleNamespace(cross_entropy=module))
+
+
 def test_te_cross_entropy_is_always_asked_for_its_capturable_backward(monkeypatch):
     from megatron.core.models.common.language_module import language_module
 
     calls = []
     monkeypatch.setattr(language_module, "te_parallel_cross_entropy",
                         lambda logits, labels, group, capturable: calls.append(capturable))
-    te_triton = SimpleNamespace(cross_entropy_backward=lambda inp, grad, is_cg_capturable=False: inp)
-    monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.triton.cross_entropy",
-                        te_triton)
-    monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.triton",
-                        SimpleNamespace(cross_entropy=te_triton))
+    # TE 2.7 to 2.11: the backward takes the flag and, without it, reads a host scalar.
+    _te_cross_entropy_backward(monkeypatch, lambda inp, grad, is_cg_capturable=False: inp)
     assert core_patches.te_cross_entropy_capturable() == "applied"
     language_module.te_parallel_cross_entropy("logits", "labels", None, False)
     assert calls == [True]
@@ -512,11 +518,8 @@ def test_te_cross_entropy_patch_is_not_needed_without_te_or_with_an_always_captu
     assert core_patches.te_cross_entropy_capturable().startswith("not needed: Transformer Engine")
     upstream = lambda logits, labels, group, capturable=False: None  # noqa: E731
     monkeypatch.setattr(language_module, "te_parallel_cross_entropy", upstream)
-    te_triton = SimpleNamespace(
-        cross_entropy_backward=lambda saved, stats, target, n, grad, *rest: saved)
-    monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.triton.cross_entropy",
-                        te_triton)
-    monkeypatch.setitem(__import__("sys").modules, "transformer_engine.pytorch.triton",
-                        SimpleNamespace(cross_entropy=te_triton))
+    # TE 2.20: the flag is gone from the backward, which never reads the host.
+    _te_cross_entropy_backward(
+        monkeypatch, lambda saved, stats, target, n_non_ignore, grad, *rest: saved)
     assert core_patches.te_cross_entropy_capturable().endswith("always capturable")
     assert language_module.te_parallel_cross_entropy is upstream
