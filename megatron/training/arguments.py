@@ -388,6 +388,12 @@ def _add_checkpointing_args(parser):
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="Checkpoints leave out the optimizer and the LR scheduler (smaller; "
+                        "load them with --no-load-optim or --finetune).")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="Checkpoints leave out the RNG states (load them with --no-load-rng "
+                        "or --finetune).")
     g.add_argument("--finetune", action="store_true",
                    help="Load weights only and start again at iteration 0.")
 

@@ -8,6 +8,10 @@ Layout (Megatron's)::
 A checkpoint holds the model chunks, the optimizer (sharded), the LR scheduler, the
 iteration, consumed samples, every rank's RNG state and the arguments. Resuming restores all
 of them, so the loss curve continues exactly where the uninterrupted run would be.
+``--no-save-optim`` leaves out the optimizer and the scheduler, ``--no-save-rng`` the RNG
+states (Megatron's flags, e.g. for a final SFT checkpoint); the checkpoint's content metadata
+says which, and loading one asks for the matching ``--no-load-*`` flag instead of failing
+inside dist_checkpointing.
 """
 
 import os
@@ -90,26 +94,44 @@ def _sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
-                    consumed_samples: int, args_dict: dict) -> None:
-    """Write a checkpoint of ``iteration`` under ``root`` (collective: every rank calls it)."""
+                    consumed_samples: int, args_dict: dict, *, with_optimizer: bool = True,
+                    with_rng: bool = True) -> None:
+    """Write a checkpoint of ``iteration`` under ``root`` (collective: every rank calls it);
+    without the optimizer and scheduler (``with_optimizer``) or the RNG states (``with_rng``)
+    when asked."""
     path = checkpoint_dir(root, iteration)
     if torch.distributed.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
-    state = _sharded_state_dict(model, optimizer, is_loading=False, with_optimizer=True,
-                                with_rng=True)
-    state.update(
-        scheduler=scheduler.state_dict(),
-        iteration=iteration,
-        consumed_samples=consumed_samples,
-        args=args_dict,
-    )
-    dist_checkpointing.save(state, path)
+    state = _sharded_state_dict(model, optimizer, is_loading=False,
+                                with_optimizer=with_optimizer, with_rng=with_rng)
+    if with_optimizer:
+        state["scheduler"] = scheduler.state_dict()
+    state.update(iteration=iteration, consumed_samples=consumed_samples, args=args_dict)
+    dist_checkpointing.save(state, path, content_metadata={"optimizer": with_optimizer,
+                                                           "rng": with_rng})
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(root, TRACKER_FILE), "w") as f:
             f.write(str(iteration))
         print(f" saved checkpoint at iteration {iteration:8d} to {path}", flush=True)
+
+
+def check_checkpoint_content(path: str, content: Optional[dict], load_optim: bool,
+                             load_rng: bool) -> None:
+    """Refuse to load what a checkpoint does not hold. ``content``: its content metadata
+    (``{"optimizer": bool, "rng": bool}``; None for a checkpoint written before it existed,
+    which holds everything)."""
+    content = content or {}
+    missing = {"--no-save-optim": (load_optim and not content.get("optimizer", True),
+                                   "optimizer and scheduler state", "--no-load-optim"),
+               "--no-save-rng": (load_rng and not content.get("rng", True),
+                                 "RNG states", "--no-load-rng")}
+    for saved_with, (wanted, what, flag) in missing.items():
+        if wanted:
+            raise ValueError(
+                f"--load is wrong: {path} holds no {what} (saved with {saved_with}). Add {flag} "
+                f"to load it without them, or --finetune to start from its weights alone.")
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool = True,
@@ -128,6 +150,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, load_optim: bool 
     path = checkpoint_dir(root, iteration)
     load_optim = load_optim and not finetune
     load_rng = load_rng and not finetune
+    check_checkpoint_content(path, dist_checkpointing.load_content_metadata(path), load_optim,
+                             load_rng)
     state = _sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim,
                                 with_rng=load_rng)
     loaded = dist_checkpointing.load(state, path)

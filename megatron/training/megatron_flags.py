@@ -116,8 +116,6 @@ ALREADY = (
 _NO_RECOMPUTE = "Activation recomputation is not supported here; drop it"
 _HF_TOKENIZER = ("This fork tokenizes with --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
                  "DIR, or reads rows tokenized already")
-_FULL_CHECKPOINTS = ("Checkpoints always hold the optimizer and RNG state here; drop it "
-                     "(--no-load-optim, --no-load-rng and --finetune skip them when loading)")
 _NO_CKPT_TUNING = "Checkpoint save and load tuning is not supported here; drop it"
 _NOT_VERIFIED_IN_GRAPHS = "has not been verified under packed CUDA graphs here; drop it"
 _NO_FP8 = "FP8 training is not supported here; drop it (training runs in bf16 or fp16)"
@@ -169,8 +167,6 @@ REFUSED = (
                  "Megatron's older switch; use --cuda-graph-impl transformer_engine"),
     MegatronFlag("--async-save",
                  "Asynchronous checkpoint saving is not supported here; drop it"),
-    MegatronFlag("--no-save-optim", _FULL_CHECKPOINTS),
-    MegatronFlag("--no-save-rng", _FULL_CHECKPOINTS),
     MegatronFlag("--override-opt_param-scheduler",
                  "--load restores the learning-rate schedule from the checkpoint here; drop it "
                  "(or start from the weights alone with --finetune)"),

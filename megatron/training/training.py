@@ -266,6 +266,14 @@ def _configure_schedule_hooks(config, model, optimizer) -> None:
     config.grad_scale_func = optimizer.scale_loss
 
 
+def _save(args, model, optimizer, scheduler, iteration: int, consumed_samples: int) -> None:
+    """A checkpoint of ``iteration`` under --save, without what --no-save-optim and
+    --no-save-rng leave out."""
+    save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
+                    args_to_dict(args), with_optimizer=not args.no_save_optim,
+                    with_rng=not args.no_save_rng)
+
+
 def pretrain(args, model_provider: Callable, forward_step,
              packed_rows: dict | None = None, iteration_hook: Callable | None = None) -> dict:
     """Train ``args.train_iters`` iterations. Returns the last iteration's metrics record.
@@ -316,6 +324,7 @@ def pretrain(args, model_provider: Callable, forward_step,
     if valid_ds is not None and args.eval_interval > 0:
         read_valid = build_iteration_reader(valid_ds, 0, args, len(model), cycle=True)
 
+    save = partial(_save, args, model, optimizer, scheduler)
     logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters,
                            wandb_run_settings(args))
     profiler = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end,
@@ -375,8 +384,7 @@ def pretrain(args, model_provider: Callable, forward_step,
             interval.restart()
         saved = args.save and args.save_interval and iteration % args.save_interval == 0
         if saved:
-            save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
-                            args_to_dict(args))
+            save(iteration, consumed_samples)
             interval.restart()
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f" exiting after iteration {iteration} (--exit-interval)")
@@ -393,8 +401,7 @@ def pretrain(args, model_provider: Callable, forward_step,
     if exit_signal:
         exit_signal.close()
     if args.save and not saved:
-        save_checkpoint(args.save, iteration, model, optimizer, scheduler, consumed_samples,
-                        args_to_dict(args))
+        save(iteration, consumed_samples)
     if moe_rerun is not None and args.moe_router_load_file:
         moe_rerun.write_router_loads(args.moe_router_load_file)  # for tools/capacity_advisor.py
     logger.close()

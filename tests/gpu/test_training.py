@@ -1,5 +1,6 @@
 """Single-GPU training runs of the real scripts: loss falls, resume continues the curve,
-Megatron-LM launch lines and flags (--exit-signal-handler, --squared-relu) work as there."""
+Megatron-LM launch lines and flags (--exit-signal-handler, --squared-relu, --no-save-optim)
+work as there."""
 
 import statistics
 
@@ -14,6 +15,7 @@ from tests.gpu.launch import (
     TRAIN,
     losses,
     run_training,
+    torchrun,
     train_then_resume,
 )
 
@@ -45,6 +47,33 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     for resumed, reference in zip(second, full[10:]):
         assert abs(resumed["lm_loss"] - reference["lm_loss"]) < 2e-3, (resumed, reference)
         assert resumed["learning_rate"] == pytest.approx(reference["learning_rate"])
+
+
+def test_a_checkpoint_without_optimizer_and_rng_loads_with_the_matching_flags(tmp_path):
+    """--no-save-optim --no-save-rng: a smaller checkpoint; --load names the flags it needs,
+    and with them training continues at the next iteration."""
+    common = TINY_GPT + TRAIN + ["--global-batch-size", "4", "--train-iters", "8"]
+    first_half = ["--save-interval", "4", "--exit-interval", "4"]
+    full, slim = tmp_path / "full", tmp_path / "slim"
+    first = run_training("pretrain_gpt.py", common + first_half + ["--save", full], tmp_path,
+                         name="full")
+    run_training("pretrain_gpt.py", common + first_half + ["--save", slim, "--no-save-optim",
+                                                           "--no-save-rng"], tmp_path,
+                 name="slim")
+    size = {d: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in (full, slim)}
+    print(f"checkpoint bytes: full {size[full]}, without optimizer and RNG {size[slim]}")
+    assert size[slim] < 0.5 * size[full]  # bf16 weights without fp32 main params and moments
+
+    proc = torchrun("pretrain_gpt.py", common + ["--load", str(slim)], nproc=1)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "holds no optimizer and scheduler state (saved with --no-save-optim). Add " \
+           "--no-load-optim" in out, out[-3000:]
+    resumed = run_training("pretrain_gpt.py", common + ["--load", slim, "--no-load-optim",
+                                                        "--no-load-rng"], tmp_path,
+                           name="resumed")
+    assert [r["iteration"] for r in resumed] == [5, 6, 7, 8]
+    assert resumed[0]["lm_loss"] < first[0]["lm_loss"] - 0.2  # it starts from trained weights
 
 
 def test_megatron_launch_flags_train_as_in_megatron(tmp_path):

@@ -440,6 +440,43 @@ def test_wandb_logging_needs_wandb(monkeypatch):
         validate("gpt", *GPT, "--wandb-project", "sft", "--wandb-exp-name", "run-1")
 
 
+# --- --no-save-optim, --no-save-rng ---------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--no-save-optim", "--no-save-rng"])
+def test_checkpoint_contents_need_a_checkpoint(flag, tmp_path):
+    assert getattr(validate("gpt", *GPT, flag, "--save", tmp_path), flag[2:].replace("-", "_"))
+    with pytest.raises(ValueError, match=f"{flag} is wrong: True. It shapes the checkpoints of "
+                                         f"--save <dir>: add --save"):
+        validate("gpt", *GPT, flag)
+
+
+@pytest.mark.parametrize("content, load_optim, load_rng, message", [
+    ({"optimizer": False, "rng": True}, True, True,
+     "holds no optimizer and scheduler state \\(saved with --no-save-optim\\). Add "
+     "--no-load-optim to load it without them, or --finetune"),
+    ({"optimizer": True, "rng": False}, True, True,
+     "holds no RNG states \\(saved with --no-save-rng\\). Add --no-load-rng"),
+    ({"optimizer": False, "rng": False}, False, True, "holds no RNG states"),
+])
+def test_loading_what_a_checkpoint_left_out_names_the_flag(content, load_optim, load_rng,
+                                                           message):
+    from megatron.training.checkpointing import check_checkpoint_content
+
+    with pytest.raises(ValueError, match="--load is wrong: ckpt/iter_0000004 " + message):
+        check_checkpoint_content("ckpt/iter_0000004", content, load_optim, load_rng)
+
+
+@pytest.mark.parametrize("content, load_optim, load_rng", [
+    (None, True, True),  # written before content metadata: it holds everything
+    ({"optimizer": True, "rng": True}, True, True),
+    ({"optimizer": False, "rng": False}, False, False),  # --no-load-optim --no-load-rng
+])
+def test_a_checkpoint_with_what_is_asked_for_loads(content, load_optim, load_rng):
+    from megatron.training.checkpointing import check_checkpoint_content
+
+    check_checkpoint_content("ckpt/iter_0000004", content, load_optim, load_rng)
+
+
 def test_a_refused_list_flag_is_refused_whole_not_unrecognized():
     """Megatron's list flags take several values; all of them reach the refusal."""
     with pytest.raises(ValueError, match="--recompute-modules is wrong: core_attn mlp. "
