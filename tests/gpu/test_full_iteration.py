@@ -22,8 +22,9 @@ from tests.gpu.launch import (
 
 # DDP's NaN check syncs; the eager reference runs without it too, so only graphs differ.
 # Graphs on TE attention switch TE's RNG tracker on: the eager reference takes it too.
-COMMON = TRAIN + ["--no-check-for-nan-in-loss-and-grad"] + (
+GRAPH_REFERENCE = ["--no-check-for-nan-in-loss-and-grad"] + (
     ["--te-rng-tracker"] if is_importable("transformer_engine") else [])
+COMMON = TRAIN + GRAPH_REFERENCE
 
 
 def full_iteration(capacity: int, warmup: int, granularity: str = "layer") -> list:

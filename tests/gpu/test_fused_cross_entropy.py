@@ -18,7 +18,14 @@ from tests.gpu.launch import (
     losses,
     run_training,
 )
-from tests.gpu.test_full_iteration import COMMON, compare, counts, full_iteration
+from tests.gpu.test_full_iteration import (
+    COMMON,
+    GRAPH_REFERENCE,
+    compare,
+    counts,
+    full_iteration,
+)
+from tests.gpu.test_parallel import assert_close_to_one_gpu, runs_from_one_start
 
 needs_te = pytest.mark.skipif(not is_importable("transformer_engine"),
                               reason="--cross-entropy-fusion-impl te needs Transformer Engine")
@@ -72,3 +79,16 @@ def test_te_cross_entropy_adds_no_host_sync_to_a_replayed_iteration(tmp_path):
                                                   "4", *full_iteration(16, 2)]
     out = find_host_syncs("pretrain_mamba.py", flags, tmp_path, iteration=5)
     assert "(0 inside the model)" in out, out[out.find("host syncs in iteration"):]
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_cross_entropy_at_tp2_and_pp2_under_graphs_follows_one_gpu(tmp_path, impl):
+    """The vocabulary split over TP ranks (the fused kernels reduce across them inside the
+    iteration graph) and the loss on the last pipeline stage, against one GPU, eager."""
+    model = TINY_GPT + GRAPH_REFERENCE + fused(impl)
+    reference, results = runs_from_one_start(tmp_path, "pretrain_gpt.py", model, {
+        "tp2_full_iteration": ["--tensor-model-parallel-size", "2", *full_iteration(16, 2)],
+        "pp2_layer_graphs": ["--pipeline-model-parallel-size", "2", *LAYER_GRAPHS],
+    })
+    assert_close_to_one_gpu(reference, results)

@@ -15,7 +15,7 @@ STEPS = 20
 TOLERANCE = 0.05
 
 
-def _runs(tmp_path, script, model, layouts):
+def runs_from_one_start(tmp_path, script, model, layouts):
     base = model + TRAIN + ["--global-batch-size", "8"]
     init = str(tmp_path / "init")
     run_training(script, base + ["--train-iters", "1", "--save", init], tmp_path, name="init")
@@ -27,7 +27,7 @@ def _runs(tmp_path, script, model, layouts):
     return reference, results
 
 
-def _assert_close(reference, results):
+def assert_close_to_one_gpu(reference, results):
     for name, curve in results.items():
         assert len(curve) == STEPS
         worst = max(abs(a - b) for a, b in zip(curve, reference))
@@ -37,19 +37,19 @@ def _assert_close(reference, results):
 
 @pytest.mark.gpus(2)
 def test_gpt_tp_pp_vpp_match_single_gpu(tmp_path):
-    reference, results = _runs(tmp_path, "pretrain_gpt.py", TINY_GPT, {
+    reference, results = runs_from_one_start(tmp_path, "pretrain_gpt.py", TINY_GPT, {
         "tp2": ["--tensor-model-parallel-size", "2"],
         "pp2": ["--pipeline-model-parallel-size", "2"],
         "pp2_vpp2": ["--pipeline-model-parallel-size", "2",
                      "--virtual-pipeline-model-parallel-size", "2"],
     })
-    _assert_close(reference, results)
+    assert_close_to_one_gpu(reference, results)
 
 
 @pytest.mark.gpus(2)
 def test_hybrid_tp_pp_match_single_gpu(tmp_path):
-    reference, results = _runs(tmp_path, "pretrain_mamba.py", TINY_HYBRID, {
+    reference, results = runs_from_one_start(tmp_path, "pretrain_mamba.py", TINY_HYBRID, {
         "tp2": ["--tensor-model-parallel-size", "2"],
         "pp2": ["--pipeline-model-parallel-size", "2"],
     })
-    _assert_close(reference, results)
+    assert_close_to_one_gpu(reference, results)
