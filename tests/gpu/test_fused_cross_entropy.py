@@ -36,7 +36,7 @@ def fused(impl: str) -> list:
     return ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", impl]
 
 
-def model(kind: str):
+def script_and_model(kind: str):
     return ("pretrain_gpt.py", TINY_GPT) if kind == "gpt" else ("pretrain_mamba.py", TINY_HYBRID)
 
 
@@ -55,7 +55,7 @@ def test_fused_cross_entropy_follows_the_unfused_loss(tmp_path, impl):
                                         pytest.param("hybrid", "te", marks=needs_te)])
 def test_fused_cross_entropy_under_full_iteration_graphs_matches_eager(tmp_path, kind, impl):
     """Capacity 9 of 4 micro-batches: iteration graphs and misses (layer graphs) both run."""
-    script, layers = model(kind)
+    script, layers = script_and_model(kind)
     common = layers + COMMON + fused(impl) + ["--train-iters", "30", "--global-batch-size", "4"]
     eager = run_training(script, common, tmp_path, name="eager")
     graphs = run_training(script, common + full_iteration(9, 2), tmp_path, name="full_iteration")
@@ -86,8 +86,8 @@ def test_te_cross_entropy_adds_no_host_sync_to_a_replayed_iteration(tmp_path):
 def test_fused_cross_entropy_at_tp2_and_pp2_under_graphs_follows_one_gpu(tmp_path, impl):
     """The vocabulary split over TP ranks (the fused kernels reduce across them inside the
     iteration graph) and the loss on the last pipeline stage, against one GPU, eager."""
-    model = TINY_GPT + GRAPH_REFERENCE + fused(impl)
-    reference, results = runs_from_one_start(tmp_path, "pretrain_gpt.py", model, {
+    flags = TINY_GPT + GRAPH_REFERENCE + fused(impl)
+    reference, results = runs_from_one_start(tmp_path, "pretrain_gpt.py", flags, {
         "tp2_full_iteration": ["--tensor-model-parallel-size", "2", *full_iteration(16, 2)],
         "pp2_layer_graphs": ["--pipeline-model-parallel-size", "2", *LAYER_GRAPHS],
     })
