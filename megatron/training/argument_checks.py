@@ -506,6 +506,11 @@ def check_logging(args):
                                                                     "minutes")
     _check_exit_signal(args)
     _check_wandb(args)
+    if args.tensorboard_queue_size is not None:
+        _at_least(args, "--tensorboard-queue-size", 1)
+        if not args.tensorboard_dir:
+            fail("--tensorboard-queue-size", args.tensorboard_queue_size,
+                 "It sizes the TensorBoard writer's queue: add --tensorboard-dir, or drop it")
     if args.profile:
         _at_least(args, "--profile-step-start", 1)
         if args.profile_step_end <= args.profile_step_start:

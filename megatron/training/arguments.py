@@ -422,6 +422,12 @@ def _add_logging_args(parser):
                    help="The signal --exit-signal-handler waits for: a name such as SIGTERM "
                         "or SIGUSR1 (TERM and USR1 also work, as sbatch --signal spells them).")
     g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--tensorboard-queue-size", type=int, default=None,
+                   help="Events the TensorBoard writer queues before it writes them out "
+                        "(default 1000, as Megatron's). Needs --tensorboard-dir.")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Also log the validation perplexity, exp(loss), as 'lm loss validation "
+                        "ppl' to TensorBoard and W&B (Megatron's flag and tag).")
     g.add_argument("--wandb-project", default="",
                    help="Weights & Biases project: the reporting rank logs what TensorBoard "
                         "gets (the log line's values, the validation loss) to a W&B run there. "

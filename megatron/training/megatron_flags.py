@@ -119,8 +119,6 @@ _HF_TOKENIZER = ("This fork tokenizes with --tokenizer-type HuggingFaceTokenizer
 _NO_CKPT_TUNING = "Checkpoint save and load tuning is not supported here; drop it"
 _NOT_VERIFIED_IN_GRAPHS = "has not been verified under packed CUDA graphs here; drop it"
 _NO_FP8 = "FP8 training is not supported here; drop it (training runs in bf16 or fp16)"
-_NO_TB_EXTRA = ("TensorBoard gets the log line's values and the validation loss here, nothing "
-                "more; drop it")
 _NO_FSDP = ("FSDP is not supported here; use --use-distributed-optimizer to shard the "
             "optimizer state")
 _UNEVEN_PP = ("Uneven pipeline stages are not supported here: every stage holds --num-layers "
@@ -155,7 +153,6 @@ REFUSED = (
     MegatronFlag("--log-timers-to-tensorboard",
                  "This fork keeps no Megatron timers; TensorBoard gets the iteration time. "
                  "Drop it"),
-    MegatronFlag("--log-validation-ppl-to-tensorboard", _NO_TB_EXTRA),
     MegatronFlag("--decoder-first-pipeline-num-layers", _UNEVEN_PP, nargs=1),
     MegatronFlag("--decoder-last-pipeline-num-layers", _UNEVEN_PP, nargs=1),
     MegatronFlag("--account-for-embedding-in-pipeline-split", _UNEVEN_PP),
@@ -180,8 +177,6 @@ REFUSED = (
     MegatronFlag("--tensorboard-log-interval",
                  "TensorBoard is written at every log line here (--log-interval); drop it",
                  nargs=1),
-    MegatronFlag("--tensorboard-queue-size",
-                 "The TensorBoard writer's queue is not configurable here; drop it", nargs=1),
     MegatronFlag("--timing-log-option",
                  "This fork keeps no Megatron timers; drop it", nargs=1),
     MegatronFlag("--log-progress", "Not implemented here; drop it"),

@@ -7,6 +7,7 @@ tool read it. Only the last rank writes (it holds the loss when pipelining).
 """
 
 import json
+import math
 import os
 import time
 from typing import Optional
@@ -162,8 +163,10 @@ class MetricsLogger:
     under Megatron's tags."""
 
     def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str],
-                 train_iters: int, wandb_run: Optional[dict] = None):
+                 train_iters: int, wandb_run: Optional[dict] = None, *,
+                 tensorboard_queue_size: Optional[int] = None, validation_ppl: bool = False):
         self.train_iters = train_iters
+        self.validation_ppl = validation_ppl
         self.enabled = is_reporting_rank()
         self._file = None
         self._tb = None
@@ -176,7 +179,8 @@ class MetricsLogger:
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+            self._tb = SummaryWriter(log_dir=tensorboard_dir,
+                                     max_queue=tensorboard_queue_size or 1000)
         if wandb_run:
             import wandb
 
@@ -215,7 +219,11 @@ class MetricsLogger:
         print(f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |"
               f"{extra}", flush=True)
         self._write({"split": "valid", "iteration": iteration, "lm_loss": lm_loss} | stats)
-        self._scalars({"lm loss validation": lm_loss}, iteration)
+        values = {"lm loss validation": lm_loss}
+        if self.validation_ppl:
+            # Megatron caps the exponent at 20 so an early, huge loss stays a finite number.
+            values["lm loss validation ppl"] = math.exp(min(20.0, lm_loss))
+        self._scalars(values, iteration)
 
     def _scalars(self, values: dict, iteration: int) -> None:
         """TensorBoard scalars and a W&B history row at ``iteration`` (W&B commits a row when a

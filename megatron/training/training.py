@@ -326,7 +326,9 @@ def pretrain(args, model_provider: Callable, forward_step,
 
     save = partial(_save, args, model, optimizer, scheduler)
     logger = MetricsLogger(args.metrics_file, args.tensorboard_dir, args.train_iters,
-                           wandb_run_settings(args))
+                           wandb_run_settings(args),
+                           tensorboard_queue_size=args.tensorboard_queue_size,
+                           validation_ppl=args.log_validation_ppl_to_tensorboard)
     profiler = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end,
                            args.profile_trace_dir)
     record, saved = {}, False

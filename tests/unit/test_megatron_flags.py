@@ -477,6 +477,19 @@ def test_a_checkpoint_with_what_is_asked_for_loads(content, load_optim, load_rng
     check_checkpoint_content("ckpt/iter_0000004", content, load_optim, load_rng)
 
 
+# --- TensorBoard extras --------------------------------------------------------------------------
+
+def test_tensorboard_queue_size_needs_tensorboard(tmp_path):
+    args = validate("gpt", *GPT, "--tensorboard-dir", tmp_path, "--tensorboard-queue-size", "5",
+                    "--log-validation-ppl-to-tensorboard")
+    assert args.tensorboard_queue_size == 5 and args.log_validation_ppl_to_tensorboard
+    with pytest.raises(ValueError, match="--tensorboard-queue-size is wrong: 5. It sizes the "
+                                         "TensorBoard writer's queue: add --tensorboard-dir"):
+        validate("gpt", *GPT, "--tensorboard-queue-size", "5")
+    with pytest.raises(ValueError, match="--tensorboard-queue-size is wrong: 0"):
+        validate("gpt", *GPT, "--tensorboard-dir", tmp_path, "--tensorboard-queue-size", "0")
+
+
 def test_a_refused_list_flag_is_refused_whole_not_unrecognized():
     """Megatron's list flags take several values; all of them reach the refusal."""
     with pytest.raises(ValueError, match="--recompute-modules is wrong: core_attn mlp. "

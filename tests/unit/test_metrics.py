@@ -30,6 +30,42 @@ def test_log_line_and_metrics_file(cpu_dist, tmp_path, capsys):
     assert "validation loss at iteration 2 | lm loss value: 2.000000E+00 | eager eval: 8 |" in line
 
 
+def test_tensorboard_gets_the_values_and_the_validation_perplexity(cpu_dist, tmp_path):
+    """Real event files, read back: Megatron's tags, the validation perplexity with
+    --log-validation-ppl-to-tensorboard, the writer's queue from --tensorboard-queue-size."""
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(None, str(tmp_path / "tb"), train_iters=10,
+                           tensorboard_queue_size=5, validation_ppl=True)
+    assert logger._tb.max_queue == 5
+    logger.log_train(_record(1))
+    logger.log_valid(1, 2.25)
+    logger.log_valid(2, 40.0)  # the exponent is capped at 20, as in Megatron
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+               for tag in events.Tags()["scalars"]}
+    assert scalars["lm loss"] == [(1, 2.5)] and scalars["throughput/tokens-per-sec"] == [(1, 1000)]
+    assert scalars["lm loss validation"] == [(1, 2.25), (2, 40.0)]
+    ppl = scalars["lm loss validation ppl"]
+    assert ppl[0][1] == pytest.approx(math.exp(2.25)) and ppl[1][1] == pytest.approx(math.exp(20))
+
+
+def test_validation_perplexity_is_off_by_default(cpu_dist, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(None, str(tmp_path / "tb"), train_iters=10)
+    assert logger._tb.max_queue == 1000  # Megatron's default
+    logger.log_valid(1, 2.25)
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["lm loss validation"]
+
+
 def test_wandb_gets_what_tensorboard_gets(cpu_dist, tmp_path, monkeypatch):
     """A real W&B run, offline: the training values under Megatron's tags, the validation loss
     in its iteration's row, and the arguments as the run's config."""
