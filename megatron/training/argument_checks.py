@@ -578,6 +578,32 @@ def check_data(args):
     _at_least(args, "--mock-doc-length-sigma", 0)
     _at_least(args, "--num-workers", 0)
     _check_long_documents(args)
+    _check_split(args)
+
+
+def _check_split(args):
+    """--split shares one --data-path between training and validation (datasets/builder.py);
+    Megatron's mock-data scripts carry it too, where it changes nothing."""
+    if args.split is None:
+        return
+    from megatron.training.datasets.builder import split_shares
+
+    try:
+        shares, problem = split_shares(args.split), None
+    except ValueError as error:
+        shares, problem = None, str(error)
+    if shares is None:
+        fail("--split", args.split, problem)
+    if args.mock_data:
+        args.megatron_flags_without_effect.append(
+            "--split (with --mock-data, validation rows are drawn from their own seed)")
+        return
+    if args.valid_data_path:
+        fail("--split", args.split, f"Validation documents come from --valid-data-path "
+                                    f"{args.valid_data_path} or from a --split of --data-path, "
+                                    "not both: drop one")
+    if shares[0] == 0:
+        fail("--split", args.split, "The training share is 0: give it a positive share")
 
 
 def _check_long_documents(args):

@@ -457,6 +457,11 @@ def _add_data_args(parser):
     g.add_argument("--data-path", type=str, default=None,
                    help="JSONL file of pre-tokenized documents.")
     g.add_argument("--valid-data-path", type=str, default=None)
+    g.add_argument("--split", default=None, metavar="TRAIN,VALID,TEST",
+                   help="Take the validation documents from --data-path instead of "
+                        "--valid-data-path: relative shares of its documents, in file order, "
+                        "e.g. 98,2,0 (Megatron's flag; '/' also separates). This fork has no "
+                        "test evaluation, so the test share is not read.")
     g.add_argument("--mock-data", action="store_true", help="Built-in synthetic packed data.")
     g.add_argument("--mock-doc-length-median", type=float, default=512,
                    help="Median mock document length in tokens.")

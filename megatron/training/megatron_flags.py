@@ -231,9 +231,6 @@ REFUSED = (
     MegatronFlag("--recompute-num-layers", _NO_RECOMPUTE, nargs=1),
     MegatronFlag("--recompute-modules", _NO_RECOMPUTE, nargs="+"),
     MegatronFlag("--use-torch-fsdp2", _NO_FSDP),
-    MegatronFlag("--split",
-                 "This fork reads validation data from its own file; give --valid-data-path "
-                 "and drop --split", nargs=1),
     MegatronFlag("--vocab-file", _HF_TOKENIZER, nargs=1),
     MegatronFlag("--merge-file", _HF_TOKENIZER, nargs=1),
     MegatronFlag("--log-params-norm", "Not implemented here; drop it"),

@@ -213,14 +213,100 @@ def test_training_reuses_the_rows_the_check_packed(tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(9), doc(3))
     args = args_for("--sft", "--data-path", path)
     check = check_data(args)
-    assert list(check.rows) == [path]
+    assert list(check.rows) == ["train"]
     fresh, _, _ = builder.build_datasets(args)
 
     def packed_again(*a, **k):
         raise AssertionError("rank 0 packed the file a second time")
 
-    monkeypatch.setattr(builder, "pack_jsonl_file", packed_again)
+    monkeypatch.setattr(builder, "pack_data", packed_again)
     reused, _, stats = builder.build_datasets(args, check.rows)
-    assert reused.rows == check.rows[path][0] and len(reused) == len(fresh)
+    assert reused.rows == check.rows["train"][0] and len(reused) == len(fresh)
     assert stats is check.train  # training logs the check's numbers, not an empty count
     assert [row.tokens.tolist() for row in fresh.rows] == [row.tokens.tolist() for row in reused.rows]
+
+
+# --- --split: validation documents from --data-path ---------------------------------------------
+
+@pytest.mark.parametrize("split, shares", [
+    ("969,30,1", (0.969, 0.03, 0.001)),
+    ("98/2", (0.98, 0.02, 0.0)),
+    ("100", (1.0, 0.0, 0.0)),
+    ("1, 1, 0", (0.5, 0.5, 0.0)),
+])
+def test_split_shares_read_megatrons_spellings(split, shares):
+    from megatron.training.datasets.builder import split_shares
+
+    assert split_shares(split) == pytest.approx(shares)
+
+
+def validated(*extra):
+    """Parsed and validated arguments; a bad combination raises ValueError (not SystemExit)."""
+    from megatron.training.arguments import build_parser, validate_args
+
+    return validate_args(build_parser("gpt").parse_args(BASE + [str(x) for x in extra]), "gpt")
+
+
+@pytest.mark.parametrize("split", ["a,b", "1,2,3,4", "-1,2", "0,0,0", ""])
+def test_a_bad_split_is_refused_at_parse_time(split, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5))
+    with pytest.raises(ValueError, match=re.escape(f"--split is wrong: {split}. Give up to three")):
+        validated("--data-path", path, f"--split={split}")  # '=': "-1,2" is not a flag
+
+
+def test_split_boundaries_follow_the_cumulative_shares():
+    from megatron.training.datasets.builder import split_boundaries
+
+    assert split_boundaries((0.969, 0.03, 0.001), 1000) == [969, 999, 1000]
+    assert split_boundaries((0.5, 0.5, 0.0), 3) == [2, 3, 3]
+    assert split_boundaries((1.0, 0.0, 0.0), 7) == [7, 7, 7]
+
+
+def test_split_trains_on_the_first_documents_and_validates_on_the_next(tmp_path):
+    from megatron.training.datasets.builder import build_datasets
+
+    # Ten documents in file order, document i of tokens 9 i + 1 ... 9 i + 8.
+    path = write_jsonl(tmp_path / "t.jsonl", *(doc(8, start=9 * i + 1) for i in range(10)))
+    args = args_for("--data-path", path, "--split", "7,2,1", "--eval-interval", "1",
+                    "--eval-iters", "1")
+    check = check_data(args)
+    assert check.train.documents == 7 and check.valid.documents == 2  # the last one is test
+    assert (f"--data-path {path} (--split 7,2,1, train): 7 documents" in check.line
+            and f"; --data-path {path} (--split 7,2,1, valid): 2 documents" in check.line)
+    train, valid, _ = build_datasets(args, check.rows)
+
+    def tokens(dataset) -> set:
+        return {int(t) for row in dataset.rows for t in row.tokens} - {0}  # 0: padding
+
+    assert tokens(train) <= set(range(1, 64))  # documents 0-6
+    assert tokens(valid) <= set(range(64, 82)) and {64, 73} <= tokens(valid)  # documents 7, 8
+
+
+def test_split_without_a_validation_share_builds_no_validation_set(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(6))
+    check = check_data(args_for("--data-path", path, "--split", "100,0,0"))
+    assert check.valid is None and list(check.rows) == ["train"]
+
+
+def test_a_validation_share_too_small_for_the_file_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(6), doc(7))
+    with pytest.raises(ValueError, match=re.escape(
+            f"--split is wrong: 99,1,0 gives validation none of the 3 documents of {path}. "
+            f"Raise the validation share")):
+        check_data(args_for("--data-path", path, "--split", "99,1,0"))
+
+
+def test_split_and_a_validation_file_are_one_source_too_many(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", doc(5))
+    with pytest.raises(ValueError, match=re.escape(
+            f"--split is wrong: 98,2,0. Validation documents come from --valid-data-path {path} "
+            f"or from a --split of --data-path, not both")):
+        validated("--data-path", path, "--valid-data-path", path, "--split", "98,2,0")
+    with pytest.raises(ValueError, match="--split is wrong: 0,1,0. The training share is 0"):
+        validated("--data-path", path, "--split", "0,1,0")
+
+
+def test_split_with_mock_data_is_named_as_without_effect():
+    args = args_for("--mock-data", "--split", "949,50,1")
+    assert any(entry.startswith("--split (with --mock-data") for entry in
+               args.megatron_flags_without_effect)

@@ -1,6 +1,7 @@
 """Datasets and micro-batch iterators built from the training CLI arguments."""
 
 import itertools
+import re
 from argparse import Namespace
 from typing import Iterator
 
@@ -61,23 +62,98 @@ def _pack(documents, args: Namespace, stats: PackingStats) -> list:
                                stats=stats, segment_multiple=_segment_multiple(args)))
 
 
-def pack_jsonl_file(path: str, args: Namespace, stats: PackingStats) -> list:
-    """Rows of one data file; the data check before training (preflight.py) packs with it
-    too, so its numbers are the run's. Stops on more truncation than
-    --max-truncated-token-fraction allows."""
+def _read(path: str, args: Namespace):
+    """Documents of one data file, with the run's tokenizer and loss mask."""
     # Chat conversations ("messages") are rendered with --tokenizer-model: datasets/chat.py.
     documents = read_documents(path, args.vocab_size, tokenizer_from_args(args))
     if not args.sft:
         # Pretraining on packed documents: every real token is a target.
         documents = (Document(d.input_ids, None, d.origin) for d in documents)
+    return documents
+
+
+def _pack_checked(documents, args: Namespace, stats: PackingStats, source: str) -> list:
+    """Rows of ``documents`` (named ``source`` in errors). Stops on more truncation than
+    --max-truncated-token-fraction allows, and on no row at all."""
     rows = _pack(documents, args, stats)
-    check_truncated_fraction(stats, getattr(args, "max_truncated_token_fraction", None), path)
+    check_truncated_fraction(stats, getattr(args, "max_truncated_token_fraction", None), source)
     if not rows:
         raise ValueError(
-            f"JSONL data is wrong: {path} holds no document with at least 2 tokens "
+            f"JSONL data is wrong: {source} holds no document with at least 2 tokens "
             f"({stats.skipped_empty} skipped). Point the data path at real data."
         )
     return rows
+
+
+def pack_jsonl_file(path: str, args: Namespace, stats: PackingStats) -> list:
+    """Rows of one data file."""
+    return _pack_checked(_read(path, args), args, stats, path)
+
+
+def split_shares(split: str) -> tuple[float, float, float]:
+    """Megatron's ``--split`` ("969,30,1", "98/2", "100") as train, valid and test fractions
+    summing to 1 (missing shares are 0); ValueError says what is wrong."""
+    try:
+        shares = [float(value) for value in re.split(r"[,/]", split.replace(" ", ""))]
+    except ValueError:
+        raise ValueError("Give up to three non-negative numbers separated by ',' or '/', "
+                         "e.g. 98,2,0") from None
+    if len(shares) > 3 or min(shares) < 0 or sum(shares) <= 0:
+        raise ValueError("Give up to three non-negative numbers (train, valid, test) with a "
+                         "positive sum, e.g. 98,2,0")
+    shares += [0.0] * (3 - len(shares))
+    return tuple(share / sum(shares) for share in shares)
+
+
+def split_boundaries(shares: tuple, count: int) -> list[int]:
+    """Where each split of ``count`` documents ends, in file order: the cumulative shares
+    rounded, the last at ``count``."""
+    ends, total = [], 0.0
+    for share in shares:
+        total += share
+        ends.append(round(total * count))
+    ends[-1] = count
+    return ends
+
+
+def pack_data(args: Namespace) -> dict:
+    """Rows and packing statistics of the run's JSONL data by split, ``{"train": (rows,
+    stats), "valid": (rows, stats)}``: --data-path and --valid-data-path, or the two first
+    shares of --data-path's documents under --split (no "valid" without either). The data
+    check before training (preflight.py) packs with it too, so its numbers are the run's."""
+    if getattr(args, "split", None) is None:
+        packed = {"train": _packed_file(args.data_path, args)}
+        if args.valid_data_path:
+            packed["valid"] = _packed_file(args.valid_data_path, args)
+        return packed
+    shares = split_shares(args.split)
+    documents = list(_read(args.data_path, args))
+    train_end, valid_end, _ = split_boundaries(shares, len(documents))
+    if shares[1] > 0 and valid_end == train_end:
+        raise ValueError(
+            f"--split is wrong: {args.split} gives validation none of the {len(documents)} "
+            f"documents of {args.data_path}. Raise the validation share, or make it 0 to train "
+            f"without validation")
+    parts = {"train": documents[:train_end]}
+    if valid_end > train_end:
+        parts["valid"] = documents[train_end:valid_end]
+    packed = {}
+    for name, part in parts.items():
+        stats = PackingStats()
+        packed[name] = _pack_checked(part, args, stats, split_source(args, name)), stats
+    return packed
+
+
+def split_source(args: Namespace, name: str) -> str:
+    """How errors and the data check name one split's data: the file, and its --split share."""
+    if getattr(args, "split", None) is None:
+        return args.data_path if name == "train" else args.valid_data_path
+    return f"{args.data_path} (--split {args.split}, {name})"
+
+
+def _packed_file(path: str, args: Namespace) -> tuple:
+    stats = PackingStats()
+    return pack_jsonl_file(path, args, stats), stats
 
 
 def build_datasets(args: Namespace, packed_rows: dict | None = None):
@@ -86,7 +162,7 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
     ``packed_rows``: ``{path: (rows, PackingStats)}`` of files packed already (the data
     check's on rank 0), used instead of reading them again.
 
-    Reads ``args.``: seq_length, vocab_size, seed, data_path, valid_data_path, mock_data,
+    Reads ``args.``: seq_length, vocab_size, seed, data_path, valid_data_path, split, mock_data,
     mock_doc_length_median, mock_doc_length_sigma, long_document_policy (or the older
     reject_long_documents), max_truncated_token_fraction, sft, train_iters,
     global_batch_size, eval_iters, eval_interval.
@@ -95,8 +171,8 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
     ``eval_iters * global_batch_size * (train_iters // eval_interval + 1)`` when
     ``eval_interval > 0`` and ``eval_iters > 0``, else there is no valid dataset. With
     ``--mock-data`` valid rows come from ``seed + 1`` and the stats are None (dynamic CP: the
-    training document pool's); with JSONL the valid set exists only if ``valid_data_path`` is
-    given, and the stats are the training file's.
+    training document pool's); with JSONL the valid set exists only if ``valid_data_path`` or
+    a ``split`` with a validation share is given, and the stats are the training data's.
     Datasets yield `PackedRow`; JSONL files are read and packed here, once.
     """
     if args.mock_data and args.data_path:
@@ -137,20 +213,13 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
         valid = mock(valid_samples, args.seed + 1) if valid_samples > 0 else None
         return mock(train_samples, args.seed), valid, None
 
-    packed_rows = packed_rows or {}
-
-    def rows(path: str) -> tuple:
-        # The data check packed this file already (rank 0): its rows and stats, else pack now.
-        if path in packed_rows:
-            return packed_rows[path]
-        stats = PackingStats()
-        return pack_jsonl_file(path, args, stats), stats
-
-    train_rows, stats = rows(args.data_path)
+    # The data check packed the data already on rank 0: its rows and stats, else pack now.
+    packed = packed_rows or pack_data(args)
+    train_rows, stats = packed["train"]
     train = PackedRowDataset(train_rows, train_samples, args.seed)
     valid = None
-    if args.valid_data_path and valid_samples > 0:
-        valid = PackedRowDataset(rows(args.valid_data_path)[0], valid_samples, args.seed + 1)
+    if "valid" in packed and valid_samples > 0:
+        valid = PackedRowDataset(packed["valid"][0], valid_samples, args.seed + 1)
     return train, valid, stats
 
 

@@ -1,9 +1,9 @@
 """The data check before training: run on rank 0 before distributed start-up or any GPU work.
 
 `run_data_check` (called once, by ``run_pretraining``) checks that every ``--data-path`` /
-``--valid-data-path`` is an existing file, then reads and packs each file exactly as training
-will (`builder.pack_jsonl_file`: the same reader, long-document policy and packer), so a bad line,
-a too-long document under ``--long-document-policy reject`` or more truncation than
+``--valid-data-path`` is an existing file, then reads and packs the data exactly as training
+will (`builder.pack_data`: the same reader, ``--split``, long-document policy and packer), so
+a bad line, a too-long document under ``--long-document-policy reject`` or more truncation than
 ``--max-truncated-token-fraction`` allows stops the run with a ValueError naming the file (and
 ``file:line`` where there is one) and the fix, before any GPU is touched. A run that passes
 prints one summary line, the packer's own statistics (`builder.describe_packing`).
@@ -17,7 +17,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from megatron.training.datasets.builder import pack_jsonl_file, build_datasets, describe_packing
+from megatron.training.datasets.builder import (
+    build_datasets,
+    describe_packing,
+    pack_data,
+    split_source,
+)
 from megatron.training.datasets.jsonl import check_data_path
 from megatron.training.datasets.mock import MockPackedDataset
 from megatron.training.datasets.packing import PackingStats
@@ -32,10 +37,11 @@ class DataCheck:
 
     Attributes:
         train: packing statistics of the training data (``--data-path``, or the mock rows).
-        valid: those of ``--valid-data-path``; None without one.
+        valid: those of the validation data (``--valid-data-path`` or ``--split``); None
+            without any.
         line: the one summary line printed.
-        rows: ``{path: (packed rows, their PackingStats)}`` of each data file, for training
-            to reuse (rank 0 then reads and packs each file once).
+        rows: `builder.pack_data`'s ``{"train" | "valid": (packed rows, their PackingStats)}``,
+            for training to reuse (rank 0 then reads and packs the data once).
     """
 
     train: PackingStats
@@ -59,19 +65,17 @@ def check_data(args) -> DataCheck:
     ValueError (naming the flag or ``file:line`` and the fix) on the first problem."""
     if args.mock_data:
         return _check_mock(args)
-    files = [("--data-path", args.data_path)]
+    # Both paths first: a typo fails before a long read.
+    check_data_path(args.data_path, "--data-path")
     if args.valid_data_path:
-        files.append(("--valid-data-path", args.valid_data_path))
-    for flag, path in files:  # all paths first: a typo fails before a long read
-        check_data_path(path, flag)
-    parts, found, rows = [], [], {}
-    for flag, path in files:
-        stats = PackingStats()
-        rows[path] = pack_jsonl_file(path, args, stats), stats  # errors name path:line
-        found.append(stats)
-        parts.append(f"{flag} {path}: {_describe(stats)}")
-    return DataCheck(found[0], found[1] if len(found) > 1 else None,
-                     "data check: " + "; ".join(parts), rows)
+        check_data_path(args.valid_data_path, "--valid-data-path")
+    packed = pack_data(args)  # errors name path:line
+    flags = {"train": "--data-path",
+             "valid": "--data-path" if args.split is not None else "--valid-data-path"}
+    parts = [f"{flags[name]} {split_source(args, name)}: {_describe(stats)}"
+             for name, (_, stats) in packed.items()]
+    return DataCheck(packed["train"][1], packed["valid"][1] if "valid" in packed else None,
+                     "data check: " + "; ".join(parts), packed)
 
 
 def _check_mock(args) -> DataCheck:
