@@ -85,11 +85,6 @@ def _pack_checked(documents, args: Namespace, stats: PackingStats, source: str) 
     return rows
 
 
-def pack_jsonl_file(path: str, args: Namespace, stats: PackingStats) -> list:
-    """Rows of one data file."""
-    return _pack_checked(_read(path, args), args, stats, path)
-
-
 def split_shares(split: str) -> tuple[float, float, float]:
     """Megatron's ``--split`` ("969,30,1", "98/2", "100") as train, valid and test fractions
     summing to 1 (missing shares are 0); ValueError says what is wrong."""
@@ -116,14 +111,15 @@ def split_boundaries(shares: tuple, count: int) -> list[int]:
     return ends
 
 
-def pack_data(args: Namespace) -> dict:
+def pack_data(args: Namespace, with_valid: bool = True) -> dict:
     """Rows and packing statistics of the run's JSONL data by split, ``{"train": (rows,
     stats), "valid": (rows, stats)}``: --data-path and --valid-data-path, or the two first
-    shares of --data-path's documents under --split (no "valid" without either). The data
-    check before training (preflight.py) packs with it too, so its numbers are the run's."""
+    shares of --data-path's documents under --split (no "valid" without either, or without
+    ``with_valid``: a --valid-data-path file is then not read). The data check before
+    training (preflight.py) packs with it too, so its numbers are the run's."""
     if getattr(args, "split", None) is None:
         packed = {"train": _packed_file(args.data_path, args)}
-        if args.valid_data_path:
+        if args.valid_data_path and with_valid:
             packed["valid"] = _packed_file(args.valid_data_path, args)
         return packed
     shares = split_shares(args.split)
@@ -152,15 +148,16 @@ def split_source(args: Namespace, name: str) -> str:
 
 
 def _packed_file(path: str, args: Namespace) -> tuple:
+    """``(rows, PackingStats)`` of one data file."""
     stats = PackingStats()
-    return pack_jsonl_file(path, args, stats), stats
+    return _pack_checked(_read(path, args), args, stats, path), stats
 
 
 def build_datasets(args: Namespace, packed_rows: dict | None = None):
     """Build ``(train_dataset, valid_dataset or None, PackingStats or None)``.
 
-    ``packed_rows``: ``{path: (rows, PackingStats)}`` of files packed already (the data
-    check's on rank 0), used instead of reading them again.
+    ``packed_rows``: `pack_data`'s result for this run, packed already (the data check's on
+    rank 0), used instead of reading the data again.
 
     Reads ``args.``: seq_length, vocab_size, seed, data_path, valid_data_path, split, mock_data,
     mock_doc_length_median, mock_doc_length_sigma, long_document_policy (or the older
@@ -214,7 +211,7 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
         return mock(train_samples, args.seed), valid, None
 
     # The data check packed the data already on rank 0: its rows and stats, else pack now.
-    packed = packed_rows or pack_data(args)
+    packed = packed_rows or pack_data(args, with_valid=valid_samples > 0)
     train_rows, stats = packed["train"]
     train = PackedRowDataset(train_rows, train_samples, args.seed)
     valid = None
