@@ -6,9 +6,11 @@ nothing (`ALREADY`); the start-up log names them with the reason. Flags for feat
 fork does not have are refused with the reason and what to do (`REFUSED`), never silently
 ignored. Some Megatron flags are implemented where their features live: --train-samples and
 the sample-based LR flags (argument_checks.check_training_length), --hybrid-attention-ratio
-and --hybrid-mlp-ratio (argument_checks.check_hybrid), --manual-gc and
---exit-duration-in-mins (training.py); --transformer-impl here (`resolve_transformer_impl`), as
-the attention backend this fork picks its layer spec from.
+and --hybrid-mlp-ratio (argument_checks.check_hybrid), --manual-gc, --exit-duration-in-mins
+and --exit-signal-handler (training.py), --cross-entropy-loss-fusion (config.py), the W&B and
+TensorBoard flags (metrics.py), --no-save-optim and --no-save-rng (checkpointing.py), --split
+(datasets/builder.py); --transformer-impl here (`resolve_transformer_impl`), as the attention
+backend this fork picks its layer spec from.
 
 A flag with values is accepted only with those that state this fork's behaviour
 (``--ckpt-format torch_dist``, megatron-core's own hybrid stack for ``--spec``); any other is
