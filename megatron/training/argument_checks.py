@@ -456,7 +456,7 @@ def check_checkpointing(args):
     if args.save_interval is not None and args.save is None:
         fail("--save-interval", args.save_interval, "It needs --save <dir>")
     for flag in ("--no-save-optim", "--no-save-rng"):
-        if getattr(args, flag[2:].replace("-", "_")) and args.save is None:
+        if _value(args, flag) and args.save is None:
             fail(flag, True, "It shapes the checkpoints of --save <dir>: add --save, or drop it")
 
 

@@ -96,8 +96,8 @@ def split_shares(split: str) -> tuple[float, float, float]:
     if len(shares) > 3 or min(shares) < 0 or sum(shares) <= 0:
         raise ValueError("Give up to three non-negative numbers (train, valid, test) with a "
                          "positive sum, e.g. 98,2,0")
-    shares += [0.0] * (3 - len(shares))
-    return tuple(share / sum(shares) for share in shares)
+    total = sum(shares)
+    return tuple(share / total for share in shares + [0.0] * (3 - len(shares)))
 
 
 def split_boundaries(shares: tuple, count: int) -> list[int]:
