@@ -40,7 +40,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
 
 def main(argv=None):
-    from megatron.training.training import run_pretraining
+    from megatron.packed_training.training import run_pretraining
 
     run_pretraining("gpt", model_provider, "pretrain_gpt.py", argv)
 

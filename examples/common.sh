@@ -235,7 +235,7 @@ build_python_args() {
   fi
   if [ "$NSYS" = 1 ]; then
     # --profile brackets iterations [start, end) with cudaProfilerStart/Stop, the range that
-    # nsys --capture-range=cudaProfilerApi records (megatron/training/profiling.py). It also
+    # nsys --capture-range=cudaProfilerApi records (megatron/packed_training/profiling.py). It also
     # runs torch.profiler there for `gpu busy (ms)`; under nsys the two CUPTI clients may
     # refuse each other, so that number is not to be trusted (docs/slurm.md, nsys).
     PY_ARGS+=(--profile --profile-step-start "$PROFILE_STEP_START"

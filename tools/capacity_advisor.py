@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from megatron.training.datasets import (  # noqa: E402
+from megatron.packed_training.datasets import (  # noqa: E402
     MockPackedDataset,
     PackedRow,
     PackedRowDataset,

@@ -77,11 +77,11 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     )
     from megatron.packed_graphs.plan import Reason, StepGraphPlan
     from megatron.packed_graphs.runtime import GraphRuntime
-    from megatron.training.arguments import parse_args
-    from megatron.training.config import ddp_config_from_args, transformer_config_from_args
-    from megatron.training.datasets.mock import MockPackedDataset
-    from megatron.training.datasets.packing import collate_packed_rows
-    from megatron.training.packed_step import PackedForwardStep
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.config import ddp_config_from_args, transformer_config_from_args
+    from megatron.packed_training.datasets.mock import MockPackedDataset
+    from megatron.packed_training.datasets.packing import collate_packed_rows
+    from megatron.packed_training.packed_step import PackedForwardStep
 
     apply_core_patches()
     args = parse_args(model_argv + [
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--granularity", choices=["layer", "chunk"], default="layer")
     opts = parser.parse_args(own)
 
-    from megatron.training.initialize import initialize_single_gpu, require_cuda
+    from megatron.packed_training.initialize import initialize_single_gpu, require_cuda
 
     require_cuda("compare_graph_grads.py")
     initialize_single_gpu(port=29561)

@@ -148,10 +148,10 @@ def main(argv=None) -> int:
     if opts.iteration < 1:
         parser.error(f"--iteration is wrong: {opts.iteration}. It must be >= 1.")
 
-    from megatron.training.arguments import parse_args
-    from megatron.training.initialize import require_cuda
-    from megatron.training.packed_step import PackedForwardStep
-    from megatron.training.training import pretrain
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.initialize import require_cuda
+    from megatron.packed_training.packed_step import PackedForwardStep
+    from megatron.packed_training.training import pretrain
 
     model_kind = SCRIPTS[opts.script]
     args = parse_args(train_argv, model=model_kind)

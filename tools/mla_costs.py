@@ -87,9 +87,9 @@ def measure(args) -> list:
     from megatron.packed_graphs.capacity import pad_cu_seqlens
     from megatron.packed_graphs.mla_rope import cover_all_rows
     from megatron.packed_graphs.packed_seq import build_packed_batch_params
-    from megatron.training.arguments import parse_args
-    from megatron.training.config import transformer_config_from_args
-    from megatron.training.initialize import initialize_single_gpu
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.config import transformer_config_from_args
+    from megatron.packed_training.initialize import initialize_single_gpu
 
     initialize_single_gpu()
     flags = MOONLIGHT_SMALL + TRAINING + ["--seq-length", str(args.seq_length), "--num-layers", "1"]

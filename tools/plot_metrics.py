@@ -1,6 +1,6 @@
 """Plot the loss curves (and step time) of training runs, as a PNG to look at.
 
-Reads the JSON-lines metrics files that ``--metrics-file`` writes (megatron/training/metrics.py:
+Reads the JSON-lines metrics files that ``--metrics-file`` writes (megatron/packed_training/metrics.py:
 one object per training iteration, one with ``"split": "valid"`` per evaluation) and, if
 given, a golden-values file in Megatron's layout
 (``{"lm loss": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": 10.5}}}``).

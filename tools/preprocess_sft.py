@@ -26,13 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 with warnings.catch_warnings():  # megatron-core's notes about optional packages it lacks
     warnings.simplefilter("ignore")
-    from megatron.training.datasets.chat import (  # noqa: E402
+    from megatron.packed_training.datasets.chat import (  # noqa: E402
         ChatStats,
         count,
         detect_format,
         encode_line,
     )
-    from megatron.training.tokenizer import TOKENIZER_TYPES, load_tokenizer  # noqa: E402
+    from megatron.packed_training.tokenizer import TOKENIZER_TYPES, load_tokenizer  # noqa: E402
 
 
 class _SimpleBar:

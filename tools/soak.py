@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megatron.training.metrics import read_metrics
+    from megatron.packed_training.metrics import read_metrics
 
     gpus = args.gpus or max(torch.cuda.device_count(), 1)
     out = args.log_dir or tempfile.mkdtemp(prefix="soak-")

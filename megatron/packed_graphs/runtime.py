@@ -27,7 +27,7 @@ Every piece of graph state lives in the runtime or in the model's own graph mana
 capacities and banks are captured, the TE banks, the iteration count. The model chunks' slot
 tables are built once, here.
 
-The forward step the runtime drives (megatron.training.packed_step.PackedForwardStep):
+The forward step the runtime drives (megatron.packed_training.packed_step.PackedForwardStep):
 
 * ``stage(batch, capacity)`` -> a staged micro-batch with ``params`` (its PackedBatchParams):
   the host micro-batch on the device, ``cu_seqlens`` padded to ``capacity`` when not None;

@@ -25,7 +25,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def dist():
     """One-GPU NCCL world with megatron-core's parallel state and a graph-safe RNG tracker."""
-    from megatron.training.initialize import destroy, initialize_single_gpu
+    from megatron.packed_training.initialize import destroy, initialize_single_gpu
 
     initialize_single_gpu()
     yield

@@ -26,12 +26,12 @@ sys.path.insert(0, REPO)
 import pretrain_gpt  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
-from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.config import transformer_config_from_args  # noqa: E402
-from megatron.training.datasets.mock import MockPackedDataset  # noqa: E402
-from megatron.training.datasets.packing import collate_packed_rows  # noqa: E402
-from megatron.training.initialize import initialize_distributed, set_seeds  # noqa: E402
-from megatron.training.packed_step import masked_lm_loss, to_device_micro_batch  # noqa: E402
+from megatron.packed_training.arguments import parse_args  # noqa: E402
+from megatron.packed_training.config import transformer_config_from_args  # noqa: E402
+from megatron.packed_training.datasets.mock import MockPackedDataset  # noqa: E402
+from megatron.packed_training.datasets.packing import collate_packed_rows  # noqa: E402
+from megatron.packed_training.initialize import initialize_distributed, set_seeds  # noqa: E402
+from megatron.packed_training.packed_step import masked_lm_loss, to_device_micro_batch  # noqa: E402
 from tests.gpu.launch import TINY_GPT  # noqa: E402
 
 

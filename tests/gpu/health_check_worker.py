@@ -17,9 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 import pretrain_gpt  # noqa: E402
-from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.packed_step import PackedForwardStep  # noqa: E402
-from megatron.training.training import pretrain  # noqa: E402
+from megatron.packed_training.arguments import parse_args  # noqa: E402
+from megatron.packed_training.packed_step import PackedForwardStep  # noqa: E402
+from megatron.packed_training.training import pretrain  # noqa: E402
 
 
 class NoisyReplay:

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from megatron.training.metrics import read_metrics
+from megatron.packed_training.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

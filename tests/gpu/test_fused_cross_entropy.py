@@ -8,7 +8,7 @@ prints its max |dloss| (and max relative grad-norm difference where graphs are c
 
 import pytest
 
-from megatron.training.argument_checks import is_importable
+from megatron.packed_training.argument_checks import is_importable
 from tests.gpu.launch import (
     LAYER_GRAPHS,
     TINY_GPT,

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from megatron.training.argument_checks import is_importable
+from megatron.packed_training.argument_checks import is_importable
 from tests.gpu.launch import TINY_GPT, TRAIN, losses, run_training
 
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32",

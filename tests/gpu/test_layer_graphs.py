@@ -19,12 +19,12 @@ from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete
 from megatron.core.transformer.module import Float16Module
 from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.runtime import GraphRuntime
-from megatron.training.argument_checks import is_importable
-from megatron.training.arguments import parse_args
-from megatron.training.config import ddp_config_from_args, transformer_config_from_args
-from megatron.training.datasets.mock import MockPackedDataset
-from megatron.training.datasets.packing import collate_packed_rows
-from megatron.training.packed_step import PackedForwardStep, masked_lm_loss, to_device_micro_batch
+from megatron.packed_training.argument_checks import is_importable
+from megatron.packed_training.arguments import parse_args
+from megatron.packed_training.config import ddp_config_from_args, transformer_config_from_args
+from megatron.packed_training.datasets.mock import MockPackedDataset
+from megatron.packed_training.datasets.packing import collate_packed_rows
+from megatron.packed_training.packed_step import PackedForwardStep, masked_lm_loss, to_device_micro_batch
 from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training
 from tools.compare_graph_grads import compare_replay_with_eager
 

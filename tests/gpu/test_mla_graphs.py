@@ -47,8 +47,8 @@ SCRIPT = {"gpt": ("pretrain_gpt.py", TINY_MLA_GPT),
 
 def _model(extra=()):
     import pretrain_gpt
-    from megatron.training.arguments import parse_args
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.config import transformer_config_from_args
 
     args = parse_args(TINY_MLA_GPT + TRAIN + ["--train-iters", "1", *extra], model="gpt")
     config = transformer_config_from_args(args)

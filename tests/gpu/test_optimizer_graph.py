@@ -29,17 +29,17 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.optimizer_graph import EAGER_KEY, OptimizerGraph, inner_optimizers
-from megatron.training.argument_checks import is_importable
-from megatron.training.arguments import parse_args
-from megatron.training.config import (
+from megatron.packed_training.argument_checks import is_importable
+from megatron.packed_training.arguments import parse_args
+from megatron.packed_training.config import (
     ddp_config_from_args,
     optimizer_config_from_args,
     transformer_config_from_args,
 )
-from megatron.training.datasets.mock import MockPackedDataset
-from megatron.training.datasets.packing import collate_packed_rows
-from megatron.training.packed_step import masked_lm_loss, to_device_micro_batch
-from megatron.training.training import build_scheduler
+from megatron.packed_training.datasets.mock import MockPackedDataset
+from megatron.packed_training.datasets.packing import collate_packed_rows
+from megatron.packed_training.packed_step import masked_lm_loss, to_device_micro_batch
+from megatron.packed_training.training import build_scheduler
 from tests.gpu.launch import TINY_GPT, TRAIN, losses, run_training, train_then_resume
 
 STEPS = 30

@@ -7,8 +7,8 @@ import pretrain_gpt
 import pretrain_mamba
 from megatron.core.transformer.module import Float16Module
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
-from megatron.training.arguments import parse_args
-from megatron.training.config import transformer_config_from_args
+from megatron.packed_training.arguments import parse_args
+from megatron.packed_training.config import transformer_config_from_args
 from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN
 
 DOC_LENGTHS = [37, 300, 1, 128, 64, 250]  # includes a 1-token document (no target)

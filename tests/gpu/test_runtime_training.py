@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from megatron.training.argument_checks import is_importable
-from megatron.training.metrics import read_metrics
+from megatron.packed_training.argument_checks import is_importable
+from megatron.packed_training.metrics import read_metrics
 from tests.gpu.launch import TINY_GPT, TRAIN, find_host_syncs, run_training
 
 # Capacity 7 with median-128-token documents in 1024-token rows: some micro-batches overflow.

@@ -78,8 +78,8 @@ def test_te_spec_uses_packed_attention_and_fused_rope(dist):
     fused kernel (PackedTESelfAttention)."""
     import pretrain_gpt
     from megatron.packed_graphs.te_attention import PackedTESelfAttention
-    from megatron.training.arguments import parse_args
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.config import transformer_config_from_args
     from tests.gpu.launch import TINY_GPT, TRAIN
 
     args = parse_args(TINY_GPT + TRAIN + ["--train-iters", "1", "--attention-backend", "te"],

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from megatron.training.argument_checks import is_importable
+from megatron.packed_training.argument_checks import is_importable
 from tests.gpu.launch import (
     LAYER_GRAPHS,
     TINY_GPT,
@@ -115,7 +115,7 @@ def test_sigterm_to_torchrun_saves_and_stops_with_the_exit_signal_handler(tmp_pa
     import subprocess
     import time
 
-    from megatron.training.metrics import read_metrics
+    from megatron.packed_training.metrics import read_metrics
     from tests.gpu.launch import REPO, torchrun_command
 
     def lines_written():  # complete lines only: the file is being written

@@ -20,7 +20,7 @@ def cpu_dist(tmp_path_factory):
 @pytest.fixture
 def with_te(monkeypatch):
     """Transformer Engine importable for the parse-time checks; flash-attn still not."""
-    from megatron.training import argument_checks
+    from megatron.packed_training import argument_checks
 
     monkeypatch.setattr(argument_checks, "is_importable",
                         lambda package: package == "transformer_engine")

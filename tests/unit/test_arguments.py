@@ -1,4 +1,4 @@
-"""CLI of megatron/training/arguments.py: one test per rejection, derived values, frozen flags.
+"""CLI of megatron/packed_training/arguments.py: one test per rejection, derived values, frozen flags.
 
 CPU only; Transformer Engine and flash-attn are assumed absent unless a test patches
 ``argument_checks.is_importable``.
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron.core.transformer.enums import CudaGraphModule, CudaGraphScope
-from megatron.training import argument_checks
-from megatron.training.arguments import (
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import (
     args_to_dict,
     build_parser,
     format_args,
@@ -153,7 +153,7 @@ def test_alias_errors_name_the_alias():
 
 
 def test_transformer_config_gets_cuda_graph_modules():
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.config import transformer_config_from_args
 
     config = transformer_config_from_args(
         validate("--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", 64,
@@ -439,7 +439,7 @@ def test_warmup_fraction_and_initial_rate_shape_the_schedule():
     --lr-warmup-init; megatron-core's scheduler on a real torch optimizer."""
     import torch
 
-    from megatron.training.training import build_scheduler
+    from megatron.packed_training.training import build_scheduler
 
     args = validate("--lr-warmup-fraction", 0.25, "--lr-warmup-init", 1e-4,
                     "--lr-decay-style", "linear", "--global-batch-size", 2)
@@ -487,7 +487,7 @@ def test_profile_range_must_be_nonempty():
 
 
 def test_nan_check_of_gradients_can_be_switched_off():
-    from megatron.training.config import ddp_config_from_args
+    from megatron.packed_training.config import ddp_config_from_args
 
     assert ddp_config_from_args(validate()).check_for_nan_in_grad
     args = validate("--no-check-for-nan-in-loss-and-grad")

@@ -301,7 +301,7 @@ def _pins_te_attention(preset):
 
 def _validated(cmd, world_size):
     """Parse and validate a launch command's training flags with the training scripts' parser."""
-    from megatron.training.arguments import build_parser, validate_args
+    from megatron.packed_training.arguments import build_parser, validate_args
 
     at = next(i for i, w in enumerate(cmd) if os.path.basename(w) in MODEL_OF_SCRIPT)
     model = MODEL_OF_SCRIPT[os.path.basename(cmd[at])]
@@ -315,7 +315,7 @@ def te_importable(monkeypatch):
     attention backend's resolution alike; with TE, triton too (it ships with the CUDA builds
     TE runs on; MLA's fused RoPE needs it). TE-free runs must need neither."""
     from megatron.packed_graphs import attention
-    from megatron.training import argument_checks
+    from megatron.packed_training import argument_checks
 
     def set_te(present):
         monkeypatch.setattr(argument_checks, "is_importable",
@@ -412,7 +412,7 @@ def test_every_launch_command_passes_the_training_parser(te_importable, preset, 
     # megatron-core's config imports TE's fused RoPE for standard attention on TE, which a
     # faked TE cannot give; MLA's fused RoPE is a Triton kernel, so MLA runs check it too.
     if not needs_te or preset in MLA_PRESETS:
-        from megatron.training.config import transformer_config_from_args
+        from megatron.packed_training.config import transformer_config_from_args
 
         config = transformer_config_from_args(parsed)
         assert config.num_moe_experts == parsed.num_experts
@@ -581,7 +581,7 @@ def test_moe_presets_build_and_train_on_cpu_at_a_reduced_size(te_importable, cpu
 
     from megatron.packed_graphs.moe import PackedTopKRouter
     from megatron.packed_graphs.packed_seq import build_packed_batch_params
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.config import transformer_config_from_args
 
     cmd = benchmark.launch_command(preset, "eager", _args(nproc=1), "/tmp/m.jsonl")
     cmd = [CPU_SIZES.get(flag, word) for flag, word in zip([None, *cmd], cmd)]

@@ -6,9 +6,9 @@ from argparse import Namespace
 import pytest
 import torch
 
-from megatron.training.datasets.builder import build_data_iterator, build_datasets, describe_packing
-from megatron.training.datasets.mock import MockPackedDataset
-from megatron.training.datasets.packing import PackingStats
+from megatron.packed_training.datasets.builder import build_data_iterator, build_datasets, describe_packing
+from megatron.packed_training.datasets.mock import MockPackedDataset
+from megatron.packed_training.datasets.packing import PackingStats
 
 
 def make_args(**overrides):

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from megatron.training.datasets import MockPackedDataset, collate_packed_rows
+from megatron.packed_training.datasets import MockPackedDataset, collate_packed_rows
 import tools.capacity_advisor as ca
 from tools.capacity_advisor import fallback_rate, main, micro_batch_counts, recommend_capacity
 

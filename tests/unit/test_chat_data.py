@@ -1,5 +1,5 @@
 """Chat SFT data: --tokenizer-type / --tokenizer-model, chat templates and the assistant-only
-loss mask (megatron/training/tokenizer.py, megatron/training/datasets/chat.py).
+loss mask (megatron/packed_training/tokenizer.py, megatron/packed_training/datasets/chat.py).
 
 CPU and offline: every tokenizer is a small byte-level BPE trained here on the repo's own docs
 and saved to tmp_path, as a folder (tokenizer.json + tokenizer_config.json) or a bare
@@ -13,17 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, validate_args
-from megatron.training.datasets.builder import build_datasets
-from megatron.training.datasets.chat import (
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training.datasets.builder import build_datasets
+from megatron.packed_training.datasets.chat import (
     ChatStats,
     detect_format,
     encode_conversation,
     read_chat_documents,
     read_documents,
 )
-from megatron.training.tokenizer import DEFAULT_CHAT_TEMPLATE, HuggingFaceTokenizer, load_tokenizer
+from megatron.packed_training.tokenizer import DEFAULT_CHAT_TEMPLATE, HuggingFaceTokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = [REPO / "README.md", REPO / "docs" / "data-format.md"]

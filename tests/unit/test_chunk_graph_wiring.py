@@ -17,8 +17,8 @@ from megatron.packed_graphs.plan import Reason, run_eager
 
 
 def test_chunk_granularity_comes_from_our_config_field():
-    from megatron.training.arguments import parse_args
-    from megatron.training.config import PackedTransformerConfig, transformer_config_from_args
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.config import PackedTransformerConfig, transformer_config_from_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "128", "--mock-data", "--train-iters", "1", "--lr", "1e-4"]
@@ -76,7 +76,7 @@ def test_gpt_decoder_becomes_the_chunk_block_and_stays_eager_otherwise(cpu_dist)
 
     from megatron.packed_graphs.packed_seq import build_packed_batch_params
     from megatron.packed_graphs.specs import gpt_layer_spec
-    from megatron.training.config import PackedTransformerConfig
+    from megatron.packed_training.config import PackedTransformerConfig
 
     torch.manual_seed(0)
     config = PackedTransformerConfig(

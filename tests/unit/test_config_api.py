@@ -1,4 +1,4 @@
-"""Library config API of megatron/training/config.py: CudaGraphConfig, load_training_config.
+"""Library config API of megatron/packed_training/config.py: CudaGraphConfig, load_training_config.
 
 CPU only; Transformer Engine and flash-attn are pinned absent, as in test_arguments.py.
 """
@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 
-from megatron.training import argument_checks
-from megatron.training.arguments import parse_args
-from megatron.training.config import (
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import parse_args
+from megatron.packed_training.config import (
     GRAPH_KEYS,
     CudaGraphConfig,
     ResolvedCudaGraphConfig,
@@ -469,7 +469,7 @@ def test_the_callers_dict_is_not_changed():
                                             (4, 2, True)])
 def test_batched_p2p_is_off_only_where_pipeline_peers_coincide(pp, vpp, batched):
     """PP=2 x VPP: batched p2p swaps a gradient and an activation (see config.py)."""
-    from megatron.training.arguments import build_parser, validate_args
+    from megatron.packed_training.arguments import build_parser, validate_args
 
     argv = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "128", "--train-iters", "1", "--lr", "1e-4", "--mock-data",

@@ -13,14 +13,14 @@ def _stack(*frames):
 
 
 def test_syncs_grouped_by_call_site_and_split_model_vs_loop():
-    model_sync = _stack(("/x/megatron/training/training.py", 10),
+    model_sync = _stack(("/x/megatron/packed_training/training.py", 10),
                         ("/x/site-packages/megatron/core/ssm/mamba_mixer.py", 700),
                         ("/x/site-packages/torch/functional.py", 5))
-    loop_sync = _stack(("/x/megatron/training/training.py", 99),
+    loop_sync = _stack(("/x/megatron/packed_training/training.py", 99),
                        ("/x/site-packages/torch/_tensor.py", 3))
     sites = fhs.group_syncs([model_sync, model_sync, loop_sync])
     assert list(sites) == ["/x/site-packages/megatron/core/ssm/mamba_mixer.py:700",
-                           "/x/megatron/training/training.py:99"]
+                           "/x/megatron/packed_training/training.py:99"]
     first, second = sites.values()
     assert first["count"] == 2 and first["in_model"]
     assert second["count"] == 1 and not second["in_model"]
@@ -35,7 +35,7 @@ def _framed(*frames):
 
 
 RERUN_READ = ("/x/megatron/packed_graphs/moe_rerun.py", 155, "read_rows")
-LOOP = ("/x/megatron/training/training.py", 10, "train_step")
+LOOP = ("/x/megatron/packed_training/training.py", 10, "train_step")
 
 
 def test_the_moe_reruns_per_iteration_read_is_reported_apart_from_model_syncs():

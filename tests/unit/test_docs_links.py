@@ -1,6 +1,6 @@
 """Cross-references of the user docs: the paths they name exist, the user guide indexes every
 doc, and docs/architecture.md names every module of megatron/packed_graphs and
-megatron/training."""
+megatron/packed_training."""
 
 import re
 from pathlib import Path

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from megatron.packed_graphs.dynamic_cp import cp_padded_length
-from megatron.training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
-from megatron.training.datasets.mock import mock_documents
-from megatron.training.datasets.packed_row_dataset import PackedRowDataset
-from megatron.training.datasets.packing import Document, PackingStats
-from megatron.training.packed_step import dummy_micro_batch
+from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
+from megatron.packed_training.datasets.mock import mock_documents
+from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
+from megatron.packed_training.datasets.packing import Document, PackingStats
+from megatron.packed_training.packed_step import dummy_micro_batch
 
 
 def _documents(token_counts):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import build_parser, validate_args
+from megatron.packed_training.arguments import build_parser, validate_args
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import build_parser
+from megatron.packed_training.arguments import build_parser
 
 FLAGS_MD = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")

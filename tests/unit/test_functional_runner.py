@@ -11,8 +11,8 @@ import sys
 import pytest
 import yaml
 
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, validate_args
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, validate_args
 from tests.functional import golden as gv
 from tests.functional import run as runner
 from tests.functional.case import (
@@ -149,7 +149,7 @@ def test_mla_cases_are_small_moonlight_shaped_on_te_attention(name, tmp_path, mo
     """MLA without query compression, V narrower than the query head (so packed data pads
     it), every MLP an MoE layer with a shared expert and sigmoid router, drop-and-pad; TE
     attention and TE's RNG tracker pinned in both twins; megatron-core's MLA config builds."""
-    from megatron.training.config import PackedMLATransformerConfig, transformer_config_from_args
+    from megatron.packed_training.config import PackedMLATransformerConfig, transformer_config_from_args
 
     case = load_case(CASES_ROOT / name)
     (plan,) = plan_runs(case, case_variables(tmp_path))
@@ -197,7 +197,7 @@ def test_moe_case_models_build_and_train_on_cpu(name, tmp_path, cpu_dist, monkey
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     from megatron.packed_graphs.packed_seq import build_packed_batch_params
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.config import transformer_config_from_args
 
     monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
     get_moe_metrics_tracker().metrics.clear()

@@ -239,7 +239,7 @@ def test_cp_banks_are_all_captured_past_the_warm_up_even_without_micro_batches()
 
 
 def test_runtime_config_from_the_command_line(cpu_dist):
-    from megatron.training.arguments import parse_args
+    from megatron.packed_training.arguments import parse_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "128", "--mock-data", "--train-iters", "1", "--lr", "1e-4"]
@@ -250,7 +250,7 @@ def test_runtime_config_from_the_command_line(cpu_dist):
         Granularity.LAYER, (4, 8), 2)
     assert config.tokens_per_rank == 128 and not config.capture_needs_all_micro_batches
     args = parse_args(base + graphs + ["--cuda-graph-granularity", "chunk"])
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.config import transformer_config_from_args
 
     runtime = GraphRuntime.from_args(args, [torch.nn.Identity()],
                                      transformer_config_from_args(args))

@@ -35,12 +35,12 @@ from megatron.packed_graphs.plan import (
 )
 from megatron.packed_graphs.runtime import GraphRuntime
 from megatron.packed_graphs.specs import gpt_layer_spec
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, validate_args
-from megatron.training.config import load_training_config
-from megatron.training.datasets.mock import MockPackedDataset
-from megatron.training.datasets.packing import collate_packed_rows
-from megatron.training.packed_step import PackedForwardStep, to_device_micro_batch
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training.config import load_training_config
+from megatron.packed_training.datasets.mock import MockPackedDataset
+from megatron.packed_training.datasets.packing import collate_packed_rows
+from megatron.packed_training.packed_step import PackedForwardStep, to_device_micro_batch
 
 TOKENS, VOCAB, HIDDEN = 64, 128, 32
 # Warm-up 1: iteration 2 is the capture iteration, later ones replay (capacity 8 fits all).

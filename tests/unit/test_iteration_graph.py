@@ -29,9 +29,9 @@ from megatron.packed_graphs.plan import (
     in_iteration_graph,
 )
 from megatron.packed_graphs.runtime import GraphRuntime, config_from_args
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, parse_args, validate_args
-from megatron.training.packed_step import to_device_micro_batch
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, parse_args, validate_args
+from megatron.packed_training.packed_step import to_device_micro_batch
 
 # Capacity 8, one warm-up iteration, graphs of 2 micro-batches; misses run layer graphs.
 FULL = GraphRuntimeConfig(impl="local", capacity=8, warmup_iterations=1, full_iteration=True,
@@ -255,7 +255,7 @@ def test_the_runtime_runs_one_graph_per_fitting_iteration_and_counts_misses():
 
 
 def test_misses_are_summed_over_the_log_interval():
-    from megatron.training.metrics import IntervalTimer
+    from megatron.packed_training.metrics import IntervalTimer
 
     interval = IntervalTimer()
     for stats in ({"iteration graphs": 1}, {"iteration graph misses": 1,
@@ -338,7 +338,7 @@ def validate(*extra, model="gpt", world_size=1):
 
 def test_the_flag_is_accepted_and_builds_local_layer_graphs_for_misses(monkeypatch, cpu_dist):
     from megatron.core import parallel_state
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.config import transformer_config_from_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = parse_args(BASE + FULL_FLAGS)

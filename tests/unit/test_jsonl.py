@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from megatron.training.datasets.jsonl import read_jsonl_documents
-from megatron.training.datasets.packing import pack_documents
+from megatron.packed_training.datasets.jsonl import read_jsonl_documents
+from megatron.packed_training.datasets.packing import pack_documents
 
 GOOD_LINE = '{"input_ids": [1, 2, 3]}'
 

@@ -8,9 +8,9 @@ import gc
 import pytest
 from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
 
-from megatron.training.arguments import build_parser, validate_args
-from megatron.training.megatron_flags import ALREADY, REFUSED
-from megatron.training.training import ExitDeadline, ExitSignal, ManualGC
+from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training.megatron_flags import ALREADY, REFUSED
+from megatron.packed_training.training import ExitDeadline, ExitSignal, ManualGC
 
 HYBRID = ["--hidden-size", "64", "--num-attention-heads", "4", "--mamba-head-dim", "16",
           "--seq-length", "256", "--lr", "1e-3", "--mock-data"]
@@ -248,7 +248,7 @@ def test_transformer_engine_impl_needs_transformer_engine():
 
 @pytest.mark.parametrize("spelling", ["--norm-epsilon", "--layernorm-epsilon"])
 def test_norm_epsilon_reaches_the_config(spelling):
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.config import transformer_config_from_args
 
     args = validate("gpt", *GPT, spelling, "1e-6")
     assert transformer_config_from_args(args).layernorm_epsilon == 1e-6
@@ -346,7 +346,7 @@ def test_squared_relu_is_the_mlp_activation(model, base):
     import torch
     from megatron.core.activations import squared_relu
 
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.config import transformer_config_from_args
 
     config = transformer_config_from_args(validate(model, *base, "--squared-relu"))
     assert config.activation_func is squared_relu and not config.gated_linear_unit
@@ -364,8 +364,8 @@ def test_squared_relu_and_swiglu_are_one_activation_too_many():
 
 @pytest.mark.parametrize("impl", [None, "native", "te"])
 def test_cross_entropy_fusion_reaches_the_model_config(impl, monkeypatch):
-    from megatron.training import argument_checks
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training import argument_checks
+    from megatron.packed_training.config import transformer_config_from_args
 
     monkeypatch.setattr(argument_checks, "is_importable", lambda package: True)
     extra = [] if impl is None else ["--cross-entropy-fusion-impl", impl]
@@ -376,7 +376,7 @@ def test_cross_entropy_fusion_reaches_the_model_config(impl, monkeypatch):
 
 
 def test_cross_entropy_is_unfused_by_default():
-    from megatron.training.config import transformer_config_from_args
+    from megatron.packed_training.config import transformer_config_from_args
 
     assert not transformer_config_from_args(validate("gpt", *GPT)).cross_entropy_loss_fusion
 
@@ -389,7 +389,7 @@ def test_cross_entropy_fusion_impl_without_the_fusion_is_refused():
 
 
 def test_te_cross_entropy_needs_transformer_engine(monkeypatch):
-    from megatron.training import argument_checks
+    from megatron.packed_training import argument_checks
 
     monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
     with pytest.raises(ValueError, match="--cross-entropy-fusion-impl is wrong: te. It needs "
@@ -406,7 +406,7 @@ def test_an_unknown_cross_entropy_impl_is_refused_with_the_choices():
 # --- --wandb-project -----------------------------------------------------------------------------
 
 def test_wandb_flags_reach_the_run_settings(tmp_path):
-    from megatron.training.metrics import wandb_run_settings
+    from megatron.packed_training.metrics import wandb_run_settings
 
     args = validate("gpt", *GPT, "--wandb-project", "sft", "--wandb-exp-name", "run-1",
                     "--wandb-save-dir", tmp_path / "wb")
@@ -431,7 +431,7 @@ def test_wandb_settings_without_a_project_are_refused(flag):
 
 
 def test_wandb_logging_needs_wandb(monkeypatch):
-    from megatron.training import argument_checks
+    from megatron.packed_training import argument_checks
 
     monkeypatch.setattr(argument_checks, "is_importable", lambda package: package != "wandb")
     with pytest.raises(ValueError, match=r"--wandb-project is wrong: sft. It needs wandb, which "
@@ -460,7 +460,7 @@ def test_checkpoint_contents_need_a_checkpoint(flag, tmp_path):
 ])
 def test_loading_what_a_checkpoint_left_out_names_the_flag(content, load_optim, load_rng,
                                                            message):
-    from megatron.training.checkpointing import check_checkpoint_content
+    from megatron.packed_training.checkpointing import check_checkpoint_content
 
     with pytest.raises(ValueError, match="--load is wrong: ckpt/iter_0000004 " + message):
         check_checkpoint_content("ckpt/iter_0000004", content, load_optim, load_rng)
@@ -472,7 +472,7 @@ def test_loading_what_a_checkpoint_left_out_names_the_flag(content, load_optim, 
     ({"optimizer": False, "rng": False}, False, False),  # --no-load-optim --no-load-rng
 ])
 def test_a_checkpoint_with_what_is_asked_for_loads(content, load_optim, load_rng):
-    from megatron.training.checkpointing import check_checkpoint_content
+    from megatron.packed_training.checkpointing import check_checkpoint_content
 
     check_checkpoint_content("ckpt/iter_0000004", content, load_optim, load_rng)
 

@@ -1,6 +1,6 @@
 
-from megatron.training.checkpointing import latest_iteration
-from megatron.training.metrics import MetricsLogger, read_metrics
+from megatron.packed_training.checkpointing import latest_iteration
+from megatron.packed_training.metrics import MetricsLogger, read_metrics
 
 import pytest
 
@@ -72,7 +72,7 @@ def test_wandb_gets_what_tensorboard_gets(cpu_dist, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="wandb is in the test extra (pip install .[test])")
     from argparse import Namespace
 
-    from megatron.training.metrics import wandb_run_settings
+    from megatron.packed_training.metrics import wandb_run_settings
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -99,7 +99,7 @@ def test_wandb_gets_what_tensorboard_gets(cpu_dist, tmp_path, monkeypatch):
 def test_wandb_is_off_without_a_project():
     from argparse import Namespace
 
-    from megatron.training.metrics import wandb_run_settings
+    from megatron.packed_training.metrics import wandb_run_settings
 
     assert wandb_run_settings(Namespace(wandb_project="", wandb_exp_name="", wandb_save_dir="",
                                         save=None)) is None
@@ -129,7 +129,7 @@ def test_tensorboard_scalars_use_megatron_tags(cpu_dist, tmp_path):
 
 
 def test_interval_timer_means_over_the_interval_and_sums_fallbacks(monkeypatch):
-    from megatron.training import metrics
+    from megatron.packed_training import metrics
 
     clock = iter([100.0, 100.3, 200.0])
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))

@@ -7,9 +7,9 @@ CPU only; Transformer Engine and triton count as importable only where a test pa
 import pytest
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, validate_args
-from megatron.training.config import PackedMLATransformerConfig, transformer_config_from_args
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training.config import PackedMLATransformerConfig, transformer_config_from_args
 
 BASE = {
     "gpt": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -215,7 +215,7 @@ def test_yarn_mscales_are_not_negative(flag):
 
 
 def test_library_config_takes_the_mla_keys():
-    from megatron.training.config import load_training_config
+    from megatron.packed_training.config import load_training_config
 
     args = load_training_config({
         "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 256,

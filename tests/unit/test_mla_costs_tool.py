@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, validate_args
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, validate_args
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("mla_costs", REPO / "tools" / "mla_costs.py")

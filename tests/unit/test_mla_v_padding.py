@@ -17,9 +17,9 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron.packed_graphs.mla import PackedMLASelfAttention, mla_self_attention_spec
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, validate_args
-from megatron.training.config import transformer_config_from_args
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training.config import transformer_config_from_args
 
 HEADS, QK, ROPE, V = 4, 16, 8, 16  # query head 24, value head 16: upstream pads V to 24
 
@@ -140,7 +140,7 @@ def test_the_flag_needs_mla():
 
 
 def test_the_library_config_refuses_an_unknown_value(te_importable):
-    from megatron.training.config import load_training_config
+    from megatron.packed_training.config import load_training_config
 
     with pytest.raises(ValueError, match="training config is wrong.*mla-pad-v.*invalid choice"):
         load_training_config({"num_layers": 1, "hidden_size": 64, "num_attention_heads": 4,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from megatron.training.datasets.mock import MockPackedDataset, draw_document_lengths
+from megatron.packed_training.datasets.mock import MockPackedDataset, draw_document_lengths
 
 S, V = 4096, 32000
 
@@ -132,7 +132,7 @@ def test_segment_multiple_pads_every_document_for_context_parallelism():
     of their segments, pad positions (id 0, loss mask 0) after them."""
     import numpy as np
 
-    from megatron.training.datasets.mock import MockPackedDataset
+    from megatron.packed_training.datasets.mock import MockPackedDataset
 
     plain = MockPackedDataset(8, 1024, 1000, seed=3, doc_length_median=100)
     padded = MockPackedDataset(8, 1024, 1000, seed=3, doc_length_median=100, segment_multiple=4)

@@ -27,8 +27,8 @@ from megatron.packed_graphs.layers import GraphSafeMoELayer
 from megatron.packed_graphs.moe import PackedTopKRouter, layer_padding_mask
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
-from megatron.training.datasets.packing import Document, collate_packed_rows, pack_documents
-from megatron.training.packed_step import dummy_micro_batch, to_device_micro_batch
+from megatron.packed_training.datasets.packing import Document, collate_packed_rows, pack_documents
+from megatron.packed_training.packed_step import dummy_micro_batch, to_device_micro_batch
 
 HIDDEN, EXPERTS, TOPK = 32, 4, 2
 DROP_AND_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
@@ -432,7 +432,7 @@ def _loss_args(**overrides):
 
 
 def test_moe_loss_names_are_megatrons():
-    from megatron.training.metrics import moe_loss_names
+    from megatron.packed_training.metrics import moe_loss_names
 
     assert moe_loss_names(_loss_args()) == ["load_balancing_loss", "z_loss"]
     assert moe_loss_names(_loss_args(moe_router_load_balancing_type="seq_aux_loss",
@@ -444,7 +444,7 @@ def test_moe_loss_names_are_megatrons():
 def test_aux_losses_reach_the_log_line_and_metrics_file(cpu_moe, tmp_path, capsys):
     """Two iterations of two micro-batches through megatron-core's router and tracker: the
     logged value is the mean over iterations, micro-batches and MoE layers."""
-    from megatron.training.metrics import MetricsLogger, MoELosses, read_metrics
+    from megatron.packed_training.metrics import MetricsLogger, MoELosses, read_metrics
 
     losses = MoELosses(_loss_args(num_layers=3, hybrid_override_pattern="*E-"))
     tracker = get_moe_metrics_tracker()
@@ -480,7 +480,7 @@ def test_dropped_token_slots_are_counted_on_the_device(cpu_moe):
     """With a capacity, each router adds up its routed (padding excluded) and dropped token
     slots on the device; the logged value is their ratio, and reading zeroes the counts."""
     from megatron.packed_graphs.moe import read_dropped_token_fraction
-    from megatron.training.metrics import MoELosses
+    from megatron.packed_training.metrics import MoELosses
 
     router = seeded(PackedTopKRouter, moe_config(moe_expert_capacity_factor=0.25,
                                                  moe_pad_expert_input_to_capacity=True))
@@ -499,7 +499,7 @@ def test_dropped_token_slots_are_counted_on_the_device(cpu_moe):
 
 
 def test_without_a_capacity_nothing_is_counted(cpu_moe):
-    from megatron.training.metrics import MoELosses
+    from megatron.packed_training.metrics import MoELosses
 
     router = seeded(PackedTopKRouter, moe_config())
     hidden, mask = _documents_and_padding()

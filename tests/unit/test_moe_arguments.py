@@ -5,9 +5,9 @@ CPU only; Transformer Engine is absent unless a test patches ``argument_checks.i
 
 import pytest
 
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, validate_args
-from megatron.training.config import transformer_config_from_args
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training.config import transformer_config_from_args
 
 BASE = {
     "gpt": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -1,8 +1,9 @@
-"""megatron.core comes from the pinned wheel; megatron.training / packed_graphs from this repo."""
+"""megatron.core comes from the pinned wheel; megatron.packed_training / packed_graphs from this repo."""
 
 import importlib
 import importlib.metadata
 import os
+import subprocess
 import sys
 import tomllib
 
@@ -36,7 +37,7 @@ def test_running_python_meets_the_requirement():
 
 
 def test_training_and_graph_packages_are_ours():
-    for name in ("megatron.training.arguments", "megatron.packed_graphs.packed_seq"):
+    for name in ("megatron.packed_training.arguments", "megatron.packed_graphs.packed_seq"):
         module = importlib.import_module(name)
         assert os.path.abspath(module.__file__).startswith(os.path.join(REPO, "megatron")), name
 
@@ -44,3 +45,25 @@ def test_training_and_graph_packages_are_ours():
 def test_repo_does_not_shadow_the_wheel():
     assert not os.path.exists(os.path.join(REPO, "megatron", "__init__.py"))
     assert not os.path.exists(os.path.join(REPO, "megatron", "core"))
+    # The wheel owns megatron.training (Megatron-LM's training layer): no package here by
+    # that name, or one of the two would hide the other depending on sys.path order.
+    assert not os.path.exists(os.path.join(REPO, "megatron", "training"))
+
+
+def test_installed_packages_import_from_outside_the_repo(tmp_path):
+    """What a framework's own process sees: run from another folder, with no PYTHONPATH,
+    the fork's packages come from this repo and megatron.training from the wheel."""
+    probe = (
+        "import json, megatron.packed_training.config as c, megatron.packed_graphs.runtime as r, "
+        "megatron.training as t, megatron.core as core\n"
+        "print(json.dumps([c.__file__, r.__file__, t.__file__, core.__file__]))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ours_config, ours_runtime, training, core = __import__("json").loads(
+        done.stdout.strip().splitlines()[-1])
+    for path in (ours_config, ours_runtime):
+        assert os.path.abspath(path).startswith(os.path.join(REPO, "megatron") + os.sep), path
+    for path in (training, core):
+        assert not os.path.abspath(path).startswith(REPO + os.sep), path

@@ -20,10 +20,10 @@ from megatron.packed_graphs.optimizer_graph import (
 )
 from megatron.packed_graphs.plan import GraphRuntimeConfig
 from megatron.packed_graphs.runtime import GraphRuntime
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, validate_args
-from megatron.training.config import optimizer_config_from_args
-from megatron.training.training import build_scheduler
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training.config import optimizer_config_from_args
+from megatron.packed_training.training import build_scheduler
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "256", "--train-iters", "30", "--lr", "1e-3", "--min-lr", "1e-4",

@@ -1,7 +1,7 @@
 import torch
 
-from megatron.training.datasets.packing import Document, collate_packed_rows, pack_documents
-from megatron.training.packed_step import masked_lm_loss, to_device_micro_batch
+from megatron.packed_training.datasets.packing import Document, collate_packed_rows, pack_documents
+from megatron.packed_training.packed_step import masked_lm_loss, to_device_micro_batch
 
 
 def _batch():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.training.datasets.packing import (
+from megatron.packed_training.datasets.packing import (
     PAD_TOKEN_ID,
     Document,
     PackingStats,
@@ -137,7 +137,7 @@ def test_long_document_is_split_by_default_into_row_sized_pieces():
 
 
 def test_split_pieces_name_their_origin():
-    from megatron.training.datasets.packing import admit_document
+    from megatron.packed_training.datasets.packing import admit_document
 
     pieces = admit_document(doc(np.arange(1, 23), origin="d.jsonl:3"), 10, policy="split",
                             stats=PackingStats(), too_long=str)
@@ -167,7 +167,7 @@ def test_bad_long_document_policy_is_rejected_at_call_time(kwargs, message):
 
 
 def test_truncated_fraction_check_names_both_fixes():
-    from megatron.training.datasets.packing import check_truncated_fraction
+    from megatron.packed_training.datasets.packing import check_truncated_fraction
 
     stats = PackingStats()
     list(pack_documents([doc(np.arange(1, 31)), doc(np.arange(1, 11))], 10,

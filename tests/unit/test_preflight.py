@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from megatron.training import argument_checks, training
-from megatron.training.arguments import parse_args
-from megatron.training.datasets.preflight import check_data, is_first_rank, run_data_check
+from megatron.packed_training import argument_checks, training
+from megatron.packed_training.arguments import parse_args
+from megatron.packed_training.datasets.preflight import check_data, is_first_rank, run_data_check
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "16", "--train-iters", "2", "--lr", "1e-3", "--vocab-size", "100"]
@@ -144,7 +144,7 @@ def test_mock_data_skips_files_and_summarises_its_rows():
 
 
 def test_mock_data_summary_is_capped(monkeypatch):
-    from megatron.training.datasets import preflight
+    from megatron.packed_training.datasets import preflight
 
     monkeypatch.setattr(preflight, "MOCK_ROWS_CHECKED", 3)
     result = check_data(args_for("--mock-data", "--train-iters", 10))
@@ -208,7 +208,7 @@ def test_run_pretraining_on_another_rank_skips_the_check(tmp_path, monkeypatch, 
 
 
 def test_training_reuses_the_rows_the_check_packed(tmp_path, monkeypatch):
-    from megatron.training.datasets import builder
+    from megatron.packed_training.datasets import builder
 
     path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(9), doc(3))
     args = args_for("--sft", "--data-path", path)
@@ -235,14 +235,14 @@ def test_training_reuses_the_rows_the_check_packed(tmp_path, monkeypatch):
     ("1, 1, 0", (0.5, 0.5, 0.0)),
 ])
 def test_split_shares_read_megatrons_spellings(split, shares):
-    from megatron.training.datasets.builder import split_shares
+    from megatron.packed_training.datasets.builder import split_shares
 
     assert split_shares(split) == pytest.approx(shares)
 
 
 def validated(*extra):
     """Parsed and validated arguments; a bad combination raises ValueError (not SystemExit)."""
-    from megatron.training.arguments import build_parser, validate_args
+    from megatron.packed_training.arguments import build_parser, validate_args
 
     return validate_args(build_parser("gpt").parse_args(BASE + [str(x) for x in extra]), "gpt")
 
@@ -255,7 +255,7 @@ def test_a_bad_split_is_refused_at_parse_time(split, tmp_path):
 
 
 def test_split_boundaries_follow_the_cumulative_shares():
-    from megatron.training.datasets.builder import split_boundaries
+    from megatron.packed_training.datasets.builder import split_boundaries
 
     assert split_boundaries((0.969, 0.03, 0.001), 1000) == [969, 999, 1000]
     assert split_boundaries((0.5, 0.5, 0.0), 3) == [2, 3, 3]
@@ -263,7 +263,7 @@ def test_split_boundaries_follow_the_cumulative_shares():
 
 
 def test_split_trains_on_the_first_documents_and_validates_on_the_next(tmp_path):
-    from megatron.training.datasets.builder import build_datasets
+    from megatron.packed_training.datasets.builder import build_datasets
 
     # Ten documents in file order, document i of tokens 9 i + 1 ... 9 i + 8.
     path = write_jsonl(tmp_path / "t.jsonl", *(doc(8, start=9 * i + 1) for i in range(10)))

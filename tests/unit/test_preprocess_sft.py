@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import tools.preprocess_sft as pre
-from megatron.training import argument_checks
-from megatron.training.arguments import build_parser, validate_args
-from megatron.training.datasets.builder import build_data_iterator, build_datasets
-from megatron.training.datasets.chat import encode_conversation
-from megatron.training.tokenizer import load_tokenizer
+from megatron.packed_training import argument_checks
+from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training.datasets.builder import build_data_iterator, build_datasets
+from megatron.packed_training.datasets.chat import encode_conversation
+from megatron.packed_training.tokenizer import load_tokenizer
 from tests.unit.test_chat_data import CONVERSATION, CUSTOM_TEMPLATE, make_tokenizer, write_jsonl
 
 WORDS = ("packed rows hold whole documents back to back; the padding tail is one more segment "

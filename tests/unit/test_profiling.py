@@ -1,4 +1,4 @@
-from megatron.training.profiling import StepProfiler, kernel_intervals_from_trace, merged_busy_us
+from megatron.packed_training.profiling import StepProfiler, kernel_intervals_from_trace, merged_busy_us
 
 
 def test_overlapping_kernels_count_once():

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from megatron.training.datasets.packed_row_dataset import PackedRowDataset
-from megatron.training.datasets.packing import Document, pack_documents
-from megatron.training.datasets.sampler import MicroBatchSampler
+from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
+from megatron.packed_training.datasets.packing import Document, pack_documents
+from megatron.packed_training.datasets.sampler import MicroBatchSampler
 
 
 def test_steps_and_rank_slices():
@@ -97,7 +97,7 @@ def test_packed_row_dataset_rejects_no_rows_and_bad_counts():
 
 def test_rampup_becomes_megatron_cores_step_schedule():
     from megatron.core import num_microbatches_calculator as calculator
-    from megatron.training.initialize import rampup_schedule
+    from megatron.packed_training.initialize import rampup_schedule
 
     assert rampup_schedule(None, 8) is None
     assert rampup_schedule([4, 2, 32], 8) == "0:4 16:6 32:8"

@@ -7,11 +7,11 @@ from typing import Iterator
 
 import torch
 
-from megatron.training.datasets.chat import read_documents
-from megatron.training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
-from megatron.training.datasets.mock import MockPackedDataset, mock_documents
-from megatron.training.datasets.packed_row_dataset import PackedRowDataset
-from megatron.training.datasets.packing import (
+from megatron.packed_training.datasets.chat import read_documents
+from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
+from megatron.packed_training.datasets.mock import MockPackedDataset, mock_documents
+from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
+from megatron.packed_training.datasets.packing import (
     Document,
     PackingStats,
     check_truncated_fraction,
@@ -19,8 +19,8 @@ from megatron.training.datasets.packing import (
     pack_documents,
     resolve_long_document_policy,
 )
-from megatron.training.datasets.sampler import MicroBatchSampler
-from megatron.training.tokenizer import tokenizer_from_args
+from megatron.packed_training.datasets.sampler import MicroBatchSampler
+from megatron.packed_training.tokenizer import tokenizer_from_args
 
 
 def _sample_counts(args: Namespace) -> tuple[int, int]:

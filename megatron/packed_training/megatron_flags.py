@@ -308,7 +308,7 @@ TRANSFORMER_IMPL_BACKENDS = {"transformer_engine": ("te",), "local": ("torch", "
 def resolve_transformer_impl(args: argparse.Namespace) -> None:
     """Set ``attention_backend`` from Megatron's --transformer-impl (auto takes the
     implementation's first backend); refuse a backend of the other implementation."""
-    from megatron.training.argument_checks import fail
+    from megatron.packed_training.argument_checks import fail
 
     impl = getattr(args, "transformer_impl", None)
     if impl is None:
@@ -326,7 +326,7 @@ def check(args: argparse.Namespace, model: str) -> List[str]:
     """Refuse what `REFUSED` names and an `ALREADY` flag with another value or in another
     script (ValueError, in the `argument_checks.fail` shape); return the given `ALREADY`
     flags, each with its reason, for the start-up log."""
-    from megatron.training.argument_checks import fail
+    from megatron.packed_training.argument_checks import fail
 
     for entry in REFUSED:
         typed = _as_typed(getattr(args, entry.dest, None))

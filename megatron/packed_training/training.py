@@ -28,21 +28,21 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megatron.training.arguments import args_to_dict, format_args
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-from megatron.training.config import (
+from megatron.packed_training.arguments import args_to_dict, format_args
+from megatron.packed_training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.packed_training.config import (
     ddp_config_from_args,
     optimizer_config_from_args,
     transformer_config_from_args,
 )
-from megatron.training.datasets.builder import (
+from megatron.packed_training.datasets.builder import (
     build_datasets,
     build_iteration_reader,
     describe_packing,
 )
-from megatron.training.initialize import initialize_distributed, require_cuda, set_seeds
-from megatron.training.metrics import IntervalTimer, MetricsLogger, MoELosses, wandb_run_settings
-from megatron.training.profiling import StepProfiler
+from megatron.packed_training.initialize import initialize_distributed, require_cuda, set_seeds
+from megatron.packed_training.metrics import IntervalTimer, MetricsLogger, MoELosses, wandb_run_settings
+from megatron.packed_training.profiling import StepProfiler
 from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.moe_rerun import MoEOverflowRerun
 from megatron.packed_graphs.optimizer_graph import OptimizerGraph
@@ -419,9 +419,9 @@ def run_pretraining(model: str, model_provider: Callable, script: str, argv=None
     ``model`` is 'gpt' or 'hybrid'; hybrid models carry Mamba's per-token ``seq_idx``. A data
     problem exits with code 1 and its message (``<script>: error: ...``), before any GPU work.
     """
-    from megatron.training.arguments import parse_args
-    from megatron.training.datasets.preflight import run_data_check
-    from megatron.training.packed_step import PackedForwardStep
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.datasets.preflight import run_data_check
+    from megatron.packed_training.packed_step import PackedForwardStep
 
     args = parse_args(argv, model=model)
     try:

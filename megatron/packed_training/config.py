@@ -26,8 +26,8 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-from megatron.training import argument_checks as checks
-from megatron.training.arguments import build_parser, validate_args
+from megatron.packed_training import argument_checks as checks
+from megatron.packed_training.arguments import build_parser, validate_args
 from megatron.packed_graphs.attention import resolve_attention_backend
 
 

@@ -32,8 +32,8 @@ from typing import Iterator
 
 import numpy as np
 
-from megatron.training.datasets.jsonl import read_jsonl_documents
-from megatron.training.datasets.packing import Document
+from megatron.packed_training.datasets.jsonl import read_jsonl_documents
+from megatron.packed_training.datasets.packing import Document
 
 CHAT = "chat"
 TOKENIZED = "tokenized"

@@ -17,15 +17,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from megatron.training.datasets.builder import (
+from megatron.packed_training.datasets.builder import (
     build_datasets,
     describe_packing,
     pack_data,
     split_source,
 )
-from megatron.training.datasets.jsonl import check_data_path
-from megatron.training.datasets.mock import MockPackedDataset
-from megatron.training.datasets.packing import PackingStats
+from megatron.packed_training.datasets.jsonl import check_data_path
+from megatron.packed_training.datasets.mock import MockPackedDataset
+from megatron.packed_training.datasets.packing import PackingStats
 
 MOCK_ROWS_CHECKED = 10_000
 """Synthetic rows the summary counts at most (about 0.3 s for 4096-position rows)."""

@@ -19,9 +19,9 @@ import re
 import sys
 from pathlib import Path
 
-from megatron.training import argument_checks as checks
-from megatron.training import megatron_flags
-from megatron.training.megatron_flags import add_megatron_flags
+from megatron.packed_training import argument_checks as checks
+from megatron.packed_training import megatron_flags
+from megatron.packed_training.megatron_flags import add_megatron_flags
 
 MODELS = ("gpt", "hybrid")
 

@@ -530,8 +530,8 @@ DEFAULT_VOCAB_SIZE = 32000
 def check_tokenizer(args):
     """--tokenizer-type / --tokenizer-model and chat data files; fills vocab_size: the
     tokenizer's size (as Megatron-LM: padded_vocab_size rounds it up), else 32000."""
-    from megatron.training.datasets.chat import chat_line
-    from megatron.training.tokenizer import TOKENIZER_TYPES, load_tokenizer
+    from megatron.packed_training.datasets.chat import chat_line
+    from megatron.packed_training.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
     kind, path = getattr(args, "tokenizer_type", None), getattr(args, "tokenizer_model", None)
     if kind is None and path is not None:
@@ -586,7 +586,7 @@ def _check_split(args):
     Megatron's mock-data scripts carry it too, where it changes nothing."""
     if args.split is None:
         return
-    from megatron.training.datasets.builder import split_shares
+    from megatron.packed_training.datasets.builder import split_shares
 
     try:
         shares, problem = split_shares(args.split), None

@@ -5,7 +5,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megatron.training.datasets.packing import PackedRow
+from megatron.packed_training.datasets.packing import PackedRow
 
 
 class PackedRowDataset(torch.utils.data.Dataset):

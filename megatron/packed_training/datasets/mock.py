@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from megatron.training.datasets.packing import (
+from megatron.packed_training.datasets.packing import (
     DEFAULT_LONG_DOCUMENT_POLICY,
     PAD_TOKEN_ID,
     Document,

@@ -1,5 +1,5 @@
 """Training layer of the packed-graphs fork: CLI, initialisation, loop, checkpointing.
 
-megatron-core ships no ``megatron.training``; this package is ours. ``megatron/`` itself is a
+megatron-core ships no ``megatron.packed_training``; this package is ours. ``megatron/`` itself is a
 namespace portion shared with the megatron-core wheel and has no ``__init__.py``.
 """

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
-from megatron.training.datasets.packing import Document
+from megatron.packed_training.datasets.packing import Document
 
 
 def check_data_path(path: str, flag: str = "--data-path / --valid-data-path") -> None:

@@ -14,7 +14,7 @@ from typing import Iterable, List, Sequence
 import torch
 
 from megatron.packed_graphs.dynamic_cp import pack_for_dynamic_cp, schedule_cp_rounds, turns_of_rank
-from megatron.training.datasets.packing import (
+from megatron.packed_training.datasets.packing import (
     Document,
     PackedRow,
     PackingStats,

@@ -5,11 +5,11 @@ input), `mock` (synthetic rows), `packed_row_dataset` and `sampler` (what a rank
 step), `builder` (everything wired from the CLI arguments).
 """
 
-from megatron.training.datasets.builder import build_data_iterator, build_datasets, describe_packing
-from megatron.training.datasets.jsonl import read_jsonl_documents
-from megatron.training.datasets.mock import MockPackedDataset
-from megatron.training.datasets.packed_row_dataset import PackedRowDataset
-from megatron.training.datasets.packing import (
+from megatron.packed_training.datasets.builder import build_data_iterator, build_datasets, describe_packing
+from megatron.packed_training.datasets.jsonl import read_jsonl_documents
+from megatron.packed_training.datasets.mock import MockPackedDataset
+from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
+from megatron.packed_training.datasets.packing import (
     PAD_TOKEN_ID,
     Document,
     PackedRow,
@@ -17,7 +17,7 @@ from megatron.training.datasets.packing import (
     collate_packed_rows,
     pack_documents,
 )
-from megatron.training.datasets.sampler import MicroBatchSampler
+from megatron.packed_training.datasets.sampler import MicroBatchSampler
 
 __all__ = [
     "PAD_TOKEN_ID",
