@@ -14,10 +14,11 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron.packed_graphs.attention import resolve_attention_backend
+    from megatron.packed_training.extra_args import packed_attention_backend
     from megatron.packed_graphs.chunk_graphs import use_chunk_graph_block
     from megatron.packed_graphs.specs import gpt_decoder_spec
 
-    backend = resolve_attention_backend(args.attention_backend)
+    backend = resolve_attention_backend(packed_attention_backend(args))
     model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_decoder_spec(
@@ -40,7 +41,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
 
 def main(argv=None):
-    from megatron.packed_training.training import run_pretraining
+    from megatron.packed_training.pretrain import run_pretraining
 
     run_pretraining("gpt", model_provider, "pretrain_gpt.py", argv)
 

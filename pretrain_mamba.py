@@ -17,9 +17,10 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from megatron.packed_graphs.attention import resolve_attention_backend
+    from megatron.packed_training.extra_args import packed_attention_backend
     from megatron.packed_graphs.specs import hybrid_stack_spec
 
-    backend = resolve_attention_backend(args.attention_backend)
+    backend = resolve_attention_backend(packed_attention_backend(args))
     return HybridModel(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(
@@ -31,7 +32,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        hybrid_layer_pattern=args.hybrid_override_pattern,
+        hybrid_layer_pattern=args.hybrid_layer_pattern,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
@@ -40,7 +41,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
 
 def main(argv=None):
-    from megatron.packed_training.training import run_pretraining
+    from megatron.packed_training.pretrain import run_pretraining
 
     run_pretraining("hybrid", model_provider, "pretrain_mamba.py", argv)
 

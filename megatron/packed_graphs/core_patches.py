@@ -463,10 +463,75 @@ def apply_core_patches() -> dict:
                   warm_up_graphs_on_recorded_layouts,
                   te_cross_entropy_capturable,
                   check_arg_types_without_reimporting,
-                  record_capture_statistics):
+                  record_capture_statistics,
+                  skip_dataset_helper_build):
         applied_patches[patch.__name__] = patch() or "applied"
     _applied = True
     return applied_patches
+
+
+# --------------------------------------------------------------------------------------------
+# The seam into Megatron-LM's training loop (the wheel's megatron.training, 0.19.2)
+# --------------------------------------------------------------------------------------------
+
+def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) -> None:
+    """Put the fork's graph runtime into Megatron-LM's ``pretrain()`` at its one seam.
+
+    ``train()`` and ``evaluate()`` look up ``get_forward_backward_func`` in their module at call
+    time and run every iteration through what it returns; ``pretrain()`` builds the model and
+    optimizer through ``setup_model_and_optimizer``. So:
+
+    * after ``setup_model_and_optimizer`` returns, ``on_setup(model, optimizer, scheduler)``
+      builds the runtime and returns a callable ``wrap(schedule) -> schedule`` (e.g.
+      `schedule.GraphRuntimeSchedule`);
+    * ``get_forward_backward_func(...)`` then returns ``wrap(<megatron-core's schedule>)``;
+      before the set-up (never, in ``pretrain``) megatron-core's own;
+    * with ``capturable_optimizer`` the optimizer is built capturable
+      (``OptimizerConfig.optimizer_cuda_graph``, for the fork's optimizer graph) while upstream's
+      own ``--optimizer-cuda-graph`` wrapper stays off.
+
+    Upstream's own graph wrappers (``FullCudaGraphWrapper``, ``TECudaGraphHelper``, the
+    optimizer wrapper) key on ``args.cuda_graph_impl`` / ``args.optimizer_cuda_graph``, which
+    the fork's entry keeps at "local"/"none" and False: every graph decision is the runtime's.
+    """
+    import megatron.training.training as loop
+
+    upstream_setup = loop.setup_model_and_optimizer
+    upstream_schedule = loop.get_forward_backward_func
+    upstream_optimizer_config = loop.get_megatron_optimizer_config
+    wrap = None
+
+    def setup_model_and_optimizer(*args, **kwargs):
+        nonlocal wrap
+        model, optimizer, scheduler = upstream_setup(*args, **kwargs)
+        wrap = on_setup(model, optimizer, scheduler)
+        return model, optimizer, scheduler
+
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = upstream_schedule(*args, **kwargs)
+        return schedule if wrap is None else wrap(schedule)
+
+    def get_megatron_optimizer_config(*args, **kwargs):
+        config = upstream_optimizer_config(*args, **kwargs)
+        if capturable_optimizer:
+            config.optimizer_cuda_graph = True
+        return config
+
+    loop.setup_model_and_optimizer = setup_model_and_optimizer
+    loop.get_forward_backward_func = get_forward_backward_func
+    loop.get_megatron_optimizer_config = get_megatron_optimizer_config
+
+
+def skip_dataset_helper_build() -> str:
+    """Megatron-LM's start-up runs ``make`` in megatron-core's datasets folder on rank 0 to
+    build its C++ helpers, and exits when that fails; the wheel ships the helpers prebuilt
+    and no Makefile, so ``make`` always fails. The fork's packed datasets never call them."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    if not hasattr(dataset_utils, "compile_helpers"):
+        return "not needed: megatron-core has no compile_helpers"
+    dataset_utils.compile_helpers = lambda: None
+    return "applied"
 
 
 # --------------------------------------------------------------------------------------------

@@ -252,3 +252,99 @@ def read_metrics(path: str, split: str = "train") -> list:
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     return [r for r in records if r.get("split", "train") == split]
+
+
+def reduced_lm_loss(losses_reduced: list) -> Optional[torch.Tensor]:
+    """Token-weighted mean ``lm loss`` of an iteration's micro-batches over the data-parallel
+    (and context-parallel) ranks, as a 0-dim device tensor; None off the last pipeline stage
+    (no losses there). One all-reduce, no host read."""
+    from megatron.core import parallel_state
+
+    if not losses_reduced:
+        return None
+    total = torch.stack([x["lm loss"].view(-1)[:2] for x in losses_reduced]).sum(dim=0)
+    torch.distributed.all_reduce(
+        total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return total[0] / total[1].clamp(min=1)
+
+
+class RuntimeLog:
+    """The graph runtime's part of the log, beside Megatron-LM's own log line: a listener of
+    `GraphRuntimeSchedule` (``log(split, stats, losses)``).
+
+    Every ``--log-interval`` iterations (and at the last) the reporting rank prints one line,
+    `` packed graphs | iteration N | <counters over the interval> |`` (eager micro-batches by
+    reason, graph fallbacks, documents per micro-batch, captures), writes the counters to
+    TensorBoard / W&B (Megatron-LM's writers) and a record to ``--metrics-file`` with the
+    iteration's lm loss, time and throughput. Evaluation passes are reported once they end,
+    with their own counters. Reads the device only at log points (the loss)."""
+
+    def __init__(self, args, model=()):
+        self.args = args
+        self.iteration = args.iteration  # a loaded checkpoint's
+        self.interval = IntervalTimer()
+        self.enabled = is_reporting_rank()
+        self._file = None
+        if self.enabled and args.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+            self._file = open(args.metrics_file, "a", buffering=1)
+        self._valid_stats: dict = {}
+        self._valid_losses: list = []
+
+    def __call__(self, split: str, stats: dict, losses) -> None:
+        if split == "valid":
+            for key, value in stats.items():
+                self._valid_stats[key] = self._valid_stats.get(key, 0) + value
+            self._valid_losses += list(losses or [])
+            return
+        self._flush_valid()
+        from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+        self.iteration += 1
+        batch = get_current_global_batch_size()
+        self.interval.add(batch, batch * self.args.seq_length, stats)
+        if self.iteration % self.args.log_interval and self.iteration != self.args.train_iters:
+            return
+        loss = reduced_lm_loss(losses)
+        if not self.enabled:
+            self.interval.restart()
+            return
+        record = {"iteration": self.iteration,
+                  "consumed_samples": self.args.consumed_train_samples + batch,
+                  "lm_loss": float("nan") if loss is None else float(loss),  # waits for the GPU
+                  **self.interval.timing(), **self.interval.stats}
+        shown = " | ".join(f"{k}: {v}" for k, v in self.interval.stats.items())
+        print(f" packed graphs | iteration {self.iteration:8d} | {shown} |", flush=True)
+        self._write(record)
+        self._scalars(self.interval.stats)
+        self.interval.restart()
+
+    def _flush_valid(self) -> None:
+        """Report the evaluation that ended before this training iteration."""
+        if not self._valid_stats and not self._valid_losses:
+            return
+        stats, losses = self._valid_stats, self._valid_losses
+        self._valid_stats, self._valid_losses = {}, []
+        loss = reduced_lm_loss(losses)
+        if not self.enabled:
+            return
+        value = float("nan") if loss is None else float(loss)
+        shown = "".join(f" {k}: {v} |" for k, v in stats.items())
+        print(f" packed graphs | validation at iteration {self.iteration} |{shown}", flush=True)
+        self._write({"split": "valid", "iteration": self.iteration, "lm_loss": value} | stats)
+
+    def _scalars(self, stats: dict) -> None:
+        """The numeric counters under ``packed-graphs/<name>`` in Megatron-LM's writers."""
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        numbers = {f"packed-graphs/{k}": v for k, v in stats.items()
+                   if isinstance(v, (int, float))}
+        if (writer := get_tensorboard_writer()) is not None:
+            for tag, value in numbers.items():
+                writer.add_scalar(tag, value, self.iteration)
+        if (wandb := get_wandb_writer()) is not None and numbers:
+            wandb.log(numbers, step=self.iteration)
+
+    def _write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")

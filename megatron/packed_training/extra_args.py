@@ -1,0 +1,296 @@
+"""The fork's own flags, added to Megatron-LM's parser, and their rules.
+
+Megatron-LM's parser (the wheel's ``megatron.training.arguments``) owns every Megatron flag,
+its default and its checks. This module adds what only the fork has (`add_packed_args`, the
+``extra_args_provider`` of ``pretrain_gpt.py`` / ``pretrain_mamba.py``) and checks the run as
+a whole for what packed CUDA graphs need (`validate_packed_args`, one function per feature).
+Every rule raises ``ValueError("<what> is wrong: <value>. <what to do>.")``.
+
+Two upstream flags change hands after parsing (`hand_graph_flags_to_the_runtime`):
+``--cuda-graph-impl`` and ``--optimizer-cuda-graph`` are the graph runtime's. Megatron-LM's loop
+builds graphs of its own when it sees them, so it is shown ``local`` (graph-safe RNG, and
+megatron-core's local graph managers in the layers) or ``none``, and False; the user's values
+stay in ``args.packed_graph_impl`` and ``args.packed_optimizer_graph``.
+
+Every flag: docs/flags.md.
+"""
+
+import argparse
+import importlib.util
+
+from megatron.core.transformer.enums import CudaGraphModule
+
+GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
+TE_ATTENTION = ("flash", "fused", "unfused")  # Megatron's TE attention backends
+
+
+def fail(what: str, value, todo: str):
+    """Raise the one error shape every rule uses."""
+    raise ValueError(f"{what} is wrong: {value}. {todo}.")
+
+
+def is_importable(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider``: the fork's flags. Returns ``parser``."""
+    g = parser.add_argument_group("packed cuda graphs", "docs/flags.md, 'Graph flags'")
+    g.add_argument("--cuda-graph-max-packed-seqs", type=int, nargs="?", const=50, default=0,
+                   help="Graph capacity: packed documents per micro-batch (bare flag: 50; 0: "
+                        "off). Choose it with tools/capacity_advisor.py.")
+    g.add_argument("--cuda-graph-capacity-ladder", type=int, nargs="+", default=None,
+                   metavar="N", help="Smaller capacities below --cuda-graph-max-packed-seqs, "
+                                     "ascending; each micro-batch takes the smallest that fits.")
+    g.add_argument("--cuda-graph-granularity", choices=["layer", "chunk"], default="layer",
+                   help="layer: graphs per layer; chunk: one graph pair per pipeline model "
+                        "chunk and in-flight micro-batch (local impl).")
+    g.add_argument("--cuda-graph-check-interval", type=int, default=0, metavar="N",
+                   help="Every N training iterations replay one graphed micro-batch, run it "
+                        "eager too and compare loss and gradient norm (0: off).")
+    g.add_argument("--cuda-graph-check-tolerance", type=float, default=0.01,
+                   help="Largest relative difference the health check accepts.")
+    g.add_argument("--cuda-graph-check-action", choices=["warn", "disable"], default="warn",
+                   help="On a health-check divergence: warn, or turn graphs off.")
+    g.add_argument("--dynamic-cp-sizes", type=int, nargs="+", default=None,
+                   help="Dynamic context parallelism: the CP sizes a micro-batch may get.")
+    g.add_argument("--dynamic-cp-max-packed-seqs", type=int, nargs="+", default=None,
+                   help="Graph capacity per dynamic CP size.")
+    g = parser.add_argument_group("packed data", "docs/data-format.md")
+    g.add_argument("--long-document-policy", choices=["truncate", "split", "reject"],
+                   default="split",
+                   help="A document longer than a row: split into row-sized pieces (default), "
+                        "truncate to --seq-length + 1 tokens, or reject naming file:line.")
+    g.add_argument("--max-truncated-token-fraction", type=float, default=None,
+                   help="With truncate: stop before training when truncation drops more than "
+                        "this fraction of a file's tokens (default 0.05).")
+    g.add_argument("--mock-doc-length-median", type=float, default=512,
+                   help="--mock-data: median document length in tokens.")
+    g.add_argument("--mock-doc-length-sigma", type=float, default=1.0,
+                   help="--mock-data: log-normal sigma of document lengths.")
+    g.add_argument("--moe-capacity-overflow", choices=["drop", "rerun"], default="drop",
+                   help="A micro-batch that overflows the expert capacity: drop tokens "
+                        "(Megatron's behaviour) or rerun it eager and dropless.")
+    g.add_argument("--moe-router-load-file", default=None,
+                   help="With rerun: write the measured router loads (for "
+                        "tools/capacity_advisor.py).")
+    g.add_argument("--mla-pad-v", choices=["always", "never"], default="always",
+                   help="Packed MLA: pad V to the query head size (always) or not (never).")
+    g.add_argument("--metrics-file", default=None,
+                   help="JSON-lines file: one record per training iteration and evaluation.")
+    g.add_argument("--profile-trace-dir", default=None,
+                   help="With --profile: Chrome traces of the profiled iterations here.")
+    return parser
+
+
+def hand_graph_flags_to_the_runtime(args) -> None:
+    """Keep the user's graph flags for the runtime and show Megatron-LM's loop none of its own
+    graph wrappers' triggers (module doc). Idempotent."""
+    if not hasattr(args, "packed_graph_impl"):
+        args.packed_graph_impl = args.cuda_graph_impl
+        args.packed_optimizer_graph = args.optimizer_cuda_graph
+    args.cuda_graph_impl = "none" if args.packed_graph_impl == "none" else "local"
+    args.optimizer_cuda_graph = False
+
+
+def prepare_upstream_args(args, model: str) -> None:
+    """What Megatron-LM's ``validate_args`` needs from a fork launch line, before it runs.
+
+    ``--attention-backend local`` is the fork's TE-free attention, which upstream pairs with
+    ``--spec local``; the fork's data paths are one file each."""
+    args.model = model
+    if args.attention_backend.name == "local" and args.spec is None:
+        args.spec = ["local"]
+    for flag in ("--data-path", "--valid-data-path"):
+        name = flag[2:].replace("-", "_")
+        paths = getattr(args, name)
+        if isinstance(paths, list):
+            if len(paths) > 1:
+                fail(flag, " ".join(paths), "This fork reads one packed JSONL file per split "
+                                            "(no blends); give one path")
+            setattr(args, name, paths[0] if paths else None)
+
+
+def validate_packed_args(args, model: str) -> argparse.Namespace:
+    """The fork's rules, after Megatron-LM's ``validate_args``. Fills derived values in place
+    (``packed_graph_impl``, ``packed_cuda_graph_modules`` as names, ``te_rng_tracker``). Returns args."""
+    hand_graph_flags_to_the_runtime(args)
+    check_attention(args)
+    check_graphs(args, model)
+    check_health_check(args)
+    check_optimizer_graph(args)
+    check_moe_graphs(args)
+    check_long_documents(args)
+    return args
+
+
+def uses_te_attention(args) -> bool:
+    name = args.attention_backend.name
+    return name in TE_ATTENTION or (name == "auto" and is_importable("transformer_engine"))
+
+
+def check_attention(args) -> None:
+    """``--attention-backend``: flash / fused / unfused are TE's, local the TE-free path."""
+    name = args.attention_backend.name
+    if name in TE_ATTENTION and not is_importable("transformer_engine"):
+        fail("--attention-backend", name, "It is a Transformer Engine backend and TE is not "
+                                          "importable: install it (`pip install .[te]`), or use "
+                                          "local (PyTorch varlen attention)")
+
+
+def check_graphs(args, model: str) -> None:
+    """Graph implementation, capacity, granularity and modules."""
+    impl, capacity = args.packed_graph_impl, args.cuda_graph_max_packed_seqs
+    if capacity < 0:
+        fail("--cuda-graph-max-packed-seqs", capacity, "Use 0 (graphs off) or a positive "
+                                                       "document capacity")
+    # Upstream parses --cuda-graph-modules into CudaGraphModule members; the runtime reads names.
+    modules = [m.name if isinstance(m, CudaGraphModule) else str(m)
+               for m in (args.cuda_graph_modules or [])]
+    args.packed_cuda_graph_modules = modules
+    if impl == "none":
+        for flag, value in (("--cuda-graph-max-packed-seqs", capacity),
+                            ("--cuda-graph-capacity-ladder", args.cuda_graph_capacity_ladder)):
+            if value:
+                fail(flag, value, "It would be ignored without graphs; add --cuda-graph-impl "
+                                  "local")
+        return
+    if capacity == 0 and not args.dynamic_cp_sizes:
+        fail("--cuda-graph-max-packed-seqs", 0,
+             f"--cuda-graph-impl {impl} on packed data needs a document capacity per "
+             "micro-batch, e.g. --cuda-graph-max-packed-seqs 64; tools/capacity_advisor.py "
+             "picks one from your data")
+    ladder = args.cuda_graph_capacity_ladder or []
+    if ladder and (any(n < 1 for n in ladder) or list(ladder) != sorted(set(ladder))
+                   or ladder[-1] >= capacity):
+        fail("--cuda-graph-capacity-ladder", " ".join(map(str, ladder)),
+             f"Give positive capacities in ascending order, all below "
+             f"--cuda-graph-max-packed-seqs ({capacity})")
+    if ladder and (impl != "local" or args.pipeline_model_parallel_size > 1):
+        fail("--cuda-graph-capacity-ladder", " ".join(map(str, ladder)),
+             "A ladder needs --cuda-graph-impl local at pipeline-parallel size 1 (other "
+             "implementations capture one capacity)")
+    args.cuda_graph_capacity_ladder = list(ladder)
+    if args.cuda_graph_granularity == "chunk" and impl not in ("local", "full_iteration"):
+        fail("--cuda-graph-granularity", "chunk",
+             f"Chunk graphs are built by the local implementation, not {impl}; add "
+             "--cuda-graph-impl local")
+    if args.cuda_graph_granularity == "chunk" and modules:
+        fail("--cuda-graph-modules", " ".join(modules), "Chunk graphs capture whole chunks; "
+                                                        "drop --cuda-graph-modules")
+    if model == "gpt" and "mamba" in modules:
+        fail("--cuda-graph-modules", "mamba", "A GPT model has no Mamba layers")
+    if impl == "transformer_engine":
+        if not is_importable("transformer_engine"):
+            fail("--cuda-graph-impl", impl, "Transformer Engine is not importable; install it "
+                                            "or use --cuda-graph-impl local")
+        if args.pipeline_model_parallel_size > 1:
+            fail("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
+                 "TE graphs of packed layers are captured for PP = 1; use --cuda-graph-impl "
+                 "local (layer or chunk graphs) with pipeline parallelism")
+    if impl == "full_iteration":
+        _check_full_iteration(args)
+    if impl in ("transformer_engine", "full_iteration") or uses_te_attention(args):
+        args.te_rng_tracker = True  # TE attention and TE graphs assert TE's RNG tracker
+
+
+def _check_full_iteration(args) -> None:
+    if args.cuda_graph_warmup_steps < 1:
+        fail("--cuda-graph-warmup-steps", args.cuda_graph_warmup_steps,
+             "Full-iteration graphs need an eager iteration first (NCCL, cuBLAS and kernel "
+             "autotuning set up on first use); use 1 or more")
+    if args.pipeline_model_parallel_size > 1:
+        fail("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
+             "Full-iteration graphs are for PP = 1: megatron-core's pipeline send/receive "
+             "synchronises the device after every exchange; use --cuda-graph-impl local")
+    if args.context_parallel_size > 1 or args.dynamic_cp_sizes:
+        fail("--context-parallel-size", args.context_parallel_size,
+             "Context parallelism inside full-iteration graphs is not verified; use "
+             "--cuda-graph-impl local or transformer_engine")
+    if args.num_experts is not None:
+        fail("--num-experts", args.num_experts,
+             "MoE inside full-iteration graphs is not supported (host state per micro-batch); "
+             "use --cuda-graph-impl local")
+    if args.cuda_graph_check_interval:
+        fail("--cuda-graph-check-interval", args.cuda_graph_check_interval,
+             "The health check replays one micro-batch's graph and a full-iteration run has "
+             "one graph per iteration; drop it or use --cuda-graph-impl local")
+
+
+def check_health_check(args) -> None:
+    if args.cuda_graph_check_interval < 0:
+        fail("--cuda-graph-check-interval", args.cuda_graph_check_interval, "Use 0 (off) or N > 0")
+    if args.cuda_graph_check_interval and args.packed_graph_impl == "none":
+        fail("--cuda-graph-check-interval", args.cuda_graph_check_interval,
+             "The health check compares graphs with eager; add --cuda-graph-impl local")
+    if not 0 < args.cuda_graph_check_tolerance < 1:
+        fail("--cuda-graph-check-tolerance", args.cuda_graph_check_tolerance,
+             "Use a relative difference in (0, 1), e.g. 0.01")
+
+
+def check_optimizer_graph(args) -> None:
+    """--optimizer-cuda-graph: the fork's own graph of the optimizer step (optimizer_graph.py)."""
+    if not args.packed_optimizer_graph:
+        return
+    if args.fp16:
+        fail("--optimizer-cuda-graph", True, "fp16's loss scaler reads its found-inf flag on "
+                                             "the host; use --bf16")
+    if args.log_num_zeros_in_grad:
+        fail("--log-num-zeros-in-grad", True, "Counting zero gradients reads the count on the "
+                                               "host each step; drop it with "
+                                               "--optimizer-cuda-graph")
+    if args.num_experts is not None and not args.use_distributed_optimizer:
+        fail("--optimizer-cuda-graph", True, "MoE models have two chained optimizers, whose "
+                                             "norms megatron-core merges on the host without "
+                                             "--use-distributed-optimizer; add it")
+
+
+def check_moe_graphs(args) -> None:
+    """Whole-layer MoE graphs need drop-and-pad; dropless overflow reruns need a capacity."""
+    if args.num_experts is None:
+        for flag, value in (("--moe-capacity-overflow", args.moe_capacity_overflow != "drop"),
+                            ("--moe-router-load-file", args.moe_router_load_file)):
+            if value:
+                fail(flag, getattr(args, flag[2:].replace("-", "_")),
+                     "It configures MoE layers; add --num-experts or drop the flag")
+        return
+    factor = args.moe_expert_capacity_factor
+    if args.moe_capacity_overflow == "rerun" and factor is None:
+        fail("--moe-capacity-overflow", "rerun", "It reruns micro-batches that overflow the "
+                                                 "expert capacity; add "
+                                                 "--moe-expert-capacity-factor")
+    if args.moe_router_load_file and args.moe_capacity_overflow != "rerun":
+        fail("--moe-router-load-file", args.moe_router_load_file,
+             "The loads are measured by --moe-capacity-overflow rerun; add it")
+    whole_layers = not args.packed_cuda_graph_modules and args.cuda_graph_granularity == "layer"
+    if (args.packed_graph_impl != "none" and whole_layers
+            and not (factor and args.moe_pad_expert_input_to_capacity)):
+        fail("--moe-expert-capacity-factor", factor,
+             "Dropless MoE reads per-expert token counts on the host, which a whole-layer "
+             "graph cannot capture; add --moe-expert-capacity-factor <f> "
+             "--moe-pad-expert-input-to-capacity, or graph MoE layers in part "
+             "(--cuda-graph-modules moe_router)")
+
+
+def check_long_documents(args) -> None:
+    fraction = args.max_truncated_token_fraction
+    if fraction is None:
+        return
+    if not 0.0 <= fraction <= 1.0:
+        fail("--max-truncated-token-fraction", fraction, "Use a fraction in [0, 1], e.g. 0.05")
+    if args.long_document_policy != "truncate":
+        fail("--max-truncated-token-fraction", fraction,
+             f"It limits what truncation drops and --long-document-policy "
+             f"{args.long_document_policy} drops nothing; add --long-document-policy truncate")
+
+
+def packed_attention_backend(args) -> str:
+    """The fork's attention for Megatron-LM's ``--attention-backend``: TE's backends (flash,
+    fused, unfused) run TE attention ('te'); local runs the TE-free varlen attention
+    (flash-attn where importable, else PyTorch's); auto prefers TE, then as local."""
+    name = args.attention_backend.name
+    if name in TE_ATTENTION:
+        return "te"
+    if name == "local":
+        return "flash" if is_importable("flash_attn") else "torch"
+    return "auto"
