@@ -511,11 +511,16 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
         schedule = upstream_schedule(*args, **kwargs)
         return schedule if wrap is None else wrap(schedule)
 
-    def get_megatron_optimizer_config(*args, **kwargs):
-        config = upstream_optimizer_config(*args, **kwargs)
-        if capturable_optimizer:
-            config.optimizer_cuda_graph = True
-        return config
+    def get_megatron_optimizer_config(args, *more, **kwargs):
+        # Upstream copies args' fields into the config and derives per-parameter overrides
+        # from it, so the flag is set on args for the duration of the call.
+        if not capturable_optimizer:
+            return upstream_optimizer_config(args, *more, **kwargs)
+        shown, args.optimizer_cuda_graph = args.optimizer_cuda_graph, True
+        try:
+            return upstream_optimizer_config(args, *more, **kwargs)
+        finally:
+            args.optimizer_cuda_graph = shown
 
     loop.setup_model_and_optimizer = setup_model_and_optimizer
     loop.get_forward_backward_func = get_forward_backward_func

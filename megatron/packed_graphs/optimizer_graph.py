@@ -306,7 +306,7 @@ class OptimizerGraph:
         The parts' ``state_dict``, not the optimizer's: megatron-core's ChainedOptimizer (what
         get_megatron_optimizer returns, here around one part) hands a save to its part's
         ``sharded_state_dict``, which calls that part's own ``state_dict``."""
-        if not getattr(args, "optimizer_cuda_graph", False):
+        if not getattr(args, "packed_optimizer_graph", False):
             return None
         graph = cls.for_optimizer(optimizer, capture_iteration(args.cuda_graph_warmup_steps))
         optimizer.step = graph

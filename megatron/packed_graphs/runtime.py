@@ -89,7 +89,7 @@ def tokens_per_rank(args) -> int:
 
 def config_from_args(args, slots_per_chunk: Sequence[int] = (1,)) -> GraphRuntimeConfig:
     """The frozen graph settings of a run (validated CLI arguments; docs/cuda-graphs.md)."""
-    impl = args.cuda_graph_impl
+    impl = args.packed_graph_impl
     full_iteration = impl == "full_iteration"  # local layer or chunk graphs for its misses
     impl = "local" if full_iteration else impl
     banks = ()
@@ -152,7 +152,7 @@ class GraphRuntime:
     def prepare(args) -> None:
         """Process set-up graphs need before the model is wrapped in DDP: TE graph capture
         needs the process on a side stream (core_patches.use_side_stream)."""
-        if args.cuda_graph_impl in ("transformer_engine", "full_iteration"):
+        if args.packed_graph_impl in ("transformer_engine", "full_iteration"):
             core_patches.use_side_stream()
 
     @classmethod
@@ -162,7 +162,7 @@ class GraphRuntime:
         pipeline schedule (chunk granularity; needs the parallel state), TE layer graphs, the
         health check (``check_guards``: see `GraphHealthCheck`)."""
         slots = (1,)
-        if (args.cuda_graph_impl in ("local", "full_iteration")
+        if (args.packed_graph_impl in ("local", "full_iteration")
                 and args.cuda_graph_granularity == "chunk"):
             slots = tuple(chunk_slot_count(model_config, chunk) for chunk in range(len(model)))
         check = HealthCheckConfig(interval=getattr(args, "cuda_graph_check_interval", 0),

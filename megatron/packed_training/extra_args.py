@@ -113,8 +113,18 @@ def prepare_upstream_args(args, model: str) -> None:
 
 def validate_packed_args(args, model: str) -> argparse.Namespace:
     """The fork's rules, after Megatron-LM's ``validate_args``. Fills derived values in place
-    (``packed_graph_impl``, ``packed_cuda_graph_modules`` as names, ``te_rng_tracker``). Returns args."""
+    (``packed_graph_impl``, ``packed_cuda_graph_modules`` as names, ``num_microbatches``,
+    ``te_rng_tracker``, ``packed_notes``). Returns args."""
     hand_graph_flags_to_the_runtime(args)
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size
+                                                       * args.data_parallel_size)
+    args.packed_notes = []  # start-up log lines: what the fork set for this launch line
+    if args.gradient_accumulation_fusion and not is_importable("fused_weight_gradient_mlp_cuda"):
+        # megatron-core's output layer fuses it with apex's kernel only; Megatron-LM stops at
+        # model build without it.
+        args.gradient_accumulation_fusion = False
+        args.packed_notes.append("gradient accumulation fusion off: apex's "
+                                 "fused_weight_gradient_mlp_cuda is not importable")
     check_attention(args)
     check_graphs(args, model)
     check_health_check(args)
@@ -215,6 +225,15 @@ def _check_full_iteration(args) -> None:
         fail("--cuda-graph-check-interval", args.cuda_graph_check_interval,
              "The health check replays one micro-batch's graph and a full-iteration run has "
              "one graph per iteration; drop it or use --cuda-graph-impl local")
+    if args.packed_cuda_graph_modules:
+        fail("--cuda-graph-modules", " ".join(args.packed_cuda_graph_modules),
+             "Full-iteration graphs capture whole iterations, and whole layers or chunks for "
+             "the iterations they miss; drop --cuda-graph-modules")
+    if args.check_for_nan_in_loss_and_grad:
+        fail("--no-check-for-nan-in-loss-and-grad", "not given",
+             "DDP's NaN check (on by default) reads every gradient bucket's norm on the host, "
+             "which a full-iteration graph cannot capture; add "
+             "--no-check-for-nan-in-loss-and-grad (as Megatron-LM requires too)")
 
 
 def check_health_check(args) -> None:

@@ -155,7 +155,7 @@ class PackedForwardStep:
 
     @classmethod
     def from_args(cls, args, *, with_seq_idx: bool) -> "PackedForwardStep":
-        return cls(with_seq_idx=with_seq_idx, static_max_seqlen=args.cuda_graph_impl != "none",
+        return cls(with_seq_idx=with_seq_idx, static_max_seqlen=args.packed_graph_impl != "none",
                    cp_size=args.context_parallel_size,
                    dynamic_cp_tokens_per_rank=getattr(args, "dynamic_cp_tokens_per_rank", 0),
                    with_padding_mask=getattr(args, "num_experts", None) is not None)

@@ -2,7 +2,7 @@
 wheel's ``megatron.training``) with the fork's model, data and forward step, and the graph
 runtime at the loop's one seam.
 
-    args  = parse_packed_args(model, script)     # Megatron-LM's parser + the fork's flags
+    args  = parse_args_or_exit(model, script)    # Megatron-LM's parser + the fork's flags
     check = run_data_check(args)                  # rank 0, before any GPU work
     pretrain(container, packed data provider, ModelType.encoder_or_decoder, PackedForwardStep,
              model_provider=<the fork's spec>)   # train(), evaluate(), checkpoints: upstream's
@@ -13,86 +13,8 @@ it builds the `GraphRuntime`, the MoE overflow monitor and the optimizer graph, 
 ``evaluate()`` iteration.
 """
 
-import argparse
-import sys
 from functools import partial
 from typing import Callable
-
-# Megatron-LM's defaults for what its parser leaves unset and a packed launch line may omit.
-# (validate_args applies them to values still None.)
-UPSTREAM_DEFAULTS = {"eval_interval": 1000}
-
-
-def _error(script: str, err: BaseException) -> SystemExit:
-    """A one-line ``<script>: error: <message>`` (exit 2), as argparse reports a bad flag."""
-    print(f"{script}: error: {err}", file=sys.stderr, flush=True)
-    return SystemExit(2)
-
-
-def parse_packed_args(model: str, script: str, argv=None) -> argparse.Namespace:
-    """Megatron-LM's arguments with the fork's (extra_args.py), checked by upstream's
-    ``validate_args`` and the fork's rules. A bad value exits with status 2 and one line."""
-    from megatron.training.arguments import parse_args, validate_args
-
-    from megatron.packed_training.extra_args import (
-        add_packed_args,
-        prepare_upstream_args,
-        validate_packed_args,
-    )
-
-    if argv is not None:  # upstream parses sys.argv
-        sys.argv = [script, *argv]
-    args = parse_args(extra_args_provider=add_packed_args)
-    try:
-        prepare_upstream_args(args, model)
-        if args.tokenizer_type is None:  # pre-tokenized data: ids below --vocab-size
-            args.tokenizer_type = "NullTokenizer"
-            args.vocab_size = args.vocab_size or 32000
-        # The fork's data provider returns the iterators; upstream builds no data loader.
-        args.dataloader_type = "external"
-        validate_args(args, UPSTREAM_DEFAULTS)
-        validate_packed_args(args, model)
-    except (ValueError, AssertionError) as err:
-        raise _error(script, err) from None
-    return args
-
-
-def graph_args(args) -> argparse.Namespace:
-    """``args`` as the graph runtime reads them: the user's graph flags (extra_args module
-    doc) and this run's micro-batch count."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-    return argparse.Namespace(**{
-        **vars(args), "cuda_graph_impl": args.packed_graph_impl,
-        "optimizer_cuda_graph": args.packed_optimizer_graph,
-        "cuda_graph_modules": args.packed_cuda_graph_modules,
-        "num_microbatches": get_num_microbatches()})
-
-
-def packed_transformer_config(args):
-    """megatron-core's TransformerConfig from Megatron-LM's own ``core_transformer_config_from_args``,
-    in the fork's config class, with what the fork's layers read set on top."""
-    from megatron.core.transformer.enums import CudaGraphModule
-    from megatron.training.arguments import core_transformer_config_from_args
-
-    from megatron.packed_training.config import PackedMLATransformerConfig, PackedTransformerConfig
-    from megatron.packed_training.extra_args import uses_te_attention
-
-    cls = PackedMLATransformerConfig if args.multi_latent_attention else PackedTransformerConfig
-    config = core_transformer_config_from_args(args, cls)
-    impl = args.packed_graph_impl
-    # The runtime's full-iteration graph is not megatron-core's: the layers carry local graphs
-    # for the iterations it misses. megatron-core's warm-up count means passes inside a capture;
-    # --cuda-graph-warmup-steps counts eager iterations before it (the runtime's).
-    config.cuda_graph_impl = "local" if impl == "full_iteration" else impl
-    config.cuda_graph_warmup_steps = 1
-    config.cuda_graph_modules = [CudaGraphModule[name] for name in args.packed_cuda_graph_modules]
-    config.cuda_graph_granularity = args.cuda_graph_granularity
-    # TE's fused THD RoPE is the sync-free one on the TE path (packed_graphs/specs.py).
-    config.apply_rope_fusion = uses_te_attention(args)
-    if args.multi_latent_attention:
-        config.mla_pad_v = args.mla_pad_v == "always"
-    return config
 
 
 def model_provider(build: Callable, pre_process=True, post_process=True, vp_stage=None,
@@ -102,10 +24,11 @@ def model_provider(build: Callable, pre_process=True, post_process=True, vp_stag
     from megatron.training import get_args
 
     from megatron.packed_graphs.runtime import GraphRuntime
+    from megatron.packed_training.config import transformer_config_from_args
 
     args = get_args()
-    GraphRuntime.prepare(graph_args(args))  # TE graph capture: the process on a side stream
-    return build(args, config or packed_transformer_config(args), pre_process=pre_process,
+    GraphRuntime.prepare(args)  # TE graph capture: the process on a side stream
+    return build(args, config or transformer_config_from_args(args), pre_process=pre_process,
                  post_process=post_process, vp_stage=vp_stage)
 
 
@@ -159,13 +82,12 @@ def install_graph_runtime(args, model, optimizer, scheduler):
     from megatron.packed_graphs.schedule import GraphRuntimeSchedule
     from megatron.packed_training.metrics import RuntimeLog
 
-    view = graph_args(args)
     config = get_model_config(model[0])
-    moe_rerun = MoEOverflowRerun.from_args(view, model)
-    runtime = GraphRuntime.from_args(view, model, config,
+    moe_rerun = MoEOverflowRerun.from_args(args, model)
+    runtime = GraphRuntime.from_args(args, model, config,
                                      check_guards=[moe_rerun.suspended] if moe_rerun else [])
     print_rank_0(f" > {runtime.describe()}")
-    if graph := OptimizerGraph.install(view, optimizer, runtime):
+    if graph := OptimizerGraph.install(args, optimizer, runtime):
         print_rank_0(f" > {graph.describe()}")
     seams = []
 
@@ -185,10 +107,11 @@ def install_graph_runtime(args, model, optimizer, scheduler):
 
 def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None:
     """Entry point of pretrain_gpt.py (``model`` 'gpt') and pretrain_mamba.py ('hybrid')."""
-    args = parse_packed_args(model, script, argv)
+    from megatron.packed_training.arguments import parse_args_or_exit
     from megatron.packed_training.datasets.preflight import run_data_check
     from megatron.packed_training.initialize import require_cuda
 
+    args = parse_args_or_exit(model, script, argv)
     try:
         check = run_data_check(args)  # rank 0 only, before distributed start-up and the GPU
     except ValueError as err:
@@ -210,7 +133,10 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
             f"{name} ({state})" for name, state in patches.items()), flush=True)
     route_training_loop(partial(install_graph_runtime, args),
                         capturable_optimizer=args.packed_optimizer_graph)
-    forward_step = PackedForwardStep.from_args(graph_args(args), with_seq_idx=model == "hybrid")
+    if args.rank == 0:
+        for note in args.packed_notes:
+            print(f" > {note}", flush=True)
+    forward_step = PackedForwardStep.from_args(args, with_seq_idx=model == "hybrid")
     pretrain(pretrain_cfg_container_from_args(args),
              packed_data_provider(check.rows if check else None),
              ModelType.encoder_or_decoder, forward_step,
