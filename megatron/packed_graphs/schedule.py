@@ -42,6 +42,8 @@ class GraphRuntimeSchedule:
     seq_length`` (the schedule's ``seq_length``; it divides by the CP size, and by TP with
     sequence parallelism, for the ``[positions, 1, hidden]`` tensors stages exchange).
     ``moe_rerun``: the `MoEOverflowRerun` monitor, or None.
+    ``before_iteration``: called with no argument as each training iteration starts (before its
+    micro-batches are read), e.g. a profiler's start.
     ``listeners``: called as ``listener(split, stats, losses)`` when a training iteration closes
     (after its optimizer step; ``split`` "train") and after each evaluation iteration ("valid"),
     with the runtime's statistics of the iteration and the schedule's losses_reduced.
@@ -54,6 +56,7 @@ class GraphRuntimeSchedule:
         self.stream_length = stream_length
         self.moe_rerun = moe_rerun
         self.optimizer = optimizer  # zeroed with the gradient buffers before a MoE rerun
+        self.before_iteration: List[Callable[[], None]] = []
         self.listeners: List[Callable[[str, dict, list], None]] = []
         # The training iteration whose optimizer step has not run yet.
         self._open: Optional[ExitStack] = None
@@ -67,6 +70,10 @@ class GraphRuntimeSchedule:
         iterator, or one per virtual pipeline chunk). Returns what the schedule returns
         (losses_reduced; under a full-iteration graph, graph-owned tensors the next replay
         overwrites). Syncs only where the runtime does (captures, the MoE overflow read)."""
+        if not forward_only:
+            self.close_iteration()  # a previous iteration without an optimizer step (skipped)
+            for hook in self.before_iteration:
+                hook()
         chunks = len(model)
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         if len(iterators) == 1 and chunks > 1:  # one shared iterator: each chunk reads its own copy
@@ -87,7 +94,6 @@ class GraphRuntimeSchedule:
             self._notify("valid", step.stats, losses)
             return losses
 
-        self.close_iteration()  # a previous iteration without an optimizer step (skipped)
         stack = ExitStack()
         try:
             step = stack.enter_context(self.runtime.iteration(micro_batches, forward_step_func))

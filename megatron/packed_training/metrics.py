@@ -290,6 +290,16 @@ class RuntimeLog:
             self._file = open(args.metrics_file, "a", buffering=1)
         self._valid_stats: dict = {}
         self._valid_losses: list = []
+        from megatron.packed_training.profiling import StepProfiler
+
+        # --profile: GPU-busy time of iterations [--profile-step-start, --profile-step-end)
+        # of this process, 1-based (profiling.py); Megatron-LM's own nsys range is separate.
+        self.profiler = StepProfiler(args.profile, args.profile_step_start,
+                                     args.profile_step_end, args.profile_trace_dir)
+
+    def begin_iteration(self) -> None:
+        """`GraphRuntimeSchedule.before_iteration` hook: the profiler's start."""
+        self.profiler.begin(self.iteration + 1)
 
     def __call__(self, split: str, stats: dict, losses) -> None:
         if split == "valid":
@@ -302,6 +312,7 @@ class RuntimeLog:
 
         self.iteration += 1
         batch = get_current_global_batch_size()
+        stats = stats | self.profiler.finish(self.iteration)
         self.interval.add(batch, batch * self.args.seq_length, stats)
         if self.iteration % self.args.log_interval and self.iteration != self.args.train_iters:
             return

@@ -97,6 +97,7 @@ def install_graph_runtime(args, model, optimizer, scheduler):
                                     moe_rerun=moe_rerun, optimizer=optimizer)
         if not seams:  # train()'s schedule: its optimizer step closes each iteration
             optimizer.step = seam.wrap_optimizer_step(optimizer.step)
+        seam.before_iteration.append(log.begin_iteration)
         seam.listeners.append(log)
         seams.append(seam)
         return seam

@@ -40,7 +40,7 @@ def test_apply_reports_every_patch():
         "keep_saved_tensor_observer_armed_until_capture", "sync_free_multi_tensor_fallbacks",
         "clip_gradients_without_host_sync", "warm_up_graphs_on_recorded_layouts",
         "te_cross_entropy_capturable", "check_arg_types_without_reimporting",
-        "record_capture_statistics"}
+        "record_capture_statistics", "skip_dataset_helper_build"}
     assert all(state == "applied" or state.startswith(("not needed", "l2 norm", "scale"))
                for state in report.values())
     assert core_patches.apply_core_patches() is report  # once
@@ -523,3 +523,65 @@ def test_te_cross_entropy_patch_is_not_needed_without_te_or_with_an_always_captu
         monkeypatch, lambda saved, stats, target, n_non_ignore, grad, *rest: saved)
     assert core_patches.te_cross_entropy_capturable().endswith("always capturable")
     assert language_module.te_parallel_cross_entropy is upstream
+
+
+# -- the seam into Megatron-LM's loop ------------------------------------------------------
+
+def test_upstream_loop_reaches_the_seam_through_module_names():
+    """train() and evaluate() look the schedule up by name at call time, pretrain() builds
+    through setup_model_and_optimizer, and that builds the optimizer config by name: the three
+    names route_training_loop replaces."""
+    import megatron.training.training as loop
+
+    for function in (loop.train, loop.evaluate):
+        assert "get_forward_backward_func(" in inspect.getsource(function)
+    assert "setup_model_and_optimizer(" in inspect.getsource(loop.pretrain)
+    assert "get_megatron_optimizer_config(args)" in inspect.getsource(
+        loop.setup_model_and_optimizer)
+    # Upstream's own graph wrappers key on these two args fields, which the fork hides.
+    source = inspect.getsource(loop.train)
+    assert 'args.cuda_graph_impl == "full_iteration"' in source
+    assert "if args.optimizer_cuda_graph:" in source
+
+
+def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
+    import megatron.training.training as loop
+
+    config = SimpleNamespace(optimizer_cuda_graph=False)
+    args_seen = []
+
+    def optimizer_config(args):
+        args_seen.append(args.optimizer_cuda_graph)
+        return config, "overrides"
+
+    monkeypatch.setattr(loop, "setup_model_and_optimizer", lambda *a, **k: ("m", "o", "s"))
+    monkeypatch.setattr(loop, "get_forward_backward_func", lambda **k: "schedule")
+    monkeypatch.setattr(loop, "get_megatron_optimizer_config", optimizer_config)
+    built = []
+
+    def on_setup(model, optimizer, scheduler):
+        built.append((model, optimizer, scheduler))
+        return lambda schedule: f"seam around {schedule}"
+
+    core_patches.route_training_loop(on_setup, capturable_optimizer=True)
+    assert loop.get_forward_backward_func(schedule_pg_collection=None) == "schedule"
+    assert loop.setup_model_and_optimizer("model_type") == ("m", "o", "s")
+    assert built == [("m", "o", "s")]
+    assert loop.get_forward_backward_func(schedule_pg_collection=None) == "seam around schedule"
+    args = SimpleNamespace(optimizer_cuda_graph=False)
+    assert loop.get_megatron_optimizer_config(args) == (config, "overrides")
+    assert args_seen == [True] and args.optimizer_cuda_graph is False  # shown False again
+
+
+def test_the_wheel_ships_dataset_helpers_prebuilt_without_a_makefile():
+    import os
+
+    from megatron.core import datasets
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import initialize
+
+    folder = os.path.dirname(datasets.__file__)
+    assert not os.path.exists(os.path.join(folder, "Makefile"))
+    assert any(name.startswith("helpers_cpp") for name in os.listdir(folder))
+    assert "compile_helpers" in inspect.getsource(initialize)
+    assert callable(dataset_utils.compile_helpers)
