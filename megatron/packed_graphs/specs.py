@@ -78,6 +78,25 @@ def backend_provider(attention_backend: str) -> BackendSpecProvider:
     return VarlenSpecProvider(attention_backend)
 
 
+# Where Transformer Engine fuses a norm into the linear after it, the norm's weights are saved
+# under that linear (``self_attention.linear_qkv.layer_norm_weight``). The TE-free spec's
+# separate norms are saved under the same names, so Megatron-LM, the TE path and the TE-free
+# path read each other's checkpoints (megatron-core's own local GPT spec maps them alike).
+TE_FUSED_NORM_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    "norm.": "mixer.in_proj.layer_norm_",  # Mamba
+}
+
+
+def te_checkpoint_keys(provider: BackendSpecProvider, *norms: str) -> dict:
+    """A layer's ``sharded_state_dict_keys_map`` for its separate ``norms`` (keys of
+    `TE_FUSED_NORM_KEYS`) that TE's spec fuses; {} for a provider that fuses them itself."""
+    if provider.fuse_layernorm_and_linear():
+        return {}
+    return {norm: TE_FUSED_NORM_KEYS[norm] for norm in norms}
+
+
 def _norm(provider: BackendSpecProvider, normalization: str):
     return provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False)
 
@@ -114,6 +133,7 @@ def attention_layer_spec(provider: BackendSpecProvider, normalization: str,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=te_checkpoint_keys(provider, "input_layernorm."),
         ),
     )
 
@@ -160,8 +180,11 @@ def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm",
         attention = mla_attention_submodules(provider, normalization)
     else:
         attention = attention_layer_spec(provider, normalization, qk_layernorm).submodules
+    # TE's MLA keeps its input norm separate, and MoE layers their pre-MLP norm.
+    fused_norms = [] if multi_latent_attention else ["input_layernorm."]
     if num_experts is None:
         pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
+        fused_norms.append("pre_mlp_layernorm.")
     else:
         pre_mlp_norm, mlp = _moe_spec(provider, normalization, num_experts, moe_grouped_gemm)
     return ModuleSpec(
@@ -174,6 +197,7 @@ def gpt_layer_spec(attention_backend: str, normalization: str = "RMSNorm",
             pre_mlp_layernorm=pre_mlp_norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=te_checkpoint_keys(provider, *fused_norms),
         ),
     )
 
@@ -244,13 +268,15 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
                         ),
                     ),
                     mamba_bda=get_bias_dropout_add,
+                    sharded_state_dict_keys_map=te_checkpoint_keys(provider, "norm."),
                 ),
             ),
             attention_layer=attention_layer_spec(provider, normalization, qk_layernorm),
             mlp_layer=ModuleSpec(
                 module=GraphSafeMLPLayer,
                 submodules=TransformerLayerSubmodules(
-                    pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add
+                    pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add,
+                    sharded_state_dict_keys_map=te_checkpoint_keys(provider, "pre_mlp_layernorm."),
                 ),
             ),
             moe_layer=(IdentityOp if num_experts is None else
