@@ -12,6 +12,7 @@ Every flag and where the fork differs from Megatron-LM: docs/flags.md.
 import argparse
 import os
 import sys
+import traceback
 
 MODELS = ("gpt", "hybrid")
 
@@ -61,8 +62,15 @@ def parse_args(argv=None, model: str = "gpt") -> argparse.Namespace:
     try:
         validate_args(args, UPSTREAM_DEFAULTS)
     except AssertionError as err:  # Megatron-LM's checks are asserts
-        raise ValueError(str(err) or "Megatron-LM's validate_args refused the arguments") from None
+        raise ValueError(str(err) or _failed_check(err)) from None
     return validate_packed_args(args, model)
+
+
+def _failed_check(err: AssertionError) -> str:
+    """An assert without a message: the check's own source line, which names the flags."""
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return (f"Megatron-LM's argument check `{frame.line}` failed "
+            f"({os.path.basename(frame.filename)}:{frame.lineno})")
 
 
 def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace:

@@ -126,6 +126,7 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
         args.packed_notes.append("gradient accumulation fusion off: apex's "
                                  "fused_weight_gradient_mlp_cuda is not importable")
     check_attention(args)
+    check_dynamic_cp(args)
     check_graphs(args, model)
     check_health_check(args)
     check_optimizer_graph(args)
@@ -148,6 +149,18 @@ def check_attention(args) -> None:
                                           "local (PyTorch varlen attention)")
 
 
+def check_dynamic_cp(args) -> None:
+    """--dynamic-cp-sizes: a CP size per micro-batch, whose ranks then run different numbers of
+    micro-batches. Megatron-LM's loop runs the same count on every rank and builds its own
+    hybrid-CP groups and data path, so the fork's dynamic CP does not run on it yet."""
+    for flag in ("--dynamic-cp-sizes", "--dynamic-cp-max-packed-seqs"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value:
+            fail(flag, " ".join(map(str, value)),
+                 "Dynamic context parallelism does not run on Megatron-LM's training loop in "
+                 "this release; use a static --context-parallel-size")
+
+
 def check_graphs(args, model: str) -> None:
     """Graph implementation, capacity, granularity and modules."""
     impl, capacity = args.packed_graph_impl, args.cuda_graph_max_packed_seqs
@@ -162,10 +175,11 @@ def check_graphs(args, model: str) -> None:
         for flag, value in (("--cuda-graph-max-packed-seqs", capacity),
                             ("--cuda-graph-capacity-ladder", args.cuda_graph_capacity_ladder)):
             if value:
-                fail(flag, value, "It would be ignored without graphs; add --cuda-graph-impl "
+                shown = " ".join(map(str, value)) if isinstance(value, list) else value
+                fail(flag, shown, "It would be ignored without graphs; add --cuda-graph-impl "
                                   "local")
         return
-    if capacity == 0 and not args.dynamic_cp_sizes:
+    if capacity == 0:
         fail("--cuda-graph-max-packed-seqs", 0,
              f"--cuda-graph-impl {impl} on packed data needs a document capacity per "
              "micro-batch, e.g. --cuda-graph-max-packed-seqs 64; tools/capacity_advisor.py "
@@ -213,7 +227,7 @@ def _check_full_iteration(args) -> None:
         fail("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
              "Full-iteration graphs are for PP = 1: megatron-core's pipeline send/receive "
              "synchronises the device after every exchange; use --cuda-graph-impl local")
-    if args.context_parallel_size > 1 or args.dynamic_cp_sizes:
+    if args.context_parallel_size > 1:
         fail("--context-parallel-size", args.context_parallel_size,
              "Context parallelism inside full-iteration graphs is not verified; use "
              "--cuda-graph-impl local or transformer_engine")
