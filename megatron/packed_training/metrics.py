@@ -130,7 +130,7 @@ class RuntimeLog:
         if self.count_drops:  # a collective: every rank reads
             from megatron.packed_graphs.moe import read_dropped_token_fraction
 
-            self.interval.stats["moe dropped token fraction"] = round(
+            self.interval.stats["moe_dropped_token_fraction"] = round(
                 read_dropped_token_fraction(self.model), 6)
         if not self.enabled:
             self.interval.restart()
