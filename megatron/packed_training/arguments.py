@@ -11,6 +11,7 @@ Every flag and where the fork differs from Megatron-LM: docs/flags.md.
 
 import argparse
 import os
+import re
 import sys
 import traceback
 
@@ -20,6 +21,8 @@ MODELS = ("gpt", "hybrid")
 # fills values still None): evaluation every 1000 iterations, as Megatron-LM's scripts do.
 UPSTREAM_DEFAULTS = {"eval_interval": 1000}
 DEFAULT_VOCAB_SIZE = 32000  # pre-tokenized data without --vocab-size (NullTokenizer)
+# A '%' in a help text: an escaped '%%', an argparse field such as '%(default)s', or bare.
+_PERCENT = re.compile(r"%(?:%|\([a-z_]+\)[a-z])?")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,14 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(description="Megatron-LM arguments (packed CUDA graphs)",
                                      allow_abbrev=False)
-    return add_packed_args(add_megatron_arguments(parser))
+    parser = add_packed_args(add_megatron_arguments(parser))
+    for action in parser._actions:  # some of Megatron-LM's help texts hold a bare '%'
+        if action.help and action.help is not argparse.SUPPRESS:
+            action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(),
+                                       action.help)
+    return parser
 
 
-def parse_args(argv=None, model: str = "gpt") -> argparse.Namespace:
+def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
+               ) -> argparse.Namespace:
     """Parse and validate ``argv`` (default ``sys.argv[1:]``) for ``model`` ('gpt' | 'hybrid').
 
     Runs Megatron-LM's ``validate_args`` and the fork's rules; sets no global state. Raises
-    ``ValueError`` with the value and the fix; argparse's own errors exit with status 2."""
+    ``ValueError`` with the value and the fix; argparse's own errors (an unknown flag, a bad
+    choice) exit with status 2, or raise ``ValueError`` with ``raise_on_error``."""
     from megatron.training.arguments import validate_args
 
     from megatron.packed_training.extra_args import (
@@ -48,7 +58,18 @@ def parse_args(argv=None, model: str = "gpt") -> argparse.Namespace:
 
     if model not in MODELS:
         raise ValueError(f"model is wrong: {model!r}. Use one of {', '.join(MODELS)}.")
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser()
+    if raise_on_error:  # a library caller gets a ValueError, not an exit
+        parser.exit_on_error = False
+
+        def error(message):
+            raise ValueError(f"arguments are wrong: {message}.")
+
+        parser.error = error
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    except argparse.ArgumentError as err:  # raise_on_error only
+        raise ValueError(f"arguments are wrong: {err}.") from None
     # What Megatron-LM's own parse_args adds after parsing.
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     args.rank = int(os.getenv("RANK", "0"))
@@ -59,11 +80,34 @@ def parse_args(argv=None, model: str = "gpt") -> argparse.Namespace:
         args.tokenizer_type = "NullTokenizer"
         args.vocab_size = args.vocab_size or DEFAULT_VOCAB_SIZE
     args.dataloader_type = "external"  # the fork's data provider returns the iterators
+    # Megatron-LM gives --data-path a default --split of 969,30,1; here no --split means the
+    # whole file trains (validation from --valid-data-path, if any).
+    # --valid-data-path beside --data-path is the fork's (Megatron-LM takes one or the other).
+    split, valid_data_path, args.valid_data_path = args.split, args.valid_data_path, None
     try:
         validate_args(args, UPSTREAM_DEFAULTS)
     except AssertionError as err:  # Megatron-LM's checks are asserts
         raise ValueError(str(err) or _failed_check(err)) from None
-    return validate_packed_args(args, model)
+    args.split, args.valid_data_path = split, valid_data_path
+    validate_packed_args(args, model)
+    if args.eval_iters and not _has_validation_data(args):
+        args.eval_iters = 0  # Megatron-LM would evaluate an empty iterator
+        args.packed_notes.append("no validation data (--valid-data-path, a --split with a "
+                                 "validation share, or --mock-data): evaluation off")
+    return args
+
+
+def _has_validation_data(args) -> bool:
+    if args.mock_data or args.valid_data_path:
+        return True
+    if args.split is None:
+        return False
+    from megatron.packed_training.datasets.builder import split_shares
+
+    try:
+        return split_shares(args.split)[1] > 0
+    except ValueError:
+        return True  # the data check reports the bad --split
 
 
 def _failed_check(err: AssertionError) -> str:

@@ -11,6 +11,7 @@ The library config is for frameworks that drive training without a command line:
 """
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -44,23 +45,23 @@ def transformer_config_from_args(args) -> TransformerConfig:
     graph is not megatron-core's: layers carry local graphs for the iterations it misses, and
     megatron-core's warm-up count means passes inside a capture, where
     ``--cuda-graph-warmup-steps`` counts eager iterations before it); TE's fused THD RoPE on the
-    TE path (sync-free); torch norms on the TE-free path; and pipeline outputs never freed by
-    the schedule (a graphed stage's output lives in the graph's static buffers)."""
+    TE path (sync-free); and pipeline outputs never freed by the schedule (a graphed stage's
+    output lives in the graph's static buffers)."""
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron.packed_training.extra_args import uses_te_attention
 
     cls = PackedMLATransformerConfig if args.multi_latent_attention else PackedTransformerConfig
     config = core_transformer_config_from_args(args, cls)
+    if not isinstance(config, cls):  # upstream picks MLATransformerConfig itself under MLA
+        config = cls(**{field.name: getattr(config, field.name)
+                        for field in dataclasses.fields(config) if field.init})
     impl = args.packed_graph_impl
     config.cuda_graph_impl = "local" if impl == "full_iteration" else impl
     config.cuda_graph_warmup_steps = 1
     config.cuda_graph_modules = [CudaGraphModule[name] for name in args.packed_cuda_graph_modules]
     config.cuda_graph_granularity = args.cuda_graph_granularity
-    te = uses_te_attention(args)
-    config.apply_rope_fusion = te
-    if not te:
-        config.persist_layer_norm = False  # a TE kernel
+    config.apply_rope_fusion = uses_te_attention(args)  # off on the TE-free path already
     config.deallocate_pipeline_outputs = False
     if args.multi_latent_attention:
         config.mla_pad_v = args.mla_pad_v == "always"
@@ -86,7 +87,7 @@ def load_training_config(source: str | os.PathLike | dict, model: str = "gpt"
         raise ValueError(f"training config key is wrong: {', '.join(unknown)}. Keys are the "
                          "flags' dest names (docs/flags.md).")
     argv = [token for dest, value in raw.items() for token in _argv(actions[dest], value)]
-    return parse_args(argv, model)
+    return parse_args(argv, model, raise_on_error=True)
 
 
 def _read_mapping(source) -> dict:

@@ -115,6 +115,8 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     """The fork's rules, after Megatron-LM's ``validate_args``. Fills derived values in place
     (``packed_graph_impl``, ``packed_cuda_graph_modules`` as names, ``num_microbatches``,
     ``te_rng_tracker``, ``packed_notes``). Returns args."""
+    if args.cuda_graph_impl == "full_iteration":  # upstream's --cuda-graph-modules full_iteration
+        args.packed_graph_impl = "full_iteration"
     hand_graph_flags_to_the_runtime(args)
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size
                                                        * args.data_parallel_size)
@@ -125,7 +127,19 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
         args.gradient_accumulation_fusion = False
         args.packed_notes.append("gradient accumulation fusion off: apex's "
                                  "fused_weight_gradient_mlp_cuda is not importable")
+    # --profile (without --use-pytorch-profiler): the fork's profiler opens the nsys range
+    # itself and measures each profiled iteration's GPU-busy time (profiling.py); Megatron-LM's
+    # own nsys path would hold torch's autograd profiler (emit_nvtx) at the same time.
+    args.packed_profile = bool(args.profile and not args.use_pytorch_profiler)
+    if args.packed_profile:
+        args.profile = False
+    if not uses_te_attention(args):
+        # TE kernels, and megatron-core checks for TE when the config is built: the TE-free
+        # path applies RoPE by gather and has torch norms.
+        args.apply_rope_fusion = False
+        args.no_persist_layer_norm = True
     check_attention(args)
+    check_tokenizer(args)
     check_dynamic_cp(args)
     check_graphs(args, model)
     check_health_check(args)
@@ -147,6 +161,30 @@ def check_attention(args) -> None:
         fail("--attention-backend", name, "It is a Transformer Engine backend and TE is not "
                                           "importable: install it (`pip install .[te]`), or use "
                                           "local (PyTorch varlen attention)")
+
+
+def check_tokenizer(args) -> None:
+    """``--tokenizer-type HuggingFaceTokenizer``: a local tokenizer whose size is the vocabulary
+    (as Megatron-LM pads it); chat data (``messages`` JSONL) needs it and ``--sft``."""
+    from megatron.packed_training.datasets.chat import chat_line
+    from megatron.packed_training.tokenizer import TOKENIZER_TYPES, load_tokenizer
+
+    if args.tokenizer_type in TOKENIZER_TYPES:
+        if args.tokenizer_model is None:
+            fail("--tokenizer-type", args.tokenizer_type,
+                 "It needs --tokenizer-model <local tokenizer folder or tokenizer.json>")
+        size = load_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+        if args.vocab_size is not None and args.vocab_size != size:
+            fail("--vocab-size", args.vocab_size,
+                 f"--tokenizer-model {args.tokenizer_model} has {size} tokens and sets the "
+                 f"vocabulary size; drop --vocab-size or set it to {size}")
+        args.vocab_size = size
+    for flag in ("--data-path", "--valid-data-path"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        line = chat_line(path) if path else None
+        if line is not None and not args.sft:
+            fail(flag, path, f"Line {line} is a chat conversation, whose loss is on assistant "
+                             "tokens only; add --sft")
 
 
 def check_dynamic_cp(args) -> None:
@@ -256,6 +294,11 @@ def check_health_check(args) -> None:
     if args.cuda_graph_check_interval and args.packed_graph_impl == "none":
         fail("--cuda-graph-check-interval", args.cuda_graph_check_interval,
              "The health check compares graphs with eager; add --cuda-graph-impl local")
+    if args.cuda_graph_check_interval and args.pipeline_model_parallel_size > 1:
+        fail("--cuda-graph-check-interval", args.cuda_graph_check_interval,
+             "The check runs one micro-batch outside the pipeline schedule, which would take "
+             "a graph runner's turn on every stage; use --pipeline-model-parallel-size 1 or "
+             "drop the flag")
     if not 0 < args.cuda_graph_check_tolerance < 1:
         fail("--cuda-graph-check-tolerance", args.cuda_graph_check_tolerance,
              "Use a relative difference in (0, 1), e.g. 0.01")

@@ -104,7 +104,7 @@ class RuntimeLog:
 
         # --profile: GPU-busy time of iterations [--profile-step-start, --profile-step-end)
         # of this process, 1-based (profiling.py); Megatron-LM's own nsys range is separate.
-        self.profiler = StepProfiler(args.profile, args.profile_step_start,
+        self.profiler = StepProfiler(args.packed_profile, args.profile_step_start,
                                      args.profile_step_end, args.profile_trace_dir)
 
     def begin_iteration(self) -> None:
@@ -158,6 +158,13 @@ class RuntimeLog:
         shown = "".join(f" {k}: {v} |" for k, v in stats.items())
         print(f" packed graphs | validation at iteration {self.iteration} |{shown}", flush=True)
         self._write({"split": "valid", "iteration": self.iteration, "lm_loss": value} | stats)
+
+    def close(self) -> None:
+        """After training: report a final evaluation, close the metrics file."""
+        self._flush_valid()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def _scalars(self, stats: dict) -> None:
         """The numeric counters under ``packed-graphs/<name>`` in Megatron-LM's writers."""

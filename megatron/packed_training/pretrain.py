@@ -7,9 +7,9 @@ runtime at the loop's one seam.
     pretrain(container, packed data provider, ModelType.encoder_or_decoder, PackedForwardStep,
              model_provider=<the fork's spec>)   # train(), evaluate(), checkpoints: upstream's
 
-`install_graph_runtime` runs once the model and optimizer exist (core_patches.route_training_loop):
-it builds the `GraphRuntime`, the MoE overflow monitor and the optimizer graph, and returns the
-`GraphRuntimeSchedule` that wraps megatron-core's schedule for every ``train()`` and
+`PackedGraphRun` is built once the model and optimizer exist (core_patches.route_training_loop):
+the `GraphRuntime`, the MoE overflow monitor and the optimizer graph; its ``wrap`` puts a
+`GraphRuntimeSchedule` around megatron-core's schedule for every ``train()`` and
 ``evaluate()`` iteration.
 """
 
@@ -69,41 +69,59 @@ def packed_data_provider(packed_rows: dict | None):
     return provider
 
 
-def install_graph_runtime(args, model, optimizer, scheduler):
-    """Called once the model and optimizer exist (and a checkpoint is loaded): the graph
-    runtime, the MoE overflow monitor, the optimizer graph, the runtime's log; returns the
-    wrapper of megatron-core's schedule (core_patches.route_training_loop)."""
-    from megatron.core.utils import get_model_config
-    from megatron.training import print_rank_0
+class PackedGraphRun:
+    """What the fork adds to one Megatron-LM run, built once the model and optimizer exist (and a
+    checkpoint is loaded): the graph runtime, the MoE overflow monitor, the optimizer graph and
+    the runtime's log. Megatron-LM's loop reaches it through `wrap` (core_patches.route_training_loop);
+    `finish` runs after ``pretrain()`` returns."""
 
-    from megatron.packed_graphs.moe_rerun import MoEOverflowRerun
-    from megatron.packed_graphs.optimizer_graph import OptimizerGraph
-    from megatron.packed_graphs.runtime import GraphRuntime
-    from megatron.packed_graphs.schedule import GraphRuntimeSchedule
-    from megatron.packed_training.metrics import RuntimeLog
+    def __init__(self, args):
+        self.args = args
+        self.runtime = self.moe_rerun = self.log = self.optimizer = None
+        self.seams = []
 
-    config = get_model_config(model[0])
-    moe_rerun = MoEOverflowRerun.from_args(args, model)
-    runtime = GraphRuntime.from_args(args, model, config,
-                                     check_guards=[moe_rerun.suspended] if moe_rerun else [])
-    print_rank_0(f" > {runtime.describe()}")
-    if graph := OptimizerGraph.install(args, optimizer, runtime):
-        print_rank_0(f" > {graph.describe()}")
-    seams = []
+    def __call__(self, model, optimizer, scheduler):
+        from megatron.core.utils import get_model_config
+        from megatron.training import print_rank_0
 
-    def wrap(schedule):
-        seam = GraphRuntimeSchedule(runtime, schedule,
-                                    stream_length=args.micro_batch_size * args.seq_length,
-                                    moe_rerun=moe_rerun, optimizer=optimizer)
-        if not seams:  # train()'s schedule: its optimizer step closes each iteration
-            optimizer.step = seam.wrap_optimizer_step(optimizer.step)
-        seam.before_iteration.append(log.begin_iteration)
-        seam.listeners.append(log)
-        seams.append(seam)
+        from megatron.packed_graphs.moe_rerun import MoEOverflowRerun
+        from megatron.packed_graphs.optimizer_graph import OptimizerGraph
+        from megatron.packed_graphs.runtime import GraphRuntime
+        from megatron.packed_training.metrics import RuntimeLog
+
+        args = self.args
+        self.moe_rerun = MoEOverflowRerun.from_args(args, model)
+        guards = [self.moe_rerun.suspended] if self.moe_rerun else []
+        self.runtime = GraphRuntime.from_args(args, model, get_model_config(model[0]),
+                                              check_guards=guards)
+        print_rank_0(f" > {self.runtime.describe()}")
+        if graph := OptimizerGraph.install(args, optimizer, self.runtime):
+            print_rank_0(f" > {graph.describe()}")
+        self.optimizer, self.log = optimizer, RuntimeLog(args, model)
+        return self.wrap
+
+    def wrap(self, schedule):
+        """megatron-core's ``schedule`` behind the graph runtime (packed_graphs/schedule.py).
+        The first one is train()'s: its iterations close after ``optimizer.step``."""
+        from megatron.packed_graphs.schedule import GraphRuntimeSchedule
+
+        seam = GraphRuntimeSchedule(self.runtime, schedule,
+                                    stream_length=self.args.micro_batch_size * self.args.seq_length,
+                                    moe_rerun=self.moe_rerun, optimizer=self.optimizer)
+        if not self.seams:
+            self.optimizer.step = seam.wrap_optimizer_step(self.optimizer.step)
+        seam.before_iteration.append(self.log.begin_iteration)
+        seam.listeners.append(self.log)
+        self.seams.append(seam)
         return seam
 
-    log = RuntimeLog(args, model)
-    return wrap
+    def finish(self) -> None:
+        """After training: the last evaluation's record, the measured router loads
+        (``--moe-router-load-file``, for tools/capacity_advisor.py)."""
+        if self.log is not None:
+            self.log.close()
+        if self.moe_rerun is not None and self.args.moe_router_load_file:
+            self.moe_rerun.write_router_loads(self.args.moe_router_load_file)
 
 
 def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None:
@@ -132,8 +150,8 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
     if args.rank == 0:
         print(" > megatron-core patches: " + ", ".join(
             f"{name} ({state})" for name, state in patches.items()), flush=True)
-    route_training_loop(partial(install_graph_runtime, args),
-                        capturable_optimizer=args.packed_optimizer_graph)
+    run = PackedGraphRun(args)
+    route_training_loop(run, capturable_optimizer=args.packed_optimizer_graph)
     if args.rank == 0:
         for note in args.packed_notes:
             print(f" > {note}", flush=True)
@@ -142,3 +160,4 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
              packed_data_provider(check.rows if check else None),
              ModelType.encoder_or_decoder, forward_step,
              model_provider=partial(model_provider, build))
+    run.finish()

@@ -154,8 +154,9 @@ def _load(tokenizer_type: str, path: str) -> HuggingFaceTokenizer:
 
 
 def tokenizer_from_args(args) -> HuggingFaceTokenizer | None:
-    """The run's tokenizer, or None when --tokenizer-type is not given."""
+    """The run's tokenizer, or None for pre-tokenized data (no --tokenizer-type, or Megatron-LM's
+    NullTokenizer)."""
     tokenizer_type = getattr(args, "tokenizer_type", None)
-    if tokenizer_type is None:
+    if tokenizer_type in (None, "NullTokenizer"):  # pre-tokenized data: ids below --vocab-size
         return None
     return load_tokenizer(tokenizer_type, getattr(args, "tokenizer_model", None))

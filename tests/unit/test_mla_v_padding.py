@@ -17,9 +17,9 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron.packed_graphs.mla import PackedMLASelfAttention, mla_self_attention_spec
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
-from megatron.packed_training import argument_checks
-from megatron.packed_training.arguments import build_parser, validate_args
-from megatron.packed_training.config import transformer_config_from_args
+from megatron.packed_training import extra_args
+from megatron.packed_training.arguments import parse_args
+from megatron.packed_training.config import PackedMLATransformerConfig, transformer_config_from_args
 
 HEADS, QK, ROPE, V = 4, 16, 8, 16  # query head 24, value head 16: upstream pads V to 24
 
@@ -57,21 +57,21 @@ class DocumentAttention(torch.nn.Module):
 def _config(*extra):
     """The MLA config the command line gives (TE and triton counted as importable)."""
     argv = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", str(HEADS),
-            "--seq-length", "64", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
-            "--attention-backend", "te", "--multi-latent-attention", "--kv-lora-rank", "32",
-            "--qk-head-dim", str(QK), "--qk-pos-emb-head-dim", str(ROPE),
-            "--v-head-dim", str(V), *extra]
-    return transformer_config_from_args(validate_args(build_parser("gpt").parse_args(argv),
-                                                      "gpt", world_size=1))
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--attention-backend", "auto",
+            "--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", str(QK),
+            "--qk-pos-emb-head-dim", str(ROPE), "--v-head-dim", str(V), *extra]
+    return transformer_config_from_args(parse_args(argv))
 
 
 @pytest.fixture
 def te_importable(monkeypatch):
     from megatron.packed_graphs import attention
 
-    monkeypatch.setattr(argument_checks, "is_importable",
+    monkeypatch.setattr(extra_args, "is_importable",
                         lambda package: package in ("transformer_engine", "triton"))
     monkeypatch.setattr(attention, "is_te_available", lambda: True)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
 def _attention(config, monkeypatch):
@@ -123,27 +123,7 @@ def test_unpadded_v_attends_like_padded_v(te_importable, cpu_dist, monkeypatch):
     torch.testing.assert_close(outputs[True], outputs[False])
 
 
-def test_never_with_equal_head_sizes_is_refused(te_importable):
-    with pytest.raises(ValueError, match=r"--mla-pad-v is wrong: never. V already has the "
-                                         r"query head size \(24 = "):
-        _config("--v-head-dim", "24", "--mla-pad-v", "never")
-
-
-def test_the_flag_needs_mla():
-    args = build_parser("gpt").parse_args(
-        ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "64", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
-         "--mla-pad-v", "never"])
-    with pytest.raises(ValueError, match="--mla-pad-v is wrong: never. It configures "
-                                         "multi-latent attention"):
-        validate_args(args, "gpt", world_size=1)
-
-
-def test_the_library_config_refuses_an_unknown_value(te_importable):
-    from megatron.packed_training.config import load_training_config
-
-    with pytest.raises(ValueError, match="training config is wrong.*mla-pad-v.*invalid choice"):
-        load_training_config({"num_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
-                              "seq_length": 64, "train_iters": 1, "lr": 1e-3,
-                              "mock_data": True, "attention_backend": "te",
-                              "multi_latent_attention": True, "mla_pad_v": "sometimes"})
+def test_the_mla_config_is_the_forks_class_with_its_fields(te_importable):
+    config = _config("--mla-pad-v", "never")
+    assert isinstance(config, PackedMLATransformerConfig)
+    assert dataclasses.replace(config).mla_pad_v is False

@@ -1,25 +1,31 @@
 """The data check before training (datasets/preflight.py): paths, file:line errors, the one
 summary line, the truncation limit, the long-document policies, rank 0 only, and its place in
-run_pretraining (before any GPU work)."""
+run_pretraining (before any GPU work).
 
+The check is host logic over a few fields of the run's args: most tests hand it a plain
+Namespace of those (`args_for`); the run_pretraining tests parse a whole launch line."""
+
+import argparse
 import json
 import re
 
 import pytest
 
-from megatron.packed_training import argument_checks, training
-from megatron.packed_training.arguments import parse_args
+from megatron.packed_training import extra_args, initialize, pretrain
 from megatron.packed_training.datasets.preflight import check_data, is_first_rank, run_data_check
 
+# A Megatron-LM launch line of the run `args_for` describes.
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "16", "--train-iters", "2", "--lr", "1e-3", "--vocab-size", "100"]
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+        "--train-iters", "2", "--lr", "1e-3", "--vocab-size", "100", "--attention-backend",
+        "local", "--eval-iters", "0"]
 
 
 @pytest.fixture(autouse=True)
 def cpu_only(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: False)
 
 
 def write_jsonl(path, *records):
@@ -31,15 +37,26 @@ def doc(n, start=1):
     return {"input_ids": list(range(start, start + n))}
 
 
-def args_for(*extra):
-    return parse_args(BASE + [str(x) for x in extra])
+def args_for(**values) -> argparse.Namespace:
+    """What the check reads of the args: BASE's run (pre-tokenized data, no tokenizer), with
+    ``values`` set. ``split`` None is the builder's one-file-per-split path (the parser gives
+    Megatron-LM's default split whenever --data-path is set)."""
+    defaults = dict(mock_data=False, data_path=None, valid_data_path=None, split=None,
+                    vocab_size=100, tokenizer_type=None, tokenizer_model=None, sft=False,
+                    seq_length=16, long_document_policy="split",
+                    max_truncated_token_fraction=None, dynamic_cp_sizes=None,
+                    context_parallel_size=1, train_iters=2, global_batch_size=1,
+                    eval_interval=1000, eval_iters=0, seed=1234, mock_doc_length_median=512,
+                    mock_doc_length_sigma=1.0)
+    paths = {name: str(value) for name, value in values.items() if name.endswith("path")}
+    return argparse.Namespace(**(defaults | values | paths))
 
 
 def test_missing_data_path_names_the_flag_and_path(tmp_path):
     missing = tmp_path / "train.jsonl"
     with pytest.raises(ValueError, match=re.escape(f"--data-path is wrong: '{missing}' does not "
                                                    "exist. Pass an existing pre-tokenized .jsonl")):
-        check_data(args_for("--data-path", missing))
+        check_data(args_for(data_path=missing))
 
 
 def test_missing_valid_path_fails_before_the_training_file_is_read(tmp_path):
@@ -47,18 +64,18 @@ def test_missing_valid_path_fails_before_the_training_file_is_read(tmp_path):
     missing = tmp_path / "valid.jsonl"
     with pytest.raises(ValueError, match=re.escape(f"--valid-data-path is wrong: '{missing}' "
                                                    "does not exist")):
-        check_data(args_for("--data-path", train, "--valid-data-path", missing))
+        check_data(args_for(data_path=train, valid_data_path=missing))
 
 
 def test_directory_is_not_a_data_file(tmp_path):
     with pytest.raises(ValueError, match=r"--data-path is wrong: .* is not a file"):
-        check_data(args_for("--data-path", tmp_path))
+        check_data(args_for(data_path=tmp_path))
 
 
 def test_bad_json_names_file_line_and_the_faults_column(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", doc(5), "", '{"input_ids": [1, 2,]}')
     with pytest.raises(ValueError) as error:
-        check_data(args_for("--data-path", path))
+        check_data(args_for(data_path=path))
     first, excerpt, caret = str(error.value).split("\n")
     assert first == (f"{path}:3:20: JSON is wrong: a comma before ']'. Remove the trailing "
                      "comma.")
@@ -70,14 +87,14 @@ def test_bad_record_names_file_line_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: input_ids is wrong: element 1 is "
                                                    "200, not below the vocab size 100. Set "
                                                    "--vocab-size")):
-        check_data(args_for("--data-path", path))
+        check_data(args_for(data_path=path))
 
 
 def test_summary_line_counts_documents_rows_empty_split_and_truncation(tmp_path):
     # Rows of 16 positions: documents of 10 and 5 positions, one of 1 token (skipped), one of
     # 40 tokens (39 positions): split into 16 + 16 + 7.
     path = write_jsonl(tmp_path / "t.jsonl", doc(11), doc(6), doc(1), doc(40))
-    result = check_data(args_for("--data-path", path))
+    result = check_data(args_for(data_path=path))
     stats = result.train
     assert (stats.documents, stats.rows, stats.skipped_empty) == (5, 4, 1)
     assert (stats.split, stats.pieces, stats.truncated, stats.truncated_tokens) == (1, 3, 0, 0)
@@ -90,7 +107,7 @@ def test_summary_line_counts_documents_rows_empty_split_and_truncation(tmp_path)
 
 def test_truncation_within_the_limit_is_reported_as_count_and_percent(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", *[doc(17)] * 19, doc(18))
-    result = check_data(args_for("--data-path", path, "--long-document-policy", "truncate"))
+    result = check_data(args_for(data_path=path, long_document_policy="truncate"))
     # 20 documents, 16 + 17 positions in the last: 1 token of 321 dropped.
     assert (result.train.truncated, result.train.truncated_tokens) == (1, 1)
     assert "truncated 1 (1 tokens lost, 0.31%)" in result.line
@@ -98,15 +115,15 @@ def test_truncation_within_the_limit_is_reported_as_count_and_percent(tmp_path):
 
 def test_truncation_over_the_limit_stops_naming_both_fixes(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(40))
-    args = args_for("--data-path", path, "--long-document-policy", "truncate")
+    args = args_for(data_path=path, long_document_policy="truncate")
     with pytest.raises(ValueError, match=re.escape(
             f"truncation is wrong: {path}: cutting 1 long documents to a row drops 23 of 43 "
             f"tokens (53.49%), more than --max-truncated-token-fraction 0.05. Raise "
             f"--seq-length (the longest document has 40 tokens) or use --long-document-policy "
             f"split")):
         check_data(args)
-    args = args_for("--data-path", path, "--long-document-policy", "truncate",
-                    "--max-truncated-token-fraction", 0.6)
+    args = args_for(data_path=path, long_document_policy="truncate",
+                    max_truncated_token_fraction=0.6)
     assert "truncated 1 (23 tokens lost, 53.49%)" in check_data(args).line
 
 
@@ -115,29 +132,29 @@ def test_reject_policy_names_the_first_too_long_document(tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             f"document length is wrong: {path}:2 has 30 tokens (29 training positions), more "
             f"than --seq-length 16. Use --long-document-policy split")):
-        check_data(args_for("--data-path", path, "--long-document-policy", "reject"))
+        check_data(args_for(data_path=path, long_document_policy="reject"))
 
 
 def test_valid_file_is_checked_and_summarised_on_the_same_line(tmp_path):
     train = write_jsonl(tmp_path / "t.jsonl", doc(5))
     valid = write_jsonl(tmp_path / "v.jsonl", doc(6), doc(7))
-    result = check_data(args_for("--data-path", train, "--valid-data-path", valid))
+    result = check_data(args_for(data_path=train, valid_data_path=valid))
     assert result.valid.documents == 2
     assert f"; --valid-data-path {valid}: 2 documents into 1 rows" in result.line
     assert result.line.count("\n") == 0
     bad = write_jsonl(tmp_path / "bad.jsonl", doc(5), "[1, 2]")
     with pytest.raises(ValueError, match=re.escape(f"{bad}:2: record is wrong")):
-        check_data(args_for("--data-path", train, "--valid-data-path", bad))
+        check_data(args_for(data_path=train, valid_data_path=bad))
 
 
 def test_a_file_without_trainable_documents_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", doc(1), doc(0))
     with pytest.raises(ValueError, match="holds no document with at least 2 tokens"):
-        check_data(args_for("--data-path", path))
+        check_data(args_for(data_path=path))
 
 
 def test_mock_data_skips_files_and_summarises_its_rows():
-    result = check_data(args_for("--mock-data", "--mock-doc-length-median", 6))
+    result = check_data(args_for(mock_data=True, mock_doc_length_median=6))
     assert result.train.rows == 2  # train_iters x global batch size
     assert result.line.startswith("data check: --mock-data (2 rows): ")
     assert f"{result.train.documents} documents into 2 rows" in result.line
@@ -147,14 +164,14 @@ def test_mock_data_summary_is_capped(monkeypatch):
     from megatron.packed_training.datasets import preflight
 
     monkeypatch.setattr(preflight, "MOCK_ROWS_CHECKED", 3)
-    result = check_data(args_for("--mock-data", "--train-iters", 10))
+    result = check_data(args_for(mock_data=True, train_iters=10))
     assert result.train.rows == 3 and "(first 3 of 10 rows)" in result.line
 
 
 def test_mock_data_follows_the_reject_policy():
     with pytest.raises(ValueError, match=r"mock row 0 drew a document of \d+ tokens"):
-        check_data(args_for("--mock-data", "--mock-doc-length-median", 400,
-                            "--long-document-policy", "reject"))
+        check_data(args_for(mock_data=True, mock_doc_length_median=400,
+                            long_document_policy="reject"))
 
 
 @pytest.mark.parametrize("rank, runs", [(None, True), ("", True), ("0", True), ("1", False),
@@ -163,11 +180,11 @@ def test_only_the_first_rank_checks(tmp_path, rank, runs):
     environ = {} if rank is None else {"RANK": rank}
     assert is_first_rank(environ) is runs
     lines = []
-    result = run_data_check(args_for("--data-path", tmp_path / "missing.jsonl"), lines.append,
+    result = run_data_check(args_for(data_path=tmp_path / "missing.jsonl"), lines.append,
                             environ) if not runs else None
     if runs:
         path = write_jsonl(tmp_path / "t.jsonl", doc(5))
-        result = run_data_check(args_for("--data-path", path), lines.append, environ)
+        result = run_data_check(args_for(data_path=path), lines.append, environ)
         assert lines == [result.line]
     else:  # another rank does not even look at the (missing) file
         assert result is None and lines == []
@@ -182,36 +199,40 @@ def _no_gpu(script):
 
 
 def test_run_pretraining_checks_the_data_before_any_gpu_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(training, "require_cuda", _no_gpu)
+    monkeypatch.setattr(initialize, "require_cuda", _no_gpu)
+    split = ["--split", "100,0,0"]  # Megatron-LM's default (969, 30, 1) needs 34+ documents
     path = write_jsonl(tmp_path / "t.jsonl", doc(5), '{"input_ids": [1, 2')
     with pytest.raises(SystemExit) as exit_info:
-        training.run_pretraining("gpt", None, "pretrain_gpt.py", BASE + ["--data-path", path])
+        pretrain.run_pretraining("gpt", None, "pretrain_gpt.py",
+                                 BASE + split + ["--data-path", path])
     assert str(exit_info.value).startswith(
         f"pretrain_gpt.py: error: {path}:2:20: JSON is wrong: Expecting ',' delimiter")
     # Good data: one summary line, then the CUDA check (where training would start).
     good = write_jsonl(tmp_path / "good.jsonl", doc(5), doc(40))
     with pytest.raises(GPUTouched):
-        training.run_pretraining("gpt", None, "pretrain_gpt.py", BASE + ["--data-path", good])
-    out = capsys.readouterr().out.splitlines()
-    assert out == [f"data check: --data-path {good}: 4 documents into 4 rows (1.0 per row), "
-                   f"skipped 0 empty, split 1 into 3 pieces, truncated 0 (0 tokens lost, "
-                   f"0.00%), padding 32.8% of 64 positions"]
+        pretrain.run_pretraining("gpt", None, "pretrain_gpt.py",
+                                 BASE + split + ["--data-path", good])
+    out = [line for line in capsys.readouterr().out.splitlines() if "data check" in line]
+    assert out == [f"data check: --data-path {good} (--split 100,0,0, train): 4 documents into "
+                   f"4 rows (1.0 per row), skipped 0 empty, split 1 into 3 pieces, truncated 0 "
+                   f"(0 tokens lost, 0.00%), padding 32.8% of 64 positions"]
 
 
 def test_run_pretraining_on_another_rank_skips_the_check(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(training, "require_cuda", _no_gpu)
+    monkeypatch.setattr(initialize, "require_cuda", _no_gpu)
     monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(GPUTouched):
-        training.run_pretraining("gpt", None, "pretrain_gpt.py",
+        pretrain.run_pretraining("gpt", None, "pretrain_gpt.py",
                                  BASE + ["--data-path", str(tmp_path / "missing.jsonl")])
-    assert capsys.readouterr().out == ""
+    assert "data check" not in capsys.readouterr().out
 
 
 def test_training_reuses_the_rows_the_check_packed(tmp_path, monkeypatch):
     from megatron.packed_training.datasets import builder
 
     path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(9), doc(3))
-    args = args_for("--sft", "--data-path", path)
+    args = args_for(sft=True, data_path=path)
     check = check_data(args)
     assert list(check.rows) == ["train"]
     fresh, _, _ = builder.build_datasets(args)
@@ -240,18 +261,11 @@ def test_split_shares_read_megatrons_spellings(split, shares):
     assert split_shares(split) == pytest.approx(shares)
 
 
-def validated(*extra):
-    """Parsed and validated arguments; a bad combination raises ValueError (not SystemExit)."""
-    from megatron.packed_training.arguments import build_parser, validate_args
-
-    return validate_args(build_parser("gpt").parse_args(BASE + [str(x) for x in extra]), "gpt")
-
-
 @pytest.mark.parametrize("split", ["a,b", "1,2,3,4", "-1,2", "0,0,0", ""])
-def test_a_bad_split_is_refused_at_parse_time(split, tmp_path):
+def test_a_bad_split_is_refused_by_the_data_check(split, tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", doc(5))
-    with pytest.raises(ValueError, match=re.escape(f"--split is wrong: {split}. Give up to three")):
-        validated("--data-path", path, f"--split={split}")  # '=': "-1,2" is not a flag
+    with pytest.raises(ValueError, match="Give up to three non-negative numbers"):
+        check_data(args_for(data_path=path, split=split))
 
 
 def test_split_boundaries_follow_the_cumulative_shares():
@@ -267,8 +281,7 @@ def test_split_trains_on_the_first_documents_and_validates_on_the_next(tmp_path)
 
     # Ten documents in file order, document i of tokens 9 i + 1 ... 9 i + 8.
     path = write_jsonl(tmp_path / "t.jsonl", *(doc(8, start=9 * i + 1) for i in range(10)))
-    args = args_for("--data-path", path, "--split", "7,2,1", "--eval-interval", "1",
-                    "--eval-iters", "1")
+    args = args_for(data_path=path, split="7,2,1", eval_interval=1, eval_iters=1)
     check = check_data(args)
     assert check.train.documents == 7 and check.valid.documents == 2  # the last one is test
     assert (f"--data-path {path} (--split 7,2,1, train): 7 documents" in check.line
@@ -284,7 +297,7 @@ def test_split_trains_on_the_first_documents_and_validates_on_the_next(tmp_path)
 
 def test_split_without_a_validation_share_builds_no_validation_set(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(6))
-    check = check_data(args_for("--data-path", path, "--split", "100,0,0"))
+    check = check_data(args_for(data_path=path, split="100,0,0"))
     assert check.valid is None and list(check.rows) == ["train"]
 
 
@@ -293,20 +306,4 @@ def test_a_validation_share_too_small_for_the_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             f"--split is wrong: 99,1,0 gives validation none of the 3 documents of {path}. "
             f"Raise the validation share")):
-        check_data(args_for("--data-path", path, "--split", "99,1,0"))
-
-
-def test_split_and_a_validation_file_are_one_source_too_many(tmp_path):
-    path = write_jsonl(tmp_path / "t.jsonl", doc(5))
-    with pytest.raises(ValueError, match=re.escape(
-            f"--split is wrong: 98,2,0. Validation documents come from --valid-data-path {path} "
-            f"or from a --split of --data-path, not both")):
-        validated("--data-path", path, "--valid-data-path", path, "--split", "98,2,0")
-    with pytest.raises(ValueError, match="--split is wrong: 0,1,0. The training share is 0"):
-        validated("--data-path", path, "--split", "0,1,0")
-
-
-def test_split_with_mock_data_is_named_as_without_effect():
-    args = args_for("--mock-data", "--split", "949,50,1")
-    assert any(entry.startswith("--split (with --mock-data") for entry in
-               args.megatron_flags_without_effect)
+        check_data(args_for(data_path=path, split="99,1,0"))

@@ -21,7 +21,7 @@ def calculator():
 def args(tmp_path, **more):
     return Namespace(iteration=0, metrics_file=str(tmp_path / "m.jsonl"), log_interval=2,
                      train_iters=3, seq_length=8, consumed_train_samples=0, num_experts=None,
-                     moe_expert_capacity_factor=None, profile=False, profile_step_start=10,
+                     moe_expert_capacity_factor=None, packed_profile=False, profile_step_start=10,
                      profile_step_end=12, profile_trace_dir=None, **more)
 
 
