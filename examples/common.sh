@@ -1,5 +1,7 @@
 # Launch logic shared by examples/slurm/*.sbatch and examples/local/run_*.sh. Sourced, not run.
 #
+# The launch lines are Megatron-LM's command line (pretrain_gpt.py / pretrain_mamba.py run
+# Megatron-LM's own parser and pretrain(); the fork's flags on top, docs/flags.md).
 # The sourcing script sets the model: MODEL_SCRIPT (pretrain_gpt.py | pretrain_mamba.py),
 # MODEL_ARGS (a bash array of the model's shape flags), RUN_NAME, then calls
 #   launch slurm "$@"    # srun, one task per node (torchrun) or one per GPU (srun)
@@ -9,6 +11,15 @@
 # arguments are appended to the training flags (after EXTRA_ARGS, so they win).
 # Where the training flags run Transformer Engine with context parallelism (CP > 1, or
 # --dynamic-cp-sizes with a size > 1), te_patches/ goes on PYTHONPATH (TE_PATCHES, below).
+
+# What the fork's parser defaulted to, as Megatron-LM's flags (upstream's defaults differ:
+# LayerNorm, biases, dropout 0.1, Adam beta2 0.999, linear decay, loss averaged per micro-batch).
+# Every training line here carries them, so a run trains the numbers the fork's runs did. The
+# model's own choices (position embedding, query groups, FFN width) are in MODEL_ARGS.
+FORK_NUMERICS=(
+  --normalization RMSNorm --disable-bias-linear --hidden-dropout 0 --attention-dropout 0
+  --adam-beta2 0.95 --lr-decay-style cosine --calculate-per-token-loss
+)
 
 # Die with the repository's error shape: "<what> is wrong: <value>. <what to do>."
 die() {
@@ -143,7 +154,6 @@ set_defaults() {
   VALID_DATA_PATH=${VALID_DATA_PATH:-}
   VOCAB_SIZE=${VOCAB_SIZE:-32000}
   SAVE_DIR=${SAVE_DIR:-$REPO_DIR/runs/$RUN_NAME}
-  SAVE_INTERVAL=${SAVE_INTERVAL:-}              # empty: one checkpoint, at the end
   LOAD_DIR=${LOAD_DIR:-}                        # empty: train from scratch
   LOG_DIR=${LOG_DIR:-$SAVE_DIR/logs}
   JOB_TAG=${JOB_TAG:-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)}}
@@ -153,18 +163,20 @@ set_defaults() {
   SEQ_LENGTH=${SEQ_LENGTH:-4096}
   MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-1}
   TRAIN_ITERS=${TRAIN_ITERS:-500}
+  SAVE_INTERVAL=${SAVE_INTERVAL:-$TRAIN_ITERS}  # default: one checkpoint, at the end
   LR=${LR:-3e-4}
   MIN_LR=${MIN_LR:-3e-5}
   LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-$((TRAIN_ITERS < 10 ? TRAIN_ITERS : 10))}
   LOG_INTERVAL=${LOG_INTERVAL:-10}
   EVAL_INTERVAL=${EVAL_INTERVAL:-100}           # used only with VALID_DATA_PATH
-  EVAL_ITERS=${EVAL_ITERS:-10}
+  EVAL_ITERS=${EVAL_ITERS:-10}                  # used only with VALID_DATA_PATH (else 0)
   SEED=${SEED:-1234}
   TP=${TP:-1}
   PP=${PP:-1}
   CP=${CP:-1}                                   # --context-parallel-size (needs TE)
 
-  CUDA_GRAPH_IMPL=${CUDA_GRAPH_IMPL:-local}     # none: eager; transformer_engine: TE graphs (PP=1)
+  # none: eager; transformer_engine: TE graphs (PP=1); full_iteration: one graph per iteration
+  CUDA_GRAPH_IMPL=${CUDA_GRAPH_IMPL:-local}
   CUDA_GRAPH_MAX_PACKED_SEQS=${CUDA_GRAPH_MAX_PACKED_SEQS:-64}
   CUDA_GRAPH_WARMUP_STEPS=${CUDA_GRAPH_WARMUP_STEPS:-3}
   # --cuda-graph-modules; empty: the whole layer (CUDA_GRAPH_SCOPE: its older name)
@@ -199,7 +211,8 @@ set_defaults() {
 
 # PY_ARGS: the training flags (model shape from the caller, then data, training, graphs).
 build_python_args() {
-  PY_ARGS=("${MODEL_ARGS[@]}" --seq-length "$SEQ_LENGTH" --vocab-size "$VOCAB_SIZE")
+  PY_ARGS=("${MODEL_ARGS[@]}" --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
+           --vocab-size "$VOCAB_SIZE" "${FORK_NUMERICS[@]}")
   if [ -n "$DATA_PATH" ]; then
     PY_ARGS+=(--data-path "$DATA_PATH")
   else
@@ -208,6 +221,11 @@ build_python_args() {
   if [ -n "$VALID_DATA_PATH" ]; then
     PY_ARGS+=(--valid-data-path "$VALID_DATA_PATH" --eval-interval "$EVAL_INTERVAL"
               --eval-iters "$EVAL_ITERS")
+  else
+    # No validation: every --data-path document trains (said explicitly: Megatron-LM's own
+    # --split default is 969,30,1) and nothing evaluates (mock data has a split of its own).
+    if [ -n "$DATA_PATH" ]; then PY_ARGS+=(--split 100,0,0); fi
+    PY_ARGS+=(--eval-iters 0)
   fi
   PY_ARGS+=(
     --sft --bf16 --seed "$SEED"
@@ -215,12 +233,11 @@ build_python_args() {
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
     --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr "$MIN_LR"
     --lr-warmup-iters "$LR_WARMUP_ITERS"
-    --save "$SAVE_DIR/checkpoints"
+    --save "$SAVE_DIR/checkpoints" --save-interval "$SAVE_INTERVAL"
     --log-interval "$LOG_INTERVAL" --metrics-file "$METRICS_FILE"
     --tensorboard-dir "$LOG_DIR/tensorboard"
   )
   if [ "$CP" != 1 ]; then PY_ARGS+=(--context-parallel-size "$CP"); fi
-  if [ -n "$SAVE_INTERVAL" ]; then PY_ARGS+=(--save-interval "$SAVE_INTERVAL"); fi
   if [ -n "$LOAD_DIR" ]; then PY_ARGS+=(--load "$LOAD_DIR"); fi
   if [ "$CUDA_GRAPH_IMPL" != none ]; then
     PY_ARGS+=(--cuda-graph-impl "$CUDA_GRAPH_IMPL"
@@ -232,12 +249,17 @@ build_python_args() {
       read -r -a modules <<< "$CUDA_GRAPH_MODULES"
       PY_ARGS+=(--cuda-graph-modules "${modules[@]}")
     fi
+    if [ "$CUDA_GRAPH_IMPL" = full_iteration ]; then
+      # DDP's NaN check reads gradient norms on the host: not inside an iteration graph.
+      PY_ARGS+=(--no-check-for-nan-in-loss-and-grad)
+    fi
   fi
   if [ "$NSYS" = 1 ]; then
-    # --profile brackets iterations [start, end) with cudaProfilerStart/Stop, the range that
-    # nsys --capture-range=cudaProfilerApi records (megatron/packed_training/profiling.py). It also
-    # runs torch.profiler there for `gpu busy (ms)`; under nsys the two CUPTI clients may
-    # refuse each other, so that number is not to be trusted (docs/slurm.md, nsys).
+    # --profile: Megatron-LM's loop brackets iterations [start, end) with
+    # cudaProfilerStart/Stop (every rank unless --profile-ranks names some), the range that
+    # nsys --capture-range=cudaProfilerApi records. The fork also runs torch.profiler there for
+    # `gpu busy (ms)` (megatron/packed_training/profiling.py); under nsys the two CUPTI clients
+    # may refuse each other, so that number is not to be trusted (docs/slurm.md, nsys).
     PY_ARGS+=(--profile --profile-step-start "$PROFILE_STEP_START"
               --profile-step-end "$PROFILE_STEP_END")
   fi

@@ -13,7 +13,7 @@ out of the medians. All rows of a table come from the same invocation on the sam
     python tools/benchmark.py --variants eager layer-graphs chunk-graphs --nproc 2 \
         --pipeline-model-parallel-size 2
     python tools/benchmark.py --presets gpt-small --variants eager te-layer-graphs --nproc 2 \
-        --dynamic-cp-sets 1 2 1,2 --tokens-per-rank 2048 --extra-args="--attention-backend te"
+        --dynamic-cp-sets 1 2 1,2 --tokens-per-rank 2048
     python tools/benchmark.py --presets hybrid-small --from-metrics eager=runs/eager.jsonl \
         layer-graphs=runs/graphs.jsonl --warmup 10 --log-interval 10
     python tools/benchmark.py --presets moe --variants eager layer-graphs chunk-graphs --profile
@@ -29,6 +29,8 @@ does after its eager reference and graphed runs.
 --dynamic-cp-sets runs every preset and variant once per set of dynamic CP sizes (a row
 label ``preset cp1,2``), with ``--seq-length`` = tokens per rank x the set's largest size, so
 every set holds the same positions per rank: a single-size set measures one graph bank.
+(Training refuses dynamic CP on Megatron-LM's loop in this release: such rows fail with the
+training parser's reason.)
 
 --profile profiles the last two iterations of every run (excluded from the step-time median)
 and reports the GPU-busy time of a step (union of its kernel intervals) and the ratio
@@ -44,13 +46,23 @@ MoE presets (group ``moe``) train drop-and-pad MoE layers, the mode CUDA graphs 
 (row label ``grouped-gemm``; needs Transformer Engine). A table with an MoE row adds two
 columns: the dropped-token fraction (mean of the metrics file's moe_dropped_token_fraction
 over the timed steps) and the rerun rate (micro-batches rerun eager after a capacity
-overflow, per micro-batch, from "eager moe_overflow_rerun"; "-" when the run does not write
-it).
+overflow, per micro-batch, from "eager moe_overflow_rerun"); "-" where the run does not
+write the key.
 
 MLA presets (group ``mla``: ``moonlight-small``, a Moonlight-shaped MLA + MoE model,
 docs/mla.md) run on Transformer Engine attention whatever the variant. They are MoE presets
 too (64 experts; --moe-experts and --expert-model-parallel-size apply), outside the TE-free
 group ``moe``.
+
+Runs are launched in Megatron-LM's command line (the scripts run Megatron-LM's parser and
+loop). ``--attention-backend auto`` is Transformer Engine where it is importable, so a row
+that needs TE (an MLA preset, grouped-gemm experts, te-layer-graphs) fails at once, without
+training, where TE is not importable. Every run carries the old fork's defaults that the
+presets were measured with (``FORK_NUMERICS``; each preset its position embedding, query
+groups and FFN width), no evaluation (``--eval-iters 0``) and Megatron-LM's memory report at
+the last step (``--log-memory-interval``): *peak mem* is the largest "max allocated" that
+report prints (the metrics file holds no memory; ``--from-metrics`` shows "-" unless the file
+is an older one with ``mem_max_allocated_bytes``).
 
 Prints a Markdown table, headed by the machine (the visible GPUs, from nvidia-smi), the date,
 the installed torch / megatron-core / TE / mamba-ssm and the command; --json FILE also
@@ -66,8 +78,10 @@ import argparse
 import collections
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -88,50 +102,94 @@ HYBRID_MOE_PATTERN_16 = HYBRID_PATTERN_16.replace("-", "E")
 MOE = ["--num-experts", "16", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "1024",
        "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.25",
        "--moe-pad-expert-input-to-capacity", "--moe-aux-loss-coeff", "1e-2"]
-# Grouped GEMM experts come with the TE layer spec, so these runs pin TE attention.
-GROUPED_GEMM = ["--attention-backend", "te", "--moe-grouped-gemm"]
+# Grouped GEMM experts come with the TE layer spec: TE attention (auto: TE, which such a row
+# needs installed; `needs_transformer_engine`).
+GROUPED_GEMM = ["--attention-backend", "auto", "--moe-grouped-gemm"]
 MOE_EXPERTS = {"sequential": [], "grouped-gemm": GROUPED_GEMM}
+
+# What the old fork's parser defaulted to and every benchmark in docs/benchmarks.md trained
+# with, as Megatron-LM's flags (upstream's defaults: LayerNorm, linear biases, dropout 0.1,
+# Adam beta2 0.999, linear decay, the loss averaged per micro-batch). Part of COMMON.
+FORK_NUMERICS = ["--normalization", "RMSNorm", "--disable-bias-linear", "--hidden-dropout", "0",
+                 "--attention-dropout", "0", "--adam-beta2", "0.95", "--lr-decay-style",
+                 "cosine", "--calculate-per-token-loss"]
+
+
+def flag_value(flags: list, flag: str):
+    """The last value of ``flag`` in ``flags``; None when absent."""
+    at = [i for i, word in enumerate(flags) if word == flag]
+    return flags[at[-1] + 1] if at else None
+
+
+def gpt_preset(*flags: str) -> tuple:
+    """A pretrain_gpt.py preset: ``flags`` plus the old fork's model defaults that Megatron-LM
+    spells out: RoPE, positions up to --seq-length, query groups only with
+    --group-query-attention, and with --swiglu the 4 x hidden FFN width (Megatron-LM shrinks a
+    SwiGLU FFN to 2/3 of it)."""
+    flags = list(flags)
+    shape = ["--position-embedding-type", "rope",
+             "--max-position-embeddings", flag_value(flags, "--seq-length")]
+    if "--num-query-groups" in flags:
+        shape.append("--group-query-attention")
+    if "--swiglu" in flags and "--ffn-hidden-size" not in flags:
+        shape += ["--ffn-hidden-size", str(4 * int(flag_value(flags, "--hidden-size")))]
+    return "pretrain_gpt.py", flags + shape
+
+
+def hybrid_preset(*flags: str) -> tuple:
+    """A pretrain_mamba.py preset: ``flags`` (the layers from --hybrid-layer-pattern, which
+    sets the layer count) plus the old fork's model defaults: no position embedding (the Mamba
+    layers carry position), positions up to --seq-length, query groups only with
+    --group-query-attention."""
+    flags = list(flags)
+    shape = ["--position-embedding-type", "none",
+             "--max-position-embeddings", flag_value(flags, "--seq-length")]
+    if "--num-query-groups" in flags:
+        shape.append("--group-query-attention")
+    return "pretrain_mamba.py", flags + shape
+
 
 PRESETS = {
     # The foundation's default small configs (the eager baseline of docs/benchmarks.md).
-    "hybrid-small": ("pretrain_mamba.py", [
-        "--hybrid-override-pattern", HYBRID_PATTERN_16, "--hidden-size", "1024",
-        "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "4096"]),
-    "gpt-small": ("pretrain_gpt.py", [
+    "hybrid-small": hybrid_preset(
+        "--hybrid-layer-pattern", HYBRID_PATTERN_16, "--hidden-size", "1024",
+        "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "4096"),
+    "gpt-small": gpt_preset(
         "--num-layers", "16", "--hidden-size", "1024", "--num-attention-heads", "16",
-        "--num-query-groups", "8", "--swiglu", "--seq-length", "4096"]),
+        "--num-query-groups", "8", "--swiglu", "--seq-length", "4096"),
     # Size sweep from launch-bound to GPU-bound (layers x hidden x tokens).
-    "gpt-8x512x2048": ("pretrain_gpt.py", [
+    "gpt-8x512x2048": gpt_preset(
         "--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
-        "--swiglu", "--seq-length", "2048"]),
-    "gpt-16x1024x4096": ("pretrain_gpt.py", [
+        "--swiglu", "--seq-length", "2048"),
+    "gpt-16x1024x4096": gpt_preset(
         "--num-layers", "16", "--hidden-size", "1024", "--num-attention-heads", "16",
-        "--swiglu", "--seq-length", "4096"]),
-    "gpt-24x2048x4096": ("pretrain_gpt.py", [
+        "--swiglu", "--seq-length", "4096"),
+    "gpt-24x2048x4096": gpt_preset(
         "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
-        "--swiglu", "--seq-length", "4096"]),
-    "hybrid-8x512x2048": ("pretrain_mamba.py", [
-        "--hybrid-override-pattern", "M-M*M-M*", "--hidden-size", "512",
-        "--num-attention-heads", "8", "--seq-length", "2048"]),
-    "hybrid-16x1024x4096": ("pretrain_mamba.py", [
-        "--hybrid-override-pattern", HYBRID_PATTERN_16, "--hidden-size", "1024",
-        "--num-attention-heads", "16", "--seq-length", "4096"]),
-    "hybrid-24x2048x4096": ("pretrain_mamba.py", [
-        "--hybrid-override-pattern", "M-M-M*-M-M-M*-M-M-M-M*-M", "--hidden-size", "2048",
-        "--num-attention-heads", "16", "--seq-length", "4096"]),
+        "--swiglu", "--seq-length", "4096"),
+    "hybrid-8x512x2048": hybrid_preset(
+        "--hybrid-layer-pattern", "M-M*M-M*", "--hidden-size", "512",
+        "--num-attention-heads", "8", "--seq-length", "2048"),
+    "hybrid-16x1024x4096": hybrid_preset(
+        "--hybrid-layer-pattern", HYBRID_PATTERN_16, "--hidden-size", "1024",
+        "--num-attention-heads", "16", "--seq-length", "4096"),
+    "hybrid-24x2048x4096": hybrid_preset(
+        "--hybrid-layer-pattern", "M-M-M*-M-M-M*-M-M-M-M*-M", "--hidden-size", "2048",
+        "--num-attention-heads", "16", "--seq-length", "4096"),
     # MoE: 16 experts, top-2, drop-and-pad (MOE).
-    "gpt-moe-small": ("pretrain_gpt.py", [
+    "gpt-moe-small": gpt_preset(
         "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
-        "--num-query-groups", "8", "--swiglu", "--seq-length", "4096", *MOE]),
-    "hybrid-moe-small": ("pretrain_mamba.py", [
-        "--hybrid-override-pattern", HYBRID_MOE_PATTERN_16, "--hidden-size", "1024",
-        "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "4096", *MOE]),
+        "--num-query-groups", "8", "--swiglu", "--seq-length", "4096", *MOE),
+    "hybrid-moe-small": hybrid_preset(
+        "--hybrid-layer-pattern", HYBRID_MOE_PATTERN_16, "--hidden-size", "1024",
+        "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "4096", *MOE),
     # Moonlight-16B-A3B's ratios at hidden 1024, 8 layers (docs/mla.md): MLA with kv_lora_rank
     # = hidden / 4, no query compression, head dims 128 / 64 / 128, latent norms, RoPE base
     # 50000 without yarn scaling; 64 experts, top-6, sigmoid router, expert width 0.6875 x
-    # hidden, two shared experts; every layer MoE, drop-and-pad. MLA runs on TE attention;
-    # the experts follow --moe-experts like every MoE preset's.
-    "moonlight-small": ("pretrain_gpt.py", [
+    # hidden, two shared experts; every layer MoE, drop-and-pad. MLA runs on TE attention
+    # (auto: TE, which the preset needs installed); the experts follow --moe-experts like every
+    # MoE preset's.
+    "moonlight-small": gpt_preset(
         "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8",
         "--seq-length", "4096", "--swiglu", "--untie-embeddings-and-output-weights",
         "--multi-latent-attention", "--kv-lora-rank", "256", "--qk-head-dim", "128",
@@ -142,7 +200,7 @@ PRESETS = {
         "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor",
         "2.446", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
         "1e-3", "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor",
-        "1.25", "--moe-pad-expert-input-to-capacity", "--attention-backend", "te"]),
+        "1.25", "--moe-pad-expert-input-to-capacity", "--attention-backend", "auto"),
 }
 PRESET_GROUPS = {
     "sweep": ["gpt-8x512x2048", "gpt-16x1024x4096", "gpt-24x2048x4096",
@@ -170,7 +228,8 @@ VARIANTS = {
                                   "--cuda-graph-warmup-steps", "2",
                                   "--cuda-graph-check-interval", "1"],
     # Each iteration whose micro-batches all fit is one graph; the others run layer graphs
-    # (dense presets only, PP = 1). DDP's NaN check syncs, so it is off here (and only here).
+    # (dense presets only, PP = 1). DDP's NaN check syncs, so it is off here (and only here;
+    # Megatron-LM refuses full_iteration graphs with it on).
     "full-iteration": ["--cuda-graph-impl", "full_iteration", "--cuda-graph-max-packed-seqs",
                        "32", "--cuda-graph-warmup-steps", "2",
                        "--no-check-for-nan-in-loss-and-grad"],
@@ -180,12 +239,17 @@ VARIANTS = {
                             "--cuda-graph-warmup-steps", "2"],
 }
 
+# Mock data, no evaluation (mock data has a validation split of its own, which Megatron-LM
+# would evaluate at the end), the data read in the loop as the old fork did (Megatron-LM's
+# default is two loader workers), and FORK_NUMERICS.
 COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size", "1",
-          "--vocab-size", "32000", "--seed", "1234"]
+          "--vocab-size", "32000", "--seed", "1234", "--eval-iters", "0", "--num-workers", "0",
+          *FORK_NUMERICS]
 
-# Metrics-file keys of MoE runs: the dropped-slot fraction per log interval (metrics.MoELosses)
-# and the micro-batches rerun eager and dropless after an expert-capacity overflow (the graph
-# runtime's eager count for reason moe_rerun.RERUN_REASON; written only where reruns are on).
+# Metrics-file keys of MoE runs: the dropped-slot fraction per log interval (metrics.RuntimeLog,
+# with a capacity factor) and the micro-batches rerun eager and dropless after an
+# expert-capacity overflow (the graph runtime's eager count for reason
+# moe_rerun.RERUN_REASON; written only where reruns are on).
 DROPPED_KEY = "moe_dropped_token_fraction"
 RERUN_KEY = "eager moe_overflow_rerun"
 
@@ -198,6 +262,18 @@ def num_experts(preset: str) -> int | None:
 
 def is_moe(preset: str) -> bool:
     return preset in PRESETS and num_experts(preset) is not None
+
+
+def needs_transformer_engine(preset: str, variant: str, experts: str = "sequential") -> bool:
+    """Whether a run needs Transformer Engine: multi-latent attention (an MLA preset), grouped
+    GEMM experts, or TE's graphs. ``--attention-backend auto`` would run the others TE-free."""
+    return ("--multi-latent-attention" in PRESETS[preset][1] or experts == "grouped-gemm"
+            or variant == "te-layer-graphs")
+
+
+def transformer_engine_importable() -> bool:
+    """Whether the runs (this interpreter, ``sys.executable``) can import Transformer Engine."""
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def row_label(preset: str, args, cp_set: str = "", experts: str = "sequential") -> str:
@@ -249,14 +325,27 @@ def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = 
     if args.keep_traces:
         profile += ["--profile-trace-dir", trace_dir(args.keep_traces, preset, variant, args,
                                                      cp_set, experts)]
+    # Megatron-LM's memory report at the last step (--steps is a multiple of --log-interval).
+    flags = [*model_flags, *COMMON, *variant_flags(variant), *moe, *profile,
+             "--train-iters", str(args.steps), "--global-batch-size", str(args.global_batch_size),
+             "--mock-doc-length-median", str(args.doc_length_median),
+             "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
+             "--log-interval", str(args.log_interval), "--log-memory-interval", str(args.steps),
+             "--metrics-file", metrics, *shlex.split(args.extra_args), *dynamic_cp]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(args.nproc), os.path.join(REPO, script), *model_flags,
-            *COMMON, *variant_flags(variant), *moe, *profile, "--train-iters", str(args.steps),
-            "--global-batch-size", str(args.global_batch_size),
-            "--mock-doc-length-median", str(args.doc_length_median),
-            "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
-            "--log-interval", str(args.log_interval), "--metrics-file", metrics,
-            *shlex.split(args.extra_args), *dynamic_cp]
+            "--nproc-per-node", str(args.nproc), os.path.join(REPO, script), *flags,
+            *position_limit(flags)]
+
+
+def position_limit(flags: list) -> list:
+    """``--max-position-embeddings`` for a --seq-length raised past the preset's limit (a
+    dynamic CP set, --extra-args): Megatron-LM refuses a sequence longer than the limit; the
+    old fork's limit was the sequence length. Empty when the flags' limit holds."""
+    seq_length = flag_value(flags, "--seq-length")
+    limit = flag_value(flags, "--max-position-embeddings")
+    if seq_length is None or (limit is not None and int(limit) >= int(seq_length)):
+        return []
+    return ["--max-position-embeddings", seq_length]
 
 
 def trace_dir(root: str, preset: str, variant: str, args, cp_set: str = "",
@@ -294,6 +383,9 @@ def failure_summary(output: str, returncode: int) -> str:
 def run_one(preset: str, variant: str, args, cp_set: str = "",
             experts: str = "sequential") -> dict:
     """Train one configuration; return its summary row (raises RunFailed on failure)."""
+    if needs_transformer_engine(preset, variant, experts) and not transformer_engine_importable():
+        raise RunFailed("needs Transformer Engine, which is not importable here: install it "
+                        "(pip install .[te]) or leave this row out")
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = launch_command(preset, variant, args, metrics, cp_set, experts)
@@ -302,7 +394,28 @@ def run_one(preset: str, variant: str, args, cp_set: str = "",
         if proc.returncode != 0:
             raise RunFailed(failure_summary(output, proc.returncode), output[-4000:])
         records = read_metrics(metrics, output[-4000:])
-    return summarise(preset, variant, args, records, cp_set, output[-4000:], experts)
+    return summarise(preset, variant, args, records, cp_set, output[-4000:], experts,
+                     memory=memory_reports(output))
+
+
+# Megatron-LM's memory report (report_memory: at the first log points and every
+# --log-memory-interval iterations, on each data-parallel rank 0), in MB of 2**20 bytes.
+MEMORY_REPORT = re.compile(
+    r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| max allocated: "
+    r"([\d.]+) \| reserved: ([\d.]+) \| max reserved: ([\d.]+)")
+MEMORY_KEYS = ("mem_allocated_bytes", "mem_max_allocated_bytes", "mem_reserved_bytes",
+               "mem_max_reserved_bytes")
+
+
+def memory_reports(log: str) -> list:
+    """Megatron-LM's memory reports in a run's output, in order: ``{"iteration": N,
+    "mem_allocated_bytes", "mem_max_allocated_bytes", "mem_reserved_bytes",
+    "mem_max_reserved_bytes"}`` (the old metrics file's names) per report line."""
+    reports = []
+    for match in MEMORY_REPORT.finditer(log):
+        values = [round(float(mb) * 2**20) for mb in match.groups()[1:]]
+        reports.append({"iteration": int(match.group(1)), **dict(zip(MEMORY_KEYS, values))})
+    return reports
 
 
 def read_metrics(path: str, log: str = "") -> list:
@@ -320,19 +433,21 @@ def read_metrics(path: str, log: str = "") -> list:
 
 
 def summarise(preset: str, variant: str, args, records: list, cp_set: str = "",
-              log: str = "", experts: str = "sequential") -> dict:
+              log: str = "", experts: str = "sequential", memory: list = ()) -> dict:
     """The summary row of one configuration's metrics records; RunFailed when they lack what
-    the row needs (e.g. no record past --warmup). An MoE row (an MoE preset, or records with
-    MoE keys) has ``moe`` True, ``dropped_token_fraction`` and ``rerun_rate`` (None where the
-    run did not write the key)."""
+    the row needs (e.g. no record past --warmup). ``memory``: the run's `memory_reports`;
+    ``peak_mem_gib`` is the largest max-allocated of them (or of the records, an older metrics
+    file's ``mem_max_allocated_bytes``), None with neither. An MoE row (an MoE preset, or
+    records with MoE keys) has ``moe`` True, ``dropped_token_fraction`` and ``rerun_rate``
+    (None where the run did not write the key)."""
     try:
-        return _summarise(preset, variant, args, records, cp_set, experts)
+        return _summarise(preset, variant, args, records, cp_set, experts, memory)
     except (KeyError, IndexError, ValueError, ZeroDivisionError) as error:
         raise RunFailed(f"metrics incomplete ({type(error).__name__}: {error})", log) from None
 
 
 def _summarise(preset: str, variant: str, args, records: list, cp_set: str,
-               experts: str) -> dict:
+               experts: str, memory: list) -> dict:
     train = [r for r in records if r.get("split", "train") == "train"]
     # One record per log interval (the mean of its iterations); --warmup is a multiple of it.
     timed = [r for r in train if r["iteration"] > args.warmup and "gpu busy (ms)" not in r]
@@ -343,13 +458,15 @@ def _summarise(preset: str, variant: str, args, records: list, cp_set: str,
     capture = next((r for r in records if "graph capture (s)" in r), {})
     # full-iteration: the iteration graph's capture, on top of any layer graphs' for misses.
     whole = next((r for r in records if "iteration graph capture (s)" in r), {})
+    peaks = [r["mem_max_allocated_bytes"] for r in [*records, *memory]
+             if "mem_max_allocated_bytes" in r]
     row = {
         "preset": row_label(preset, args, cp_set, experts),
         "variant": variant,
         "step_ms": statistics.median(times),
         "step_iqr_ms": quartiles[2] - quartiles[0],
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
-        "peak_mem_gib": max(r["mem_max_allocated_bytes"] for r in records) / 2**30,
+        "peak_mem_gib": max(peaks) / 2**30 if peaks else None,
         "first_step_ms": records[0]["iteration_time_ms"],
         "final_loss": records[-1]["lm_loss"],
         "fallback_rate": (sum(r.get("graph fallbacks", 0) for r in timed)
@@ -385,6 +502,7 @@ def format_table(rows: list) -> str:
 
     A table with an MoE row adds *dropped tokens* (mean dropped-slot fraction over the timed
     steps) and *rerun rate* (micro-batches rerun per micro-batch); "-" where a row has none.
+    *peak mem* is "-" for a row without a memory report (--from-metrics).
     """
     eager = {r["preset"]: r["tokens_per_sec"] for r in rows
              if r["variant"] == "eager" and not r.get("error")}
@@ -405,7 +523,8 @@ def format_table(rows: list) -> str:
         speedup = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
         lines.append(f"| {r['preset']} | {r['variant']} | {r['step_ms']:.1f} | "
                      f"{r['step_iqr_ms']:.1f} | "
-                     f"{r['tokens_per_sec']:,.0f} | {speedup} | {r['peak_mem_gib']:.2f} | "
+                     f"{r['tokens_per_sec']:,.0f} | {speedup} | "
+                     f"{_number(r.get('peak_mem_gib'), '.2f')} | "
                      f"{r['fallback_rate']:.1%} | {r['capture_s']:.2f} | {r['graph_mem_mib']:.0f} | "
                      + (f"{r['gpu_busy_ms']:.1f} | {r['step_ms'] / r['gpu_busy_ms']:.2f} |"
                         if r.get("gpu_busy_ms") else "- | - |")
@@ -416,6 +535,9 @@ def format_table(rows: list) -> str:
 
 def _percent(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+_number = _percent  # "-" for a value the run did not report
 
 
 def main(argv=None) -> int:
@@ -453,11 +575,11 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-experts", nargs="+", default=["sequential"],
                         choices=sorted(MOE_EXPERTS),
                         help="MoE presets only: run each once per expert implementation; "
-                             "grouped-gemm = --attention-backend te --moe-grouped-gemm (needs "
+                             "grouped-gemm = --attention-backend auto --moe-grouped-gemm (needs "
                              "Transformer Engine)")
     parser.add_argument("--extra-args", default="",
-                        help="more training flags for every run, one string: "
-                             "--extra-args=\"--no-check-for-nan-in-loss-and-grad\"")
+                        help="more training flags for every run (Megatron-LM's command line), "
+                             "one string: --extra-args=\"--no-check-for-nan-in-loss-and-grad\"")
     parser.add_argument("--dynamic-cp-sets", nargs="+", default=[], metavar="SIZES",
                         help="run everything once per set of dynamic CP sizes, e.g. 1 2 1,2")
     parser.add_argument("--tokens-per-rank", type=int, default=2048,

@@ -39,6 +39,10 @@ from megatron.packed_training.datasets import (  # noqa: E402
     pack_documents,
     read_jsonl_documents,
 )
+from megatron.packed_training.datasets.packing import (  # noqa: E402
+    LONG_DOCUMENT_POLICIES,
+    resolve_long_document_policy,
+)
 
 ROUND_CAPACITIES = (16, 32, 64, 128, 256, 512, 1024)
 """Capacities whose fallback rate the report always shows."""
@@ -292,8 +296,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="training's --micro-batch-size (rows per micro-batch)")
     parser.add_argument("--target-fallback-rate", type=float, default=0.01,
                         help="largest acceptable share of micro-batches that run eager")
+    parser.add_argument("--long-document-policy", choices=LONG_DOCUMENT_POLICIES, default=None,
+                        help="as training's flag: a document longer than a row is split into "
+                             "row-sized pieces (split, training's default), truncated, or "
+                             "refused (reject)")
     parser.add_argument("--reject-long-documents", action="store_true",
-                        help="as training's flag: refuse documents longer than --seq-length")
+                        help="the older spelling of --long-document-policy reject")
     parser.add_argument("--mock-doc-length-median", type=float, default=512,
                         help="with --mock-data: training's --mock-doc-length-median")
     parser.add_argument("--mock-doc-length-sigma", type=float, default=1.0,
@@ -307,6 +315,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="print only the recommended capacity (one integer; with "
                              "--moe-router-loads the capacity factor), for scripts")
     args = parser.parse_args(argv)
+    try:
+        args.long_document_policy = resolve_long_document_policy(args.long_document_policy,
+                                                                 args.reject_long_documents)
+    except ValueError as error:
+        parser.error(str(error))
     if not args.moe_router_loads:
         for flag in ("--seq-length", "--vocab-size"):
             if getattr(args, flag[2:].replace("-", "_")) is None:
@@ -333,6 +346,7 @@ def main(argv=None) -> int:
             args.seed,
             doc_length_median=args.mock_doc_length_median,
             doc_length_sigma=args.mock_doc_length_sigma,
+            long_document_policy=args.long_document_policy,
         )
         header = (
             f"mock data: median {args.mock_doc_length_median:g} tokens, "
@@ -343,14 +357,16 @@ def main(argv=None) -> int:
         documents = read_jsonl_documents(args.data_path, args.vocab_size)
         rows = list(
             pack_documents(
-                documents, args.seq_length, reject_long_documents=args.reject_long_documents, stats=stats
+                documents, args.seq_length, long_document_policy=args.long_document_policy,
+                stats=stats
             )
         )
         # One epoch in the order training reads it (the row order is shuffled per epoch).
         dataset = PackedRowDataset(rows, len(rows), args.seed)
         header = (
             f"{args.data_path}: {stats.documents} documents in {stats.rows} rows, "
-            f"{stats.skipped_empty} skipped empty, {stats.truncated} truncated"
+            f"{stats.skipped_empty} skipped empty, {stats.truncated} truncated, "
+            f"{stats.split} split into {stats.pieces} pieces"
         )
     segments, documents = micro_batch_counts(
         (dataset[i] for i in range(len(dataset))), args.micro_batch_size

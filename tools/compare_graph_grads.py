@@ -11,10 +11,14 @@ lists any backward-graph buffer that is memory a forward graph kept as its input
 aliasing behind the first bug this tool found, core_patches.py).
 
     python tools/compare_graph_grads.py --model gpt --impl local --granularity chunk -- \\
-        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-query-groups 4 \\
-        --swiglu --seq-length 1024 --vocab-size 1024
+        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention \\
+        --num-query-groups 4 --swiglu --seq-length 1024 --vocab-size 1024
 
-Training flags after ``--`` describe the model; graph flags are added by the tool.
+Training flags after ``--`` describe the model, in Megatron-LM's command line; data, batch
+and graph flags are added by the tool. Where Megatron-LM's defaults are not the old fork's,
+the fork's go first (`model_defaults`: RMSNorm, no linear biases, no dropout, which would
+make the compared passes draw different masks; RoPE for GPT, none for the hybrid; positions
+up to --seq-length), so the flags after ``--`` override them.
 """
 
 import argparse
@@ -38,6 +42,36 @@ def relative_differences(grads, reference):
         rows.append((diff / (norm + 1e-12), name, norm,
                      torch.linalg.vector_norm(grads[name].float()).item()))
     return (num ** 0.5) / (den ** 0.5 + 1e-12), sorted(rows, reverse=True)
+
+
+def model_defaults(kind: str, model_argv: list) -> list:
+    """The old fork's defaults, as Megatron-LM's flags, for a model of ``kind`` described by
+    ``model_argv``: put before it, so its own flags win (tools/benchmark.py's FORK_NUMERICS,
+    the position embedding by kind, --max-position-embeddings = --seq-length)."""
+    from tools.benchmark import FORK_NUMERICS, flag_value
+
+    defaults = [*FORK_NUMERICS, "--position-embedding-type", "rope" if kind == "gpt" else "none"]
+    seq_length = flag_value(model_argv, "--seq-length")
+    if seq_length is not None:
+        defaults += ["--max-position-embeddings", seq_length]
+    return defaults
+
+
+def ddp_config(args):
+    """megatron-core's DistributedDataParallelConfig of validated ``args``, as Megatron-LM's
+    training builds it (fp32 gradient reduction with bf16, DDP's NaN check as the flags say)."""
+    from megatron.training.training import get_megatron_ddp_config
+
+    return get_megatron_ddp_config(args)
+
+
+def set_padded_vocab_size(args) -> None:
+    """``args.padded_vocab_size``, which Megatron-LM's start-up sets while it builds the
+    tokenizer (pre-tokenized data: the NullTokenizer of --vocab-size), rounded up as there."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    if getattr(args, "padded_vocab_size", None) is None:
+        build_tokenizer(args)
 
 
 def captured_runners(model) -> list:
@@ -78,23 +112,24 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     from megatron.packed_graphs.plan import Reason, StepGraphPlan
     from megatron.packed_graphs.runtime import GraphRuntime
     from megatron.packed_training.arguments import parse_args
-    from megatron.packed_training.config import ddp_config_from_args, transformer_config_from_args
+    from megatron.packed_training.config import transformer_config_from_args
     from megatron.packed_training.datasets.mock import MockPackedDataset
     from megatron.packed_training.datasets.packing import collate_packed_rows
     from megatron.packed_training.packed_step import PackedForwardStep
 
     apply_core_patches()
-    args = parse_args(model_argv + [
+    args = parse_args(model_defaults(kind, model_argv) + model_argv + [
         "--mock-data", "--sft", "--bf16", "--lr", "1e-4", "--train-iters", "4",
-        "--global-batch-size", str(micro_batches), "--cuda-graph-impl", impl,
-        "--cuda-graph-granularity", granularity,
+        "--micro-batch-size", "1", "--global-batch-size", str(micro_batches), "--eval-iters", "0",
+        "--cuda-graph-impl", impl, "--cuda-graph-granularity", granularity,
         "--cuda-graph-max-packed-seqs", str(capacity), "--cuda-graph-warmup-steps", "1"],
         model=kind)
+    set_padded_vocab_size(args)
     GraphRuntime.prepare(args)  # before DDP, as training does
     module = pretrain_gpt if kind == "gpt" else pretrain_mamba
     config = transformer_config_from_args(args)
     model = DistributedDataParallel(
-        config, ddp_config_from_args(args),
+        config, ddp_config(args),
         Float16Module(config, module.model_provider(args, config).cuda()))
     config.no_sync_func = model.no_sync
     with_seq_idx = kind == "hybrid"

@@ -1,6 +1,7 @@
 """Find every GPU->CPU synchronisation of one training iteration, with its Python stack.
 
-Runs the real training (one process, one GPU) up to ``--iteration`` and runs that iteration
+Runs the real training (the script's own entry point: Megatron-LM's ``pretrain()`` with the
+fork's graph runtime; one process, one GPU) up to ``--iteration`` and runs that iteration
 under ``torch.cuda.set_sync_debug_mode("warn")``. Each synchronising call is reported once
 per call site, with a count and the Python stack, split into syncs inside the model's
 forward/backward (these break CUDA graph capture), deliberate once-per-iteration reads by
@@ -9,12 +10,19 @@ overflow rerun's read) and syncs in the training loop around it (loss, grad norm
 expected, outside any graph).
 
     python tools/find_host_syncs.py pretrain_mamba.py --iteration 5 -- \\
-        --sft --mock-data --hybrid-override-pattern "M*-M*-" --hidden-size 256 \\
-        --num-attention-heads 8 --seq-length 2048 --train-iters 5 --lr 1e-4 --bf16 \\
+        --sft --mock-data --hybrid-layer-pattern "M*-M*-" --hidden-size 256 \\
+        --num-attention-heads 8 --seq-length 2048 --max-position-embeddings 2048 \\
+        --micro-batch-size 1 --train-iters 5 --lr 1e-4 --bf16 --eval-iters 0 \\
         --cuda-graph-impl local --cuda-graph-max-packed-seqs 32 --cuda-graph-warmup-steps 2
 
-The training arguments after ``--`` are the script's own; ``--train-iters`` is raised to
-``--iteration`` if smaller.
+The training arguments after ``--`` are the script's own (Megatron-LM's command line);
+``--train-iters`` is raised to ``--iteration`` if smaller.
+
+The watched iteration is one call of the graph runtime's seam into Megatron-LM's loop
+(`megatron.packed_graphs.schedule.GraphRuntimeSchedule`: planning, megatron-core's schedule)
+through the end of that iteration, which the seam closes after the optimizer step (the
+runtime's statistics and health check, the log). This process wraps the seam's class before
+training starts (`watch_training_iteration`); evaluation calls are not counted.
 """
 
 import argparse
@@ -34,6 +42,10 @@ SCRIPTS = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
 MODEL_PATHS = ("megatron/packed_graphs/", "megatron/core/transformer/", "megatron/core/ssm/",
                "megatron/core/models/", "megatron/core/tensor_parallel/layers",
                "mamba_ssm/", "causal_conv1d/")
+# The seam where Megatron-LM's loop calls the graph runtime: every schedule call and, wrapped,
+# the optimizer step pass through it. It is the loop's code (as the fork's own loop was), not
+# the model's: a frame here alone does not put a sync inside the model.
+LOOP_SEAM = "megatron/packed_graphs/schedule.py"
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MODULE_CALL = "torch/nn/modules/module.py"  # a frame here: an nn.Module call is running
 # Host reads made on purpose once per iteration, outside every graph, by code that lives
@@ -78,9 +90,11 @@ def deliberate_read(stack: list) -> str | None:
 
 
 def in_model(stack: list) -> bool:
-    """Whether the sync ran inside the model: a frame under a model path, and not a
-    deliberate per-iteration read."""
-    return (any(any(p in frame.filename for p in MODEL_PATHS) for frame in stack)
+    """Whether the sync ran inside the model: a frame under a model path (the loop's seam,
+    `LOOP_SEAM`, aside), and not a deliberate per-iteration read."""
+    return (any(any(p in frame.filename for p in MODEL_PATHS)
+                and not frame.filename.replace(os.sep, "/").endswith(LOOP_SEAM)
+                for frame in stack)
             and deliberate_read(stack) is None)
 
 
@@ -116,8 +130,9 @@ def format_report(sites: "OrderedDict[str, dict]", iteration: int) -> str:
 
 
 class SyncWatch:
-    """The training loop's iteration hook: runs one iteration's step (planning, schedule,
-    optimizer step) under sync debug mode 'warn'."""
+    """Runs one training iteration's step (planning, schedule, optimizer step) under sync debug
+    mode 'warn': ``with watch(iteration):`` brackets the code of ``iteration`` (1-based); other
+    iterations run as they are."""
 
     def __init__(self, iteration: int):
         self.iteration = iteration
@@ -137,6 +152,88 @@ class SyncWatch:
             torch.cuda.set_sync_debug_mode(0)
 
 
+def current_training_iteration() -> int:
+    """The 1-based iteration Megatron-LM's loop is running (its ``args.curr_iteration`` counts
+    the iterations done, a loaded checkpoint's included)."""
+    from megatron.training import get_args
+
+    return get_args().curr_iteration + 1
+
+
+def watch_training_iteration(watch: SyncWatch, current_iteration=current_training_iteration):
+    """Put ``watch`` around one training iteration of this process: from the start of the
+    graph runtime seam's training call (``GraphRuntimeSchedule.__call__`` with
+    ``forward_only`` False) to the end of the ``close_iteration`` that ends it (after the
+    optimizer step). Evaluation calls pass untouched. ``current_iteration()`` names the
+    iteration a training call runs. Wraps the class (every seam of the run); returns a function
+    that restores it.
+
+    The old fork's loop took an iteration hook; Megatron-LM's loop takes none, so the seam it
+    calls once per iteration stands in for it."""
+    from megatron.packed_graphs.schedule import GraphRuntimeSchedule
+
+    call, close = GraphRuntimeSchedule.__call__, GraphRuntimeSchedule.close_iteration
+    state = {"seam": None, "window": None, "ran": False}
+
+    def end_window(*exc_info):
+        window, state["window"], state["seam"] = state["window"], None, None
+        if window is not None:
+            window.__exit__(*(exc_info or (None, None, None)))
+
+    def watched_call(seam, *args, forward_only=False, **kwargs):
+        if forward_only:
+            return call(seam, *args, forward_only=forward_only, **kwargs)
+        seam.close_iteration()  # the previous iteration (a skipped step) ends unwatched
+        iteration = current_iteration()
+        if iteration == watch.iteration and state["window"] is None:
+            window = watch(iteration)
+            window.__enter__()
+            state.update(seam=seam, window=window, ran=False)
+        try:
+            result = call(seam, *args, forward_only=forward_only, **kwargs)
+        except BaseException:
+            if state["seam"] is seam:
+                end_window(*sys.exc_info())
+            raise
+        if state["seam"] is seam:
+            state["ran"] = True  # open until the seam closes it after the optimizer step
+        return result
+
+    def watched_close(seam):
+        closing = state["seam"] is seam and state["ran"]
+        try:
+            close(seam)
+        except BaseException:
+            if closing:
+                end_window(*sys.exc_info())
+            raise
+        if closing:
+            end_window()
+
+    GraphRuntimeSchedule.__call__ = watched_call
+    GraphRuntimeSchedule.close_iteration = watched_close
+
+    def restore():
+        GraphRuntimeSchedule.__call__ = call
+        GraphRuntimeSchedule.close_iteration = close
+        end_window()
+    return restore
+
+
+def with_train_iters_at_least(train_argv: list, iteration: int) -> list:
+    """``train_argv`` with ``--train-iters`` raised to ``iteration`` where it is smaller (a
+    later ``--train-iters`` wins in the parser); unchanged without it (``--train-samples``)."""
+    given = None
+    for at, word in enumerate(train_argv):
+        if word == "--train-iters" and at + 1 < len(train_argv):
+            given = train_argv[at + 1]
+        elif word.startswith("--train-iters="):
+            given = word.partition("=")[2]
+    if given is None or not given.isdigit() or int(given) >= iteration:
+        return list(train_argv)
+    return [*train_argv, "--train-iters", str(iteration)]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, train_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -148,15 +245,12 @@ def main(argv=None) -> int:
     if opts.iteration < 1:
         parser.error(f"--iteration is wrong: {opts.iteration}. It must be >= 1.")
 
-    from megatron.packed_training.arguments import parse_args
-    from megatron.packed_training.initialize import require_cuda
-    from megatron.packed_training.packed_step import PackedForwardStep
-    from megatron.packed_training.training import pretrain
+    # One process: the torchrun environment of a world of one, unless launched under torchrun.
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29541"), ("RANK", "0"),
+                        ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)
 
-    model_kind = SCRIPTS[opts.script]
-    args = parse_args(train_argv, model=model_kind)
-    require_cuda("find_host_syncs.py")
-    args.train_iters = max(args.train_iters, opts.iteration)
+    train_argv = with_train_iters_at_least(train_argv, opts.iteration)
     module = importlib.import_module(opts.script.removesuffix(".py"))
 
     stacks: list = []
@@ -170,8 +264,15 @@ def main(argv=None) -> int:
     original = warnings.showwarning
     warnings.showwarning = record
     warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}.*")
-    step = PackedForwardStep.from_args(args, with_seq_idx=model_kind == "hybrid")
-    pretrain(args, module.model_provider, step, iteration_hook=SyncWatch(opts.iteration))
+    restore = watch_training_iteration(SyncWatch(opts.iteration))
+    try:
+        module.main(train_argv)  # the script's own entry point (run_pretraining)
+    except SystemExit as done:  # Megatron-LM's exit flags end training through sys.exit
+        if done.code not in (None, 0):
+            raise
+    finally:
+        restore()
+        warnings.showwarning = original
     print(format_report(group_syncs(stacks), opts.iteration))
     return 0
 

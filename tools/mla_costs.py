@@ -27,11 +27,18 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.join(REPO, "tools") not in sys.path:
     sys.path.insert(0, os.path.join(REPO, "tools"))
-from benchmark import GROUPED_GEMM, PRESETS  # noqa: E402  (the preset's one definition)
+from benchmark import (  # noqa: E402  (the preset's one definition)
+    FORK_NUMERICS,
+    GROUPED_GEMM,
+    PRESETS,
+)
 
 MOONLIGHT_SMALL = PRESETS["moonlight-small"][1] + GROUPED_GEMM
+# Megatron-LM's command line of one training step on mock data, with the old fork's defaults
+# the preset was measured with (RMSNorm, no biases, no dropout, ...).
 TRAINING = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--train-iters", "1",
-            "--vocab-size", "32000"]
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--vocab-size", "32000",
+            "--eval-iters", "0", *FORK_NUMERICS]
 
 
 def document_lengths(total: int, documents: int) -> list:
@@ -80,6 +87,7 @@ def measure(args) -> list:
 
     sys.path.insert(0, REPO)
     import pretrain_gpt
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
     from megatron.core.fusions.fused_mla_yarn_rope_apply import (
         fused_apply_mla_rope_for_kv,
         fused_apply_mla_rope_for_q,
@@ -92,8 +100,11 @@ def measure(args) -> list:
     from megatron.packed_training.initialize import initialize_single_gpu
 
     initialize_single_gpu()
-    flags = MOONLIGHT_SMALL + TRAINING + ["--seq-length", str(args.seq_length), "--num-layers", "1"]
+    flags = MOONLIGHT_SMALL + TRAINING + ["--seq-length", str(args.seq_length),
+                                          "--max-position-embeddings", str(args.seq_length),
+                                          "--num-layers", "1"]
     train_args = parse_args(flags, model="gpt")
+    train_args.padded_vocab_size = vocab_size_with_padding(train_args.vocab_size, train_args)
     config = transformer_config_from_args(train_args)
     layer = pretrain_gpt.model_provider(train_args, config).cuda().decoder.layers[0]
     attention = layer.self_attention

@@ -16,11 +16,18 @@ next ones, round-robin), then checks every graph run against the eager one:
 
 Prints a Markdown table, headed by the machine, date, software and command, and exits 1
 when a check fails.
+
+The runs use tools/benchmark.py's launch flags (Megatron-LM's command line). The loss comes
+from each run's metrics file; the gradient norm and memory, which the metrics file no longer
+holds, from Megatron-LM's log: its iteration line (``grad norm: x``, every iteration at
+``--log-interval 1``) and its memory report, asked for at --memory-from and at the last step
+(``--log-memory-interval``, their greatest common divisor).
 """
 
 import argparse
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -29,7 +36,43 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tools.benchmark import COMMON, PRESETS, VARIANTS, run_header  # noqa: E402
+from tools.benchmark import (  # noqa: E402
+    COMMON,
+    PRESETS,
+    VARIANTS,
+    memory_reports,
+    position_limit,
+    read_metrics,
+    run_header,
+)
+
+# Megatron-LM's training log line: `` [date] iteration N/ M | ... | grad norm: 1.234 | ...``.
+ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|(.*)$")
+GRAD_NORM = re.compile(r"\|\s*grad norm:\s*([^|\s]+)\s*\|")
+
+
+def log_values(log: str) -> dict:
+    """Per iteration, what Megatron-LM's log holds and the metrics file does not:
+    ``{N: {"grad_norm": x, "mem_allocated_bytes": ..., "mem_reserved_bytes": ..., ...}}``
+    (memory at the iterations it reported, `benchmark.memory_reports`; a later report of the
+    same iteration wins)."""
+    values: dict = {}
+    for line in log.splitlines():
+        match = ITERATION_LINE.search(line)
+        norm = GRAD_NORM.search("|" + match.group(2)) if match else None
+        if norm:
+            values.setdefault(int(match.group(1)), {})["grad_norm"] = float(norm.group(1))
+    for report in memory_reports(log):
+        values.setdefault(report["iteration"], {}).update(
+            {k: v for k, v in report.items() if k != "iteration"})
+    return values
+
+
+def with_log_values(records: list, log: str) -> list:
+    """Training records of a metrics file with their iterations' `log_values` added."""
+    values = log_values(log)
+    return [r | values.get(r["iteration"], {}) for r in records
+            if r.get("split", "train") == "train"]
 
 
 def window_means(values: list, window: int) -> list:
@@ -43,9 +86,14 @@ def check_run(graphs: list, eager: list, *, window: int, loss_atol: float, memor
     """Compare one graph run's train records with the eager run's. Returns the table row;
     ``row["failures"]`` lists what failed (empty when it passed)."""
     failures = []
-    finite = all(math.isfinite(r["lm_loss"]) and math.isfinite(r["grad_norm"]) for r in graphs)
+    finite = all(math.isfinite(r["lm_loss"]) and math.isfinite(r.get("grad_norm", 0.0))
+                 for r in graphs)
     if not finite:
         failures.append("NaN or Inf loss or grad norm")
+    no_norm = [r["iteration"] for r in graphs if "grad_norm" not in r]
+    if no_norm:
+        failures.append(f"no grad norm logged at {len(no_norm)} iterations (first: "
+                        f"{no_norm[0]})")
     if len(graphs) != len(eager):
         failures.append(f"{len(graphs)} iterations logged, eager logged {len(eager)}")
     graph_means = window_means([r["lm_loss"] for r in graphs], window)
@@ -61,6 +109,9 @@ def check_run(graphs: list, eager: list, *, window: int, loss_atol: float, memor
         if start is None or key not in start:
             failures.append(f"no {key} at iteration {memory_from}")
             continue
+        if key not in end:
+            failures.append(f"no {key} at iteration {end['iteration']}")
+            continue
         growth[key] = (end[key] - start[key]) / 2**20
         if growth[key] > memory_slack_mib:
             failures.append(f"{key} grew by {growth[key]:.1f} MiB from iteration "
@@ -73,17 +124,31 @@ def check_run(graphs: list, eager: list, *, window: int, loss_atol: float, memor
             "failures": failures}
 
 
-def _launch(preset: str, variant: str, args, gpu: int, metrics: str, log) -> subprocess.Popen:
+def launch_command(preset: str, variant: str, args, metrics: str) -> list:
+    """One run's torchrun command: the preset, the variant, every iteration logged and the
+    memory reported at --memory-from and at the last step."""
     script, model_flags = PRESETS[preset]
+    flags = [*model_flags, *COMMON, *VARIANTS[variant], "--train-iters", str(args.steps),
+             "--global-batch-size", str(args.global_batch_size), "--log-interval", "1",
+             "--log-memory-interval", str(math.gcd(args.memory_from, args.steps)),
+             "--mock-doc-length-median", str(args.doc_length_median),
+             "--metrics-file", metrics, *args.extra_args.split()]
     # --standalone: torchrun's rendezvous binds a free port itself (runs start side by side).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(REPO, script), *model_flags,
-           *COMMON, *VARIANTS[variant], "--train-iters", str(args.steps),
-           "--global-batch-size", str(args.global_batch_size), "--log-interval", "1",
-           "--mock-doc-length-median", str(args.doc_length_median),
-           "--metrics-file", metrics, *args.extra_args.split()]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "1", os.path.join(REPO, script), *flags, *position_limit(flags)]
+
+
+def _launch(preset: str, variant: str, args, gpu: int, metrics: str, log) -> subprocess.Popen:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(launch_command(preset, variant, args, metrics), cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_records(out: str, variant: str) -> list:
+    """A finished run's training records, with the grad norm and memory of its log."""
+    with open(os.path.join(out, f"{variant}.log"), errors="replace") as f:
+        log = f.read()
+    return with_log_values(read_metrics(os.path.join(out, f"{variant}.jsonl")), log)
 
 
 def main(argv=None) -> int:
@@ -110,8 +175,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megatron.packed_training.metrics import read_metrics
-
     gpus = args.gpus or max(torch.cuda.device_count(), 1)
     out = args.log_dir or tempfile.mkdtemp(prefix="soak-")
     os.makedirs(out, exist_ok=True)
@@ -131,7 +194,7 @@ def main(argv=None) -> int:
             with open(os.path.join(out, f"{variant}.log")) as f:
                 print(f"--- {variant} failed ---\n{f.read()[-4000:]}")
         return 1
-    eager = read_metrics(os.path.join(out, "eager.jsonl"))
+    eager = run_records(out, "eager")
     print(run_header(sys.argv[1:] if argv is None else argv, "tools/soak.py"))
     print(f"| {args.preset}, {args.steps} steps | loss gap, {args.window}-step means | "
           "max step gap | final loss (eager) | allocated growth (MiB) | reserved growth (MiB) "
@@ -139,7 +202,7 @@ def main(argv=None) -> int:
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     ok = True
     for variant in args.variants:
-        row = check_run(read_metrics(os.path.join(out, f"{variant}.jsonl")), eager,
+        row = check_run(run_records(out, variant), eager,
                         window=args.window, loss_atol=args.loss_atol,
                         memory_from=args.memory_from, memory_slack_mib=args.memory_slack_mib)
         ok &= not row["failures"]

@@ -21,7 +21,7 @@
 # examples/common.sh), PYTHON (python3). Without a CUDA GPU it says so and exits 1.
 set -euo pipefail
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-source "$REPO_DIR/examples/common.sh"   # quote_words, die, te_patches
+source "$REPO_DIR/examples/common.sh"   # quote_words, die, te_patches, FORK_NUMERICS
 cd "$REPO_DIR"
 NAME=$(basename "${BASH_SOURCE[0]}")
 
@@ -85,16 +85,21 @@ ADVISOR=("$PYTHON" tools/capacity_advisor.py --mock-data --seq-length "$SEQ_LENG
          --mock-doc-length-median "$DOC_LENGTH_MEDIAN" --seed "$SEED"
          --target-fallback-rate "$TARGET_FALLBACK_RATE" --print-capacity)
 
-# One training run: ITERS, METRICS, then its own flags.
+# One training run: ITERS, METRICS, then its own flags. Megatron-LM's command line: the
+# pattern gives the layers, --group-query-attention makes --num-query-groups count, no
+# position embedding and FORK_NUMERICS (common.sh) as the fork trained; --eval-iters 0: no
+# evaluation of the synthetic validation split.
 training() {
   local iters=$1 metrics=$2
   shift 2
   local extra
   read -r -a extra <<< "${EXTRA_ARGS:-}"   # split on whitespace: values cannot hold spaces
   RUN=(torchrun --standalone --nnodes 1 --nproc-per-node "$NGPUS" pretrain_mamba.py
-       --hybrid-override-pattern "M-M-M*-M-M-M*-M-" --hidden-size 1024
-       --num-attention-heads 16 --num-query-groups 8 --seq-length "$SEQ_LENGTH"
-       --vocab-size "$VOCAB_SIZE" --sft --mock-data --mock-doc-length-median "$DOC_LENGTH_MEDIAN"
+       --hybrid-layer-pattern "M-M-M*-M-M-M*-M-" --hidden-size 1024
+       --num-attention-heads 16 --group-query-attention --num-query-groups 8
+       --position-embedding-type none --seq-length "$SEQ_LENGTH"
+       --max-position-embeddings "$SEQ_LENGTH" --vocab-size "$VOCAB_SIZE" "${FORK_NUMERICS[@]}"
+       --sft --mock-data --mock-doc-length-median "$DOC_LENGTH_MEDIAN" --eval-iters 0
        --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH_SIZE" --train-iters "$iters"
        --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters $((iters < 10 ? iters : 10)) --bf16
        --seed "$SEED" --log-interval "$LOG_INTERVAL" --metrics-file "$metrics"

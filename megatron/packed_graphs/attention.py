@@ -55,13 +55,14 @@ def resolve_attention_backend(name: str) -> str:
         return "flash" if is_flash_attn_available() else "torch"
     if name == "te" and not is_te_available():
         raise ValueError(
-            "--attention-backend te needs Transformer Engine, which is not importable. "
-            "Install it (pip install .[te]) or use --attention-backend torch."
+            "--attention-backend flash/fused/unfused (Transformer Engine's) needs Transformer "
+            "Engine, which is not importable. Install it (pip install .[te]) or use "
+            "--attention-backend local."
         )
     if name == "flash" and not is_flash_attn_available():
         raise ValueError(
-            "--attention-backend flash needs flash-attn, which is not importable. "
-            "Install it (pip install .[flash]) or use --attention-backend torch."
+            "flash-attn's varlen attention needs flash-attn, which is not importable. "
+            "Install it (pip install .[flash]) or use --attention-backend local."
         )
     return name
 
@@ -135,12 +136,12 @@ class VarlenAttention(MegatronModule):
         if dropout:
             raise ValueError(
                 f"--attention-dropout is wrong for the varlen backends: {dropout}. "
-                "Set --attention-dropout 0 or use --attention-backend te."
+                "Set --attention-dropout 0 or use Transformer Engine's attention (--attention-backend auto with TE installed)."
             )
         if config.context_parallel_size > 1:
             raise ValueError(
                 "--context-parallel-size > 1 needs Transformer Engine attention. "
-                "Use --attention-backend te."
+                "Use Transformer Engine's attention (--attention-backend auto with TE installed)."
             )
         if backend not in ("torch", "flash"):
             raise ValueError(f"VarlenAttention backend must be 'torch' or 'flash', got {backend!r}.")

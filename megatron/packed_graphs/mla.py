@@ -134,9 +134,10 @@ def _require_te(provider: BackendSpecProvider) -> None:
     from megatron.packed_graphs.specs import VarlenSpecProvider
 
     if isinstance(provider, VarlenSpecProvider):
-        raise ValueError(f"--attention-backend is wrong: {provider.attention_backend}. "
-                         f"Packed multi-latent attention runs only on Transformer Engine "
-                         f"attention; use te (or auto with Transformer Engine installed).")
+        raise ValueError(f"--attention-backend is wrong: the TE-free "
+                         f"{provider.attention_backend} attention. Packed multi-latent attention "
+                         f"runs only on Transformer Engine attention; use --attention-backend "
+                         f"auto, flash or fused with Transformer Engine installed.")
 
 
 def mla_self_attention_spec(provider: BackendSpecProvider) -> ModuleSpec:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import yaml
 
-from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
@@ -59,7 +58,6 @@ def transformer_config_from_args(args) -> TransformerConfig:
     impl = args.packed_graph_impl
     config.cuda_graph_impl = "local" if impl == "full_iteration" else impl
     config.cuda_graph_warmup_steps = 1
-    config.cuda_graph_modules = [CudaGraphModule[name] for name in args.packed_cuda_graph_modules]
     config.cuda_graph_granularity = args.cuda_graph_granularity
     config.apply_rope_fusion = uses_te_attention(args)  # off on the TE-free path already
     config.deallocate_pipeline_outputs = False

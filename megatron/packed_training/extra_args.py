@@ -115,8 +115,10 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     """The fork's rules, after Megatron-LM's ``validate_args``. Fills derived values in place
     (``packed_graph_impl``, ``packed_cuda_graph_modules`` as names, ``num_microbatches``,
     ``te_rng_tracker``, ``packed_notes``). Returns args."""
-    if args.cuda_graph_impl == "full_iteration":  # upstream's --cuda-graph-modules full_iteration
-        args.packed_graph_impl = "full_iteration"
+    if args.cuda_graph_impl != ("none" if args.packed_graph_impl == "none" else "local"):
+        # Megatron-LM's checks turned a deprecated spelling (--enable-cuda-graph,
+        # --external-cuda-graph, --cuda-graph-modules full_iteration) into an implementation.
+        args.packed_graph_impl = args.cuda_graph_impl
     hand_graph_flags_to_the_runtime(args)
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size
                                                        * args.data_parallel_size)
@@ -157,6 +159,10 @@ def uses_te_attention(args) -> bool:
 def check_attention(args) -> None:
     """``--attention-backend``: flash / fused / unfused are TE's, local the TE-free path."""
     name = args.attention_backend.name
+    if args.multi_latent_attention and not uses_te_attention(args):
+        fail("--attention-backend", name, "Packed multi-latent attention runs only on "
+                                          "Transformer Engine attention; install TE and use "
+                                          "auto, flash or fused")
     if name in TE_ATTENTION and not is_importable("transformer_engine"):
         fail("--attention-backend", name, "It is a Transformer Engine backend and TE is not "
                                           "importable: install it (`pip install .[te]`), or use "

@@ -1,5 +1,9 @@
 """A functional-test case: one folder under ``cases/<model>/<case>/`` with ``model_config.yaml``.
 
+MODEL_ARGS is a Megatron-LM command line (pretrain_gpt.py / pretrain_mamba.py run Megatron-LM's
+parser and pretrain(), with the fork's flags on top); tests/unit/test_functional_runner.py
+parses every planned run with the real parser.
+
 Keys of ``model_config.yaml`` (Megatron-LM's, plus METRICS, TOLERANCE and GOLDEN):
 
 =============  ============================================================================
@@ -202,7 +206,9 @@ def plan_runs(case: Case, variables: dict, steps: int | None = None) -> list:
     ``steps`` stops training after that many iterations with --exit-interval, so the LR
     schedule (which spans --train-iters) and hence the first ``steps`` golden values are
     unchanged. ckpt-resume: the first run stops at half the iterations and saves to
-    ${CHECKPOINT_SAVE_PATH}; the second loads it and trains the rest.
+    ${CHECKPOINT_SAVE_PATH} (Megatron-LM saves at --exit-interval when --save is given; it
+    wants a --save-interval with --save, the split point unless the case sets one); the second
+    loads it and trains the rest.
     """
     total = case.train_iters
     if steps is not None and not 1 <= steps <= total:
@@ -218,7 +224,9 @@ def plan_runs(case: Case, variables: dict, steps: int | None = None) -> list:
         raise ValueError(f"--steps is wrong: {steps}. A ckpt-resume case needs at least 2.")
     split = end // 2
     first = dict(case.model_args)
-    first.setdefault("--save", "${CHECKPOINT_SAVE_PATH}")
+    if "--save" not in first:
+        first["--save"] = "${CHECKPOINT_SAVE_PATH}"
+        first.setdefault("--save-interval", split)
     first["--exit-interval"] = split
     second = dict(case.model_args_2 if case.model_args_2 is not None else case.model_args)
     second.setdefault("--load", first["--save"])

@@ -75,7 +75,11 @@ def prepare_workdir(workdir: Path, plans: list) -> None:
 
 
 def train(case, plans: list, env: dict, workdir: Path) -> list:
-    """Run the plans in order with torchrun; the training records of all runs, concatenated."""
+    """Run the plans in order with torchrun; the training records of all runs, concatenated.
+
+    A record is a line of the run's --metrics-file (lm_loss, iteration_time_ms, ...) with the
+    values of that iteration's Megatron-LM log line (num_zeros, the MoE losses) that
+    ``run_training`` adds; golden.METRICS names what is recorded and compared."""
     from tests.gpu.launch import run_training
 
     runs = []

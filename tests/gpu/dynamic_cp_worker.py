@@ -32,7 +32,7 @@ from megatron.packed_training.datasets.mock import MockPackedDataset  # noqa: E4
 from megatron.packed_training.datasets.packing import collate_packed_rows  # noqa: E402
 from megatron.packed_training.initialize import initialize_distributed, set_seeds  # noqa: E402
 from megatron.packed_training.packed_step import masked_lm_loss, to_device_micro_batch  # noqa: E402
-from tests.gpu.launch import TINY_GPT  # noqa: E402
+from tests.gpu.launch import FORK_NUMERICS, TINY_GPT  # noqa: E402
 
 
 def run(model, micro_batch):
@@ -48,10 +48,11 @@ def run(model, micro_batch):
 
 
 def main(out_path: str) -> None:
-    args = parse_args(TINY_GPT + [
+    args = parse_args(TINY_GPT + FORK_NUMERICS + [
         "--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--train-iters", "1",
-        "--global-batch-size", "2", "--attention-backend", "te", "--te-rng-tracker"],
-        model="gpt")
+        "--micro-batch-size", "1",
+        "--global-batch-size", "2", "--eval-iters", "0", "--attention-backend", "auto",
+        "--te-rng-tracker"], model="gpt")
     initialize_distributed(args)
     set_seeds(args.seed, te_rng_tracker=True)
     config = transformer_config_from_args(args)

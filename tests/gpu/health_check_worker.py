@@ -1,15 +1,19 @@
-"""Worker of tests/gpu/test_graph_health_check.py: pretrain_gpt.py's training with a corrupted
-CUDA graph. Run under torchrun with pretrain_gpt.py's flags (local layer graphs).
+"""Worker of tests/gpu/test_graph_health_check.py: pretrain_gpt.py's training (Megatron-LM's
+loop, the graph runtime at its seam) with a corrupted CUDA graph. Run under torchrun with
+pretrain_gpt.py's flags (local layer graphs).
 
 At the start of training iteration ``$CORRUPT_GRAPH_FROM`` (past the capture iteration) the
 first layer's captured forward graphs are corrupted: after every replay, fixed noise is added
 to the graph's static output buffer, on the replay's stream, as another graph writing into
 that buffer would leave it. Eager runs of the layer are untouched.
+
+The hook: a listener of the run's `GraphRuntimeSchedule` (the seam pretrain.install_graph_runtime
+returns), told when each training iteration closes (after its optimizer step), so the
+corruption lands between iteration ``$CORRUPT_GRAPH_FROM - 1`` and the next.
 """
 
 import os
 import sys
-from contextlib import contextmanager
 
 import torch
 
@@ -17,9 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 import pretrain_gpt  # noqa: E402
-from megatron.packed_training.arguments import parse_args  # noqa: E402
-from megatron.packed_training.packed_step import PackedForwardStep  # noqa: E402
-from megatron.packed_training.training import pretrain  # noqa: E402
+from megatron.packed_training import pretrain  # noqa: E402
 
 
 class NoisyReplay:
@@ -48,22 +50,38 @@ def main():
         chunks.append(model)
         return model
 
-    @contextmanager
     def corrupt(iteration):
-        if iteration == corrupt_from:
-            manager = chunks[0].decoder.layers[0].cudagraph_manager
-            runners = [r for r in manager.cudagraph_runners if r.fwd_graph is not None]
-            if not runners:
-                raise RuntimeError(f"no captured graph of layer 1 at iteration {iteration}")
-            for runner in runners:
-                runner.fwd_graph = NoisyReplay(runner.fwd_graph, runner.fwd_graph_output_surface[0])
-            print(f" corrupted {len(runners)} captured forward graph(s) of layer 1 at iteration "
-                  f"{iteration}", flush=True)
-        yield
+        manager = chunks[0].decoder.layers[0].cudagraph_manager
+        runners = [r for r in manager.cudagraph_runners if r.fwd_graph is not None]
+        if not runners:
+            raise RuntimeError(f"no captured graph of layer 1 at iteration {iteration}")
+        for runner in runners:
+            runner.fwd_graph = NoisyReplay(runner.fwd_graph, runner.fwd_graph_output_surface[0])
+        print(f" corrupted {len(runners)} captured forward graph(s) of layer 1 at iteration "
+              f"{iteration}", flush=True)
 
-    args = parse_args(sys.argv[1:], model="gpt")
-    pretrain(args, provider, PackedForwardStep.from_args(args, with_seq_idx=False),
-             iteration_hook=corrupt)
+    install = pretrain.install_graph_runtime
+
+    def install_with_hook(args, model, optimizer, scheduler):
+        wrap = install(args, model, optimizer, scheduler)
+        closed = [args.iteration]  # training iterations done (a loaded checkpoint's)
+
+        def hook(split, stats, losses):
+            if split != "train":
+                return
+            closed[0] += 1
+            if closed[0] + 1 == corrupt_from:  # before the next iteration starts
+                corrupt(corrupt_from)
+
+        def wrap_with_hook(schedule):
+            seam = wrap(schedule)
+            seam.listeners.append(hook)
+            return seam
+
+        return wrap_with_hook
+
+    pretrain.install_graph_runtime = install_with_hook  # run_pretraining looks it up at call
+    pretrain.run_pretraining("gpt", provider, "health_check_worker.py")
 
 
 if __name__ == "__main__":

@@ -1,46 +1,103 @@
-"""Run the real training scripts under torchrun and read back their metrics file."""
+"""Run the real training scripts (Megatron-LM's training loop with the graph runtime at its
+seam) under torchrun and read back what they report: the fork's metrics file (loss, time,
+throughput, the runtime's counters) and Megatron-LM's log line (learning rate, grad norm,
+batch size, MoE losses)."""
 
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
+
+import pytest
 
 from megatron.packed_training.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Small models that still exercise every layer type; shared by the GPU tests.
+# What the old fork's parser defaulted to and the suite's numbers were measured with, as
+# Megatron-LM's flags (upstream's defaults differ: docs/flags.md). Part of TRAIN.
+FORK_NUMERICS = [
+    "--normalization", "RMSNorm", "--disable-bias-linear", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--adam-beta2", "0.95", "--lr-decay-style", "cosine",
+    "--calculate-per-token-loss",
+]
+# Small models that still exercise every layer type; shared by the GPU tests. Each names its
+# position embedding (the old fork: RoPE for GPT, none for the hybrid), its query groups
+# (Megatron-LM reads --num-query-groups only with --group-query-attention) and, with SwiGLU,
+# the 4 x hidden FFN width the old fork used (Megatron-LM shrinks it to 2/3).
 TINY_GPT = [
-    "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
-    "--num-query-groups", "4", "--swiglu", "--seq-length", "1024", "--vocab-size", "1024",
+    "--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "1024",
+    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4",
+    "--swiglu", "--seq-length", "1024", "--max-position-embeddings", "1024",
+    "--vocab-size", "1024", "--position-embedding-type", "rope",
 ]
-TINY_HYBRID = [
-    "--hybrid-override-pattern", "M*-M*-M-", "--hidden-size", "256",
-    "--num-attention-heads", "8", "--num-query-groups", "4", "--mamba-head-dim", "32",
-    "--mamba-num-groups", "2", "--mamba-state-dim", "64",
-    "--seq-length", "1024", "--vocab-size", "1024",
+HYBRID_LAYERS = [
+    "--hidden-size", "256", "--num-attention-heads", "8", "--group-query-attention",
+    "--num-query-groups", "4", "--mamba-head-dim", "32", "--mamba-num-groups", "2",
+    "--mamba-state-dim", "64", "--seq-length", "1024", "--max-position-embeddings", "1024",
+    "--vocab-size", "1024", "--position-embedding-type", "none",
 ]
-# MoE: 8 experts, top-2, aux and z losses; DROP_AND_PAD (capacity 1.0 x an even share, padded
-# to it) is what whole-layer graphs need, and random routing overflows it now and then.
+TINY_HYBRID = ["--hybrid-layer-pattern", "M*-M*-M-", *HYBRID_LAYERS]
+# MoE: 8 experts, top-2, aux and z losses, the alltoall dispatcher (the old fork's default);
+# DROP_AND_PAD (capacity 1.0 x an even share, padded to it) is what whole-layer graphs need,
+# and random routing overflows it now and then.
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
-       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+       "--moe-token-dispatcher-type", "alltoall"]
 DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
 TINY_GPT_MOE = TINY_GPT + MOE
-TINY_HYBRID_MOE = [
-    "--hybrid-override-pattern", "M*EM*E", "--hidden-size", "256",
-    "--num-attention-heads", "8", "--num-query-groups", "4", "--mamba-head-dim", "32",
-    "--mamba-num-groups", "2", "--mamba-state-dim", "64",
-    "--seq-length", "1024", "--vocab-size", "1024", *MOE,
-]
+TINY_HYBRID_MOE = ["--hybrid-layer-pattern", "M*EM*E", *HYBRID_LAYERS, *MOE]
 # Local layer graphs at capacity 16 after two eager iterations (the graph tests' default).
 LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
                 "--cuda-graph-warmup-steps", "2"]
+# Mock data, no evaluation (--eval-iters 0: mock data has a validation split of its own).
 TRAIN = [
     "--sft", "--mock-data", "--mock-doc-length-median", "128", "--bf16",
     "--lr", "1e-3", "--min-lr", "1e-4", "--seed", "1234",
-    "--micro-batch-size", "1", "--log-interval", "1",
+    "--micro-batch-size", "1", "--log-interval", "1", "--eval-iters", "0", *FORK_NUMERICS,
 ]
+# Values of Megatron-LM's per-iteration log line that the metrics file does not hold, under
+# the metrics-style names run_training gives them (MoE losses keep their own names).
+LOG_LINE_KEYS = {"learning rate": "learning_rate", "grad norm": "grad_norm",
+                 "global batch size": "global_batch_size", "num zeros": "num_zeros",
+                 "loss scale": "loss_scale"}
+_LOG_LINE = re.compile(r"\biteration\s+(\d+)/\s*\d+\s*\|(.*)$")
+
+
+def megatron_log_values(log: str) -> dict:
+    """Megatron-LM's training log lines in ``log`` (`` [date] iteration N/ M | consumed
+    samples: ... | learning rate: 1.000000E-05 | ... | grad norm: 2.480 | ...``), by
+    iteration: ``{N: {name: value}}`` with the names of `LOG_LINE_KEYS` and the MoE losses'
+    own (``load_balancing_loss``, ``z_loss``, ...). Values are numbers."""
+    values = {}
+    for line in log.splitlines():
+        match = _LOG_LINE.search(line)
+        if match is None:
+            continue
+        found = {}
+        for part in match.group(2).split("|"):
+            name, _, value = part.partition(":")
+            name = name.strip()
+            key = LOG_LINE_KEYS.get(name, name if "_" in name else None)
+            if key is None:
+                continue
+            value = value.strip()
+            try:
+                found[key] = int(value) if value.isdigit() else float(value)
+            except ValueError:
+                continue
+        values[int(match.group(1))] = found
+    return values
+
+
+# Training with --dynamic-cp-sizes: the fork's parser refuses it on Megatron-LM's loop in this
+# release (extra_args.check_dynamic_cp: that loop runs one micro-batch count on every rank).
+# The tests that train with it are kept, skipped with this mark, for when it runs again.
+DYNAMIC_CP_TRAINING = pytest.mark.skip(
+    reason="--dynamic-cp-sizes does not run on Megatron-LM's training loop in this release "
+           "(refused by megatron/packed_training/extra_args.py, check_dynamic_cp)")
 
 
 def _free_port() -> int:
@@ -72,12 +129,14 @@ def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
              timeout: int = 900) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node nproc REPO/path args`` on a free port, its output captured.
 
-    A run beside this one may bind the port between the check and torchrun: a run that
-    lost that race is started again on another port (three tries)."""
+    ``CUDA_DEVICE_MAX_CONNECTIONS`` is 1 unless the environment sets it: Megatron-LM requires
+    it for tensor and context parallelism (before Blackwell), as the launchers in examples/
+    export it. A run beside this one may bind the port between the check and torchrun: a run
+    that lost that race is started again on another port (three tries)."""
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", **os.environ, **(env or {})}
     for _ in range(3):
         proc = subprocess.run(torchrun_command(path, args, nproc=nproc), cwd=REPO,
-                              capture_output=True, text=True,
-                              env={**os.environ, **(env or {})}, timeout=timeout)
+                              capture_output=True, text=True, env=env, timeout=timeout)
         if proc.returncode == 0 or not _lost_port_race(proc.stdout + proc.stderr):
             break
     return proc
@@ -85,18 +144,22 @@ def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
 
 def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str = "run",
                  env: dict | None = None) -> list:
-    """Train with ``torchrun --nproc-per-node nproc script args``; return train records.
+    """Train with ``torchrun --nproc-per-node nproc script args``; return train records: the
+    metrics file's, each with the values of its iteration's Megatron-LM log line added
+    (`megatron_log_values`: ``learning_rate``, ``grad_norm``, ``global_batch_size``, MoE
+    losses), which the metrics file does not hold.
 
-    Raises with the run's output if it fails.
+    The output is kept in ``tmp_path/<name>.log``. Raises with the run's output if it fails.
     """
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    proc = torchrun(script, [*args, "--metrics-file", metrics], nproc=nproc, env=env)
-    log = os.path.join(str(tmp_path), f"{name}.log")
-    with open(log, "w") as f:
-        f.write(proc.stdout + proc.stderr)
+    proc = torchrun(script, [*map(str, args), "--metrics-file", metrics], nproc=nproc, env=env)
+    output = proc.stdout + proc.stderr
+    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as f:
+        f.write(output)
     if proc.returncode != 0:
-        raise AssertionError(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return read_metrics(metrics)
+        raise AssertionError(f"{name} failed ({proc.returncode}):\n{output[-6000:]}")
+    logged = megatron_log_values(output)
+    return [logged.get(r["iteration"], {}) | r for r in read_metrics(metrics)]
 
 
 def train_then_resume(script: str, args: list, tmp_path, *, save_interval: int,

@@ -47,7 +47,7 @@ def test_chunk_graphs_match_eager_on_one_gpu(tmp_path, script, model):
 def test_chunk_graphs_match_eager_with_pipeline_parallelism(tmp_path, script, model, vpp):
     layout = ["--pipeline-model-parallel-size", "2"]
     if vpp > 1:
-        layout += ["--virtual-pipeline-model-parallel-size", str(vpp)]
+        layout += ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
     capture = _compare(tmp_path, script, model, layout, nproc=2)
     # The metrics come from the last stage: its slots per chunk, two graphs each.
     slots = slot_counts(PipelineShape(pp_size=2, pp_rank=1, num_model_chunks=vpp))

@@ -9,7 +9,7 @@ difference against eager with the same flags.
 
 import pytest
 
-from megatron.packed_training.argument_checks import is_importable
+from megatron.packed_training.extra_args import is_importable
 from tests.gpu.launch import (
     TINY_GPT,
     TINY_HYBRID,

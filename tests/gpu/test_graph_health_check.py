@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from megatron.packed_training.argument_checks import is_importable
+from megatron.packed_training.extra_args import is_importable
 from tests.gpu.launch import TINY_GPT, TRAIN, losses, run_training
 
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32",
@@ -25,7 +25,7 @@ CHECK = ["--cuda-graph-check-interval", "5"]
 VARIANTS = {
     "local-layer": GRAPHS,
     "local-chunk": GRAPHS + ["--cuda-graph-granularity", "chunk"],
-    "te-layer": ["--attention-backend", "te", "--te-rng-tracker",
+    "te-layer": ["--attention-backend", "auto", "--te-rng-tracker",
                  "--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "32",
                  "--cuda-graph-warmup-steps", "2"],
 }

@@ -19,12 +19,14 @@ from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete
 from megatron.core.transformer.module import Float16Module
 from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.runtime import GraphRuntime
-from megatron.packed_training.argument_checks import is_importable
+from megatron.packed_graphs.schedule import GraphRuntimeSchedule
 from megatron.packed_training.arguments import parse_args
-from megatron.packed_training.config import ddp_config_from_args, transformer_config_from_args
+from megatron.packed_training.config import transformer_config_from_args
 from megatron.packed_training.datasets.mock import MockPackedDataset
 from megatron.packed_training.datasets.packing import collate_packed_rows
+from megatron.packed_training.extra_args import is_importable
 from megatron.packed_training.packed_step import PackedForwardStep, masked_lm_loss, to_device_micro_batch
+from megatron.training.training import get_megatron_ddp_config
 from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training
 from tools.compare_graph_grads import compare_replay_with_eager
 
@@ -107,24 +109,23 @@ def test_replay_forward_backward_has_no_host_sync(dist, kind):
                                       "--cuda-graph-warmup-steps", "1"], model=kind)
     apply_core_patches()
     config = transformer_config_from_args(args)
-    # DDP: megatron-core's backward graphs accumulate weight gradients into main_grad.
+    # DDP (Megatron-LM's config from the arguments): megatron-core's backward graphs
+    # accumulate weight gradients into main_grad.
     model = DistributedDataParallel(
-        config, ddp_config_from_args(args),
+        config, get_megatron_ddp_config(args),
         Float16Module(config, module.model_provider(args, config).cuda()))
     config.no_sync_func = model.no_sync
     step = PackedForwardStep.from_args(args, with_seq_idx=kind == "hybrid")
     runtime = GraphRuntime.from_args(args, [model], config)
+    # The training loop's seam: megatron-core's schedule behind the runtime.
+    seam = GraphRuntimeSchedule(runtime, get_forward_backward_func(),
+                                stream_length=args.micro_batch_size * args.seq_length)
     data = MockPackedDataset(64, args.seq_length, args.vocab_size, seed=7, doc_length_median=128)
     batches = iter(collate_packed_rows([data[i]]) for i in range(64))
 
-    def schedule(forward_step, micro_batches):
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches[0]), model=model,
-            num_microbatches=2, seq_length=args.seq_length, micro_batch_size=1)
-
     for _ in range(2):  # one eager warm-up iteration, then the capture iteration
-        with runtime.iteration([[next(batches) for _ in range(2)]], step) as iteration:
-            iteration.run(schedule)
+        seam(forward_step_func=step, data_iterator=batches, model=[model], num_microbatches=2)
+        seam.close_iteration()  # no optimizer step here
     assert _CudagraphGlobalRecord.cudagraph_created and runtime.captured == {(1, 32)}
 
     batch = next(batches)

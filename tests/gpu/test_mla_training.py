@@ -15,7 +15,8 @@ micro-batch:
 * eager vs TE layer-graph banks at one forced dynamic-CP size (1 and 2 on two GPUs, 4 on
   four), 50 steps;
 * a 100-step soak with mixed CP sizes 1/2/4 on four GPUs: no NaN, every bank replays,
-  eager's curve.
+  eager's curve (these two skipped while the fork refuses --dynamic-cp-sizes on
+  Megatron-LM's loop: launch.DYNAMIC_CP_TRAINING).
 
 And, on a tiny MLA model, ``--mla-pad-v never`` trains like the default (V padded), eager
 and under layer graphs.
@@ -41,13 +42,17 @@ pytest.importorskip("transformer_engine.pytorch",
                     reason="needs Transformer Engine (pip install -e '.[te]'): packed MLA runs "
                            "on TE attention")
 
-from tests.gpu.launch import TRAIN, losses, run_training  # noqa: E402
+from tests.gpu.launch import DYNAMIC_CP_TRAINING, TRAIN, losses, run_training  # noqa: E402
 from tools.benchmark import GROUPED_GEMM, PRESETS  # noqa: E402  (the preset's one definition)
 
 SCRIPT = "pretrain_gpt.py"
-# TE's RNG tracker in eager runs too: graphs with TE attention force it.
+# TE's RNG tracker in eager runs too: graphs with TE attention force it. The preset's
+# attention backend as this suite names TE attention (auto: TE, installed here), and the old
+# fork's RoPE (Megatron-LM's default is learned absolute positions).
 MOONLIGHT = PRESETS["moonlight-small"][1] + GROUPED_GEMM + [
-    "--num-layers", "4", "--seq-length", "2048", "--vocab-size", "1024", "--te-rng-tracker"]
+    "--num-layers", "4", "--seq-length", "2048", "--max-position-embeddings", "2048",
+    "--vocab-size", "1024", "--position-embedding-type", "rope", "--attention-backend", "auto",
+    "--te-rng-tracker"]
 STEPS = 50
 LOCAL_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32",
                 "--cuda-graph-warmup-steps", "2"]
@@ -149,6 +154,7 @@ def _cp_sizes_used(records) -> set:
     return {int(part.split("x")[0]) for r in records for part in r["cp micro-batches"].split()}
 
 
+@DYNAMIC_CP_TRAINING
 @pytest.mark.parametrize("size, ranks", [
     pytest.param(1, 2, marks=pytest.mark.gpus(2)),
     pytest.param(2, 2, marks=pytest.mark.gpus(2)),
@@ -165,6 +171,7 @@ def test_moonlight_forced_cp_size_graphs_match_eager(tmp_path, size, ranks):
     _compare(eager, graphs, f"moonlight-like, forced CP {size} on {ranks} ranks", again=again)
 
 
+@DYNAMIC_CP_TRAINING
 @pytest.mark.gpus(4)
 def test_moonlight_mixed_cp_sizes_soak(tmp_path):
     """100 iterations with mixed CP sizes 1/2/4 (long documents open larger sizes): the
@@ -190,11 +197,13 @@ def test_moonlight_mixed_cp_sizes_soak(tmp_path):
 # ----------------------------------------------------------------------------- V padding
 
 # Query head 32 + 32 = 64, value head 32: padded to 64 by default.
-TINY_MLA = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
-            "--swiglu", "--seq-length", "1024", "--vocab-size", "1024",
+TINY_MLA = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "1024",
+            "--num-attention-heads", "4", "--swiglu", "--seq-length", "1024",
+            "--max-position-embeddings", "1024", "--vocab-size", "1024",
+            "--position-embedding-type", "rope",
             "--multi-latent-attention", "--kv-lora-rank", "64", "--qk-head-dim", "32",
             "--qk-pos-emb-head-dim", "32", "--v-head-dim", "32", "--qk-layernorm",
-            "--attention-backend", "te", "--te-rng-tracker"]
+            "--attention-backend", "auto", "--te-rng-tracker"]
 
 
 def test_unpadded_v_trains_like_padded_v(tmp_path):

@@ -13,7 +13,7 @@ lm loss and load-balancing loss within the tolerance of test_moe_graphs.py.
 
 import pytest
 
-from megatron.packed_training.argument_checks import is_importable
+from megatron.packed_training.extra_args import is_importable
 from tests.gpu import launch
 from tests.gpu.launch import (
     DROP_AND_PAD,

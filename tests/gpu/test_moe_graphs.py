@@ -3,7 +3,7 @@
 * A padded row routes its documents exactly like the same documents without padding, on the
   GPU, through megatron-core's router and the full MoE layer (dropless and drop-and-pad).
 * Training a GPT-MoE and a hybrid model with 'E' layers under layer graphs (drop-and-pad)
-  matches eager training; the MoE aux loss reaches the metrics file.
+  matches eager training; the MoE aux and z losses (Megatron-LM's log line) follow eager.
 """
 
 import pytest

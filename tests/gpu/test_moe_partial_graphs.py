@@ -18,7 +18,7 @@ first model's layer count (a model with more layers then indexes past it).
 import pytest
 import torch
 
-from megatron.packed_training.argument_checks import is_importable
+from megatron.packed_training.extra_args import is_importable
 from tests.gpu.launch import (
     DROP_AND_PAD,
     LAYER_GRAPHS,

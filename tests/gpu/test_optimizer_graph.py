@@ -29,17 +29,18 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 from megatron.packed_graphs.core_patches import apply_core_patches
 from megatron.packed_graphs.optimizer_graph import EAGER_KEY, OptimizerGraph, inner_optimizers
-from megatron.packed_training.argument_checks import is_importable
 from megatron.packed_training.arguments import parse_args
-from megatron.packed_training.config import (
-    ddp_config_from_args,
-    optimizer_config_from_args,
-    transformer_config_from_args,
-)
+from megatron.packed_training.config import transformer_config_from_args
 from megatron.packed_training.datasets.mock import MockPackedDataset
 from megatron.packed_training.datasets.packing import collate_packed_rows
+from megatron.packed_training.extra_args import is_importable
 from megatron.packed_training.packed_step import masked_lm_loss, to_device_micro_batch
-from megatron.packed_training.training import build_scheduler
+from megatron.training import global_vars
+from megatron.training.training import (
+    get_megatron_ddp_config,
+    get_megatron_optimizer_config,
+    get_optimizer_param_scheduler,
+)
 from tests.gpu.launch import TINY_GPT, TRAIN, losses, run_training, train_then_resume
 
 STEPS = 30
@@ -64,22 +65,37 @@ def use_adam(monkeypatch, adam: str) -> None:
         monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", True)
 
 
+def build_scheduler(args, optimizer):
+    """Megatron-LM's learning-rate scheduler of ``args`` for ``optimizer`` (the one its
+    training loop builds; it reads the global args, set for the call only)."""
+    saved = global_vars._GLOBAL_ARGS
+    global_vars.set_args(args)
+    try:
+        return get_optimizer_param_scheduler(optimizer)
+    finally:
+        global_vars.set_args(saved)
+
+
 class Run:
-    """A tiny GPT (bf16, DDP), megatron-core's optimizer and the fork's scheduler, stepped
-    through an `OptimizerGraph` (``capture_at`` None: always eager, same live tensors)."""
+    """A tiny GPT (bf16, DDP), megatron-core's optimizer and Megatron-LM's scheduler, stepped
+    through an `OptimizerGraph` (``capture_at`` None: always eager, same live tensors). The
+    DDP and optimizer configs and the scheduler are Megatron-LM's, from the parsed args."""
 
     def __init__(self, args, capture_at, weights_from: "Run" = None, capturable=True):
         self.args = args
         config = transformer_config_from_args(args)
         self.model = DistributedDataParallel(
-            config, ddp_config_from_args(args),
+            config, get_megatron_ddp_config(args),
             Float16Module(config, pretrain_gpt.model_provider(args, config).cuda()))
         if weights_from is not None:
             for mine, theirs in zip(self.model.parameters(), weights_from.model.parameters()):
                 mine.data.copy_(theirs.data)
-        optimizer_config = optimizer_config_from_args(args)
+        # The flag is the runtime's after parsing (args.packed_optimizer_graph); the config
+        # asks megatron-core for capturable kernels as pretrain's does with it.
+        optimizer_config, overrides = get_megatron_optimizer_config(args)
         optimizer_config.optimizer_cuda_graph = capturable
-        self.optimizer = get_megatron_optimizer(optimizer_config, [self.model])
+        self.optimizer = get_megatron_optimizer(optimizer_config, [self.model],
+                                                config_overrides=overrides)
         self.scheduler = build_scheduler(args, self.optimizer)
         self.graph = (OptimizerGraph.for_optimizer(self.optimizer, capture_at) if capturable
                       else None)
@@ -248,7 +264,7 @@ def test_an_optimizer_without_capturable_kernels_is_refused(dist):
 MODEL_GRAPHS = {
     "none": [],
     "local": ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32"],
-    "te": ["--attention-backend", "te", "--cuda-graph-impl", "transformer_engine",
+    "te": ["--attention-backend", "auto", "--cuda-graph-impl", "transformer_engine",
            "--cuda-graph-max-packed-seqs", "32"],
 }
 

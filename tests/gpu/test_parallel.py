@@ -1,8 +1,9 @@
 """TP=2, PP=2 and PP=2 x VPP=2 train like TP=1/PP=1 (two GPUs).
 
-All runs start from the same weights: a one-step run saves a checkpoint and every
-configuration loads it with --finetune (weights only; dist_checkpointing reshards across TP
-and PP). They then see the same micro-batches in the same order.
+All runs start from the same weights: a one-step run saves a checkpoint (Megatron-LM's,
+torch_dist) and every configuration loads it with --finetune (weights only;
+dist_checkpointing reshards across TP and PP). They then see the same micro-batches in the
+same order.
 """
 
 import pytest
@@ -18,7 +19,8 @@ TOLERANCE = 0.05
 def runs_from_one_start(tmp_path, script, model, layouts):
     base = model + TRAIN + ["--global-batch-size", "8"]
     init = str(tmp_path / "init")
-    run_training(script, base + ["--train-iters", "1", "--save", init], tmp_path, name="init")
+    run_training(script, base + ["--train-iters", "1", "--save", init, "--save-interval", "1"],
+                 tmp_path, name="init")
     common = base + ["--train-iters", str(STEPS), "--load", init, "--finetune"]
     reference = losses(run_training(script, common, tmp_path, name="tp1pp1"))
     results = {}
@@ -41,7 +43,7 @@ def test_gpt_tp_pp_vpp_match_single_gpu(tmp_path):
         "tp2": ["--tensor-model-parallel-size", "2"],
         "pp2": ["--pipeline-model-parallel-size", "2"],
         "pp2_vpp2": ["--pipeline-model-parallel-size", "2",
-                     "--virtual-pipeline-model-parallel-size", "2"],
+                     "--num-virtual-stages-per-pipeline-rank", "2"],
     })
     assert_close_to_one_gpu(reference, results)
 

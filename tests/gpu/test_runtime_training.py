@@ -1,7 +1,8 @@
 """The graph runtime in real training (one GPU): what it logs, and the sync finder with TE graphs.
 
-* Every eager micro-batch shows with its reason: warm-up and overflow in the training log,
-  evaluation on the validation line, never in a training iteration's numbers.
+* Every eager micro-batch shows with its reason: warm-up and overflow in the training records,
+  evaluation (Megatron-LM's evaluate(), through the same runtime) in the validation records,
+  never in a training iteration's numbers.
 * tools/find_host_syncs.py trains with TE layer graphs: the runtime captures them (the forward
   step the tool used to wrap no longer receives them as an attribute), and a replayed
   iteration has no host sync inside the model.
@@ -11,7 +12,7 @@ import os
 
 import pytest
 
-from megatron.packed_training.argument_checks import is_importable
+from megatron.packed_training.extra_args import is_importable
 from megatron.packed_training.metrics import read_metrics
 from tests.gpu.launch import TINY_GPT, TRAIN, find_host_syncs, run_training
 
@@ -33,14 +34,16 @@ def test_eager_reasons_are_logged_and_evaluation_stays_apart(tmp_path):
                                                                for r in train[2:]]
     assert sum(r["graph fallbacks"] for r in train[2:]) > 0  # both paths ran
     assert not any("eager eval" in r for r in train)
-    # Two validation passes (iterations 5 and 10) of 2 x 4 micro-batches each.
-    assert [(r["iteration"], r["eager eval"]) for r in valid] == [(5, 8), (10, 8)]
+    # Megatron-LM's validation passes at iterations 5 and 10, of 2 x 4 micro-batches each
+    # (and its pass after the last iteration, at 12, where the metrics file records it).
+    assert [(r["iteration"], r["eager eval"]) for r in valid][:2] == [(5, 8), (10, 8)]
+    assert [(r["iteration"], r["eager eval"]) for r in valid][2:] in ([], [(12, 8)])
 
 
 @pytest.mark.skipif(not is_importable("transformer_engine"), reason="needs Transformer Engine")
 def test_sync_finder_trains_with_te_graphs(tmp_path):
     flags = TINY_GPT + TRAIN + [
-        "--train-iters", "5", "--global-batch-size", "2", "--attention-backend", "te",
+        "--train-iters", "5", "--global-batch-size", "2", "--attention-backend", "auto",
         "--te-rng-tracker", "--cuda-graph-impl", "transformer_engine",
         "--cuda-graph-max-packed-seqs", "32", "--cuda-graph-warmup-steps", "2",
         "--no-check-for-nan-in-loss-and-grad"]

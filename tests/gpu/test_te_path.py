@@ -82,7 +82,7 @@ def test_te_spec_uses_packed_attention_and_fused_rope(dist):
     from megatron.packed_training.config import transformer_config_from_args
     from tests.gpu.launch import TINY_GPT, TRAIN
 
-    args = parse_args(TINY_GPT + TRAIN + ["--train-iters", "1", "--attention-backend", "te"],
+    args = parse_args(TINY_GPT + TRAIN + ["--train-iters", "1", "--attention-backend", "auto"],
                       model="gpt")
     config = transformer_config_from_args(args)
     assert config.apply_rope_fusion
@@ -134,7 +134,7 @@ def test_te_graph_training_matches_te_eager(tmp_path, kind):
 
     script, model = ("pretrain_gpt.py", TINY_GPT) if kind == "gpt" else ("pretrain_mamba.py", TINY_HYBRID)
     # --te-rng-tracker: the tracker TE graphs switch on, so both runs initialise alike.
-    common = model + TRAIN + ["--attention-backend", "te", "--te-rng-tracker",
+    common = model + TRAIN + ["--attention-backend", "auto", "--te-rng-tracker",
                               "--train-iters", "50", "--global-batch-size", "4"]
     eager = run_training(script, common, tmp_path, name="te_eager")
     graphs = run_training(script, common + TE_GRAPHS, tmp_path, name="te_graphs")
@@ -228,7 +228,7 @@ def test_cp_graphs_match_cp_eager(tmp_path, kind, cp):
 
     script, model = {"gpt": ("pretrain_gpt.py", TINY_GPT),
                      "hybrid": ("pretrain_mamba.py", TINY_HYBRID)}[kind]
-    common = model + TRAIN + ["--attention-backend", "te", "--te-rng-tracker",
+    common = model + TRAIN + ["--attention-backend", "auto", "--te-rng-tracker",
                                  "--train-iters", "30", "--global-batch-size", "4",
                                  "--context-parallel-size", str(cp)]
     eager = run_training(script, common, tmp_path, nproc=cp, name=f"{kind}_cp{cp}_eager")

@@ -19,10 +19,11 @@ def cpu_dist(tmp_path_factory):
 
 @pytest.fixture
 def with_te(monkeypatch):
-    """Transformer Engine importable for the parse-time checks; flash-attn still not."""
-    from megatron.packed_training import argument_checks
+    """Transformer Engine importable for the fork's parse-time checks (extra_args.py);
+    flash-attn and apex still not."""
+    from megatron.packed_training import extra_args
 
-    monkeypatch.setattr(argument_checks, "is_importable",
+    monkeypatch.setattr(extra_args, "is_importable",
                         lambda package: package == "transformer_engine")
 
 

@@ -33,9 +33,9 @@ def test_auto_prefers_te_then_flash_then_torch(monkeypatch, te, flash, expected)
 
 def test_explicit_backend_without_its_package_is_an_error(monkeypatch):
     _installed(monkeypatch)
-    with pytest.raises(ValueError, match=r"--attention-backend te needs Transformer Engine.*pip install \.\[te\]"):
+    with pytest.raises(ValueError, match=r"needs Transformer Engine.*pip install \.\[te\]"):
         resolve_attention_backend("te")
-    with pytest.raises(ValueError, match=r"--attention-backend flash needs flash-attn"):
+    with pytest.raises(ValueError, match=r"varlen attention needs flash-attn"):
         resolve_attention_backend("flash")
     with pytest.raises(ValueError, match="--attention-backend is wrong: 'sdpa'"):
         resolve_attention_backend("sdpa")

@@ -1,7 +1,8 @@
 """tools/benchmark.py: the table, variant flags, a failed row, the torchrun launch without a
 port race, --from-metrics, --help, the MoE and MLA presets (every launch command through the
-real training parser and megatron-core's config; expert parallelism against --nproc; the MoE
-columns) (CPU)."""
+real training parser, Megatron-LM's with the fork's flags, and megatron-core's config; the old
+fork's model shape; expert parallelism against --nproc; the MoE columns), peak memory from
+Megatron-LM's memory report (CPU)."""
 
 import importlib.metadata
 import json
@@ -10,6 +11,7 @@ import re
 import signal
 import sys
 from argparse import Namespace
+from unittest import mock
 
 import pytest
 import torch
@@ -95,10 +97,18 @@ class _Completed:
 
 
 def _metrics(path, tps, iters=10):
+    """A metrics file as the runs write it now: no memory, no grad norm."""
     with open(path, "w") as f:
         for it in range(1, iters + 1):
-            f.write(json.dumps({"iteration": it, "lm_loss": 5.0, "iteration_time_ms": 100.0,
-                                "tokens_per_sec": tps, "mem_max_allocated_bytes": 2**30}) + "\n")
+            f.write(json.dumps({"iteration": it, "consumed_samples": 4 * it, "lm_loss": 5.0,
+                                "iteration_time_ms": 100.0, "tokens_per_sec": tps}) + "\n")
+
+
+def _memory_line(iteration, max_allocated_mb, rank=0):
+    """Megatron-LM's report_memory line (megatron/training/utils)."""
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | allocated: 812.25 | "
+            f"max allocated: {max_allocated_mb:.2f} | reserved: 2048.00 | max reserved: "
+            f"2048.00\n")
 
 
 def test_a_failed_row_shows_its_error_and_the_other_rows_still_run(monkeypatch, capsys):
@@ -108,7 +118,7 @@ def test_a_failed_row_shows_its_error_and_the_other_rows_still_run(monkeypatch, 
             return _Completed(1, "iteration 1\n", "Traceback (most recent call last):\n"
                               "torch.OutOfMemoryError: CUDA out of memory | tried 2 GiB\n")
         _metrics(metrics, 1000.0)
-        return _Completed(0)
+        return _Completed(0, _memory_line(1, 900.0) + _memory_line(10, 1024.0))
 
     monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
     code = benchmark.main(["--presets", "gpt-small", "--variants", "layer-graphs", "eager",
@@ -119,6 +129,7 @@ def test_a_failed_row_shows_its_error_and_the_other_rows_still_run(monkeypatch, 
     assert rows[0] == ("| gpt-small | layer-graphs | failed: exit 1: torch.OutOfMemoryError: CUDA out "
                        "of memory / tried 2 GiB |" + " - |" * 9)
     assert rows[1].startswith("| gpt-small | eager | 100.0 |") and "| 1,000 | 1.00x |" in rows[1]
+    assert "| 1.00x | 1.00 |" in rows[1]  # peak: 1024 MB max allocated, the last report
     assert "failed: gpt-small/layer-graphs" in err and "Traceback" in err  # the log tail
     assert "benchmark: 1 of 2 runs failed: gpt-small/layer-graphs" in err
 
@@ -206,7 +217,8 @@ def test_from_metrics_tabulates_finished_runs(tmp_path, capsys):
                            "--warmup", "10", "--log-interval", "10"])
     out = capsys.readouterr().out
     assert code == 1
-    assert "| hybrid-small | layer-graphs | 100.0 | 0.0 | 2,500 | 2.50x |" in out
+    # No memory report without the run's output: peak memory "-".
+    assert "| hybrid-small | layer-graphs | 100.0 | 0.0 | 2,500 | 2.50x | - |" in out
     assert f"| hybrid-small | chunk-graphs | failed: no metrics file {tmp_path / 'missing.jsonl'} |" in out
     assert "| hybrid-small | te-layer-graphs | failed: metrics file " in out
     assert "is truncated or not JSON lines" in out
@@ -252,7 +264,9 @@ def test_a_launch_command_keeping_traces_passes_the_training_parser(te_importabl
     cmd = benchmark.launch_command("gpt-small", "layer-graphs",
                                    _args(nproc=1, profile=True, keep_traces="/tmp/tr"), "/m.jsonl")
     args = _validated(cmd, world_size=1)
-    assert args.profile and args.profile_trace_dir == "/tmp/tr/gpt-small/layer-graphs"
+    # --profile is the fork's profiler's (GPU-busy time, the traces; Megatron-LM's own nsys
+    # path stays off).
+    assert args.packed_profile and args.profile_trace_dir == "/tmp/tr/gpt-small/layer-graphs"
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -295,33 +309,41 @@ def _flag(preset, flag):
     return flags[flags.index(flag) + 1] if flag in flags else None
 
 
-def _pins_te_attention(preset):
-    return _flag(preset, "--attention-backend") == "te"
+def _needs_te(preset):
+    """An MLA preset: TE attention whatever the variant."""
+    return benchmark.needs_transformer_engine(preset, "eager")
 
 
 def _validated(cmd, world_size):
-    """Parse and validate a launch command's training flags with the training scripts' parser."""
-    from megatron.packed_training.arguments import build_parser, validate_args
+    """Parse and validate a launch command's training flags as the training script does
+    (Megatron-LM's parser and validate_args plus the fork's rules; the world size is
+    torchrun's WORLD_SIZE)."""
+    from megatron.packed_training.arguments import parse_args
 
     at = next(i for i, w in enumerate(cmd) if os.path.basename(w) in MODEL_OF_SCRIPT)
     model = MODEL_OF_SCRIPT[os.path.basename(cmd[at])]
-    args = build_parser(model).parse_args(cmd[at + 1:])
-    return validate_args(args, model, world_size=world_size)
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world_size), "RANK": "0"}):
+        return parse_args(cmd[at + 1:], model)
 
 
 @pytest.fixture
 def te_importable(monkeypatch):
-    """set_te(present): Transformer Engine importable or not, for the argument checks and the
-    attention backend's resolution alike; with TE, triton too (it ships with the CUDA builds
-    TE runs on; MLA's fused RoPE needs it). TE-free runs must need neither."""
+    """set_te(present): Transformer Engine importable or not, for the fork's argument rules,
+    the attention backend's resolution and the benchmark's own check alike; with TE, triton too
+    (it ships with the CUDA builds TE runs on; MLA's fused RoPE needs it). TE-free runs must
+    need neither. Megatron-LM's check of --moe-grouped-gemm asks the GPU for its compute
+    capability: an H100's here."""
     from megatron.packed_graphs import attention
-    from megatron.packed_training import argument_checks
+    from megatron.packed_training import extra_args
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
 
     def set_te(present):
-        monkeypatch.setattr(argument_checks, "is_importable",
+        monkeypatch.setattr(extra_args, "is_importable",
                             lambda package: present and package in ("transformer_engine",
                                                                     "triton"))
         monkeypatch.setattr(attention, "is_te_available", lambda: present)
+        monkeypatch.setattr(benchmark, "transformer_engine_importable", lambda: present)
     set_te(False)
     return set_te
 
@@ -337,8 +359,9 @@ def test_moe_presets_are_drop_and_pad_without_grouped_gemm():
         assert "--moe-expert-capacity-factor" in flags
         assert "--moe-pad-expert-input-to-capacity" in flags
         assert "--moe-grouped-gemm" not in flags and "--attention-backend" not in flags
+        assert not _needs_te(preset)
     pattern = benchmark.PRESETS["hybrid-moe-small"][1]
-    pattern = pattern[pattern.index("--hybrid-override-pattern") + 1]
+    pattern = pattern[pattern.index("--hybrid-layer-pattern") + 1]
     assert set(pattern) == {"M", "*", "E"} and pattern.count("E") == 7
     assert benchmark.num_experts("gpt-small") is None
 
@@ -346,24 +369,43 @@ def test_moe_presets_are_drop_and_pad_without_grouped_gemm():
 def test_mla_presets_are_moe_presets_on_te_attention():
     assert MLA_PRESETS == ["moonlight-small"]
     assert not set(MLA_PRESETS) & set(MOE_PRESETS)  # the moe group stays TE-free
-    assert not any(_pins_te_attention(p) for p in benchmark.PRESETS if p not in MLA_PRESETS)
+    assert not any(_needs_te(p) for p in benchmark.PRESETS if p not in MLA_PRESETS)
     for preset in MLA_PRESETS:
         flags = benchmark.PRESETS[preset][1]
-        assert "--multi-latent-attention" in flags and _pins_te_attention(preset)
+        assert "--multi-latent-attention" in flags and _needs_te(preset)
+        assert _flag(preset, "--attention-backend") == "auto"  # TE where importable
         assert (_flag(preset, "--num-experts"), _flag(preset, "--moe-router-topk")) == ("64", "6")
         assert _flag(preset, "--moe-token-dispatcher-type") == "alltoall"
         assert "--moe-pad-expert-input-to-capacity" in flags
         assert "--moe-grouped-gemm" not in flags  # --moe-experts chooses, as for every MoE preset
 
 
-def test_mla_presets_are_refused_without_transformer_engine(te_importable):
+def test_mla_presets_are_refused_without_transformer_engine(te_importable, monkeypatch, capsys):
+    """Without TE the row fails at once, naming TE, and nothing trains: auto would resolve to
+    the TE-free attention, on which the model's MLA layers are refused."""
+    import pretrain_gpt
+    from megatron.packed_training.config import transformer_config_from_args
+
+    launched = []
+    monkeypatch.setattr(benchmark.subprocess, "run", lambda cmd, **kw: launched.append(cmd))
+    assert benchmark.main(["--presets", "mla", "--steps", "10"]) == 1
+    assert launched == []
+    assert ("| moonlight-small | eager | failed: needs Transformer Engine, which is not "
+            "importable here" in capsys.readouterr().out)
+    # What the run would meet: its launch command parses, and the model build refuses MLA.
+    te_importable(True)
     cmd = benchmark.launch_command("moonlight-small", "eager", _args(nproc=1), "/tmp/m.jsonl")
-    with pytest.raises(ValueError, match="--attention-backend is wrong: te. It needs "
-                                         "transformer_engine"):
-        _validated(cmd, world_size=1)
+    args = _validated(cmd, world_size=1)
+    config = transformer_config_from_args(args)
+    te_importable(False)
+    with pytest.raises(ValueError, match="Packed multi-latent attention runs only on "
+                                         "Transformer Engine attention"):
+        pretrain_gpt.model_provider(args, config)
 
 
-def test_the_mla_group_runs_moonlight_small_with_its_experts_and_label(monkeypatch, capsys):
+def test_the_mla_group_runs_moonlight_small_with_its_experts_and_label(monkeypatch, capsys,
+                                                                       te_importable):
+    te_importable(True)
     commands = []
 
     def fake_run(cmd, **kwargs):
@@ -403,18 +445,27 @@ def test_every_launch_command_passes_the_training_parser(te_importable, preset, 
     with --profile, through the training parser (and megatron-core's TransformerConfig at
     the preset's full size); without TE wherever the run does not need it, TE faked
     importable where it does (MLA presets, TE graphs, grouped GEMM)."""
-    needs_te = variant in NEEDS_TE or experts == "grouped-gemm" or _pins_te_attention(preset)
+    needs_te = variant in NEEDS_TE or experts == "grouped-gemm" or _needs_te(preset)
+    assert benchmark.needs_transformer_engine(preset, variant, experts) == needs_te
     te_importable(needs_te)
     args = _args(nproc=ep, expert_model_parallel_size=ep, global_batch_size=4 * ep, profile=True)
     cmd = benchmark.launch_command(preset, variant, args, "/tmp/m.jsonl", "", experts)
     parsed = _validated(cmd, world_size=ep)
     assert parsed.train_iters == 30 and parsed.metrics_file == "/tmp/m.jsonl"
+    assert parsed.eval_iters == 0 and parsed.log_memory_interval == 30
+    assert parsed.packed_profile  # the fork's profiler: GPU-busy time of the last two steps
+    assert (parsed.profile_step_start, parsed.profile_step_end) == (29, 31)
+    assert parsed.packed_graph_impl == {"eager": "none", "full-iteration": "full_iteration",
+                                        "te-layer-graphs": "transformer_engine"}.get(variant,
+                                                                                     "local")
+    assert parsed.check_for_nan_in_loss_and_grad == (variant != "full-iteration")
     # megatron-core's config imports TE's fused RoPE for standard attention on TE, which a
     # faked TE cannot give; MLA's fused RoPE is a Triton kernel, so MLA runs check it too.
     if not needs_te or preset in MLA_PRESETS:
         from megatron.packed_training.config import transformer_config_from_args
 
         config = transformer_config_from_args(parsed)
+        assert not config.apply_rope_fusion or needs_te  # TE's fused RoPE on the TE path only
         assert config.num_moe_experts == parsed.num_experts
         assert config.multi_latent_attention == (preset in MLA_PRESETS)
     if benchmark.is_moe(preset):
@@ -422,8 +473,7 @@ def test_every_launch_command_passes_the_training_parser(te_importable, preset, 
         assert parsed.num_experts == (64 if preset in MLA_PRESETS else 16)
         assert parsed.expert_model_parallel_size == ep
         assert parsed.moe_grouped_gemm == (experts == "grouped-gemm")
-        assert (parsed.attention_backend == "te") == (experts == "grouped-gemm"
-                                                      or _pins_te_attention(preset))
+        assert parsed.attention_backend.name == "auto"
     else:
         assert parsed.num_experts is None and "--expert-model-parallel-size" not in cmd
 
@@ -438,12 +488,22 @@ def test_graphed_moe_presets_take_the_rerun_mode_through_extra_args(te_importabl
     assert _validated(cmd, world_size=1).moe_capacity_overflow == "rerun"
 
 
-def test_grouped_gemm_rows_need_transformer_engine(te_importable):
-    cmd = benchmark.launch_command("gpt-moe-small", "eager", _args(nproc=1), "/tmp/m.jsonl",
-                                   experts="grouped-gemm")
-    with pytest.raises(ValueError, match="--attention-backend is wrong: te. It needs "
-                                         "transformer_engine"):
-        _validated(cmd, world_size=1)
+def test_grouped_gemm_rows_need_transformer_engine(te_importable, monkeypatch, capsys):
+    """Without TE a grouped-gemm row fails before training (auto attention would not give it
+    TE's layer spec); the sequential row of the same preset still trains."""
+    launched = []
+
+    def fake_run(cmd, **kwargs):
+        launched.append(cmd)
+        _moe_metrics(cmd[cmd.index("--metrics-file") + 1], [0.0] * 10)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    assert benchmark.main(["--presets", "gpt-moe-small", "--steps", "10", "--moe-experts",
+                           "sequential", "grouped-gemm"]) == 1
+    out = capsys.readouterr().out
+    assert "| gpt-moe-small grouped-gemm | eager | failed: needs Transformer Engine" in out
+    assert len(launched) == 1 and "--moe-grouped-gemm" not in launched[0]
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -520,7 +580,9 @@ def test_moe_columns_appear_only_in_tables_with_an_moe_row():
 
 
 def test_moe_runs_carry_experts_and_expert_parallelism_in_command_and_label(monkeypatch,
-                                                                            capsys):
+                                                                            capsys,
+                                                                            te_importable):
+    te_importable(True)
     commands = []
 
     def fake_run(cmd, **kwargs):
@@ -542,7 +604,7 @@ def test_moe_runs_carry_experts_and_expert_parallelism_in_command_and_label(monk
     sequential, grouped, dense = commands
     assert sequential[sequential.index("--expert-model-parallel-size") + 1] == "4"
     assert "--moe-grouped-gemm" not in sequential
-    assert grouped[grouped.index("--attention-backend") + 1] == "te"
+    assert grouped[grouped.index("--attention-backend") + 1] == "auto"
     assert "--moe-grouped-gemm" in grouped and "--expert-model-parallel-size" in grouped
     assert "--expert-model-parallel-size" not in dense and "--num-experts" not in dense
     rows = {ln.split(" | ")[0]: ln for ln in out.splitlines() if ln.startswith("| gpt")}
@@ -585,11 +647,12 @@ def test_moe_presets_build_and_train_on_cpu_at_a_reduced_size(te_importable, cpu
 
     cmd = benchmark.launch_command(preset, "eager", _args(nproc=1), "/tmp/m.jsonl")
     cmd = [CPU_SIZES.get(flag, word) for flag, word in zip([None, *cmd], cmd)]
-    if "--hybrid-override-pattern" in cmd:
-        at = cmd.index("--hybrid-override-pattern") + 1
+    if "--hybrid-layer-pattern" in cmd:
+        at = cmd.index("--hybrid-layer-pattern") + 1
         cmd[at] = cmd[at].replace("M", "")
         cmd += ["--mamba-num-groups", "1"]  # checked against hidden 64 though no M is left
     args = _validated(cmd + ["--position-embedding-type", "none", "--vocab-size", "128"], 1)
+    args.padded_vocab_size = 128  # Megatron-LM's tokenizer start-up sets it in training
     config = transformer_config_from_args(args)
     config.use_cpu_initialization = True
     script = next(w for w in cmd if os.path.basename(w) in MODEL_OF_SCRIPT)
@@ -628,16 +691,119 @@ def test_full_iteration_rows_add_the_iteration_graphs_capture_and_memory():
 
 
 @pytest.mark.parametrize("cp_set", ["1", "2", "4", "1,2,4"])
-def test_the_documented_mla_dynamic_cp_benchmark_passes_the_training_parser(te_importable,
-                                                                            cp_set):
+def test_the_documented_mla_dynamic_cp_benchmark_meets_the_training_parsers_refusal(
+        te_importable, cp_set):
     """docs/benchmarks.md's moonlight-small dynamic-CP command (four GPUs, TE layer graphs,
-    grouped GEMM): every CP set's launch command is a valid training command."""
+    grouped GEMM): every CP set's launch command carries the set's sizes and sequence length,
+    and the training parser refuses dynamic CP on Megatron-LM's loop in this release (so each
+    row fails with that reason); the same command without the set passes it."""
     te_importable(True)
     args = _args(nproc=4, global_batch_size=4, tokens_per_rank=4096, steps=40, warmup=10,
                  log_interval=10, profile=True,
                  extra_args="--no-check-for-nan-in-loss-and-grad")
     cmd = benchmark.launch_command("moonlight-small", "te-layer-graphs", args, "/tmp/m.jsonl",
                                    cp_set, "grouped-gemm")
-    parsed = _validated(cmd, world_size=4)
-    assert parsed.dynamic_cp_sizes == [int(size) for size in cp_set.split(",")]
-    assert parsed.multi_latent_attention and parsed.cuda_graph_impl == "transformer_engine"
+    sizes = [int(size) for size in cp_set.split(",")]
+    at = cmd.index("--dynamic-cp-sizes")
+    assert cmd[at + 1:at + 1 + len(sizes)] == cp_set.split(",")
+    # Positions up to the set's sequence length (4096 tokens per rank x its largest size).
+    seq_length = str(4096 * max(sizes))
+    assert benchmark.flag_value(cmd, "--seq-length") == seq_length
+    assert int(benchmark.flag_value(cmd, "--max-position-embeddings")) >= int(seq_length)
+    with pytest.raises(ValueError, match="--dynamic-cp-sizes is wrong: .*Dynamic context "
+                                         "parallelism does not run on Megatron-LM's training "
+                                         "loop"):
+        _validated(cmd, world_size=4)
+    static = benchmark.launch_command("moonlight-small", "te-layer-graphs", args,
+                                      "/tmp/m.jsonl", "", "grouped-gemm")
+    parsed = _validated(static, world_size=4)
+    assert parsed.multi_latent_attention and parsed.packed_graph_impl == "transformer_engine"
+
+
+# ------------------------------------------------------- Megatron-LM's command line and memory
+
+@pytest.mark.parametrize("preset", list(benchmark.PRESETS))
+def test_presets_keep_the_old_forks_model_shape(te_importable, preset):
+    """Megatron-LM's defaults are not the old fork's: every preset's launch command still
+    builds the model docs/benchmarks.md measured (RMSNorm, no linear biases, no dropout; GPT
+    RoPE, hybrid no position embedding; the query groups given; a 4 x hidden SwiGLU FFN;
+    positions up to the sequence; hybrid layers from the pattern alone)."""
+    te_importable(_needs_te(preset))
+    cmd = benchmark.launch_command(preset, "eager", _args(nproc=1), "/tmp/m.jsonl")
+    args = _validated(cmd, world_size=1)
+    flags = benchmark.PRESETS[preset][1]
+    assert (args.normalization, args.add_bias_linear) == ("RMSNorm", False)
+    assert args.hidden_dropout == args.attention_dropout == 0.0
+    assert (args.adam_beta2, args.lr_decay_style, args.calculate_per_token_loss) == (
+        0.95, "cosine", True)
+    assert args.max_position_embeddings == args.seq_length == int(_flag(preset, "--seq-length"))
+    assert args.num_workers == 0 and args.eval_iters == 0
+    if "--num-query-groups" in flags:
+        assert args.group_query_attention
+        assert args.num_query_groups == int(_flag(preset, "--num-query-groups"))
+    if "--swiglu" in flags:
+        assert args.ffn_hidden_size == 4 * args.hidden_size
+    if args.model == "gpt":
+        assert args.position_embedding_type == "rope" and "--num-layers" in flags
+    else:
+        assert args.position_embedding_type == "none" and "--num-layers" not in flags
+        pattern = _flag(preset, "--hybrid-layer-pattern")
+        assert args.num_layers == len(pattern) and "--hybrid-override-pattern" not in flags
+
+
+def test_a_longer_sequence_raises_the_position_limit_with_it():
+    """Megatron-LM refuses --seq-length above --max-position-embeddings: a dynamic CP set or
+    --extra-args that lengthens the sequence raises the limit too (the old fork's rule)."""
+    base = benchmark.launch_command("gpt-small", "eager", _args(), "/m.jsonl")
+    assert benchmark.position_limit(base[base.index("--seq-length") - 1:]) == []
+    longer = benchmark.launch_command("gpt-small", "eager", _args(tokens_per_rank=4096),
+                                      "/m.jsonl", "1,2")
+    assert longer[-2:] == ["--max-position-embeddings", "8192"]
+    given = benchmark.launch_command(
+        "gpt-small", "eager", _args(extra_args="--seq-length 8192 --max-position-embeddings "
+                                               "16384"), "/m.jsonl")
+    assert benchmark.position_limit(given) == [] and given[-1] == "16384"
+
+
+def test_peak_memory_is_megatrons_memory_report_at_the_last_step(monkeypatch, capsys):
+    """The metrics file holds no memory now: the launch asks Megatron-LM for its memory report
+    at the last step (--log-memory-interval --steps) and the row's peak is the largest max
+    allocated any reporting rank printed."""
+    launched = []
+
+    def fake_run(cmd, **kwargs):
+        launched.append(cmd)
+        _metrics(cmd[cmd.index("--metrics-file") + 1], 1000.0)
+        log = ("iteration 1\n" + _memory_line(1, 1536.0) + _memory_line(2, 2048.0)
+               + _memory_line(10, 3072.0, rank=1) + _memory_line(10, 2560.0))
+        return _Completed(0, log, "")
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    assert benchmark.main(["--presets", "gpt-small", "--steps", "10", "--nproc", "2",
+                           "--pipeline-model-parallel-size", "2"]) == 0
+    assert launched[0][launched[0].index("--log-memory-interval") + 1] == "10"
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| gpt-small"))
+    assert "| 1.00x | 3.00 |" in row
+
+
+def test_memory_reports_read_every_report_line():
+    log = ("noise\n" + _memory_line(1, 100.5) + " [2026-01-01] iteration 2/ 2 | lm loss: 1.0 |\n"
+           + _memory_line(2, 200.0, rank=3))
+    reports = benchmark.memory_reports(log)
+    assert [r["iteration"] for r in reports] == [1, 2]
+    assert reports[0]["mem_max_allocated_bytes"] == round(100.5 * 2**20)
+    assert reports[1]["mem_allocated_bytes"] == round(812.25 * 2**20)
+    assert reports[1]["mem_reserved_bytes"] == reports[1]["mem_max_reserved_bytes"] == 2048 * 2**20
+    assert benchmark.memory_reports("no report here") == []
+
+
+def test_an_older_metrics_file_still_gives_its_peak_memory(tmp_path):
+    _moe_metrics(tmp_path / "old.jsonl", [0.0, 0.0, 0.0])  # has mem_max_allocated_bytes
+    row = benchmark.summarise("gpt-moe-small", "eager", _args(warmup=1, nproc=1),
+                              benchmark.read_metrics(str(tmp_path / "old.jsonl")))
+    assert row["peak_mem_gib"] == 1.0
+    _metrics(tmp_path / "new.jsonl", 1000.0, iters=3)
+    row = benchmark.summarise("gpt-small", "eager", _args(warmup=1, nproc=1),
+                              benchmark.read_metrics(str(tmp_path / "new.jsonl")))
+    assert row["peak_mem_gib"] is None
+    assert "| 1.00x | - |" in benchmark.format_table([row])

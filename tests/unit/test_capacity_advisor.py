@@ -208,3 +208,35 @@ def test_data_modes_still_need_the_row_shape():
     with pytest.raises(SystemExit) as done:
         ca.parse_args(["--mock-data", "--vocab-size", "100"])
     assert done.value.code == 2
+
+
+def _long_jsonl(tmp_path):
+    """One 20-token document (longer than an 8-position row) and two short ones."""
+    path = tmp_path / "long.jsonl"
+    records = [{"input_ids": list(range(1, 21))}, {"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_long_documents_follow_trainings_long_document_policy(tmp_path, capsys):
+    """--long-document-policy as training's: split (the default) cuts the long document into
+    row-sized pieces, truncate cuts it to one row, reject (or the older
+    --reject-long-documents) refuses it."""
+    path = _long_jsonl(tmp_path)
+    common = ["--data-path", path, "--seq-length", "8", "--vocab-size", "32"]
+    assert main(common) == 0
+    assert "0 truncated, 1 split into 3 pieces" in capsys.readouterr().out
+    assert main(common + ["--long-document-policy", "truncate"]) == 0
+    assert "1 truncated, 0 split into 0 pieces" in capsys.readouterr().out
+    for refuse in (["--long-document-policy", "reject"], ["--reject-long-documents"]):
+        with pytest.raises(ValueError, match="--long-document-policy split"):
+            main(common + refuse)
+
+
+def test_the_two_spellings_of_reject_cannot_disagree(capsys):
+    with pytest.raises(SystemExit) as done:
+        ca.parse_args(["--mock-data", "--seq-length", "8", "--vocab-size", "32",
+                       "--long-document-policy", "split", "--reject-long-documents"])
+    assert done.value.code == 2
+    assert "long-document policy is wrong: 'split' together with reject_long_documents" in \
+        capsys.readouterr().err

@@ -6,6 +6,7 @@ and saved to tmp_path, as a folder (tokenizer.json + tokenizer_config.json) or a
 tokenizer.json.
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -13,8 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.packed_training import argument_checks
-from megatron.packed_training.arguments import build_parser, validate_args
 from megatron.packed_training.datasets.builder import build_datasets
 from megatron.packed_training.datasets.chat import (
     ChatStats,
@@ -23,7 +22,12 @@ from megatron.packed_training.datasets.chat import (
     read_chat_documents,
     read_documents,
 )
-from megatron.packed_training.tokenizer import DEFAULT_CHAT_TEMPLATE, HuggingFaceTokenizer, load_tokenizer
+from megatron.packed_training.tokenizer import (
+    DEFAULT_CHAT_TEMPLATE,
+    HuggingFaceTokenizer,
+    load_tokenizer,
+    tokenizer_from_args,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = [REPO / "README.md", REPO / "docs" / "data-format.md"]
@@ -234,20 +238,21 @@ def test_template_that_rewrites_earlier_turns_is_refused(tmp_path):
         list(read_chat_documents(path, tokenizer))
 
 
-# --------------------------------------------------------------------- flags (parse time)
+# ------------------------------------------------ --tokenizer-type / --tokenizer-model
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--train-iters", "2", "--lr", "1e-3"]
+def data_args(**values) -> argparse.Namespace:
+    """What the data builder reads of a run's args (host logic: no launch line parsed)."""
+    defaults = dict(mock_data=False, data_path=None, valid_data_path=None, split=None,
+                    vocab_size=32000, tokenizer_type=None, tokenizer_model=None, sft=False,
+                    seq_length=64, long_document_policy="split",
+                    max_truncated_token_fraction=None, dynamic_cp_sizes=None,
+                    context_parallel_size=1, train_iters=2, global_batch_size=1,
+                    eval_interval=1000, eval_iters=0, seed=1234)
+    return argparse.Namespace(**(defaults | values))
 
 
-def validate(*extra, world_size=1):
-    args = build_parser("gpt").parse_args(BASE + [str(x) for x in extra])
-    return validate_args(args, "gpt", world_size=world_size)
-
-
-@pytest.fixture(autouse=True)
-def no_optional_packages(monkeypatch):
-    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+def hf(folder) -> dict:
+    return dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder))
 
 
 @pytest.fixture(scope="module")
@@ -255,49 +260,32 @@ def folder(tmp_path_factory):
     return make_tokenizer(tmp_path_factory.mktemp("flags"), CUSTOM_TEMPLATE)
 
 
-def test_vocab_size_comes_from_the_tokenizer(folder):
-    args = validate("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer",
-                    "--tokenizer-model", folder, "--tensor-model-parallel-size", 2, world_size=2)
-    assert args.vocab_size == 500
-    assert args.padded_vocab_size == 512  # Megatron's rounding: a multiple of 128 x TP 2
-    same = validate("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer",
-                    "--tokenizer-model", folder, "--vocab-size", 500)
-    assert same.vocab_size == 500
-    assert validate("--mock-data").vocab_size == 32000  # no tokenizer: the default
+def test_vocab_size_is_the_tokenizers_length(folder):
+    tokenizer = tokenizer_from_args(data_args(**hf(folder)))
+    assert tokenizer.vocab_size == 500 and tokenizer.path == folder
+    assert tokenizer_from_args(data_args()) is None  # pre-tokenized data: no tokenizer
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--tokenizer-type", "GPT2BPETokenizer", "--tokenizer-model", "x"],
+@pytest.mark.parametrize("kind, path, message", [
+    ("GPT2BPETokenizer", "x",
      "--tokenizer-type is wrong: GPT2BPETokenizer. This fork builds HuggingFaceTokenizer only"),
-    (["--tokenizer-type", "HuggingFaceTokenizer"],
-     "--tokenizer-type is wrong: HuggingFaceTokenizer. It needs --tokenizer-model"),
-    (["--tokenizer-model", "tok"], "--tokenizer-model is wrong: tok. It needs --tokenizer-type "
-                                   "HuggingFaceTokenizer"),
-    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "gpt2"],
+    ("HuggingFaceTokenizer", None, "--tokenizer-model is wrong: None. Pass a local tokenizer"),
+    ("HuggingFaceTokenizer", "gpt2",
      r"--tokenizer-model is wrong: .*gpt2. No such file or folder \(it is read locally, never "
      r"downloaded\)"),
-    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "."],
-     r"--tokenizer-model is wrong: .*The folder has no tokenizer.json"),
+    ("HuggingFaceTokenizer", ".", r"--tokenizer-model is wrong: .*The folder has no tokenizer.json"),
 ])
-def test_tokenizer_flag_errors(tmp_path, monkeypatch, extra, message):
+def test_tokenizer_flag_errors(tmp_path, monkeypatch, kind, path, message):
     monkeypatch.chdir(tmp_path)  # "gpt2" is a hub name: it must not be looked up anywhere
     with pytest.raises(ValueError, match=message):
-        validate("--mock-data", *extra)
-
-
-def test_vocab_size_that_differs_from_the_tokenizer_is_refused(folder):
-    with pytest.raises(ValueError, match="--vocab-size is wrong: 32000. --tokenizer-model .* has "
-                                         "500 tokens .*drop --vocab-size or set it to 500"):
-        validate("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer",
-                 "--tokenizer-model", folder, "--vocab-size", 32000)
+        load_tokenizer(kind, path)
 
 
 def test_unloadable_tokenizer_is_refused(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="--tokenizer-model is wrong: .*transformers could not "
                                          "load a tokenizer from it"):
-        validate("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer",
-                 "--tokenizer-model", tmp_path)
+        load_tokenizer("HuggingFaceTokenizer", tmp_path)
 
 
 def test_missing_transformers_is_named(tmp_path, monkeypatch):
@@ -306,27 +294,26 @@ def test_missing_transformers_is_named(tmp_path, monkeypatch):
         HuggingFaceTokenizer(make_tokenizer(tmp_path / "t"))
 
 
-def test_chat_data_needs_a_tokenizer_and_sft(tmp_path, folder):
+def test_chat_data_needs_a_tokenizer(tmp_path, folder):
     chat = write_jsonl(tmp_path / "chat.jsonl", ["\n", GOOD])
-    with pytest.raises(ValueError, match=rf"--data-path is wrong: {chat}. Line 2 is a chat "
-                                         r"conversation.*--tokenizer-type HuggingFaceTokenizer "
-                                         r"--tokenizer-model.*tools/preprocess_sft.py"):
-        validate("--data-path", chat, "--sft")
-    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder]
-    with pytest.raises(ValueError, match=rf"--data-path is wrong: {chat}. .*add --sft"):
-        validate("--data-path", chat, *tokenizer)
+    with pytest.raises(ValueError, match=rf"{chat}:2: data is wrong: a chat conversation .*no "
+                                         r"tokenizer is given. Add --tokenizer-type "
+                                         r"HuggingFaceTokenizer --tokenizer-model.*"
+                                         r"tools/preprocess_sft.py"):
+        build_datasets(data_args(data_path=chat, sft=True))
     tokenized = write_jsonl(tmp_path / "tok.jsonl", [{"input_ids": [1, 2, 3]}])
-    with pytest.raises(ValueError, match=rf"--valid-data-path is wrong: {chat}"):
-        validate("--data-path", tokenized, "--valid-data-path", chat, "--sft")
-    args = validate("--data-path", chat, "--valid-data-path", tokenized, "--sft", *tokenizer)
-    assert args.vocab_size == 500
+    with pytest.raises(ValueError, match=rf"{chat}:2: data is wrong: a chat conversation"):
+        build_datasets(data_args(data_path=tokenized, valid_data_path=chat, sft=True,
+                                 eval_iters=1))
+    train, valid, _ = build_datasets(data_args(data_path=chat, valid_data_path=tokenized,
+                                               sft=True, eval_iters=1, **hf(folder)))
+    assert len(train.rows) == 1 and len(valid.rows) == 1
 
 
 def test_on_the_fly_chat_data_through_the_builder(tmp_path, folder):
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}, GOOD])
-    args = validate("--data-path", chat, "--sft", "--tokenizer-type", "HuggingFaceTokenizer",
-                    "--tokenizer-model", folder, "--seq-length", 256)
-    train, _, stats = build_datasets(args)
+    train, _, stats = build_datasets(data_args(data_path=chat, sft=True, seq_length=256,
+                                               **hf(folder)))
     assert stats.documents == 2 and stats.rows == 1
     row = train[0]
     tokenizer = load_tokenizer("HuggingFaceTokenizer", folder)

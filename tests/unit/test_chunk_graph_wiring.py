@@ -16,12 +16,16 @@ from megatron.packed_graphs.chunk_graphs import (
 from megatron.packed_graphs.plan import Reason, run_eager
 
 
-def test_chunk_granularity_comes_from_our_config_field():
+def test_chunk_granularity_comes_from_our_config_field(monkeypatch):
+    from megatron.packed_training import extra_args
     from megatron.packed_training.arguments import parse_args
     from megatron.packed_training.config import PackedTransformerConfig, transformer_config_from_args
 
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "128", "--mock-data", "--train-iters", "1", "--lr", "1e-4"]
+            "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+            "--mock-data", "--train-iters", "1", "--lr", "1e-4", "--attention-backend", "local"]
     graphs = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "8"]
     chunk = transformer_config_from_args(parse_args(base + graphs + [
         "--cuda-graph-granularity", "chunk"], model="gpt"))

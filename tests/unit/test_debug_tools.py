@@ -12,15 +12,19 @@ def _stack(*frames):
     return traceback.StackSummary.from_list([(f, line, "fn", "code") for f, line in frames])
 
 
+# Megatron-LM's loop (the megatron-core wheel's megatron.training) runs every iteration.
+UPSTREAM_LOOP = "/x/site-packages/megatron/training/training.py"
+
+
 def test_syncs_grouped_by_call_site_and_split_model_vs_loop():
-    model_sync = _stack(("/x/megatron/packed_training/training.py", 10),
+    model_sync = _stack((UPSTREAM_LOOP, 10),
                         ("/x/site-packages/megatron/core/ssm/mamba_mixer.py", 700),
                         ("/x/site-packages/torch/functional.py", 5))
-    loop_sync = _stack(("/x/megatron/packed_training/training.py", 99),
+    loop_sync = _stack((UPSTREAM_LOOP, 99),
                        ("/x/site-packages/torch/_tensor.py", 3))
     sites = fhs.group_syncs([model_sync, model_sync, loop_sync])
     assert list(sites) == ["/x/site-packages/megatron/core/ssm/mamba_mixer.py:700",
-                           "/x/megatron/packed_training/training.py:99"]
+                           f"{UPSTREAM_LOOP}:99"]
     first, second = sites.values()
     assert first["count"] == 2 and first["in_model"]
     assert second["count"] == 1 and not second["in_model"]
@@ -35,7 +39,7 @@ def _framed(*frames):
 
 
 RERUN_READ = ("/x/megatron/packed_graphs/moe_rerun.py", 155, "read_rows")
-LOOP = ("/x/megatron/packed_training/training.py", 10, "train_step")
+LOOP = (UPSTREAM_LOOP, 10, "train_step")
 
 
 def test_the_moe_reruns_per_iteration_read_is_reported_apart_from_model_syncs():
@@ -88,6 +92,33 @@ def test_every_deliberate_read_names_a_function_that_reads_back():
         assert ".tolist()" in inspect.getsource(found[0]), (path, function)
 
 
+SEAM_CALL = ("/x/megatron/packed_graphs/schedule.py", 110, "__call__")
+SEAM_STEP = ("/x/megatron/packed_graphs/schedule.py", 150, "step_then_close")
+
+
+def test_the_loops_seam_is_loop_code_and_the_model_under_it_is_the_model():
+    """Megatron-LM's loop reaches the schedule and the optimizer step through the graph
+    runtime's seam (packed_graphs/schedule.py): a sync of the optimizer step is the loop's, a
+    forward's under the seam the model's."""
+    grad_norm = _framed(LOOP, SEAM_STEP,
+                        ("/x/site-packages/megatron/core/optimizer/optimizer.py", 90, "step"),
+                        ("/x/site-packages/torch/_tensor.py", 3, "item"))
+    module_call = ("/x/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
+    forward = _framed(LOOP, SEAM_CALL, ("/x/megatron/packed_graphs/runtime.py", 460, "run"),
+                      module_call, ("/x/megatron/packed_graphs/attention.py", 200, "forward"))
+    sites = fhs.group_syncs([grad_norm, forward])
+    assert [e["in_model"] for e in sites.values()] == [False, True]
+    assert "(1 inside the model)" in fhs.format_report(sites, 3)
+
+
+def test_train_iters_is_raised_to_the_watched_iteration():
+    assert fhs.with_train_iters_at_least(["--lr", "1", "--train-iters", "3"], 5) == [
+        "--lr", "1", "--train-iters", "3", "--train-iters", "5"]
+    assert fhs.with_train_iters_at_least(["--train-iters=9"], 5) == ["--train-iters=9"]
+    assert fhs.with_train_iters_at_least(["--train-samples", "64"], 5) == [
+        "--train-samples", "64"]
+
+
 def test_bad_arguments_are_usage_errors():
     with pytest.raises(SystemExit) as err:
         fhs.main(["pretrain_bert.py"])
@@ -123,3 +154,94 @@ def test_compare_graph_grads_relative_differences():
     assert rows[0][1] == "b" and rows[0][0] == pytest.approx(1.0)
     assert rows[1][0] == pytest.approx(0.0)
     assert total == pytest.approx(1.0 / 26 ** 0.5)
+
+
+def test_the_watch_brackets_one_training_iteration_of_the_real_seam(monkeypatch):
+    """watch_training_iteration on the graph runtime's seam into Megatron-LM's loop (a real
+    GraphRuntimeSchedule over a real GraphRuntime, graphs off; the schedule under it stands in
+    for megatron-core's, which allocates on CUDA): the watched iteration's debug mode is on from
+    its schedule call through its optimizer step, across an evaluation, and off after it."""
+    import torch
+
+    from megatron.packed_graphs.plan import GraphRuntimeConfig
+    from megatron.packed_graphs.runtime import GraphRuntime
+    from megatron.packed_graphs.schedule import GraphRuntimeSchedule
+
+    calls, mode = [], {"now": 0}
+
+    def set_mode(value):
+        calls.append(value)
+        mode["now"] = value
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+
+    class Step:  # the PackedForwardStep interface the runtime drives
+        def stage(self, batch, capacity):
+            return batch
+
+        def run(self, model, staged):
+            return staged["id"], lambda output: {"lm loss": output}
+
+    seen = []
+
+    def schedule(*, forward_step_func, data_iterator, model, num_microbatches, **kwargs):
+        seen.append((kwargs["forward_only"], mode["now"]))
+        outputs = [forward_step_func(data_iterator, model) for _ in range(num_microbatches)]
+        return [loss_func(output) for output, loss_func in outputs]
+
+    class Chunk:
+        def zero_grad_buffer(self):
+            pass
+
+    original = (GraphRuntimeSchedule.__call__, GraphRuntimeSchedule.close_iteration)
+    iteration = {"now": 0}
+    restore = fhs.watch_training_iteration(fhs.SyncWatch(iteration=2), lambda: iteration["now"])
+    try:
+        seam = GraphRuntimeSchedule(GraphRuntime(GraphRuntimeConfig()), schedule,
+                                    stream_length=64)
+        optimizer_step = seam.wrap_optimizer_step(lambda: seen.append(("step", mode["now"])))
+        batches = iter([{"id": i, "num_segments": 1, "num_documents": 1} for i in range(8)])
+        for it in (1, 2, 3):
+            iteration["now"] = it
+            seam(forward_step_func=Step(), data_iterator=batches, model=[Chunk()],
+                 num_microbatches=1, forward_only=False)
+            if it == 2:  # an evaluation inside the open iteration is not counted
+                seam(forward_step_func=Step(), data_iterator=batches, model=[Chunk()],
+                     num_microbatches=1, forward_only=True)
+            optimizer_step()
+    finally:
+        restore()
+    assert seen == [(False, 0), ("step", 0),
+                    (False, "warn"), (True, "warn"), ("step", "warn"),
+                    (False, 0), ("step", 0)]
+    assert calls == ["synchronize", "warn", 0]
+    assert seam.runtime.iterations == 3
+    assert (GraphRuntimeSchedule.__call__, GraphRuntimeSchedule.close_iteration) == original
+
+
+def test_compare_graph_grads_builds_the_model_setup_of_megatron_lms_training(monkeypatch):
+    """The tool's flags for a model (the old fork's defaults first, the caller's flags win)
+    pass the training parser; the DDP config and padded vocabulary are what Megatron-LM's
+    training builds from them (CPU: no model is built)."""
+    from unittest import mock
+
+    import compare_graph_grads as cgg
+    from megatron.packed_training.arguments import parse_args
+
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "128", "--vocab-size", "1000", "--hidden-dropout", "0.1"]
+    defaults = cgg.model_defaults("gpt", model)
+    assert defaults[-2:] == ["--max-position-embeddings", "128"]
+    assert "--max-position-embeddings" not in cgg.model_defaults("hybrid", model[:-8])
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}):
+        args = parse_args(defaults + model + ["--mock-data", "--sft", "--bf16", "--lr", "1e-4",
+                                              "--train-iters", "4", "--micro-batch-size", "1",
+                                              "--global-batch-size", "2"], model="gpt")
+    assert (args.normalization, args.position_embedding_type) == ("RMSNorm", "rope")
+    assert args.hidden_dropout == 0.1 and args.attention_dropout == 0.0  # the caller's wins
+    ddp = cgg.ddp_config(args)
+    assert ddp.grad_reduce_in_fp32 and ddp.check_for_nan_in_grad
+    assert not ddp.use_distributed_optimizer
+    cgg.set_padded_vocab_size(args)
+    assert args.padded_vocab_size == 1024  # Megatron's rounding to a multiple of 128

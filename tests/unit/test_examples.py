@@ -1,8 +1,13 @@
 """The launch scripts under examples/: syntax, and the --dry-run launch command, whose training
-flags must pass the real parser and validate_args (so a typo in a script fails here); every
+flags must pass the real parser (Megatron-LM's, with its validate_args, plus the fork's flags and
+rules: megatron.packed_training.arguments.parse_args), so a typo or a flag Megatron-LM does not
+know fails here; the flags that keep the fork's numerics on Megatron-LM's defaults; every
 script's --dry-run runs nothing; te_patches on PYTHONPATH exactly where Transformer Engine runs
 context parallelism; the first-run script (capacity from the advisor, eager reference, graphed
-run, both tokens/s) end to end with a fake torchrun (CPU)."""
+run, both tokens/s) end to end with a fake torchrun (CPU).
+
+The first parse in a process costs ~10 s (Megatron-LM's imports), every later one well under a
+second: the parses stay in this process."""
 
 import os
 import shlex
@@ -12,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training.arguments import build_parser, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -21,6 +26,10 @@ SBATCH = {"gpt": "examples/slurm/sft_gpt.sbatch", "hybrid": "examples/slurm/sft_
 LOCAL = {"gpt": "examples/local/run_gpt.sh", "hybrid": "examples/local/run_hybrid.sh"}
 SYNTHETIC = "examples/local/train_hybrid_synthetic.sh"
 SOURCED = {"examples/common.sh"}  # sourced by the scripts, not run
+# What parse_args derives from the graph flags: the ladder ([] once checked), upstream's
+# inference graph scope, and TE's RNG tracker (Megatron-LM turns it on for any graph run with
+# --transformer-impl transformer_engine, its default).
+GRAPH_DERIVED = {"cuda_graph_capacity_ladder", "inference_cuda_graph_scope", "te_rng_tracker"}
 MODEL_OF_SCRIPT = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
 KNOBS = ("NNODES", "GPUS_PER_NODE", "LAUNCHER", "CONTAINER_IMAGE", "CONTAINER_MOUNTS",
          "DATA_PATH", "VALID_DATA_PATH", "SAVE_DIR", "LOG_DIR", "SEQ_LENGTH", "MICRO_BATCH_SIZE",
@@ -32,6 +41,18 @@ KNOBS = ("NNODES", "GPUS_PER_NODE", "LAUNCHER", "CONTAINER_IMAGE", "CONTAINER_MO
          "OUT_DIR", "JOB_TAG", "LOG_INTERVAL", "SEED", "PYTHON")
 TE_PATCHES_EXPORT = (f"export PYTHONPATH={REPO / 'te_patches'}"
                      "${PYTHONPATH:+:$PYTHONPATH}")
+
+
+@pytest.fixture(autouse=True)
+def hopper_without_a_gpu(monkeypatch):
+    """Megatron-LM's validate_args reads the GPU's architecture for TP > 1 or CP > 1; on a CPU
+    machine it stands for an H100 (compute capability 9)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        import megatron.training.arguments as upstream
+
+        monkeypatch.setattr(upstream, "get_device_arch_version", lambda: 9)
 
 
 @pytest.fixture
@@ -81,12 +102,43 @@ def split_launch(line):
     return words[:script_at], words[script_at], words[script_at + 1:end]
 
 
+def parsed(argv, model, world_size):
+    """``parse_args(argv, model)`` as rank 0 of ``world_size`` processes (Megatron-LM reads the
+    world size from torchrun's WORLD_SIZE) in the scripts' launch environment (common.sh's
+    launch_environment: Megatron-LM wants CUDA_DEVICE_MAX_CONNECTIONS=1 for TP or CP > 1)."""
+    env = {"WORLD_SIZE": str(world_size), "RANK": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return parse_args(argv, model)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def validated(line, world_size):
     """Parse and validate the training args of a launch line; returns (args, launcher words)."""
     launcher, script, argv = split_launch(line)
-    model = MODEL_OF_SCRIPT[script]
-    args = build_parser(model).parse_args(argv)
-    return validate_args(args, model, world_size=world_size), launcher
+    return parsed(argv, MODEL_OF_SCRIPT[script], world_size), launcher
+
+
+def assert_fork_numerics(args, model):
+    """The old fork's defaults, which Megatron-LM's differ from, are on the launch line."""
+    assert args.normalization == "RMSNorm" and not args.add_bias_linear
+    assert args.hidden_dropout == 0 and args.attention_dropout == 0
+    assert args.adam_beta2 == 0.95 and args.lr_decay_style == "cosine"
+    assert args.calculate_per_token_loss
+    assert args.max_position_embeddings == args.seq_length
+    # Megatron-LM ignores --num-query-groups without --group-query-attention.
+    assert args.group_query_attention and args.num_query_groups < args.num_attention_heads
+    if model == "gpt":
+        assert args.position_embedding_type == "rope"
+        assert args.swiglu and args.ffn_hidden_size == 4 * args.hidden_size  # not 2/3 of it
+    else:
+        assert args.position_embedding_type == "none"
 
 
 def flag_value(words, flag):
@@ -119,19 +171,26 @@ def test_sbatch_dry_run_defaults(model, fake_bin, tmp_path):
     assert flag_value(launcher, "--master-addr") == "localhost"
     assert "--node-rank $SLURM_NODEID" in line  # expanded by each task's shell
     assert "--cuda-graph-impl local" in line and "--cuda-graph-max-packed-seqs 64" in line
-    assert args.cuda_graph_impl == "local" and args.cuda_graph_max_packed_seqs == 64
+    assert args.packed_graph_impl == "local" and args.cuda_graph_max_packed_seqs == 64
     assert args.sft and args.bf16 and args.mock_data and args.seq_length == 4096
     assert args.hidden_size == 1024 and args.num_attention_heads == 16
     assert args.num_query_groups == 8
+    assert_fork_numerics(args, model)
+    assert args.eval_iters == 0  # no validation data: no evaluation
+    assert args.attention_backend.name == "auto"  # TE where importable
+    # One checkpoint, at the end: Megatron-LM wants --save-interval with --save.
+    assert args.save == str(REPO / "runs" / f"sft_{model}" / "checkpoints")
+    assert args.save_interval == args.train_iters == 500
     assert args.metrics_file.startswith(str(REPO / "runs"))
     assert os.path.dirname(args.metrics_file).endswith("/logs")
     # Four micro-batches per iteration by default.
     assert args.num_microbatches == 4 and args.global_batch_size == 32
     if model == "gpt":
-        assert "pretrain_gpt.py" in line and args.num_layers == 16 and args.swiglu
+        assert "pretrain_gpt.py" in line and args.num_layers == 16
     else:
-        assert "pretrain_mamba.py" in line and "--hybrid-override-pattern" in line
-        assert args.hybrid_override_pattern == "M-M-M*-M-M-M*-M-" and args.num_layers == 16
+        assert "pretrain_mamba.py" in line and "--hybrid-layer-pattern" in line
+        assert "--num-layers" not in line  # Megatron-LM counts the pattern
+        assert args.hybrid_layer_pattern == "M-M-M*-M-M-M*-M-" and args.num_layers == 16
 
 
 @pytest.mark.parametrize("model", ["gpt", "hybrid"])
@@ -147,27 +206,48 @@ def test_env_overrides_reach_the_command():
     env = {"CUDA_GRAPH_MAX_PACKED_SEQS": "32", "CUDA_GRAPH_WARMUP_STEPS": "5",
            "CUDA_GRAPH_MODULES": "attn mlp", "NNODES": "2", "GPUS_PER_NODE": "4", "TP": "2",
            "PP": "2", "SEQ_LENGTH": "2048", "MICRO_BATCH_SIZE": "2", "TRAIN_ITERS": "7",
-           "DATA_PATH": "/data/train.jsonl", "VALID_DATA_PATH": "/data/valid.jsonl",
+           "SAVE_INTERVAL": "5", "DATA_PATH": "/data/train.jsonl",
            "SAVE_DIR": "/ckpt/run1", "MASTER_PORT": "12345",
-           "EXTRA_ARGS": "--attention-backend torch --log-interval 1"}
+           "EXTRA_ARGS": "--attention-backend local --log-interval 1"}
     line = launch_line(dry_run(SBATCH["gpt"], env, "--lr", "1e-3"))
     assert "--cuda-graph-max-packed-seqs 32" in line
     args, launcher = validated(line, world_size=8)
     assert (args.cuda_graph_max_packed_seqs, args.cuda_graph_warmup_steps) == (32, 5)
     assert "--cuda-graph-modules attn mlp" in line
-    assert args.cuda_graph_modules == ["attn", "mlp"]
+    assert args.packed_cuda_graph_modules == ["attn", "mlp"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
     assert args.data_parallel_size == 2 and args.global_batch_size == 16
     assert (args.seq_length, args.micro_batch_size, args.train_iters) == (2048, 2, 7)
+    assert args.max_position_embeddings == 2048
     assert args.lr_warmup_iters == 7  # min(10, TRAIN_ITERS): short smoke runs validate
+    # One JSONL file, all of it training (not Megatron-LM's 3% validation share), no evaluation.
     assert args.data_path == "/data/train.jsonl" and not args.mock_data
-    assert args.valid_data_path == "/data/valid.jsonl" and args.eval_interval == 100
-    assert args.save == "/ckpt/run1/checkpoints"
+    assert args.split == "100,0,0" and args.eval_iters == 0 and args.valid_data_path is None
+    assert args.save == "/ckpt/run1/checkpoints" and args.save_interval == 5
     assert args.metrics_file.startswith("/ckpt/run1/logs/")
-    assert args.attention_backend == "torch" and args.log_interval == 1
+    assert args.attention_backend.name == "local" and args.log_interval == 1
     assert args.lr == 1e-3  # arguments after --dry-run are appended and win
     assert flag_value(launcher, "--nnodes") == "2" and "--nodes=2" in launcher
     assert flag_value(launcher, "--master-port") == "12345"
+
+
+def _valid_data_line():
+    env = {"DATA_PATH": "/data/train.jsonl", "VALID_DATA_PATH": "/data/valid.jsonl",
+           "EVAL_INTERVAL": "50", "EVAL_ITERS": "5"}
+    return launch_line(dry_run(SBATCH["gpt"], env))
+
+
+def test_valid_data_path_adds_evaluation():
+    _, _, argv = split_launch(_valid_data_line())
+    assert argv[argv.index("--data-path"):argv.index("--data-path") + 8] == [
+        "--data-path", "/data/train.jsonl", "--valid-data-path", "/data/valid.jsonl",
+        "--eval-interval", "50", "--eval-iters", "5"]
+    assert "--split" not in argv and argv.count("--eval-iters") == 1
+
+
+def test_valid_data_path_launch_line_parses():
+    args, _ = validated(_valid_data_line(), world_size=8)
+    assert args.valid_data_path == "/data/valid.jsonl" and args.eval_interval == 50
 
 
 def test_chunk_granularity_from_the_environment():
@@ -175,6 +255,7 @@ def test_chunk_granularity_from_the_environment():
     line = launch_line(dry_run(SBATCH["hybrid"], env))
     args, _ = validated(line, world_size=2)
     assert args.cuda_graph_granularity == "chunk" and args.pipeline_model_parallel_size == 2
+    assert args.num_layers == 16 and args.num_microbatches == 4
     assert validated(launch_line(dry_run(SBATCH["gpt"], {})), world_size=8)[0].cuda_graph_granularity == "layer"
 
 
@@ -182,7 +263,19 @@ def test_graphs_off_drops_every_graph_flag():
     line = launch_line(dry_run(SBATCH["hybrid"], {"CUDA_GRAPH_IMPL": "none"}))
     assert "--cuda-graph" not in line
     args, _ = validated(line, world_size=8)
-    assert args.cuda_graph_impl == "none"
+    assert args.packed_graph_impl == args.cuda_graph_impl == "none"
+
+
+def test_full_iteration_graphs_turn_ddps_nan_check_off():
+    """Megatron-LM and the fork refuse full-iteration graphs with DDP's host-side NaN check."""
+    line = launch_line(dry_run(SBATCH["gpt"], {"CUDA_GRAPH_IMPL": "full_iteration"}))
+    assert "--no-check-for-nan-in-loss-and-grad" in line
+    args, _ = validated(line, world_size=8)
+    assert args.packed_graph_impl == "full_iteration"
+    assert args.cuda_graph_impl == "local"  # what Megatron-LM's loop is shown
+    assert not args.check_for_nan_in_loss_and_grad
+    line = launch_line(dry_run(SBATCH["gpt"], {}))
+    assert "--no-check-for-nan-in-loss-and-grad" not in line  # the check stays elsewhere
 
 
 def test_srun_launcher_container_and_nsys(fake_bin, tmp_path):
@@ -202,8 +295,10 @@ def test_srun_launcher_container_and_nsys(fake_bin, tmp_path):
     assert nsys[:2] == ["nsys", "profile"] and "--cuda-graph-trace=node" in nsys
     assert "--capture-range=cudaProfilerApi" in nsys and "--capture-range-end=stop" in nsys
     assert flag_value(nsys, "-o") == "/tmp/prof_%p" and nsys[-1] == "python"
-    # nsys records the range the training loop brackets with cudaProfilerStart/Stop.
-    assert args.profile and (args.profile_step_start, args.profile_step_end) == (10, 12)
+    # nsys records the range the fork's profiler brackets with cudaProfilerStart/Stop
+    # (Megatron-LM's own nsys path is handed over: args.profile is off for its loop).
+    assert args.packed_profile and not args.profile
+    assert (args.profile_step_start, args.profile_step_end) == (10, 12)
 
 
 def test_dry_run_from_the_environment():
@@ -245,7 +340,7 @@ def test_a_submitted_job_runs_srun_tees_the_log_and_keeps_its_exit_code(fake_bin
     assert proc.returncode == 3, proc.stderr
     log = (tmp_path / "run" / "logs" / "sft_hybrid_77.log").read_text()
     assert "--node-rank 0 --master-addr fakehost1" in log
-    assert "--hybrid-override-pattern M-M-M*-M-M-M*-M- " in log  # the quoting survived
+    assert "--hybrid-layer-pattern M-M-M*-M-M-M*-M- " in log  # the quoting survived
 
 
 # --- every script: --dry-run runs nothing ------------------------------------------------------
@@ -301,7 +396,7 @@ def test_te_patches_go_on_pythonpath_with_te_context_parallelism(env, args, on):
 def test_cp_knob_reaches_the_command_and_the_world_check():
     line = launch_line(dry_run(SBATCH["hybrid"], {"CP": "2", "GPUS_PER_NODE": "4"}))
     launcher, script, argv = split_launch(line)
-    args = build_parser(MODEL_OF_SCRIPT[script]).parse_args(argv)  # CP validation needs TE
+    args = build_parser().parse_args(argv)  # CP validation needs TE
     assert args.context_parallel_size == 2 and args.global_batch_size == 8  # DP = 2
     proc = run_script(SBATCH["gpt"], env={"DRY_RUN": "1", "CP": "3"})
     assert proc.returncode == 1
@@ -346,14 +441,16 @@ def test_synthetic_dry_run_eager_reference_then_graphs_with_the_advised_capacity
     assert "dry run, nothing is launched" in out and "te_patches" not in out
     eager_args, launcher = validated(eager, world_size=2)
     assert launcher[:5] == ["torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node"]
-    assert eager_args.cuda_graph_impl == "none" and "--cuda-graph" not in eager
+    assert eager_args.packed_graph_impl == "none" and "--cuda-graph" not in eager
     assert eager_args.train_iters == 30 and eager_args.model == "hybrid"
+    assert_fork_numerics(eager_args, "hybrid")
+    assert eager_args.eval_iters == 0 and eager_args.save is None
     # The capacity is the advisor's, read from the same synthetic data at run time.
     assert '--cuda-graph-max-packed-seqs "$CAPACITY"' in graphs
     graph_args, _ = validated(graphs.replace('"$CAPACITY"', "11"), world_size=2)
-    assert (graph_args.cuda_graph_impl, graph_args.cuda_graph_granularity) == ("local", "layer")
+    assert (graph_args.packed_graph_impl, graph_args.cuda_graph_granularity) == ("local", "layer")
     assert graph_args.cuda_graph_max_packed_seqs == 11 and graph_args.train_iters == 200
-    assert graph_args.hybrid_override_pattern == "M-M-M*-M-M-M*-M-"
+    assert graph_args.hybrid_layer_pattern == "M-M-M*-M-M-M*-M-" and graph_args.num_layers == 16
     advisor = shlex.split(capacity.removeprefix("CAPACITY=$(").removesuffix(")"))
     assert advisor[1] == "tools/capacity_advisor.py" and "--print-capacity" in advisor
     for flag, value in (("--seq-length", graph_args.seq_length),
@@ -364,11 +461,11 @@ def test_synthetic_dry_run_eager_reference_then_graphs_with_the_advised_capacity
         assert float(flag_value(advisor, flag)) == float(value), flag
     assert "--mock-data" in advisor
     # Both runs are the same model and data; only the graph flags and the length differ.
-    strip = {"--train-iters", "--lr-decay-iters", "--metrics-file", "--cuda-graph-impl",
-             "--cuda-graph-granularity", "--cuda-graph-max-packed-seqs",
-             "--cuda-graph-warmup-steps"}
-    assert ({k: v for k, v in vars(eager_args).items() if f"--{k.replace('_', '-')}" not in strip}
-            == {k: v for k, v in vars(graph_args).items() if f"--{k.replace('_', '-')}" not in strip})
+    strip = {"train_iters", "lr_decay_iters", "metrics_file", "cuda_graph_impl",
+             "packed_graph_impl", "cuda_graph_granularity", "cuda_graph_max_packed_seqs",
+             "cuda_graph_warmup_steps", *GRAPH_DERIVED}
+    assert ({k: v for k, v in vars(eager_args).items() if k not in strip}
+            == {k: v for k, v in vars(graph_args).items() if k not in strip})
     words = shlex.split(summary)
     assert words[1] == "tools/benchmark.py" and "--from-metrics" in words
     assert f"eager={eager_args.metrics_file}" in words
@@ -383,7 +480,7 @@ def test_synthetic_knobs_chunk_graphs_fixed_capacity_and_extra_flags():
     graph_args, _ = validated(graphs.replace('"$CAPACITY"', "32"), world_size=2)
     assert graph_args.cuda_graph_granularity == "chunk" and graph_args.train_iters == 50
     eager_args, _ = validated(eager, world_size=2)
-    assert eager_args.train_iters == 20
+    assert eager_args.train_iters == 20 and eager_args.packed_graph_impl == "none"
     assert eager_args.log_interval == graph_args.log_interval == 5  # arguments win
     assert "chunk-graphs=" in summary
 
@@ -429,11 +526,15 @@ if graphs and {fail_graphs!r}:
     sys.exit(3)
 iters = int(argv[argv.index("--train-iters") + 1])
 interval = int(argv[argv.index("--log-interval") + 1])
+batch = int(argv[argv.index("--global-batch-size") + 1])
+# The keys the fork's metrics file has on Megatron-LM's loop (megatron/packed_training/metrics.py,
+# RuntimeLog): no grad norm, learning rate or memory any more.
 with open(argv[argv.index("--metrics-file") + 1], "w") as f:
     for it in range(interval, iters + 1, interval):
-        f.write(json.dumps({{"iteration": it, "lm_loss": 5.0, "iteration_time_ms": 100.0,
+        f.write(json.dumps({{"iteration": it, "consumed_samples": it * batch, "lm_loss": 5.0,
+                            "iteration_time_ms": 100.0,
                             "tokens_per_sec": (3000.0 if graphs else 1000.0) if it > interval
-                            else 10.0, "mem_max_allocated_bytes": 2**30}}) + "\n")
+                            else 10.0, "graph fallbacks": 0}}) + "\n")
 '''
 
 
@@ -477,7 +578,7 @@ def test_synthetic_stops_when_the_graph_run_fails(tmp_path):
 # --- --help of the graph flags and of the capacity advisor --------------------------------------
 
 def test_every_graph_flag_has_help_text():
-    parser = build_parser("hybrid")
+    parser = build_parser()
     graph_actions = [a for a in parser._actions
                      if any("graph" in opt or "dynamic-cp" in opt for opt in a.option_strings)]
     assert {"--cuda-graph-impl", "--cuda-graph-granularity", "--cuda-graph-max-packed-seqs",

@@ -238,30 +238,39 @@ def test_cp_banks_are_all_captured_past_the_warm_up_even_without_micro_batches()
     assert runtime.te_graphs.loads[-2:] == [(1, "params of 0"), (2, "params of 1")]
 
 
-def test_runtime_config_from_the_command_line(cpu_dist):
+def test_runtime_config_from_the_command_line(cpu_dist, monkeypatch):
+    """Megatron-LM's launch line through arguments.parse_args reaches the runtime: the graph
+    flags it keeps for the runtime (packed_graph_impl), not the ones upstream's loop sees."""
+    from megatron.packed_training import extra_args
     from megatron.packed_training.arguments import parse_args
-
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "128", "--mock-data", "--train-iters", "1", "--lr", "1e-4"]
-    graphs = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "8",
-              "--cuda-graph-warmup-steps", "2"]
-    config = config_from_args(parse_args(base + graphs + ["--cuda-graph-capacity-ladder", "4"]))
-    assert (config.granularity, config.capacities, config.warmup_iterations) == (
-        Granularity.LAYER, (4, 8), 2)
-    assert config.tokens_per_rank == 128 and not config.capture_needs_all_micro_batches
-    args = parse_args(base + graphs + ["--cuda-graph-granularity", "chunk"])
     from megatron.packed_training.config import transformer_config_from_args
 
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+            "--mock-data", "--train-iters", "1", "--lr", "1e-4", "--attention-backend", "local"]
+    graphs = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "8",
+              "--cuda-graph-warmup-steps", "2"]
+    args = parse_args(base + graphs + ["--cuda-graph-capacity-ladder", "4"])
+    config = config_from_args(args)
+    assert (config.impl, config.granularity, config.capacities, config.warmup_iterations) == (
+        "local", Granularity.LAYER, (4, 8), 2)
+    assert config.tokens_per_rank == 128 and not config.capture_needs_all_micro_batches
+    # Graphs off: what the parser gives without --cuda-graph-impl (no capacity either).
+    off = replace_ns(args, packed_graph_impl="none", cuda_graph_max_packed_seqs=0,
+                     cuda_graph_capacity_ladder=[])
+    assert not GraphRuntime.from_args(off, [], None).config.enabled
+    args = parse_args(base + graphs + ["--cuda-graph-granularity", "chunk"])
     runtime = GraphRuntime.from_args(args, [torch.nn.Identity()],
                                      transformer_config_from_args(args))
     assert runtime.config.granularity is Granularity.CHUNK
     assert runtime.config.slots_per_chunk == (1,)  # one stage: one slot
-    assert not GraphRuntime.from_args(parse_args(base), [], None).config.enabled
 
 
 def test_dynamic_cp_with_te_graphs_plans_cp_banks():
     args = SimpleNamespace(
-        cuda_graph_impl="transformer_engine", cuda_graph_granularity="layer",
+        packed_graph_impl="transformer_engine", cuda_graph_granularity="layer",
         cuda_graph_max_packed_seqs=8, cuda_graph_warmup_steps=2, cuda_graph_capacity_ladder=[],
         pipeline_model_parallel_size=1, context_parallel_size=1, dynamic_cp_sizes=[1, 2],
         dynamic_cp_max_packed_seqs=[4, 6], dynamic_cp_tokens_per_rank=64, micro_batch_size=1,

@@ -35,8 +35,8 @@ from megatron.packed_graphs.plan import (
 )
 from megatron.packed_graphs.runtime import GraphRuntime
 from megatron.packed_graphs.specs import gpt_layer_spec
-from megatron.packed_training import argument_checks
-from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_training import extra_args
+from megatron.packed_training.arguments import build_parser, parse_args
 from megatron.packed_training.config import load_training_config
 from megatron.packed_training.datasets.mock import MockPackedDataset
 from megatron.packed_training.datasets.packing import collate_packed_rows
@@ -50,73 +50,44 @@ LOCAL = GraphRuntimeConfig(impl="local", capacity=8, warmup_iterations=1)
 
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "256", "--train-iters", "10", "--lr", "1e-3", "--mock-data"]
+        "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+        "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--attention-backend", "local"]
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16"]
-
-
-def validate(*extra, world_size=1):
-    args = build_parser("gpt").parse_args(BASE + [str(x) for x in extra])
-    return validate_args(args, "gpt", world_size=world_size)
 
 
 @pytest.fixture(autouse=True)
 def no_optional_packages(monkeypatch):
-    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
 def test_check_flags_default_off_and_reach_the_runtime():
-    args = validate(*GRAPHS)
-    assert (args.cuda_graph_check_interval, args.cuda_graph_check_tolerance,
-            args.cuda_graph_check_action) == (0, 0.01, "warn")
-    args = validate(*GRAPHS, "--cuda-graph-check-interval", 5, "--cuda-graph-check-tolerance",
-                    "1e-3", "--cuda-graph-check-action", "disable")
+    # The rules of the three flags: tests/unit/test_extra_args.py (check_health_check).
+    defaults = build_parser().parse_args(BASE + GRAPHS)
+    assert (defaults.cuda_graph_check_interval, defaults.cuda_graph_check_tolerance,
+            defaults.cuda_graph_check_action) == (0, 0.01, "warn")
+    args = parse_args(BASE + GRAPHS + ["--cuda-graph-check-interval", "5",
+                                       "--cuda-graph-check-tolerance", "1e-3",
+                                       "--cuda-graph-check-action", "disable"])
     runtime = GraphRuntime.from_args(args, [], None)
     assert runtime.health_check.config == HealthCheckConfig(5, 1e-3, "disable")
     assert runtime.describe().endswith(
         "health check every 5 iterations (tolerance 0.001, on divergence: disable)")
     # The library config takes the flags' dest names.
     api = load_training_config({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                                "seq_length": 256, "train_iters": 10, "lr": 1e-3,
-                                "mock_data": True, "cuda_graph_impl": "local",
-                                "cuda_graph_max_packed_seqs": 16,
+                                "seq_length": 256, "max_position_embeddings": 256,
+                                "micro_batch_size": 1, "train_iters": 10, "lr": 1e-3,
+                                "mock_data": True, "attention_backend": "local",
+                                "cuda_graph_impl": "local", "cuda_graph_max_packed_seqs": 16,
                                 "cuda_graph_check_interval": 10})
     assert api.cuda_graph_check_interval == 10
-
-
-@pytest.mark.parametrize("extra, world_size, message", [
-    (GRAPHS + ["--cuda-graph-check-interval", -1], 1,
-     r"--cuda-graph-check-interval is wrong: -1. Use 0 \(no check\) or a positive number"),
-    (GRAPHS + ["--cuda-graph-check-interval", 5, "--cuda-graph-check-tolerance", 0], 1,
-     "--cuda-graph-check-tolerance is wrong: 0.0. Use a positive relative difference"),
-    (GRAPHS + ["--cuda-graph-check-interval", 5, "--cuda-graph-check-tolerance", "nan"], 1,
-     "--cuda-graph-check-tolerance is wrong: nan"),
-    (["--cuda-graph-check-interval", 5], 1,
-     "--cuda-graph-check-interval is wrong: 5. The check compares CUDA graph replays .* add "
-     "--cuda-graph-impl local"),
-    (GRAPHS + ["--cuda-graph-check-tolerance", "0.1"], 1,
-     "--cuda-graph-check-tolerance is wrong: 0.1. .* add --cuda-graph-check-interval N"),
-    (GRAPHS + ["--cuda-graph-check-action", "disable"], 1,
-     "--cuda-graph-check-action is wrong: disable. .* add --cuda-graph-check-interval N"),
-    (GRAPHS + ["--cuda-graph-check-interval", 5, "--pipeline-model-parallel-size", 2,
-               "--global-batch-size", 4], 2,
-     "--cuda-graph-check-interval is wrong: 5. .*use --pipeline-model-parallel-size 1"),
-])
-def test_check_flag_rejections(extra, world_size, message):
-    with pytest.raises(ValueError, match=message):
-        validate(*extra, world_size=world_size)
-
-
-def test_check_is_refused_under_dynamic_cp(with_te):
-    with pytest.raises(ValueError, match="--cuda-graph-check-interval is wrong: 5. .*drop the "
-                                         "flag or --dynamic-cp-sizes"):
-        validate("--dynamic-cp-sizes", 1, 2, "--global-batch-size", 4, "--cuda-graph-impl",
-                 "transformer_engine", "--cuda-graph-max-packed-seqs", 16,
-                 "--cuda-graph-check-interval", 5, world_size=2)
+    assert GraphRuntime.from_args(api, [], None).health_check.config == HealthCheckConfig(10)
 
 
 def test_check_action_is_one_of_two():
     with pytest.raises(SystemExit):  # argparse's choices
-        validate(*GRAPHS, "--cuda-graph-check-interval", 5, "--cuda-graph-check-action", "stop")
+        build_parser().parse_args(BASE + GRAPHS + ["--cuda-graph-check-interval", "5",
+                                                   "--cuda-graph-check-action", "stop"])
     with pytest.raises(ValueError, match="--cuda-graph-check-action is wrong: stop. Use warn or "
                                          "disable"):
         HealthCheckConfig(5, 0.01, "stop")

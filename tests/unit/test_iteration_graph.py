@@ -2,6 +2,7 @@
 wiring and counters, the flags. Capture and replay themselves run on the GPU
 (tests/gpu/test_full_iteration.py)."""
 
+import argparse
 import inspect
 import multiprocessing
 from dataclasses import replace
@@ -29,8 +30,8 @@ from megatron.packed_graphs.plan import (
     in_iteration_graph,
 )
 from megatron.packed_graphs.runtime import GraphRuntime, config_from_args
-from megatron.packed_training import argument_checks
-from megatron.packed_training.arguments import build_parser, parse_args, validate_args
+from megatron.packed_training import extra_args
+from megatron.packed_training.arguments import parse_args
 from megatron.packed_training.packed_step import to_device_micro_batch
 
 # Capacity 8, one warm-up iteration, graphs of 2 micro-batches; misses run layer graphs.
@@ -320,29 +321,29 @@ def test_upstream_batched_p2p_still_syncs_the_device():
 # -- flags ----------------------------------------------------------------------------------
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "128", "--mock-data", "--train-iters", "4", "--lr", "1e-4",
-        "--global-batch-size", "4"]
+        "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+        "--mock-data", "--train-iters", "4", "--lr", "1e-4", "--global-batch-size", "4",
+        "--attention-backend", "local"]
 FULL_FLAGS = ["--cuda-graph-impl", "full_iteration", "--cuda-graph-max-packed-seqs", "8",
               "--no-check-for-nan-in-loss-and-grad"]
 
 
 @pytest.fixture(autouse=True)
 def no_optional_packages(monkeypatch):
-    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
-
-
-def validate(*extra, model="gpt", world_size=1):
-    return validate_args(build_parser(model).parse_args(BASE + FULL_FLAGS + list(extra)), model,
-                         world_size=world_size)
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
 def test_the_flag_is_accepted_and_builds_local_layer_graphs_for_misses(monkeypatch, cpu_dist):
+    """The launch line's graph flags reach the runtime; the refusals of full-iteration graphs
+    (PP, CP, MoE, modules, ladder, NaN check, ...) are extra_args' rules, tested in
+    tests/unit/test_extra_args.py."""
     from megatron.core import parallel_state
     from megatron.packed_training.config import transformer_config_from_args
 
-    monkeypatch.setenv("WORLD_SIZE", "1")
     args = parse_args(BASE + FULL_FLAGS)
-    assert args.cuda_graph_impl == "full_iteration"
+    # The runtime's; Megatron-LM's loop sees local graphs and builds no graph of its own.
+    assert (args.packed_graph_impl, args.cuda_graph_impl) == ("full_iteration", "local")
     config = config_from_args(args)
     assert (config.impl, config.granularity, config.full_iteration,
             config.iteration_micro_batches) == ("local", Granularity.LAYER, True, 4)
@@ -352,58 +353,14 @@ def test_the_flag_is_accepted_and_builds_local_layer_graphs_for_misses(monkeypat
     assert runtime.iteration_graph is not None and not runtime.iteration_graph.captured
     assert runtime.agreement_group is parallel_state.get_data_parallel_group_gloo(
         with_context_parallel=True)
-    chunk = config_from_args(parse_args(BASE + FULL_FLAGS + ["--cuda-graph-granularity",
-                                                             "chunk"]))
+    chunk = config_from_args(argparse.Namespace(**(vars(args) | {
+        "cuda_graph_granularity": "chunk"})))
     assert chunk.granularity is Granularity.CHUNK and chunk.full_iteration
-    assert validate("--calculate-per-token-loss", world_size=2).data_parallel_size == 2
-    validate("--hybrid-override-pattern", "M*", "--mamba-head-dim", "16", model="hybrid")
-
-
-@pytest.mark.parametrize("extra, world_size, match", [
-    (["--cuda-graph-modules", "attn"], 1,
-     "--cuda-graph-modules is wrong: attn. --cuda-graph-impl full_iteration captures whole "
-     "iterations"),
-    (["--cuda-graph-max-packed-seqs", "16", "--cuda-graph-capacity-ladder", "4"], 1,
-     "--cuda-graph-capacity-ladder is wrong: 4. --cuda-graph-impl full_iteration captures one "
-     "capacity"),
-    (["--cuda-graph-warmup-steps", "0"], 1,
-     "--cuda-graph-warmup-steps is wrong: 0. --cuda-graph-impl full_iteration needs an eager "
-     "iteration before its capture"),
-    (["--pipeline-model-parallel-size", "2"], 2,
-     r"--pipeline-model-parallel-size is wrong: 2. --cuda-graph-impl full_iteration is for "
-     r"PP = 1: megatron-core 0.19.2's batched pipeline send/receive calls "
-     r"torch.cuda.synchronize\(\)"),
-    (["--context-parallel-size", "2"], 2,
-     "--context-parallel-size is wrong: 2. context parallelism inside --cuda-graph-impl "
-     "full_iteration graphs is not verified"),
-    (["--num-experts", "4"], 1,
-     "--num-experts is wrong: 4. MoE inside --cuda-graph-impl full_iteration graphs is not "
-     "supported"),
-    (["--check-for-nan-in-loss-and-grad"], 1, None),
-    (["--cuda-graph-check-interval", "5"], 1,
-     "--cuda-graph-check-interval is wrong: 5. The health check replays one micro-batch's "
-     "graph"),
-    (["--cuda-graph-max-packed-seqs", "0"], 1,
-     "--cuda-graph-max-packed-seqs is wrong: 0. --cuda-graph-impl full_iteration on packed THD "
-     "data needs a fixed document capacity"),
-])
-def test_refusals(extra, world_size, match, monkeypatch):
-    if "--context-parallel-size" in extra:  # THD context parallelism needs TE first
-        monkeypatch.setattr(argument_checks, "is_importable",
-                            lambda package: package == "transformer_engine")
-    if match is None:  # the NaN check is on unless --no-check-for-nan-in-loss-and-grad
-        args = build_parser("gpt").parse_args(BASE + FULL_FLAGS[:4])
-        with pytest.raises(ValueError, match="--no-check-for-nan-in-loss-and-grad is wrong: "
-                                             "not given. DDP's NaN check"):
-            validate_args(args, "gpt", world_size=1)
-        return
-    with pytest.raises(ValueError, match=match):
-        validate(*extra, world_size=world_size)
-
-
-def test_a_module_list_naming_full_iteration_points_to_the_impl():
-    with pytest.raises(ValueError, match="--cuda-graph-modules is wrong: 'full_iteration'. It is "
-                                         "a CUDA graph implementation, not a module"):
-        validate_args(build_parser("gpt").parse_args(
-            BASE + ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "8",
-                    "--cuda-graph-modules", "full_iteration"]), "gpt", world_size=1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    data_parallel = parse_args(BASE + FULL_FLAGS + ["--calculate-per-token-loss"])
+    assert (data_parallel.data_parallel_size, data_parallel.num_microbatches) == (2, 2)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert BASE[:2] == ["--num-layers", "2"]  # upstream counts a hybrid's layers itself
+    hybrid = parse_args(BASE[2:] + FULL_FLAGS + ["--hybrid-layer-pattern", "M*",
+                                                 "--mamba-head-dim", "16"], model="hybrid")
+    assert (hybrid.num_layers, hybrid.packed_graph_impl) == (2, "full_iteration")

@@ -2,14 +2,18 @@
 measurement itself needs a GPU with Transformer Engine)."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
-from megatron.packed_training import argument_checks
-from megatron.packed_training.arguments import build_parser, validate_args
+from megatron.packed_graphs import attention
+from megatron.packed_training import extra_args
+from megatron.packed_training.arguments import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("mla_costs", REPO / "tools" / "mla_costs.py")
@@ -17,16 +21,29 @@ mla_costs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mla_costs)
 
 
+def _parse(argv):
+    """The training scripts' parser (Megatron-LM's with the fork's rules), a world of one."""
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}):
+        return parse_args(argv, "gpt")
+
+
+@pytest.fixture(autouse=True)
+def gpu_capability(monkeypatch):
+    """Megatron-LM's check of --moe-grouped-gemm asks the GPU for its compute capability: an
+    H100's here."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
 @pytest.fixture
 def te_and_triton(monkeypatch):
-    monkeypatch.setattr(argument_checks, "is_importable",
+    monkeypatch.setattr(extra_args, "is_importable",
                         lambda package: package in ("transformer_engine", "triton"))
+    monkeypatch.setattr(attention, "is_te_available", lambda: True)
 
 
 def test_moonlight_small_has_moonlights_ratios(te_and_triton):
-    args = build_parser("gpt").parse_args(mla_costs.MOONLIGHT_SMALL + mla_costs.TRAINING)
     # The flags megatron-core's config receives (transformer_config_from_args needs TE here).
-    config = validate_args(args, "gpt", world_size=1)
+    config = _parse(mla_costs.MOONLIGHT_SMALL + mla_costs.TRAINING)
     hidden = config.hidden_size
     # Moonlight-16B-A3B: hidden 2048, 16 heads x v 128, kv_lora 512, experts 64 x 1408 wide,
     # top-6, two shared experts, no query compression, RoPE base 50000 without scaling.
@@ -40,7 +57,11 @@ def test_moonlight_small_has_moonlights_ratios(te_and_triton):
     assert config.moe_router_score_function == "sigmoid"
     assert config.moe_pad_expert_input_to_capacity and config.moe_grouped_gemm
     assert (config.rotary_base, config.rotary_scaling_factor) == (50000, 1.0)
-    assert config.attention_backend == "te"
+    assert config.attention_backend.name == "auto"  # TE attention: TE is importable here
+    # The old fork's numerics, which Megatron-LM's defaults would change.
+    assert (config.normalization, config.add_bias_linear, config.hidden_dropout) == (
+        "RMSNorm", False, 0.0)
+    assert config.max_position_embeddings == config.seq_length == 4096
 
 
 def test_moonlight_small_is_the_benchmark_preset_with_grouped_gemm_experts():
@@ -52,12 +73,18 @@ def test_moonlight_small_is_the_benchmark_preset_with_grouped_gemm_experts():
                                          + benchmark.GROUPED_GEMM)
 
 
-def test_moonlight_small_is_refused_without_transformer_engine(monkeypatch):
-    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
-    args = build_parser("gpt").parse_args(mla_costs.MOONLIGHT_SMALL + mla_costs.TRAINING)
-    with pytest.raises(ValueError, match="--attention-backend is wrong: te. It needs "
-                                         "transformer_engine"):
-        validate_args(args, "gpt", world_size=1)
+def test_moonlight_small_is_refused_without_transformer_engine(te_and_triton, monkeypatch):
+    """Without TE, auto attention is the TE-free path, on which the model refuses MLA layers."""
+    import pretrain_gpt
+    from megatron.packed_training.config import transformer_config_from_args
+
+    args = _parse(mla_costs.MOONLIGHT_SMALL + mla_costs.TRAINING + ["--num-layers", "1"])
+    config = transformer_config_from_args(args)
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: False)
+    monkeypatch.setattr(attention, "is_te_available", lambda: False)
+    with pytest.raises(ValueError, match="Packed multi-latent attention runs only on "
+                                         "Transformer Engine attention"):
+        pretrain_gpt.model_provider(args, config)
 
 
 def test_document_lengths_fill_the_micro_batch():

@@ -54,13 +54,13 @@ def test_mla_attention_half_keeps_its_input_norm():
 
 @pytest.mark.parametrize("backend", ["torch", "flash"])
 def test_gpt_mla_spec_refuses_te_free_backends(backend):
-    with pytest.raises(ValueError, match=f"--attention-backend is wrong: {backend}.*only on "
+    with pytest.raises(ValueError, match=f"--attention-backend is wrong: the TE-free {backend} attention.*only on "
                                          "Transformer Engine attention"):
         gpt_layer_spec(backend, multi_latent_attention=True)
 
 
 def test_hybrid_mla_spec_refuses_te_free_backends():
-    with pytest.raises(ValueError, match="--attention-backend is wrong: torch"):
+    with pytest.raises(ValueError, match="--attention-backend is wrong: the TE-free torch attention"):
         hybrid_stack_spec("torch", multi_latent_attention=True)
 
 

@@ -421,66 +421,12 @@ def test_hybrid_moe_model_forward_backward_on_cpu(cpu_moe):
     assert recorded[1] > 0 and recorded[0] == recorded[2] == 0  # layer 2 is the 'E' layer
 
 
-# ------------------------------------------------------------------------------ losses in the log
-
-def _loss_args(**overrides):
-    from argparse import Namespace
-
-    return Namespace(**(dict(num_experts=EXPERTS, moe_aux_loss_coeff=0.01,
-                             moe_router_load_balancing_type="aux_loss", moe_z_loss_coeff=0.001,
-                             num_layers=2, hybrid_override_pattern=None) | overrides))
-
-
-def test_moe_loss_names_are_megatrons():
-    from megatron.packed_training.metrics import moe_loss_names
-
-    assert moe_loss_names(_loss_args()) == ["load_balancing_loss", "z_loss"]
-    assert moe_loss_names(_loss_args(moe_router_load_balancing_type="seq_aux_loss",
-                                     moe_z_loss_coeff=None)) == ["seq_load_balancing_loss"]
-    assert moe_loss_names(_loss_args(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)) == []
-    assert moe_loss_names(_loss_args(num_experts=None)) == []
-
-
-def test_aux_losses_reach_the_log_line_and_metrics_file(cpu_moe, tmp_path, capsys):
-    """Two iterations of two micro-batches through megatron-core's router and tracker: the
-    logged value is the mean over iterations, micro-batches and MoE layers."""
-    from megatron.packed_training.metrics import MetricsLogger, MoELosses, read_metrics
-
-    losses = MoELosses(_loss_args(num_layers=3, hybrid_override_pattern="*E-"))
-    tracker = get_moe_metrics_tracker()
-    router = seeded(PackedTopKRouter, moe_config(num_layers=3))
-    router.set_layer_number(2)
-    hidden, mask = _documents_and_padding()
-    expected = []
-    for iteration in (1, 2):
-        for micro_batch in range(2):
-            router(hidden * (1 + iteration + micro_batch), padding_mask=mask.transpose(0, 1))
-        recorded = tracker.metrics["load_balancing_loss"].values
-        assert recorded[0] == recorded[2] == 0
-        expected.append(float(recorded[1]) / 2)  # one MoE layer; mean over the micro-batches
-        losses.after_step(num_microbatches=2, iteration=iteration)
-        assert not tracker.metrics["load_balancing_loss"].values.any()  # zeroed per step
-    values = losses.read()
-    assert values["load_balancing_loss"] == pytest.approx(sum(expected) / 2)
-    assert "z_loss" in values and losses.read() == {}
-    path = tmp_path / "m.jsonl"
-    logger = MetricsLogger(str(path), None, train_iters=2)
-    logger.log_train({"iteration": 2, "consumed_samples": 8, "global_batch_size": 4,
-                      "lm_loss": 2.5, **values, "grad_norm": 1.0, "num_zeros": 0,
-                      "learning_rate": 1e-4, "iteration_time_ms": 10.0, "tokens_per_sec": 1.0,
-                      "mem_allocated_bytes": 1, "mem_max_allocated_bytes": 2, "extra_log": {}})
-    logger.close()
-    line = capsys.readouterr().out
-    assert f"load_balancing_loss: {values['load_balancing_loss']:.6E}" in line
-    assert "lm loss: 2.500000E+00 | load_balancing_loss:" in line and "z_loss:" in line
-    assert read_metrics(str(path))[0]["load_balancing_loss"] == values["load_balancing_loss"]
-
+# ------------------------------------------------------------------------ dropped token slots
 
 def test_dropped_token_slots_are_counted_on_the_device(cpu_moe):
     """With a capacity, each router adds up its routed (padding excluded) and dropped token
     slots on the device; the logged value is their ratio, and reading zeroes the counts."""
     from megatron.packed_graphs.moe import read_dropped_token_fraction
-    from megatron.packed_training.metrics import MoELosses
 
     router = seeded(PackedTopKRouter, moe_config(moe_expert_capacity_factor=0.25,
                                                  moe_pad_expert_input_to_capacity=True))
@@ -491,18 +437,17 @@ def test_dropped_token_slots_are_counted_on_the_device(cpu_moe):
     assert router.token_slots.tolist() == [8 * TOPK, 8 * TOPK - kept]  # never the padding
     router(hidden, padding_mask=mask.transpose(0, 1))  # a second micro-batch adds up
     model = torch.nn.ModuleList([router])
-    losses = MoELosses(_loss_args(moe_expert_capacity_factor=0.25, moe_aux_loss_coeff=0.0,
-                                  moe_z_loss_coeff=None), [model])
-    assert losses.read() == {"moe_dropped_token_fraction": pytest.approx(1 - kept / (8 * TOPK))}
+    # What the runtime's log reads at a log point (metrics.RuntimeLog).
+    assert read_dropped_token_fraction([model]) == pytest.approx(1 - kept / (8 * TOPK))
     assert router.token_slots.tolist() == [0, 0]
     assert read_dropped_token_fraction([model]) == 0.0  # nothing routed since
 
 
 def test_without_a_capacity_nothing_is_counted(cpu_moe):
-    from megatron.packed_training.metrics import MoELosses
+    from megatron.packed_graphs.moe import read_dropped_token_fraction
 
     router = seeded(PackedTopKRouter, moe_config())
     hidden, mask = _documents_and_padding()
     router(hidden, padding_mask=mask.transpose(0, 1))
     assert router.token_slots.tolist() == [0, 0]
-    assert "moe_dropped_token_fraction" not in MoELosses(_loss_args(), [router]).read()
+    assert read_dropped_token_fraction([router]) == 0.0

@@ -1,5 +1,6 @@
-"""--optimizer-cuda-graph on the CPU: the flag and its refusals, the live schedule tensors
-(learning rate filled in place by megatron-core's scheduler, Adam's step count, a checkpoint
+"""--optimizer-cuda-graph on the CPU: the flag (its refusals: tests/unit/test_extra_args.py)
+and the capturable optimizer the seam asks megatron-core for, the live schedule tensors
+(learning rate filled in place by Megatron-LM's scheduler, Adam's step count, a checkpoint
 loaded after capture copied into the captured tensors), eager steps counted in the runtime's
 statistics. Capture and replay themselves run on the GPU (tests/gpu/test_optimizer_graph.py).
 """
@@ -20,25 +21,28 @@ from megatron.packed_graphs.optimizer_graph import (
 )
 from megatron.packed_graphs.plan import GraphRuntimeConfig
 from megatron.packed_graphs.runtime import GraphRuntime
-from megatron.packed_training import argument_checks
-from megatron.packed_training.arguments import build_parser, validate_args
-from megatron.packed_training.config import optimizer_config_from_args
-from megatron.packed_training.training import build_scheduler
+from megatron.packed_training import extra_args
+from megatron.packed_training.arguments import build_parser, parse_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "256", "--train-iters", "30", "--lr", "1e-3", "--min-lr", "1e-4",
-        "--lr-warmup-iters", "5", "--lr-decay-style", "cosine", "--global-batch-size", "2",
-        "--mock-data"]
-
-
-@pytest.fixture(autouse=True)
-def no_optional_packages(monkeypatch):
-    monkeypatch.setattr(argument_checks, "is_importable", lambda package: False)
+        "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+        "--train-iters", "30", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "5",
+        "--lr-decay-style", "cosine", "--global-batch-size", "2", "--mock-data",
+        "--attention-backend", "local"]
 
 
 def validate(*extra):
-    return validate_args(build_parser("gpt").parse_args(BASE + [str(x) for x in extra]), "gpt",
-                         world_size=1)
+    """The validated args of BASE plus ``extra`` (TE, flash-attn and apex not importable)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(extra_args, "is_importable", lambda package: False)
+        patch.delenv("WORLD_SIZE", raising=False)
+        return parse_args(BASE + [str(x) for x in extra])
+
+
+@pytest.fixture(scope="module")
+def with_graph():
+    """BASE with --optimizer-cuda-graph, parsed once (copy before changing it)."""
+    return validate("--optimizer-cuda-graph")
 
 
 def expected_lr(iteration: int) -> float:
@@ -67,10 +71,26 @@ def step(optimizer, seed: int) -> None:
 
 # -- the flag ----------------------------------------------------------------------------------
 
-def test_flag_is_off_by_default_and_asks_megatron_core_for_capturable_kernels():
-    assert not validate().optimizer_cuda_graph
-    assert not optimizer_config_from_args(validate()).optimizer_cuda_graph
-    assert optimizer_config_from_args(validate("--optimizer-cuda-graph")).optimizer_cuda_graph
+def test_flag_is_off_by_default_and_asks_megatron_core_for_capturable_kernels(monkeypatch,
+                                                                             with_graph):
+    import megatron.training.training as loop
+
+    from megatron.packed_graphs.core_patches import route_training_loop
+
+    assert build_parser().parse_args(BASE).optimizer_cuda_graph is False  # off by default
+    args = copy.deepcopy(with_graph)
+    # The runtime's flag; Megatron-LM's loop is shown none, so it wraps no optimizer graph of
+    # its own and its optimizer config is not capturable.
+    assert args.packed_optimizer_graph is True and args.optimizer_cuda_graph is False
+    assert not loop.get_megatron_optimizer_config(args)[0].optimizer_cuda_graph
+    # The seam asks megatron-core for capturable kernels (lr and step count on the device).
+    for name in ("setup_model_and_optimizer", "get_forward_backward_func",
+                 "get_megatron_optimizer_config"):
+        monkeypatch.setattr(loop, name, getattr(loop, name))  # undone after the test
+    route_training_loop(lambda model, optimizer, scheduler: None,
+                        capturable_optimizer=args.packed_optimizer_graph)
+    assert loop.get_megatron_optimizer_config(args)[0].optimizer_cuda_graph
+    assert args.optimizer_cuda_graph is False  # still off for upstream's own wrapper
 
 
 @pytest.mark.parametrize("extra", [
@@ -81,21 +101,9 @@ def test_flag_is_off_by_default_and_asks_megatron_core_for_capturable_kernels():
     [],  # model graphs off
 ])
 def test_flag_goes_with_every_granularity(extra):
-    assert validate("--optimizer-cuda-graph", *extra).optimizer_cuda_graph
-
-
-@pytest.mark.parametrize("extra,message", [
-    (["--fp16"], "--fp16 is wrong: True. Not with --optimizer-cuda-graph: fp16 needs a loss "
-                 "scaler, whose found-inf flag the optimizer step reads on the host"),
-    (["--bf16", "--fp16"], "--fp16 is wrong: True. Not with --optimizer-cuda-graph"),
-    (["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad is wrong: True. Not with "
-                                  "--optimizer-cuda-graph: the optimizer step reads the count"),
-    (["--num-experts", "4"], "--num-experts is wrong: 4. Not with --optimizer-cuda-graph: "
-                             "megatron-core steps the expert parameters with a second optimizer"),
-])
-def test_what_the_step_reads_on_the_host_is_refused(extra, message):
-    with pytest.raises(ValueError, match=message):
-        validate("--optimizer-cuda-graph", *extra)
+    # What the flag refuses (fp16, --log-num-zeros-in-grad, MoE without the distributed
+    # optimizer): extra_args.check_optimizer_graph, tests/unit/test_extra_args.py.
+    assert validate("--optimizer-cuda-graph", *extra).packed_optimizer_graph
 
 
 def test_the_capture_comes_after_the_warm_up_and_never_first():
@@ -108,19 +116,24 @@ def test_the_capture_comes_after_the_warm_up_and_never_first():
 
 # -- live schedule values ----------------------------------------------------------------------
 
-def test_the_scheduler_fills_the_bound_learning_rate_tensors_in_place():
+def test_the_scheduler_fills_the_bound_learning_rate_tensors_in_place(monkeypatch, with_graph):
+    from megatron.training import global_vars
+    from megatron.training.training import get_optimizer_param_scheduler
+
     optimizer = adam()
     StepTensors([optimizer]).make_live()
     rates = [group["lr"] for group in optimizer.param_groups]
     assert all(torch.is_tensor(lr) and lr.dtype == torch.float32 for lr in rates)
-    scheduler = build_scheduler(validate("--optimizer-cuda-graph"), optimizer)
+    # Megatron-LM's scheduler, built from the run's args as pretrain() builds it.
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", copy.deepcopy(with_graph))
+    scheduler = get_optimizer_param_scheduler(optimizer)
     for iteration in range(1, 31):
         step(optimizer, iteration)
         scheduler.step(increment=2)  # the global batch size, as train_step does
         for group, lr in zip(optimizer.param_groups, rates):
             assert group["lr"] is lr  # the object a captured step reads
             assert lr.item() == pytest.approx(expected_lr(iteration), rel=1e-6, abs=1e-12)
-        # A constant weight decay (the fork's scheduler has no weight-decay schedule).
+        # A constant weight decay (--weight-decay-incr-style constant, the default).
         assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
 
 
@@ -188,7 +201,7 @@ def test_a_weight_decay_changed_after_capture_is_refused():
         tensors.restore()
 
 
-def test_a_checkpoint_holds_the_live_values_as_numbers(monkeypatch):
+def test_a_checkpoint_holds_the_live_values_as_numbers(monkeypatch, with_graph):
     """Transformer Engine's capturable FusedAdam keeps one step-count tensor per parameter
     group. megatron-core's distributed optimizer merges the groups' counts in a set at every
     save and asserts one value, which two tensor objects never are (both hold 3 here). The
@@ -212,7 +225,7 @@ def test_a_checkpoint_holds_the_live_values_as_numbers(monkeypatch):
     optimizer.step = lambda: (True, None, 0)
     with pytest.raises(AssertionError, match="steps"):
         part.state_dict()  # upstream on its own
-    OptimizerGraph.install(validate("--optimizer-cuda-graph"), optimizer,
+    OptimizerGraph.install(with_graph, optimizer,
                            GraphRuntime(GraphRuntimeConfig()))
     live = [(group["lr"], group["step"]) for group in inner.param_groups]
     assert all(torch.is_tensor(lr) for lr, _ in live)

@@ -1,0 +1,358 @@
+"""The fork's command line: megatron/packed_training/arguments.py and extra_args.py.
+
+A full ``parse_args`` runs Megatron-LM's ``validate_args`` (seconds on a small CPU box), so the
+rules are tested by calling extra_args' check functions on copies of ONE parsed baseline;
+about ten tests parse a whole launch line. Transformer Engine, flash-attn and apex are pinned
+absent unless a test says otherwise.
+"""
+
+import argparse
+import copy
+import re
+
+import pytest
+
+from megatron.core.transformer.enums import AttnBackend, CudaGraphModule
+from megatron.packed_training import extra_args
+from megatron.packed_training.arguments import parse_args, parse_args_or_exit
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+        "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 4 "
+        "--train-iters 10 --lr 1e-3 --mock-data --attention-backend local").split()
+LOCAL = dict(packed_graph_impl="local", cuda_graph_max_packed_seqs=32)
+FULL = dict(packed_graph_impl="full_iteration", cuda_graph_max_packed_seqs=32,
+            check_for_nan_in_loss_and_grad=False)
+TE = dict(packed_graph_impl="transformer_engine", cuda_graph_max_packed_seqs=32)
+MOE = dict(num_experts=4)
+
+
+def pin_importable(monkeypatch, *present):
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: package in present)
+
+
+@pytest.fixture(autouse=True)
+def no_optional_packages(monkeypatch):
+    pin_importable(monkeypatch)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def parsed():
+    """The baseline launch line, parsed once: GPT, TE-free attention, graphs off."""
+    with pytest.MonkeyPatch.context() as mp:
+        pin_importable(mp)
+        mp.delenv("WORLD_SIZE", raising=False)
+        return parse_args(BASE)
+
+
+@pytest.fixture
+def args(parsed):
+    return copy.deepcopy(parsed)
+
+
+def tweak(args, **values):
+    for name, value in values.items():
+        setattr(args, name, value)
+    return args
+
+
+CHECKS = {
+    "attention": extra_args.check_attention,
+    "graphs": lambda a: extra_args.check_graphs(a, "gpt"),
+    "hybrid_graphs": lambda a: extra_args.check_graphs(a, "hybrid"),
+    "health": extra_args.check_health_check,
+    "optimizer": extra_args.check_optimizer_graph,
+    "moe": extra_args.check_moe_graphs,
+    "long_docs": extra_args.check_long_documents,
+    "dynamic_cp": extra_args.check_dynamic_cp,
+    "upstream": lambda a: extra_args.prepare_upstream_args(a, "gpt"),
+}
+
+# (check, attribute values, te importable, flag named, value named, the fix the message gives)
+REJECTED = {
+    "te_flash_without_te": ("attention", dict(attention_backend=AttnBackend.flash), False,
+                            "--attention-backend", "flash", "or use local"),
+    "te_fused_without_te": ("attention", dict(attention_backend=AttnBackend.fused), False,
+                            "--attention-backend", "fused", "install it (`pip install .[te]`)"),
+    "mla_without_te": ("attention", dict(multi_latent_attention=True), False,
+                       "--attention-backend", "local", "install TE and use auto, flash or fused"),
+    "te_unfused_without_te": ("attention", dict(attention_backend=AttnBackend.unfused), False,
+                              "--attention-backend", "unfused", "or use local"),
+    "negative_capacity": ("graphs", dict(cuda_graph_max_packed_seqs=-1), False,
+                          "--cuda-graph-max-packed-seqs", "-1", "Use 0 (graphs off) or a positive"),
+    "capacity_without_graphs": ("graphs", dict(cuda_graph_max_packed_seqs=32), False,
+                                "--cuda-graph-max-packed-seqs", "32",
+                                "add --cuda-graph-impl local"),
+    "ladder_without_graphs": ("graphs", dict(cuda_graph_capacity_ladder=[8]), False,
+                              "--cuda-graph-capacity-ladder", "8", "add --cuda-graph-impl local"),
+    "graphs_without_capacity": ("graphs", dict(packed_graph_impl="local"), False,
+                                "--cuda-graph-max-packed-seqs", "0",
+                                "e.g. --cuda-graph-max-packed-seqs 64"),
+    "ladder_descending": ("graphs", dict(LOCAL, cuda_graph_capacity_ladder=[16, 8]), False,
+                          "--cuda-graph-capacity-ladder", "16 8", "ascending order"),
+    "ladder_repeats": ("graphs", dict(LOCAL, cuda_graph_capacity_ladder=[8, 8]), False,
+                       "--cuda-graph-capacity-ladder", "8 8", "ascending order"),
+    "ladder_zero": ("graphs", dict(LOCAL, cuda_graph_capacity_ladder=[0, 8]), False,
+                    "--cuda-graph-capacity-ladder", "0 8", "Give positive capacities"),
+    "ladder_reaches_capacity": ("graphs", dict(LOCAL, cuda_graph_capacity_ladder=[8, 32]),
+                                False, "--cuda-graph-capacity-ladder", "8 32",
+                                "all below --cuda-graph-max-packed-seqs (32)"),
+    "ladder_te_impl": ("graphs", dict(TE, cuda_graph_capacity_ladder=[8]), True,
+                       "--cuda-graph-capacity-ladder", "8", "needs --cuda-graph-impl local"),
+    "ladder_pipeline": ("graphs", dict(LOCAL, cuda_graph_capacity_ladder=[8],
+                                       pipeline_model_parallel_size=2), False,
+                        "--cuda-graph-capacity-ladder", "8", "at pipeline-parallel size 1"),
+    "chunk_te_impl": ("graphs", dict(TE, cuda_graph_granularity="chunk"), True,
+                      "--cuda-graph-granularity", "chunk", "add --cuda-graph-impl local"),
+    "chunk_with_modules": ("graphs", dict(LOCAL, cuda_graph_granularity="chunk",
+                                          cuda_graph_modules=[CudaGraphModule.attn]), False,
+                           "--cuda-graph-modules", "attn", "drop --cuda-graph-modules"),
+    "gpt_mamba_module": ("graphs", dict(LOCAL, cuda_graph_modules=[CudaGraphModule.mamba]),
+                         False, "--cuda-graph-modules", "mamba", "has no Mamba layers"),
+    "te_impl_without_te": ("graphs", TE, False, "--cuda-graph-impl", "transformer_engine",
+                           "install it or use --cuda-graph-impl local"),
+    "te_impl_pipeline": ("graphs", dict(TE, pipeline_model_parallel_size=2), True,
+                         "--pipeline-model-parallel-size", "2", "use --cuda-graph-impl local"),
+    "full_no_warmup": ("graphs", dict(FULL, cuda_graph_warmup_steps=0), False,
+                       "--cuda-graph-warmup-steps", "0", "use 1 or more"),
+    "full_pipeline": ("graphs", dict(FULL, pipeline_model_parallel_size=2), False,
+                      "--pipeline-model-parallel-size", "2", "use --cuda-graph-impl local"),
+    "full_context_parallel": ("graphs", dict(FULL, context_parallel_size=2), False,
+                              "--context-parallel-size", "2",
+                              "use --cuda-graph-impl local or transformer_engine"),
+    "dynamic_cp": ("dynamic_cp", dict(dynamic_cp_sizes=[1, 2]), False, "--dynamic-cp-sizes",
+                   "1 2", "use a static --context-parallel-size"),
+    "dynamic_cp_capacities": ("dynamic_cp", dict(dynamic_cp_max_packed_seqs=[8, 8]), False,
+                              "--dynamic-cp-max-packed-seqs", "8 8",
+                              "use a static --context-parallel-size"),
+    "full_moe": ("graphs", dict(FULL, **MOE), False, "--num-experts", "4",
+                 "use --cuda-graph-impl local"),
+    "full_health_check": ("graphs", dict(FULL, cuda_graph_check_interval=10), False,
+                          "--cuda-graph-check-interval", "10",
+                          "drop it or use --cuda-graph-impl local"),
+    "full_modules": ("graphs", dict(FULL, cuda_graph_modules=[CudaGraphModule.attn]), False,
+                     "--cuda-graph-modules", "attn", "drop --cuda-graph-modules"),
+    "full_nan_check": ("graphs", dict(FULL, check_for_nan_in_loss_and_grad=True), False,
+                       "--no-check-for-nan-in-loss-and-grad", "not given",
+                       "add --no-check-for-nan-in-loss-and-grad"),
+    "health_negative": ("health", dict(cuda_graph_check_interval=-1), False,
+                        "--cuda-graph-check-interval", "-1", "Use 0 (off) or N > 0"),
+    "health_without_graphs": ("health", dict(cuda_graph_check_interval=10), False,
+                              "--cuda-graph-check-interval", "10", "add --cuda-graph-impl local"),
+    "health_tolerance_zero": ("health", dict(cuda_graph_check_tolerance=0.0), False,
+                              "--cuda-graph-check-tolerance", "0.0", "in (0, 1)"),
+    "health_tolerance_one": ("health", dict(cuda_graph_check_tolerance=1.0), False,
+                             "--cuda-graph-check-tolerance", "1.0", "in (0, 1)"),
+    "optimizer_fp16": ("optimizer", dict(packed_optimizer_graph=True, fp16=True), False,
+                       "--optimizer-cuda-graph", "True", "use --bf16"),
+    "optimizer_zeros": ("optimizer", dict(packed_optimizer_graph=True,
+                                          log_num_zeros_in_grad=True), False,
+                        "--log-num-zeros-in-grad", "True", "drop it with --optimizer-cuda-graph"),
+    "optimizer_moe": ("optimizer", dict(packed_optimizer_graph=True, **MOE), False,
+                      "--optimizer-cuda-graph", "True", "--use-distributed-optimizer; add it"),
+    "overflow_without_moe": ("moe", dict(moe_capacity_overflow="rerun"), False,
+                             "--moe-capacity-overflow", "rerun", "add --num-experts or drop"),
+    "load_file_without_moe": ("moe", dict(moe_router_load_file="loads.json"), False,
+                              "--moe-router-load-file", "loads.json", "add --num-experts or drop"),
+    "rerun_without_factor": ("moe", dict(MOE, moe_capacity_overflow="rerun"), False,
+                             "--moe-capacity-overflow", "rerun",
+                             "add --moe-expert-capacity-factor"),
+    "load_file_without_rerun": ("moe", dict(MOE, moe_router_load_file="loads.json"), False,
+                                "--moe-router-load-file", "loads.json",
+                                "--moe-capacity-overflow rerun; add it"),
+    "dropless_layer_graphs": ("moe", dict(LOCAL, **MOE), False, "--moe-expert-capacity-factor",
+                              "None", "--moe-pad-expert-input-to-capacity"),
+    "unpadded_layer_graphs": ("moe", dict(LOCAL, moe_expert_capacity_factor=1.0, **MOE), False,
+                              "--moe-expert-capacity-factor", "1.0",
+                              "(--cuda-graph-modules moe_router)"),
+    "truncated_fraction_range": ("long_docs", dict(max_truncated_token_fraction=1.5,
+                                                   long_document_policy="truncate"), False,
+                                 "--max-truncated-token-fraction", "1.5", "in [0, 1]"),
+    "truncated_fraction_no_truncate": ("long_docs", dict(max_truncated_token_fraction=0.1),
+                                       False, "--max-truncated-token-fraction", "0.1",
+                                       "add --long-document-policy truncate"),
+    "two_data_paths": ("upstream", dict(data_path=["a.jsonl", "b.jsonl"]), False,
+                       "--data-path", "a.jsonl b.jsonl", "give one path"),
+    "two_valid_data_paths": ("upstream", dict(valid_data_path=["a.jsonl", "b.jsonl"]), False,
+                             "--valid-data-path", "a.jsonl b.jsonl", "give one path"),
+}
+
+
+@pytest.mark.parametrize("check, values, te, flag, value, fix", REJECTED.values(),
+                         ids=REJECTED.keys())
+def test_rule_refuses_naming_value_and_fix(args, monkeypatch, check, values, te, flag, value,
+                                           fix):
+    if te:
+        pin_importable(monkeypatch, "transformer_engine")
+    with pytest.raises(ValueError, match=re.escape(f"{flag} is wrong: {value}. ")) as err:
+        CHECKS[check](tweak(args, **values))
+    assert fix in str(err.value) and str(err.value).endswith(".")
+
+
+ACCEPTED = {
+    "local_layer_graphs": ("graphs", LOCAL),
+    "local_chunk_graphs": ("graphs", dict(LOCAL, cuda_graph_granularity="chunk")),
+    "ladder_below_capacity": ("graphs", dict(LOCAL, cuda_graph_capacity_ladder=[8, 16])),
+    "full_iteration": ("graphs", FULL),
+    "hybrid_mamba_module": ("hybrid_graphs",
+                            dict(LOCAL, cuda_graph_modules=[CudaGraphModule.mamba])),
+    "health_check_with_graphs": ("health", dict(LOCAL, cuda_graph_check_interval=10)),
+    "optimizer_graph_bf16": ("optimizer", dict(packed_optimizer_graph=True, bf16=True)),
+    "optimizer_graph_moe_distopt": ("optimizer", dict(packed_optimizer_graph=True,
+                                                      use_distributed_optimizer=True, **MOE)),
+    "dropless_moe_without_graphs": ("moe", MOE),
+    "padded_moe_layer_graphs": ("moe", dict(LOCAL, moe_expert_capacity_factor=1.0,
+                                            moe_pad_expert_input_to_capacity=True, **MOE)),
+    "partial_moe_graphs": ("moe", dict(LOCAL, packed_cuda_graph_modules=["moe_router"], **MOE)),
+    "moe_rerun_with_load_file": ("moe", dict(MOE, moe_capacity_overflow="rerun",
+                                             moe_expert_capacity_factor=1.0,
+                                             moe_router_load_file="loads.json")),
+    "truncate_fraction": ("long_docs", dict(max_truncated_token_fraction=0.05,
+                                            long_document_policy="truncate")),
+}
+
+
+@pytest.mark.parametrize("check, values", ACCEPTED.values(), ids=ACCEPTED.keys())
+def test_rule_accepts(args, check, values):
+    CHECKS[check](tweak(args, **values))
+
+
+def test_baseline_derived_values(parsed):
+    assert parsed.model == "gpt"
+    assert (parsed.packed_graph_impl, parsed.cuda_graph_impl) == ("none", "none")
+    assert parsed.packed_optimizer_graph is False and parsed.optimizer_cuda_graph is False
+    assert parsed.packed_cuda_graph_modules == []
+    assert parsed.num_microbatches == 4
+    assert parsed.te_rng_tracker is False
+    assert parsed.spec == ["local"]
+    assert (parsed.tokenizer_type, parsed.vocab_size) == ("NullTokenizer", 32000)
+    assert parsed.dataloader_type == "external"
+    assert parsed.gradient_accumulation_fusion is False
+    assert any("gradient accumulation fusion off" in line for line in parsed.packed_notes)
+
+
+@pytest.mark.parametrize("impl", extra_args.GRAPH_IMPLS)
+def test_graph_flags_go_to_the_runtime(impl):
+    args = argparse.Namespace(cuda_graph_impl=impl, optimizer_cuda_graph=True)
+    for _ in range(2):  # idempotent
+        extra_args.hand_graph_flags_to_the_runtime(args)
+        assert args.packed_graph_impl == impl and args.packed_optimizer_graph is True
+        assert args.cuda_graph_impl == ("none" if impl == "none" else "local")
+        assert args.optimizer_cuda_graph is False
+
+
+def test_graph_modules_become_names(args):
+    modules = [CudaGraphModule.attn, CudaGraphModule.moe_router, "mlp"]
+    extra_args.check_graphs(tweak(args, cuda_graph_modules=modules, **LOCAL), "gpt")
+    assert args.packed_cuda_graph_modules == ["attn", "moe_router", "mlp"]
+
+
+def test_num_microbatches(args):
+    tweak(args, global_batch_size=32, micro_batch_size=2, data_parallel_size=2)
+    assert extra_args.validate_packed_args(args, "gpt").num_microbatches == 8
+
+
+@pytest.mark.parametrize("values, backend, present, expected", [
+    ({}, "local", (), False),
+    (LOCAL, "local", (), False),
+    (LOCAL, "auto", (), False),
+    (LOCAL, "auto", ("transformer_engine",), True),
+    (LOCAL, "flash", ("transformer_engine",), True),
+    (TE, "local", ("transformer_engine",), True),
+    (FULL, "local", (), True),
+])
+def test_te_rng_tracker(args, monkeypatch, values, backend, present, expected):
+    pin_importable(monkeypatch, *present)
+    tweak(args, attention_backend=AttnBackend[backend], te_rng_tracker=False, **values)
+    extra_args.check_graphs(args, "gpt")
+    assert args.te_rng_tracker is expected
+
+
+@pytest.mark.parametrize("apex", [False, True])
+def test_gradient_accumulation_fusion_needs_apex(args, monkeypatch, apex):
+    pin_importable(monkeypatch, *(["fused_weight_gradient_mlp_cuda"] if apex else []))
+    extra_args.validate_packed_args(tweak(args, gradient_accumulation_fusion=True), "gpt")
+    assert args.gradient_accumulation_fusion is apex
+    assert any("gradient accumulation fusion off" in n for n in args.packed_notes) is not apex
+
+
+@pytest.mark.parametrize("backend, present, expected", [
+    ("flash", (), "te"), ("fused", (), "te"), ("unfused", (), "te"),
+    ("local", ("flash_attn",), "flash"), ("local", (), "torch"), ("auto", (), "auto"),
+])
+def test_packed_attention_backend(args, monkeypatch, backend, present, expected):
+    pin_importable(monkeypatch, *present)
+    assert extra_args.packed_attention_backend(
+        tweak(args, attention_backend=AttnBackend[backend])) == expected
+
+
+@pytest.mark.parametrize("backend, spec, expected", [
+    ("local", None, ["local"]), ("auto", None, None), ("local", ["my.spec"], ["my.spec"]),
+])
+def test_local_attention_implies_local_spec(args, backend, spec, expected):
+    extra_args.prepare_upstream_args(tweak(args, attention_backend=AttnBackend[backend],
+                                           spec=spec), "gpt")
+    assert args.spec == expected
+
+
+@pytest.mark.parametrize("paths, expected", [(["a.jsonl"], "a.jsonl"), ([], None)])
+def test_one_data_path_becomes_a_string(args, paths, expected):
+    extra_args.prepare_upstream_args(tweak(args, data_path=paths, valid_data_path=paths), "gpt")
+    assert (args.data_path, args.valid_data_path) == (expected, expected)
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(ValueError, match="model is wrong: 'bert'. Use one of gpt, hybrid"):
+        parse_args(BASE, model="bert")
+
+
+def test_megatron_assert_without_message_is_a_value_error():
+    with pytest.raises(ValueError, match=r"argument check `assert args.save_interval is not "
+                                         r"None` failed \(arguments.py:\d+\)"):
+        parse_args(BASE + ["--save", "/tmp/ckpt"])  # Megatron-LM: --save needs --save-interval
+
+
+def test_megatron_assert_message_is_kept():
+    with pytest.raises(ValueError, match="stability issues"):
+        parse_args(BASE + ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"])
+
+
+def test_parse_args_or_exit_prints_one_line_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args_or_exit("gpt", "pretrain_gpt.py", BASE + ["--cuda-graph-max-packed-seqs", "32"])
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert errors == ["pretrain_gpt.py: error: --cuda-graph-max-packed-seqs is wrong: 32. It "
+                      "would be ignored without graphs; add --cuda-graph-impl local."]
+
+
+GRAPH_MODES = {"graphs_off": ([], "none"),
+               "local_graphs": (["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+                                 "32"], "local")}
+LAUNCH_LINES = {
+    "recompute_overlap_distopt": (
+        "--recompute-granularity selective --overlap-grad-reduce --overlap-param-gather "
+        "--use-distributed-optimizer",
+        dict(recompute_granularity="selective", overlap_grad_reduce=True,
+             overlap_param_gather=True, use_distributed_optimizer=True)),
+    "rope_scaling_async_save": (
+        "--position-embedding-type rope --use-rope-scaling --async-save --save /tmp/ckpt "
+        "--save-interval 5",
+        dict(use_rope_scaling=True, save="/tmp/ckpt", save_interval=5)),
+    "moe_permute_fusion": (
+        "--num-experts 4 --moe-permute-fusion --moe-expert-capacity-factor 1.0 "
+        "--moe-pad-expert-input-to-capacity",
+        dict(num_experts=4, moe_permute_fusion=True, moe_expert_capacity_factor=1.0)),
+}
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+@pytest.mark.parametrize("line", LAUNCH_LINES)
+def test_megatron_launch_lines_parse(line, mode):
+    flags, expected = LAUNCH_LINES[line]
+    graph_flags, impl = GRAPH_MODES[mode]
+    args = parse_args(BASE + flags.split() + graph_flags)
+    assert {name: getattr(args, name) for name in expected} == expected
+    assert args.packed_graph_impl == impl and args.cuda_graph_impl == impl
+    assert args.cuda_graph_max_packed_seqs == (32 if graph_flags else 0)
