@@ -141,6 +141,7 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
         args.apply_rope_fusion = False
         args.no_persist_layer_norm = True
     check_attention(args)
+    check_mamba(args, model)
     check_tokenizer(args)
     check_dynamic_cp(args)
     check_graphs(args, model)
@@ -167,6 +168,21 @@ def check_attention(args) -> None:
         fail("--attention-backend", name, "It is a Transformer Engine backend and TE is not "
                                           "importable: install it (`pip install .[te]`), or use "
                                           "local (PyTorch varlen attention)")
+
+
+def check_mamba(args, model: str) -> None:
+    """The widths MambaMixer asserts (inner width 2 x hidden), before the model is built."""
+    if model != "hybrid":
+        return
+    inner = 2 * args.hidden_size
+    if args.mamba_num_heads is None and inner % args.mamba_head_dim:
+        fail("--mamba-head-dim", args.mamba_head_dim,
+             f"It must divide the Mamba inner width 2 x --hidden-size = {inner}, or set "
+             "--mamba-num-heads")
+    heads = args.mamba_num_heads or inner // args.mamba_head_dim
+    if heads % args.mamba_num_groups:
+        fail("--mamba-num-groups", args.mamba_num_groups,
+             f"It must divide the Mamba head count ({heads})")
 
 
 def check_tokenizer(args) -> None:
@@ -376,3 +392,13 @@ def packed_attention_backend(args) -> str:
     if name == "local":
         return "flash" if is_importable("flash_attn") else "torch"
     return "auto"
+
+
+def require_mamba_kernels() -> None:
+    """pretrain_mamba.py: mamba-ssm and causal-conv1d importable (checked before any GPU work,
+    not at parse time, so hybrid launch lines parse anywhere)."""
+    for package in ("mamba_ssm", "causal_conv1d"):
+        if not is_importable(package):
+            fail("pretrain_mamba.py", f"{package} is not importable",
+                 "The Mamba layers need mamba-ssm and causal-conv1d: pip install "
+                 "--no-build-isolation -e \".[mamba]\" (docs/quickstart.md)")

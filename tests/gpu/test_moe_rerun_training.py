@@ -25,7 +25,7 @@ from tests.gpu.launch import (
 )
 
 RERUN_KEY = "eager moe_overflow_rerun"  # the graph runtime's count, in each metrics record
-DROPPED_KEY = "moe dropped token fraction"  # the runtime's log, with an expert capacity
+DROPPED_KEY = "moe_dropped_token_fraction"  # the runtime's log, with an expert capacity
 STEPS = 50
 HIDDEN, EXPERTS, TOKENS, DOCS = 64, 8, 128, 96
 

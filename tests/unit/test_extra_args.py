@@ -66,6 +66,7 @@ CHECKS = {
     "moe": extra_args.check_moe_graphs,
     "long_docs": extra_args.check_long_documents,
     "dynamic_cp": extra_args.check_dynamic_cp,
+    "mamba": lambda a: extra_args.check_mamba(a, "hybrid"),
     "upstream": lambda a: extra_args.prepare_upstream_args(a, "gpt"),
 }
 
@@ -121,6 +122,11 @@ REJECTED = {
     "full_context_parallel": ("graphs", dict(FULL, context_parallel_size=2), False,
                               "--context-parallel-size", "2",
                               "use --cuda-graph-impl local or transformer_engine"),
+    "mamba_head_dim": ("mamba", dict(hidden_size=64, mamba_head_dim=48, mamba_num_heads=None),
+                       False, "--mamba-head-dim", "48", "or set --mamba-num-heads"),
+    "mamba_groups": ("mamba", dict(hidden_size=64, mamba_head_dim=16, mamba_num_heads=None,
+                                   mamba_num_groups=3), False, "--mamba-num-groups", "3",
+                     "must divide the Mamba head count (8)"),
     "dynamic_cp": ("dynamic_cp", dict(dynamic_cp_sizes=[1, 2]), False, "--dynamic-cp-sizes",
                    "1 2", "use a static --context-parallel-size"),
     "dynamic_cp_capacities": ("dynamic_cp", dict(dynamic_cp_max_packed_seqs=[8, 8]), False,
@@ -356,3 +362,12 @@ def test_megatron_launch_lines_parse(line, mode):
     assert {name: getattr(args, name) for name in expected} == expected
     assert args.packed_graph_impl == impl and args.cuda_graph_impl == impl
     assert args.cuda_graph_max_packed_seqs == (32 if graph_flags else 0)
+
+
+def test_pretrain_mamba_needs_the_mamba_kernels_before_any_gpu_work(monkeypatch):
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: package != "causal_conv1d")
+    with pytest.raises(ValueError, match=r"pretrain_mamba.py is wrong: causal_conv1d is not "
+                                         r"importable\. .*pip install --no-build-isolation"):
+        extra_args.require_mamba_kernels()
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: True)
+    extra_args.require_mamba_kernels()
