@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from unittest import mock
 
 from megatron.packed_training.arguments import build_parser, parse_args
 
@@ -107,16 +108,8 @@ def parsed(argv, model, world_size):
     world size from torchrun's WORLD_SIZE) in the scripts' launch environment (common.sh's
     launch_environment: Megatron-LM wants CUDA_DEVICE_MAX_CONNECTIONS=1 for TP or CP > 1)."""
     env = {"WORLD_SIZE": str(world_size), "RANK": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # the launcher's environment, put back after
         return parse_args(argv, model)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def validated(line, world_size):

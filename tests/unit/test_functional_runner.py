@@ -21,6 +21,7 @@ from megatron.packed_training.arguments import build_parser, parse_args
 from tests.functional import golden as gv
 from tests.functional import run as runner
 from tests.functional.case import (
+from unittest import mock
     CASES_ROOT,
     GOLDEN_NAME,
     REPO,
@@ -49,16 +50,8 @@ def parse(case, argv):
     NPROC processes in the runner's environment (the case's ENV_VARS)."""
     env = {"WORLD_SIZE": str(case.nproc), "RANK": "0",
            **{k: str(v) for k, v in case.env_vars.items()}}
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # the launcher's environment, put back after
         return parse_args(argv, case.model)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def pins_te(case) -> bool:
