@@ -13,10 +13,10 @@ import os
 import shlex
 import subprocess
 import sys
+from unittest import mock
 from pathlib import Path
 
 import pytest
-from unittest import mock
 
 from megatron.packed_training.arguments import build_parser, parse_args
 

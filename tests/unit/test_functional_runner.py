@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import yaml
@@ -21,7 +22,6 @@ from megatron.packed_training.arguments import build_parser, parse_args
 from tests.functional import golden as gv
 from tests.functional import run as runner
 from tests.functional.case import (
-from unittest import mock
     CASES_ROOT,
     GOLDEN_NAME,
     REPO,
