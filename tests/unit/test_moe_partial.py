@@ -290,7 +290,7 @@ def test_upstream_partial_moe_layer_is_what_the_mixin_builds_on():
     assert "self._router_dtoh_event.synchronize()" in forward
     assert "CudaGraphModule.moe_router in self.config.cuda_graph_modules" in source(
         MoETransformerLayer.create_mcore_cudagraph_manager)
-    # The local implementation pairs the two modules (argument_checks does it at parse time).
+    # The local implementation pairs the two modules (megatron-core's TransformerConfig does it too).
     post_init = source(TransformerConfig.__post_init__)
     assert "self.cuda_graph_modules.append(CudaGraphModule.moe_preprocess)" in post_init
 

@@ -24,7 +24,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _write_metrics(path, losses, valid=(), ms=100.0):
-    """A metrics file as MetricsLogger writes it: train records, valid records between."""
+    """A metrics file as RuntimeLog writes it: train records, valid records between."""
     with open(path, "w") as f:
         for i, loss in enumerate(losses, start=1):
             f.write(json.dumps({"iteration": i, "consumed_samples": 4 * i, "lm_loss": loss,
