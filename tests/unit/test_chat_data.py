@@ -323,3 +323,33 @@ def test_on_the_fly_chat_data_through_the_builder(tmp_path, folder):
     # Position j predicts token j + 1: its loss mask is that token's.
     assert np.array_equal(row.loss_mask[:n], mask[1:])
     assert row.cu_seqlens[1] == n
+
+
+def test_a_role_in_the_wrong_case_is_refused_naming_the_fix(tmp_path):
+    from megatron.packed_training.datasets.chat import encode_line
+
+    line = json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                    {"role": "Assistant", "content": "Hello"}]})
+    with pytest.raises(ValueError, match=r'f.jsonl:3: messages\[1\].role is wrong: "Assistant"\. '
+                                         r'Roles are lower case: write "assistant"'):
+        encode_line(line, "f.jsonl:3", tokenizer=None)
+
+
+def test_conversations_without_an_assistant_turn_are_counted_in_the_summary():
+    from megatron.packed_training.datasets.builder import describe_packing
+    from megatron.packed_training.datasets.packing import PackingStats
+
+    line = describe_packing(PackingStats(documents=3, rows=1, skipped_no_target=2))
+    assert "skipped 0 empty and 2 without an assistant turn," in line
+    assert "without an assistant turn" not in describe_packing(PackingStats(documents=3, rows=1))
+
+
+def test_on_the_fly_packing_counts_conversations_without_an_assistant_turn(folder, tmp_path):
+    from megatron.packed_training.datasets.builder import pack_data
+
+    data = tmp_path / "chat.jsonl"
+    talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    data.write_text("\n".join(json.dumps({"messages": m}) for m in (
+        talk, [{"role": "user", "content": "only a question"}], talk)) + "\n")
+    rows, stats = pack_data(data_args(data_path=str(data), sft=True, **hf(folder)))["train"]
+    assert stats.skipped_no_target == 1 and stats.documents == 2

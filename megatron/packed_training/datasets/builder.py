@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from megatron.packed_training.datasets.chat import read_documents
+from megatron.packed_training.datasets.chat import ChatStats, read_documents
 from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
 from megatron.packed_training.datasets.mock import MockPackedDataset, mock_documents
 from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
@@ -62,14 +62,17 @@ def _pack(documents, args: Namespace, stats: PackingStats) -> list:
                                stats=stats, segment_multiple=_segment_multiple(args)))
 
 
-def _read(path: str, args: Namespace):
-    """Documents of one data file, with the run's tokenizer and loss mask."""
+def _read(path: str, args: Namespace, stats: PackingStats):
+    """Documents of one data file, with the run's tokenizer and loss mask. Chat conversations
+    without an assistant turn are skipped and counted in ``stats.skipped_no_target`` once the
+    documents are read."""
     # Chat conversations ("messages") are rendered with --tokenizer-model: datasets/chat.py.
-    documents = read_documents(path, args.vocab_size, tokenizer_from_args(args))
-    if not args.sft:
-        # Pretraining on packed documents: every real token is a target.
-        documents = (Document(d.input_ids, None, d.origin) for d in documents)
-    return documents
+    chat = ChatStats()
+    documents = read_documents(path, args.vocab_size, tokenizer_from_args(args), chat)
+    for document in documents:
+        # Pretraining on packed documents (no --sft): every real token is a target.
+        yield document if args.sft else Document(document.input_ids, None, document.origin)
+    stats.skipped_no_target += chat.skipped
 
 
 def _pack_checked(documents, args: Namespace, stats: PackingStats, source: str) -> list:
@@ -123,7 +126,8 @@ def pack_data(args: Namespace, with_valid: bool = True) -> dict:
             packed["valid"] = _packed_file(args.valid_data_path, args)
         return packed
     shares = split_shares(args.split)
-    documents = list(_read(args.data_path, args))
+    read = PackingStats()
+    documents = list(_read(args.data_path, args, read))
     train_end, valid_end, _ = split_boundaries(shares, len(documents))
     if shares[1] > 0 and valid_end == train_end:
         raise ValueError(
@@ -135,7 +139,8 @@ def pack_data(args: Namespace, with_valid: bool = True) -> dict:
         parts["valid"] = documents[train_end:valid_end]
     packed = {}
     for name, part in parts.items():
-        stats = PackingStats()
+        # Conversations skipped while reading count in the training share's statistics.
+        stats = PackingStats(skipped_no_target=read.skipped_no_target if name == "train" else 0)
         packed[name] = _pack_checked(part, args, stats, split_source(args, name)), stats
     return packed
 
@@ -150,7 +155,7 @@ def split_source(args: Namespace, name: str) -> str:
 def _packed_file(path: str, args: Namespace) -> tuple:
     """``(rows, PackingStats)`` of one data file."""
     stats = PackingStats()
-    return _pack_checked(_read(path, args), args, stats, path), stats
+    return _pack_checked(_read(path, args, stats), args, stats, path), stats
 
 
 def build_datasets(args: Namespace, packed_rows: dict | None = None):
@@ -292,9 +297,12 @@ def describe_packing(stats: PackingStats | None) -> str:
     slots = stats.tokens + stats.padding_tokens
     padding = 100.0 * stats.padding_tokens / slots if slots else 0.0
     split = f"split {stats.split}" + (f" into {stats.pieces} pieces" if stats.split else "")
+    no_target = (f" and {stats.skipped_no_target} without an assistant turn"
+                 if stats.skipped_no_target else "")
     return (
         f"packing: {stats.documents} documents into {stats.rows} rows "
-        f"({stats.documents / max(stats.rows, 1):.1f} per row), skipped {stats.skipped_empty} empty, "
+        f"({stats.documents / max(stats.rows, 1):.1f} per row), skipped {stats.skipped_empty} empty"
+        f"{no_target}, "
         f"{split}, truncated {stats.truncated} ({stats.truncated_tokens} tokens lost, "
         f"{100 * stats.truncated_fraction:.2f}%), padding {padding:.1f}% of {slots} positions"
     )

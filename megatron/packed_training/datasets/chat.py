@@ -38,6 +38,7 @@ from megatron.packed_training.datasets.packing import Document
 CHAT = "chat"
 TOKENIZED = "tokenized"
 LOSS_ROLE = "assistant"
+STANDARD_ROLES = ("system", "user", "assistant", "tool", "developer")
 _MARKER = "MegatronChatTurnMarker"
 
 
@@ -120,6 +121,11 @@ def _check_messages(record, where: str) -> tuple[list[dict], list | None]:
             raise ValueError(
                 f"{where}: messages[{index}].role is wrong: {json.dumps(role)}. Write the "
                 f'speaker as a string: "system", "user", "assistant", "tool", ...')
+        if role != role.strip().lower() and role.strip().lower() in STANDARD_ROLES:
+            # "Assistant" would render as another speaker, and its turn would carry no loss.
+            raise ValueError(
+                f"{where}: messages[{index}].role is wrong: {json.dumps(role)}. Roles are "
+                f"lower case: write {json.dumps(role.strip().lower())}.")
         if not isinstance(message.get("content"), str):
             raise ValueError(
                 f"{where}: messages[{index}].content is wrong: "

@@ -99,6 +99,8 @@ class PackingStats:
             truncated ones once, skipped ones not).
         rows: rows produced.
         skipped_empty: documents with fewer than 2 tokens: nothing to predict, so skipped.
+        skipped_no_target: chat conversations without an assistant turn (no loss token), so
+            skipped; counted by the reader (datasets/builder.py), not by the packer.
         truncated: documents cut to ``seq_length + 1`` tokens (policy ``truncate``).
         truncated_tokens: tokens those cuts dropped (each one a training position lost).
         split: documents cut into row-sized pieces (policy ``split``).
@@ -112,6 +114,7 @@ class PackingStats:
     documents: int = 0
     rows: int = 0
     skipped_empty: int = 0
+    skipped_no_target: int = 0
     truncated: int = 0
     truncated_tokens: int = 0
     split: int = 0
