@@ -13,6 +13,7 @@ the `GraphRuntime`, the MoE overflow monitor and the optimizer graph; its ``wrap
 ``evaluate()`` iteration.
 """
 
+import sys
 from functools import partial
 from typing import Callable
 
@@ -136,8 +137,9 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
         if model == "hybrid":
             require_mamba_kernels()
         check = run_data_check(args)  # rank 0 only, before distributed start-up and the GPU
-    except ValueError as err:
-        raise SystemExit(f"{script}: error: {err}") from None
+    except ValueError as err:  # the data or the kernels: status 1, as a missing GPU
+        print(f"{script}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     require_cuda(script)
 
     from megatron.core.enums import ModelType

@@ -200,12 +200,13 @@ def _no_gpu(script):
 
 def test_run_pretraining_checks_the_data_before_any_gpu_work(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(initialize, "require_cuda", _no_gpu)
-    split = ["--split", "100,0,0"]  # Megatron-LM's default (969, 30, 1) needs 34+ documents
+    split = ["--split", "100,0,0"]
     path = write_jsonl(tmp_path / "t.jsonl", doc(5), '{"input_ids": [1, 2')
     with pytest.raises(SystemExit) as exit_info:
         pretrain.run_pretraining("gpt", None, "pretrain_gpt.py",
                                  BASE + split + ["--data-path", path])
-    assert str(exit_info.value).startswith(
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.startswith(
         f"pretrain_gpt.py: error: {path}:2:20: JSON is wrong: Expecting ',' delimiter")
     # Good data: one summary line, then the CUDA check (where training would start).
     good = write_jsonl(tmp_path / "good.jsonl", doc(5), doc(40))

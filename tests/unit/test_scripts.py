@@ -41,10 +41,18 @@ def _main(script, argv):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_hybrid_training_without_cuda_exits_1_and_says_why(capsys):
+def test_hybrid_training_without_its_kernels_or_cuda_exits_1_and_says_why(capsys):
     # The hybrid model's layers come from the pattern (Megatron-LM derives --num-layers).
+    # Before any GPU work: mamba-ssm / causal-conv1d first, then the GPU.
+    from megatron.packed_training.extra_args import is_importable
+
     assert _main("pretrain_mamba.py", VALID[2:] + HYBRID) == 1
-    assert "pretrain_mamba.py: no CUDA device is visible" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    if is_importable("mamba_ssm") and is_importable("causal_conv1d"):
+        assert "pretrain_mamba.py: no CUDA device is visible" in err
+    else:
+        assert "pretrain_mamba.py is wrong: " in err and "is not importable" in err
+        assert 'pip install --no-build-isolation -e ".[mamba]"' in err
 
 
 def test_bad_flag_is_a_usage_error(capsys):
