@@ -145,6 +145,10 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     check_tokenizer(args)
     check_dynamic_cp(args)
     check_graphs(args, model)
+    if not is_importable("transformer_engine"):
+        # Megatron-LM turns TE's RNG tracker on for any graphs while --transformer-impl is
+        # its default transformer_engine; without TE the graph-safe megatron-core tracker is used.
+        args.te_rng_tracker = False
     check_health_check(args)
     check_optimizer_graph(args)
     check_moe_graphs(args)

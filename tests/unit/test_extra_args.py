@@ -371,3 +371,13 @@ def test_pretrain_mamba_needs_the_mamba_kernels_before_any_gpu_work(monkeypatch)
         extra_args.require_mamba_kernels()
     monkeypatch.setattr(extra_args, "is_importable", lambda package: True)
     extra_args.require_mamba_kernels()
+
+
+@pytest.mark.skipif(extra_args.is_importable("transformer_engine"),
+                    reason="checks a machine without Transformer Engine")
+def test_without_te_graphs_keep_megatron_cores_rng_tracker():
+    """Megatron-LM turns TE's RNG tracker on for graphs under its default --transformer-impl;
+    on a machine without TE the fork keeps megatron-core's graph-safe tracker."""
+    parsed = parse_args(BASE + ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+                                "32"])
+    assert parsed.transformer_impl == "transformer_engine" and parsed.te_rng_tracker is False
