@@ -76,7 +76,7 @@ class GraphRuntimeSchedule:
                 hook()
         chunks = len(model)
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-        if len(iterators) == 1 and chunks > 1:  # one shared iterator: each chunk reads its own copy
+        if len(iterators) == 1 and chunks > 1:  # VPP: every chunk reads the micro-batches itself
             raise ValueError(f"data_iterator is wrong: one iterator for {chunks} model chunks. "
                              "Give one iterator per virtual pipeline chunk.")
         micro_batches = [[next(it) for _ in range(num_microbatches)] for it in iterators]
