@@ -85,11 +85,19 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def hand_graph_flags_to_the_runtime(args) -> None:
     """Keep the user's graph flags for the runtime and show Megatron-LM's loop none of its own
-    graph wrappers' triggers (module doc). Idempotent."""
+    graph wrappers' triggers (module doc). Called before Megatron-LM's ``validate_args`` and
+    again after it: where those checks turned a deprecated spelling (--enable-cuda-graph,
+    --external-cuda-graph, --cuda-graph-modules full_iteration) into an implementation, the
+    second call takes that one."""
+    def shown(impl: str) -> str:
+        return "none" if impl == "none" else "local"
+
     if not hasattr(args, "packed_graph_impl"):
         args.packed_graph_impl = args.cuda_graph_impl
         args.packed_optimizer_graph = args.optimizer_cuda_graph
-    args.cuda_graph_impl = "none" if args.packed_graph_impl == "none" else "local"
+    elif args.cuda_graph_impl != shown(args.packed_graph_impl):
+        args.packed_graph_impl = args.cuda_graph_impl
+    args.cuda_graph_impl = shown(args.packed_graph_impl)
     args.optimizer_cuda_graph = False
 
 
@@ -115,10 +123,6 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     """The fork's rules, after Megatron-LM's ``validate_args``. Fills derived values in place
     (``packed_graph_impl``, ``packed_cuda_graph_modules`` as names, ``num_microbatches``,
     ``te_rng_tracker``, ``packed_notes``). Returns args."""
-    if args.cuda_graph_impl != ("none" if args.packed_graph_impl == "none" else "local"):
-        # Megatron-LM's checks turned a deprecated spelling (--enable-cuda-graph,
-        # --external-cuda-graph, --cuda-graph-modules full_iteration) into an implementation.
-        args.packed_graph_impl = args.cuda_graph_impl
     hand_graph_flags_to_the_runtime(args)
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size
                                                        * args.data_parallel_size)

@@ -74,6 +74,12 @@ def reduced_lm_loss(losses_reduced: list) -> Optional[torch.Tensor]:
     return total[0] / total[1].clamp(min=1)
 
 
+def _on_host(loss: Optional[torch.Tensor]) -> float:
+    """A reduced loss as a number (NaN off the last pipeline stage); reading it waits for the
+    GPU."""
+    return float("nan") if loss is None else float(loss)
+
+
 class RuntimeLog:
     """The graph runtime's part of the log, beside Megatron-LM's own log line: a listener of
     `GraphRuntimeSchedule` (``log(split, stats, losses)``).
@@ -102,8 +108,9 @@ class RuntimeLog:
         self._valid_losses: list = []
         from megatron.packed_training.profiling import StepProfiler
 
-        # --profile: GPU-busy time of iterations [--profile-step-start, --profile-step-end)
-        # of this process, 1-based (profiling.py); Megatron-LM's own nsys range is separate.
+        # --profile: the nsys range and the GPU-busy time of iterations [--profile-step-start,
+        # --profile-step-end) of this process, 1-based (profiling.py), in place of Megatron-LM's
+        # own nsys path (extra_args.validate_packed_args).
         self.profiler = StepProfiler(args.packed_profile, args.profile_step_start,
                                      args.profile_step_end, args.profile_trace_dir)
 
@@ -137,7 +144,7 @@ class RuntimeLog:
             return
         record = {"iteration": self.iteration,
                   "consumed_samples": self.args.consumed_train_samples + batch,
-                  "lm_loss": float("nan") if loss is None else float(loss),  # waits for the GPU
+                  "lm_loss": _on_host(loss),
                   **self.interval.timing(), **self.interval.stats}
         shown = " | ".join(f"{k}: {v}" for k, v in self.interval.stats.items())
         print(f" packed graphs | iteration {self.iteration:8d} | {shown} |", flush=True)
@@ -154,7 +161,7 @@ class RuntimeLog:
         loss = reduced_lm_loss(losses)
         if not self.enabled:
             return
-        value = float("nan") if loss is None else float(loss)
+        value = _on_host(loss)
         shown = "".join(f" {k}: {v} |" for k, v in stats.items())
         print(f" packed graphs | validation at iteration {self.iteration} |{shown}", flush=True)
         self._write({"split": "valid", "iteration": self.iteration, "lm_loss": value} | stats)

@@ -79,7 +79,7 @@ class PackedGraphRun:
     def __init__(self, args):
         self.args = args
         self.runtime = self.moe_rerun = self.log = self.optimizer = None
-        self.seams = []
+        self.step_wrapped = False  # train()'s schedule comes first; evaluate() gets its own
 
     def __call__(self, model, optimizer, scheduler):
         from megatron.core.utils import get_model_config
@@ -109,11 +109,11 @@ class PackedGraphRun:
         seam = GraphRuntimeSchedule(self.runtime, schedule,
                                     stream_length=self.args.micro_batch_size * self.args.seq_length,
                                     moe_rerun=self.moe_rerun, optimizer=self.optimizer)
-        if not self.seams:
+        if not self.step_wrapped:
             self.optimizer.step = seam.wrap_optimizer_step(self.optimizer.step)
+            self.step_wrapped = True
         seam.before_iteration.append(self.log.begin_iteration)
         seam.listeners.append(self.log)
-        self.seams.append(seam)
         return seam
 
     def finish(self) -> None:

@@ -126,8 +126,9 @@ def pack_data(args: Namespace, with_valid: bool = True) -> dict:
             packed["valid"] = _packed_file(args.valid_data_path, args)
         return packed
     shares = split_shares(args.split)
-    read = PackingStats()
-    documents = list(_read(args.data_path, args, read))
+    # Conversations skipped while reading count in the training share's statistics.
+    stats = {"train": PackingStats(), "valid": PackingStats()}
+    documents = list(_read(args.data_path, args, stats["train"]))
     train_end, valid_end, _ = split_boundaries(shares, len(documents))
     if shares[1] > 0 and valid_end == train_end:
         raise ValueError(
@@ -139,9 +140,8 @@ def pack_data(args: Namespace, with_valid: bool = True) -> dict:
         parts["valid"] = documents[train_end:valid_end]
     packed = {}
     for name, part in parts.items():
-        # Conversations skipped while reading count in the training share's statistics.
-        stats = PackingStats(skipped_no_target=read.skipped_no_target if name == "train" else 0)
-        packed[name] = _pack_checked(part, args, stats, split_source(args, name)), stats
+        packed[name] = (_pack_checked(part, args, stats[name], split_source(args, name)),
+                        stats[name])
     return packed
 
 
