@@ -7,9 +7,10 @@ first layer's captured forward graphs are corrupted: after every replay, fixed n
 to the graph's static output buffer, on the replay's stream, as another graph writing into
 that buffer would leave it. Eager runs of the layer are untouched.
 
-The hook: a listener of the run's `GraphRuntimeSchedule` (the seam pretrain.install_graph_runtime
-returns), told when each training iteration closes (after its optimizer step), so the
-corruption lands between iteration ``$CORRUPT_GRAPH_FROM - 1`` and the next.
+The hook: a listener of the run's `GraphRuntimeSchedule` (the seam pretrain.PackedGraphRun
+wraps around megatron-core's schedule), told when each training iteration closes (after its
+optimizer step), so the corruption lands between iteration ``$CORRUPT_GRAPH_FROM - 1`` and the
+next.
 """
 
 import os
@@ -60,27 +61,26 @@ def main():
         print(f" corrupted {len(runners)} captured forward graph(s) of layer 1 at iteration "
               f"{iteration}", flush=True)
 
-    install = pretrain.install_graph_runtime
+    class RunWithHook(pretrain.PackedGraphRun):
+        """The run's graph set-up, with a listener on every seam it wraps."""
 
-    def install_with_hook(args, model, optimizer, scheduler):
-        wrap = install(args, model, optimizer, scheduler)
-        closed = [args.iteration]  # training iterations done (a loaded checkpoint's)
+        def __call__(self, model, optimizer, scheduler):
+            self.closed = self.args.iteration  # training iterations done (a loaded checkpoint's)
+            return super().__call__(model, optimizer, scheduler)
 
-        def hook(split, stats, losses):
-            if split != "train":
-                return
-            closed[0] += 1
-            if closed[0] + 1 == corrupt_from:  # before the next iteration starts
-                corrupt(corrupt_from)
-
-        def wrap_with_hook(schedule):
-            seam = wrap(schedule)
-            seam.listeners.append(hook)
+        def wrap(self, schedule):
+            seam = super().wrap(schedule)
+            seam.listeners.append(self.hook)
             return seam
 
-        return wrap_with_hook
+        def hook(self, split, stats, losses):
+            if split != "train":
+                return
+            self.closed += 1
+            if self.closed + 1 == corrupt_from:  # before the next iteration starts
+                corrupt(corrupt_from)
 
-    pretrain.install_graph_runtime = install_with_hook  # run_pretraining looks it up at call
+    pretrain.PackedGraphRun = RunWithHook  # run_pretraining looks it up at call time
     pretrain.run_pretraining("gpt", provider, "health_check_worker.py")
 
 
