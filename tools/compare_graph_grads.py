@@ -65,15 +65,6 @@ def ddp_config(args):
     return get_megatron_ddp_config(args)
 
 
-def set_padded_vocab_size(args) -> None:
-    """``args.padded_vocab_size``, which Megatron-LM's start-up sets while it builds the
-    tokenizer (pre-tokenized data: the NullTokenizer of --vocab-size), rounded up as there."""
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-
-    if getattr(args, "padded_vocab_size", None) is None:
-        build_tokenizer(args)
-
-
 def captured_runners(model) -> list:
     """The layer graph runners of a model, in module order (a partial MoE layer's in forward
     order: attention, router, postprocess)."""
@@ -124,7 +115,6 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
         "--cuda-graph-impl", impl, "--cuda-graph-granularity", granularity,
         "--cuda-graph-max-packed-seqs", str(capacity), "--cuda-graph-warmup-steps", "1"],
         model=kind)
-    set_padded_vocab_size(args)
     GraphRuntime.prepare(args)  # before DDP, as training does
     module = pretrain_gpt if kind == "gpt" else pretrain_mamba
     config = transformer_config_from_args(args)

@@ -87,7 +87,6 @@ def measure(args) -> list:
 
     sys.path.insert(0, REPO)
     import pretrain_gpt
-    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
     from megatron.core.fusions.fused_mla_yarn_rope_apply import (
         fused_apply_mla_rope_for_kv,
         fused_apply_mla_rope_for_q,
@@ -104,7 +103,6 @@ def measure(args) -> list:
                                           "--max-position-embeddings", str(args.seq_length),
                                           "--num-layers", "1"]
     train_args = parse_args(flags, model="gpt")
-    train_args.padded_vocab_size = vocab_size_with_padding(train_args.vocab_size, train_args)
     config = transformer_config_from_args(train_args)
     layer = pretrain_gpt.model_provider(train_args, config).cuda().decoder.layers[0]
     attention = layer.self_attention

@@ -90,6 +90,13 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
         raise ValueError(str(err) or _failed_check(err)) from None
     args.split, args.valid_data_path = split, valid_data_path
     validate_packed_args(args, model)
+    if args.tokenizer_type == "NullTokenizer":
+        # Megatron-LM sets it while building the tokenizer at start-up; set here, the parsed
+        # arguments build a model as they are (the config API, tools, in-process tests).
+        from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+        args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args,
+                                                         logging_enabled=False)
     if args.eval_iters and not _has_validation_data(args):
         args.eval_iters = 0  # Megatron-LM would evaluate an empty iterator
         args.packed_notes.append("no validation data (--valid-data-path, a --split with a "

@@ -17,6 +17,7 @@ Every flag: docs/flags.md.
 
 import argparse
 import importlib.util
+import math
 
 from megatron.core.transformer.enums import CudaGraphModule
 
@@ -117,6 +118,32 @@ def prepare_upstream_args(args, model: str) -> None:
                 fail(flag, " ".join(paths), "This fork reads one packed JSONL file per split "
                                             "(no blends); give one path")
             setattr(args, name, paths[0] if paths else None)
+    if args.rampup_batch_size and args.step_batch_size_schedule is None:
+        # megatron-core 0.19 ignores --rampup-batch-size (deprecated there for
+        # --step-batch-size-schedule); here it keeps its meaning, given as that schedule.
+        args.step_batch_size_schedule = rampup_schedule(
+            args.rampup_batch_size, args.global_batch_size, args.seq_length)
+        args._is_global_batch_size_explicitly_specified = False  # the schedule's last step
+
+
+def rampup_schedule(rampup, global_batch_size, seq_length: int) -> str:
+    """``--rampup-batch-size START INCREMENT SAMPLES`` as megatron-core's step schedule
+    (``"THRESHOLD:BATCH ..."``; Megatron-LM reads the thresholds as tokens, samples x
+    --seq-length): INCREMENT more samples per batch every SAMPLES / ((GBS - START) /
+    INCREMENT) consumed samples, from START to GBS."""
+    start, increment, samples = (int(x) for x in rampup)
+    shown = " ".join(str(x) for x in rampup)
+    if global_batch_size is None:
+        fail("--rampup-batch-size", shown, "It ramps up to --global-batch-size: give that too")
+    if not (0 < start <= global_batch_size and increment > 0 and samples >= 0
+            and (global_batch_size - start) % increment == 0):
+        fail("--rampup-batch-size", shown,
+             f"Give START INCREMENT SAMPLES with 0 < START <= --global-batch-size "
+             f"({global_batch_size}), INCREMENT > 0 dividing {global_batch_size} - START")
+    steps = (global_batch_size - start) // increment
+    per_step = samples / steps if steps else 0
+    return " ".join(f"{math.ceil(k * per_step) * seq_length}:{start + k * increment}"
+                    for k in range(steps + 1))
 
 
 def validate_packed_args(args, model: str) -> argparse.Namespace:

@@ -2,7 +2,6 @@
 
 import datetime
 import importlib.util
-import math
 import os
 import random
 import sys
@@ -58,25 +57,8 @@ def initialize_distributed(args) -> None:
     init_num_microbatches_calculator(
         rank, None, args.global_batch_size, args.micro_batch_size,
         parallel_state.get_data_parallel_world_size(),
-        step_batch_size_schedule=rampup_schedule(args.rampup_batch_size, args.global_batch_size),
+        step_batch_size_schedule=args.step_batch_size_schedule,
     )
-
-
-def rampup_schedule(rampup, global_batch_size: int):
-    """``--rampup-batch-size START INCREMENT SAMPLES`` as megatron-core's step schedule.
-
-    megatron-core 0.19.2 ignores its deprecated ``rampup_batch_size`` argument and takes a
-    ``"THRESHOLD:BATCH ..."`` schedule (thresholds in consumed samples). Megatron's ramp-up
-    adds INCREMENT samples to the batch every SAMPLES / ((GBS - START) / INCREMENT)
-    consumed samples, from START up to GBS; this is that ramp as steps. None without ramp-up.
-    """
-    if not rampup:
-        return None
-    start, increment, samples = (int(x) for x in rampup)
-    steps = (global_batch_size - start) // increment
-    per_step = samples / steps
-    return " ".join(f"{math.ceil(k * per_step)}:{start + k * increment}"
-                    for k in range(steps + 1))
 
 
 def initialize_single_gpu(seed: int = 1234, port: int = 29533) -> None:

@@ -59,7 +59,9 @@ def packed_data_provider(packed_rows: dict | None):
         size = parallel_state.get_data_parallel_world_size()
         train = build_data_iterator(built["train"], args.consumed_train_samples,
                                     args.micro_batch_size, rank, size,
-                                    num_workers=args.num_workers)
+                                    num_workers=args.num_workers,
+                                    exit_signal=args.exit_signal if args.exit_signal_handler
+                                    else None)
         valid = None
         if built["valid"] is not None:
             valid = build_data_iterator(built["valid"], 0, args.micro_batch_size, rank, size,

@@ -25,8 +25,16 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def dist():
     """One-GPU NCCL world with megatron-core's parallel state and a graph-safe RNG tracker."""
+    import os
+    import socket
+
     from megatron.packed_training.initialize import destroy, initialize_single_gpu
 
+    if "MASTER_PORT" not in os.environ:
+        # A port of its own, so that several pytest processes (or xdist workers) share a GPU.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     initialize_single_gpu()
     yield
     destroy()

@@ -182,7 +182,9 @@ def find_host_syncs(script: str, args: list, tmp_path, *, iteration: int) -> str
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", "find_host_syncs.py"), script,
          "--iteration", str(iteration), "--", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        # Its own rendezvous port: this process's one-GPU world may hold MASTER_PORT.
+        env={**os.environ, "MASTER_PORT": str(_free_port())})
     out = proc.stdout + proc.stderr
     with open(os.path.join(str(tmp_path), "find_host_syncs.log"), "w") as f:
         f.write(out)

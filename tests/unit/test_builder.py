@@ -36,6 +36,13 @@ def test_mock_sample_counts_and_valid_seed():
     assert stats is None
 
 
+def test_sample_counts_from_train_samples_with_a_rampup():
+    args = make_args(train_iters=None, train_samples=30, rampup_batch_size=["2", "2", "8"])
+    train, valid, _ = build_datasets(args)
+    # At most 30 / 2 = 15 iterations (the ramp-up's first batch): 15 // 5 + 1 evaluations.
+    assert len(train) == 30 and len(valid) == 2 * 4 * 4
+
+
 def test_no_valid_dataset_when_evaluation_is_off():
     _, valid, _ = build_datasets(make_args(eval_interval=0))
     assert valid is None
@@ -108,6 +115,24 @@ def test_worker_processes_give_the_same_micro_batches():
     for a, b in zip(inline, workers):
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+
+
+def test_workers_outlive_the_exit_signal():
+    """torchrun passes SIGTERM to the whole process group: with --exit-signal-handler the
+    loader's workers must keep serving until training has saved and stopped."""
+    import os
+    import signal
+    import time
+
+    dataset = MockPackedDataset(64, 16, 50, seed=0, doc_length_median=5)
+    iterator = build_data_iterator(dataset, 0, 1, 0, 1, num_workers=1,
+                                   exit_signal=signal.SIGUSR1)
+    next(iterator)
+    for worker in iterator._workers:
+        os.kill(worker.pid, signal.SIGUSR1)  # SIGUSR1's default action ends the process
+    time.sleep(0.5)
+    assert all(worker.is_alive() for worker in iterator._workers)
+    assert len([next(iterator) for _ in range(20)]) == 20
 
 
 def test_cycling_iterator_restarts_from_zero():

@@ -308,6 +308,22 @@ def test_one_data_path_becomes_a_string(args, paths, expected):
     assert (args.data_path, args.valid_data_path) == (expected, expected)
 
 
+def test_rampup_becomes_megatron_lms_step_schedule():
+    # megatron-core 0.19 ignores --rampup-batch-size; the fork passes it on as the schedule.
+    args = parse_args(BASE + ["--rampup-batch-size", "2", "1", "16"])
+    # Thresholds in tokens (Megatron-LM gives the calculator --seq-length): 8 and 16 samples.
+    assert args.step_batch_size_schedule == "0:2 1024:3 2048:4" and args.global_batch_size == 4
+
+
+@pytest.mark.parametrize("rampup, gbs", [(["3", "2", "8"], 4), (["8", "2", "8"], 4),
+                                         (["2", "0", "8"], 4), (["2", "1", "8"], None)])
+def test_bad_rampup_is_refused(args, rampup, gbs):
+    with pytest.raises(ValueError, match=r"--rampup-batch-size is wrong: .*\. .*--global-batch-size"):
+        extra_args.prepare_upstream_args(tweak(args, rampup_batch_size=rampup,
+                                               step_batch_size_schedule=None,
+                                               global_batch_size=gbs), "gpt")
+
+
 def test_unknown_model_is_refused():
     with pytest.raises(ValueError, match="model is wrong: 'bert'. Use one of gpt, hybrid"):
         parse_args(BASE, model="bert")

@@ -97,12 +97,13 @@ def test_packed_row_dataset_rejects_no_rows_and_bad_counts():
 
 def test_rampup_becomes_megatron_cores_step_schedule():
     from megatron.core import num_microbatches_calculator as calculator
-    from megatron.packed_training.initialize import rampup_schedule
+    from megatron.packed_training.extra_args import rampup_schedule
 
-    assert rampup_schedule(None, 8) is None
-    assert rampup_schedule([4, 2, 32], 8) == "0:4 16:6 32:8"
+    assert rampup_schedule([4, 2, 32], 8, 1024) == "0:4 16384:6 32768:8"
+    # As Megatron-LM's start-up builds it: thresholds in tokens of --seq-length.
     calculator.init_num_microbatches_calculator(
-        0, None, 8, 1, 1, step_batch_size_schedule=rampup_schedule([4, 2, 32], 8))
+        0, None, 8, 1, 1, step_batch_size_schedule=rampup_schedule([4, 2, 32], 8, 1024),
+        seq_length=1024)
     consumed, sizes = 0, []
     for _ in range(8):
         calculator.update_num_microbatches(consumed, consistency_check=True)

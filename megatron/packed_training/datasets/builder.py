@@ -1,14 +1,16 @@
 """Datasets and micro-batch iterators built from the training CLI arguments."""
 
+import functools
 import itertools
 import re
+import signal
 from argparse import Namespace
 from typing import Iterator
 
 import torch
 
 from megatron.packed_training.datasets.chat import ChatStats, read_documents
-from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
+from megatron.packed_training.datasets.dynamic_cp import pack_rows_for_dynamic_cp
 from megatron.packed_training.datasets.mock import MockPackedDataset, mock_documents
 from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
 from megatron.packed_training.datasets.packing import (
@@ -24,17 +26,29 @@ from megatron.packed_training.tokenizer import tokenizer_from_args
 
 
 def _sample_counts(args: Namespace) -> tuple[int, int]:
-    """(train samples, valid samples) the run will read; valid is 0 when evaluation is off."""
-    if args.train_iters < 1:
-        raise ValueError(f"train_iters is wrong: {args.train_iters!r}. Set --train-iters >= 1.")
+    """(train samples, valid samples) the run will read; valid is 0 when evaluation is off.
+
+    Megatron-LM's budgets: --train-iters x --global-batch-size, or --train-samples (then the
+    iteration count is at most samples / the smallest global batch, a ramp-up's start)."""
     if args.global_batch_size < 1:
         raise ValueError(
             f"global_batch_size is wrong: {args.global_batch_size!r}. Set --global-batch-size >= 1."
         )
-    train_samples = args.train_iters * args.global_batch_size
+    if args.train_iters:
+        if args.train_iters < 1:
+            raise ValueError(f"train_iters is wrong: {args.train_iters!r}. "
+                             "Set --train-iters >= 1.")
+        iterations, train_samples = args.train_iters, args.train_iters * args.global_batch_size
+    elif getattr(args, "train_samples", None):
+        rampup = getattr(args, "rampup_batch_size", None)
+        smallest_batch = int(rampup[0]) if rampup else args.global_batch_size
+        train_samples = args.train_samples
+        iterations = -(-train_samples // smallest_batch)
+    else:
+        raise ValueError("the training length is missing: set --train-iters or --train-samples.")
     if args.eval_interval and args.eval_interval > 0 and args.eval_iters > 0:
         # One evaluation every eval_interval steps plus the final one.
-        evaluations = args.train_iters // args.eval_interval + 1
+        evaluations = iterations // args.eval_interval + 1
         return train_samples, args.eval_iters * args.global_batch_size * evaluations
     return train_samples, 0
 
@@ -233,6 +247,7 @@ def build_data_iterator(
     data_parallel_size: int,
     cycle: bool = False,
     num_workers: int = 0,
+    exit_signal: int | None = None,
 ) -> Iterator[dict]:
     """Iterator of this rank's micro-batch dicts (see `collate_packed_rows` for the keys).
 
@@ -240,6 +255,8 @@ def build_data_iterator(
     whenever it runs out, and never ends. ``num_workers > 0`` reads and collates rows in
     worker processes, ahead of the training loop (same rows, same order); for in-memory rows
     the read is cheap and workers did not help (``--num-workers`` in docs/flags.md).
+    ``exit_signal`` (``--exit-signal-handler``): workers ignore it, so the signal that asks
+    training to save and stop (torchrun passes it to the whole process group) leaves them be.
     """
 
     def loader(consumed: int) -> torch.utils.data.DataLoader:
@@ -249,6 +266,8 @@ def build_data_iterator(
         return torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, collate_fn=collate_packed_rows,
             num_workers=num_workers,
+            worker_init_fn=functools.partial(_ignore_signal, exit_signal) if num_workers
+            and exit_signal is not None else None,
             # Pinned rows make the forward step's non_blocking copies asynchronous.
             pin_memory=torch.cuda.is_available(),
         )
@@ -265,29 +284,8 @@ def build_data_iterator(
     return itertools.chain(first, itertools.chain.from_iterable(loader(0) for _ in itertools.count()))
 
 
-def build_iteration_reader(dataset, consumed_samples: int, args: Namespace, num_chunks: int,
-                           cycle: bool = False):
-    """``read(num_microbatches)`` -> this rank's micro-batches of the next iteration, one
-    list per model chunk (each chunk reads the same micro-batches).
-
-    Static layouts read ``num_microbatches`` micro-batches of ``--micro-batch-size`` rows per
-    chunk. Dynamic CP reads a whole global batch on every rank and keeps this rank's turns
-    (`DynamicCPBatches`; their count varies by rank and iteration).
-    """
-    from megatron.core import parallel_state
-
-    if getattr(args, "dynamic_cp_sizes", None):
-        batches = DynamicCPBatches(
-            dataset, consumed_samples, args.global_batch_size,
-            parallel_state.get_data_parallel_rank(with_context_parallel=True),
-            parallel_state.get_data_parallel_world_size(with_context_parallel=True), cycle=cycle)
-        return lambda num_microbatches: [next(batches)] * num_chunks
-    iterators = [build_data_iterator(
-        dataset, consumed_samples, args.micro_batch_size,
-        parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-        cycle=cycle, num_workers=0 if cycle else args.num_workers) for _ in range(num_chunks)]
-    return lambda num_microbatches: [[next(it) for _ in range(num_microbatches)]
-                                     for it in iterators]
+def _ignore_signal(signum: int, _worker_id: int) -> None:
+    signal.signal(signum, signal.SIG_IGN)
 
 
 def describe_packing(stats: PackingStats | None) -> str:
