@@ -74,6 +74,8 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     args.rank = int(os.getenv("RANK", "0"))
     args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+    if args.use_checkpoint_args:
+        _take_checkpoint_args(args)
     prepare_upstream_args(args, model)
     hand_graph_flags_to_the_runtime(args)  # before upstream's checks of its own graphs
     if args.tokenizer_type is None:  # pre-tokenized data: ids below --vocab-size
@@ -102,6 +104,19 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
         args.packed_notes.append("no validation data (--valid-data-path, a --split with a "
                                  "validation share, or --mock-data): evaluation off")
     return args
+
+
+def _take_checkpoint_args(args) -> None:
+    """--use-checkpoint-args as in Megatron-LM's parse: the model shape that the command line
+    leaves unset comes from --pretrained-checkpoint, then from --load (rank 0's files only, no
+    process group needed)."""
+    from megatron.training.checkpointing import load_args_from_checkpoint
+
+    if args.load is None and args.pretrained_checkpoint is None:
+        raise ValueError("--use-checkpoint-args is given without a checkpoint. Add --load or "
+                         "--pretrained-checkpoint, or drop --use-checkpoint-args.")
+    load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
+    load_args_from_checkpoint(args)
 
 
 def _has_validation_data(args) -> bool:

@@ -397,3 +397,28 @@ def test_without_te_graphs_keep_megatron_cores_rng_tracker():
     parsed = parse_args(BASE + ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
                                 "32"])
     assert parsed.transformer_impl == "transformer_engine" and parsed.te_rng_tracker is False
+
+
+def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path):
+    """Megatron-LM's --use-checkpoint-args: what the command line leaves unset comes from the
+    checkpoint's saved arguments (a torch_dist checkpoint's common state, read on the host)."""
+    import json
+
+    import torch
+
+    step = tmp_path / "iter_0000005"
+    step.mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    (step / "metadata.json").write_text(json.dumps({
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+        "common_backend": "torch", "common_backend_version": 1}))
+    saved = argparse.Namespace(num_layers=3, hidden_size=96, num_attention_heads=6,
+                               seq_length=256, max_position_embeddings=256,
+                               ffn_hidden_size=384)
+    torch.save({"args": saved, "iteration": 5, "checkpoint_version": 3.0}, step / "common.pt")
+    shapeless = BASE[BASE.index("--micro-batch-size"):]  # BASE without the model's shape
+    args = parse_args(shapeless + ["--use-checkpoint-args", "--load", str(tmp_path)])
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
+            args.ffn_hidden_size) == (3, 96, 6, 256, 384)
+    with pytest.raises(ValueError, match="--use-checkpoint-args is given without a checkpoint"):
+        parse_args(shapeless + ["--use-checkpoint-args"])
