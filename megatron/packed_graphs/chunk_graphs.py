@@ -136,8 +136,8 @@ class ChunkSlots:
         if slot != len(self.runners):
             raise RuntimeError(f"chunk graph slot {slot} recorded after {len(self.runners)} "
                                "slots; the capture iteration records slots in order")
-        runner.mempool = torch.cuda.graph_pool_handle()  # this slot's own pool
-        runner.keep_buffers_private = True  # slots replay out of capture order
+        # A pool of the slot's own, buffers kept: slots replay out of capture order.
+        core_patches.keep_runner_buffers(runner, own_pool=True)
         self.runners.append(runner)
 
     def select(self, manager, slot: int) -> Optional[int]:

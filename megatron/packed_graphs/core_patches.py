@@ -33,7 +33,12 @@ decoder class switch (`switch_block_class`), the TE capture flag
 the order of a manager's runners
 (`replay_runner_first`, `rotate_runners`, `sort_runners`), upstream's private "graphs
 created" flag (`local_graphs_created`), TE's class-level CP stream (`te_cp_stream`) and the
-process-wide stream switch (`use_side_stream`).
+process-wide stream switch (`use_side_stream`), the buffers and pool of a runner
+(`keep_runner_buffers`), a layer's graphed partial function (`route_graphed_function`), the MoE
+dispatcher's graph state and dropless mode (`set_dispatcher_graph_state`,
+`dispatch_dropless`), the optimizer's step and state_dict (`install_optimizer_step`,
+`run_state_dict_within`) and TE's private capture keywords (`te_layer_capture_keywords`).
+No other module reaches into upstream internals (tests/unit/test_upstream_reaches.py).
 
 Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
 
@@ -46,6 +51,7 @@ Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
 
 import collections
 import contextlib
+import copy
 import dataclasses
 from typing import Callable, ContextManager, Iterator
 
@@ -563,8 +569,8 @@ def unshare_cached_graph_inputs(kwargs: dict) -> dict:
     rope = kwargs.get("rotary_pos_emb")
     if local_graphs_created() or rope is None:
         return kwargs
-    copy = tuple(t.clone() for t in rope) if isinstance(rope, tuple) else rope.clone()
-    return dict(kwargs, rotary_pos_emb=copy)
+    copied = tuple(t.clone() for t in rope) if isinstance(rope, tuple) else rope.clone()
+    return dict(kwargs, rotary_pos_emb=copied)
 
 
 def rotate_runners(manager) -> None:
@@ -672,3 +678,104 @@ def forget_layer_graph_grad_events(model) -> int:
                 del param._cudagraph_wgrad_ready_event
                 dropped += 1
     return dropped
+
+
+def keep_runner_buffers(runner, own_pool: bool = False) -> None:
+    """Mark a local-graph runner so `keep_chunk_graph_buffers_private` keeps its buffers;
+    ``own_pool``: capture it into a graph pool of its own (the runner's ``mempool`` field)
+    instead of megatron-core's one shared pool."""
+    if own_pool:
+        runner.mempool = torch.cuda.graph_pool_handle()
+    runner.keep_buffers_private = True
+
+
+def route_graphed_function(module, name: str, call: Callable) -> None:
+    """Replace the graphed ``module.<name>`` that a ``CudaGraphManager`` installed with ``call``.
+
+    0.19.2's manager wraps a partial-graph function (``_forward_attention``, the MoE router's
+    and postprocess's) by setting an instance attribute of the same name; the fork wraps that
+    wrapper again to send some calls eager (``eager=True``)."""
+    if name not in vars(module):
+        raise RuntimeError(f"megatron-core did not install a graphed {name!r} on "
+                           f"{type(module).__name__}: core_patches.route_graphed_function "
+                           f"needs re-checking against megatron-core {PATCHED_VERSION}")
+    setattr(module, name, call)
+
+
+def set_dispatcher_graph_state(dispatcher, values) -> None:
+    """Write the MoE preprocess graph's outputs into the dispatcher fields megatron-core lists
+    in ``valid_cudagraph_attrs`` (dotted paths), as its own TE replay does before dispatch."""
+    names = dispatcher.valid_cudagraph_attrs
+    if len(values) != len(names):
+        raise RuntimeError(f"the MoE preprocess graph returned {len(values)} dispatcher "
+                           f"tensors for the attributes {names}")
+    for name, value in zip(names, values):
+        *path, leaf = name.split(".")
+        owner = dispatcher
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, leaf, value)
+
+
+# What the alltoall dispatcher holds per call or per mode: saved and restored around a
+# dropless pass of a drop-and-pad layer.
+DISPATCHER_STATE = ("drop_and_pad", "config", "cuda_sync_point", "input_splits",
+                    "output_splits", "output_splits_tp")
+
+
+@contextlib.contextmanager
+def dispatch_dropless(dispatcher) -> Iterator[None]:
+    """Within the scope, a drop-and-pad ``MoEAlltoAllTokenDispatcher`` dispatches dropless.
+
+    The dispatcher reads its mode from its config copy (``moe_expert_capacity_factor``,
+    ``moe_pad_expert_input_to_capacity``) and ``drop_and_pad``, and keeps per-call split
+    sizes and its sync point in fields; all of it (`DISPATCHER_STATE`) is restored after."""
+    saved = {name: getattr(dispatcher, name) for name in DISPATCHER_STATE}
+    dropless_config = copy.copy(dispatcher.config)
+    dropless_config.moe_expert_capacity_factor = None
+    dropless_config.moe_pad_expert_input_to_capacity = False
+    dispatcher.config, dispatcher.drop_and_pad = dropless_config, False
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(dispatcher, name, value)
+
+
+def install_optimizer_step(optimizer, step: Callable) -> None:
+    """Make ``optimizer.step`` ``step`` (the fork's optimizer graph), as Megatron-LM's own
+    optimizer-graph wrapper replaces the step of the optimizer ``train()`` calls."""
+    optimizer.step = step
+
+
+def run_state_dict_within(part, scope: Callable[[], ContextManager]) -> None:
+    """Make ``part.state_dict()`` run inside ``scope()``.
+
+    megatron-core's ``ChainedOptimizer`` saves through each part's ``sharded_state_dict``,
+    which calls the part's own ``state_dict``: the one place a save reads the live values."""
+    upstream = part.state_dict
+
+    def state_dict(*positional, **keywords):
+        with scope():
+            return upstream(*positional, **keywords)
+
+    part.state_dict = state_dict
+
+
+def te_layer_capture_keywords(make_graphed_callables, num_layers: int) -> dict:
+    """Keywords of TE's ``make_graphed_callables`` for one chunk of ``num_layers`` layers
+    captured forward-all-then-backward-all, as megatron-core's TE helper passes them.
+
+    ``_order`` and ``_num_layers_per_chunk`` are TE's private schedule keywords. And TE 2.20
+    copies each parameter's static gradient buffer when a backward replay returns it
+    (``clone_param_grads_on_return``, default on; TE 2.11 returned the buffer): here each
+    gradient goes straight to megatron-core DDP's hook, which adds it into ``main_grad`` on
+    the current stream before a later replay can overwrite the buffer, so the copy buys
+    nothing and costs one device copy per weight per micro-batch (moonlight-small: 2,272
+    copies and 11 ms of GPU time a step)."""
+    import inspect
+
+    keywords = {"_order": [1, -1], "_num_layers_per_chunk": [num_layers]}
+    if "clone_param_grads_on_return" in inspect.signature(make_graphed_callables).parameters:
+        keywords["clone_param_grads_on_return"] = False
+    return keywords

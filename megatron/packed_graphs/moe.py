@@ -30,7 +30,7 @@ bias moves toward balanced choices, which is what it steers; drops are counted a
 """
 
 import copy
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Iterator, List, Optional, Sequence
 
@@ -46,6 +46,8 @@ from megatron.core.transformer.moe.moe_utils import (
 )
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from megatron.packed_graphs import core_patches
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -72,6 +74,10 @@ class PackedTopKRouter(TopKRouter):
         # forward call. Its address is baked into graphs, so it is set before any capture.
         self.overflow_counter: Optional[Tensor] = None
         self.num_tokens: Optional[int] = None  # of the last call (static under graphs)
+
+    def route_dropless(self, dropless: bool) -> None:
+        """Route without the capacity (True; `dropless_moe` sets it around eager calls)."""
+        self.dropless = dropless
 
     def gating(self, input: Tensor) -> Tensor:
         if input.device.type == "cuda":
@@ -199,12 +205,6 @@ def packed_routers(module: torch.nn.Module) -> List[PackedTopKRouter]:
     return [m for m in module.modules() if isinstance(m, PackedTopKRouter)]
 
 
-# Dispatcher attributes a dropless call changes and a drop-and-pad call reads without setting
-# (the all-to-all splits stay None under drop-and-pad): restored when the scope ends.
-_DISPATCHER_STATE = ("drop_and_pad", "config", "cuda_sync_point", "input_splits",
-                     "output_splits", "output_splits_tp")
-
-
 @contextmanager
 def dropless_moe(modules) -> Iterator[None]:
     """Within the block, every MoE layer of ``modules`` (a module or a list of them) routes
@@ -217,8 +217,7 @@ def dropless_moe(modules) -> Iterator[None]:
     """
     modules = modules if isinstance(modules, (list, tuple)) else [modules]
     layers = [m for module in modules for m in module.modules() if isinstance(m, MoELayer)]
-    saved = []
-    try:
+    with ExitStack() as restore:
         for layer in layers:
             router, dispatcher = layer.router, layer.token_dispatcher
             if not isinstance(router, PackedTopKRouter) or not isinstance(
@@ -226,19 +225,10 @@ def dropless_moe(modules) -> Iterator[None]:
                 raise TypeError(f"dropless_moe needs PackedTopKRouter and the alltoall "
                                 f"dispatcher, not {type(router).__name__} and "
                                 f"{type(dispatcher).__name__}")
-            saved.append((router, router.dropless, dispatcher,
-                          {name: getattr(dispatcher, name) for name in _DISPATCHER_STATE}))
-            router.dropless = True
-            dropless_config = copy.copy(dispatcher.config)
-            dropless_config.moe_expert_capacity_factor = None
-            dropless_config.moe_pad_expert_input_to_capacity = False
-            dispatcher.config, dispatcher.drop_and_pad = dropless_config, False
+            restore.callback(router.route_dropless, router.dropless)
+            router.route_dropless(True)
+            restore.enter_context(core_patches.dispatch_dropless(dispatcher))
         yield
-    finally:
-        for router, dropless, dispatcher, state in reversed(saved):
-            router.dropless = dropless
-            for name, value in state.items():
-                setattr(dispatcher, name, value)
 
 
 def moe_mlp_spec(provider: BackendSpecProvider, num_experts: int, grouped_gemm: bool):

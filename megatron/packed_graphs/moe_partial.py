@@ -111,7 +111,7 @@ def keep_router_graph_buffers(manager) -> None:
     graph's buffers, a few activation-sized tensors per MoE layer
     (core_patches.keep_chunk_graph_buffers_private keeps them)."""
     for runner in manager.cudagraph_runners:
-        runner.keep_buffers_private = True
+        core_patches.keep_runner_buffers(runner)
 
 
 class PartialMoEGraphs:
@@ -153,7 +153,7 @@ class PartialMoEGraphs:
                 keep_router_graph_buffers(manager)
             return out
 
-        setattr(self, function, call)
+        core_patches.route_graphed_function(self, function, call)
 
     def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
                      packed_seq_params=None):
@@ -218,17 +218,7 @@ class PartialMoEGraphs:
         routing_map = None
         if CudaGraphModule.moe_preprocess in self.config.cuda_graph_modules:
             (hidden_states, probs), state = outputs[:2], outputs[2:]
-            dispatcher = self.mlp.token_dispatcher
-            names = dispatcher.valid_cudagraph_attrs
-            if len(state) != len(names):
-                raise RuntimeError(f"the MoE preprocess graph returned {len(state)} dispatcher "
-                                   f"tensors for the attributes {names}")
-            for name, value in zip(names, state):
-                *path, leaf = name.split(".")
-                owner = dispatcher
-                for part in path:
-                    owner = getattr(owner, part)
-                setattr(owner, leaf, value)
+            core_patches.set_dispatcher_graph_state(self.mlp.token_dispatcher, state)
         else:
             hidden_states, probs, routing_map = outputs
         store = self.mlp.cudagraph_tensor_store

@@ -49,6 +49,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.packed_graphs import core_patches
 from megatron.packed_graphs.graph_memory import capture_in_own_pool
 
 EAGER_KEY = "eager optimizer steps"  # summed over the log interval, like the runtime's "eager *"
@@ -249,21 +250,8 @@ def _clipping_on_device() -> bool:
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mixed_precision
 
-    from megatron.packed_graphs import core_patches
-
     return (clip_grads.multi_tensor_scale_tensor_impl is not None
             or mixed_precision.get_grad_norm_fp32 is core_patches.grad_norm_on_device)
-
-
-def _state_dict_with_numbers(part, tensors: StepTensors) -> None:
-    """Make ``part.state_dict()`` run within ``tensors.as_numbers()``."""
-    upstream = part.state_dict
-
-    def state_dict(*positional, **keywords):
-        with tensors.as_numbers():
-            return upstream(*positional, **keywords)
-
-    part.state_dict = state_dict
 
 
 class OptimizerGraph:
@@ -309,9 +297,9 @@ class OptimizerGraph:
         if not getattr(args, "packed_optimizer_graph", False):
             return None
         graph = cls.for_optimizer(optimizer, capture_iteration(args.cuda_graph_warmup_steps))
-        optimizer.step = graph
+        core_patches.install_optimizer_step(optimizer, graph)
         for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-            _state_dict_with_numbers(part, graph.tensors)
+            core_patches.run_state_dict_within(part, graph.tensors.as_numbers)
         runtime.add_statistics(graph.statistics)
         return graph
 

@@ -362,7 +362,7 @@ class GraphRuntime:
             return {}
         result = check.run(self.iterations + 1, step.micro_batches[0], step.plans[0],
                            partial(self.run_micro_batch, step.forward, self.model[0]))
-        step._rerun.setdefault(Reason.HEALTH_CHECK, set()).add(result.position)
+        step.count_rerun(Reason.HEALTH_CHECK, [result.position])
         if result.diverged and check.config.action == "disable":
             self.graphs_off = True
         return check.stats(result)
@@ -449,6 +449,10 @@ class GraphIteration:
         """Micro-batches run again eager, by reason (each counted once however often)."""
         return Counter({reason: len(positions) for reason, positions in self._rerun.items()})
 
+    def count_rerun(self, reason: Reason, positions: Collection[int]) -> None:
+        """Count the micro-batches at ``positions`` as run again eager for ``reason``."""
+        self._rerun.setdefault(reason, set()).update(positions)
+
     def forward_step(self, data_iterator, model):
         """megatron-core's ``forward_step_func``: the next planned micro-batch, under its plan."""
         batch = next(data_iterator)
@@ -482,7 +486,7 @@ class GraphIteration:
             if self.runtime.config.granularity is Granularity.CHUNK and self.runtime.config.enabled:
                 again = assign_chunk_slots(again, self.runtime.config.slots_per_chunk[chunk])
             plans.append(again)
-        self._rerun.setdefault(reason, set()).update(eager)
+        self.count_rerun(reason, eager)
         micro_batches = [[{**batch, PLAN_KEY: plan} for batch, plan in zip(batches, chunk_plans)]
                          for batches, chunk_plans in zip(self.micro_batches, plans)]
         return schedule(self.forward_step, micro_batches)

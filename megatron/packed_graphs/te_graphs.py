@@ -153,6 +153,19 @@ class TEGraphDispatch:
     _graph_inputs: Sequence[PackedGraphInputs] = ()
     _graph_bank_sizes: Sequence[int] = ()
 
+    def open_graph_bank(self, inputs: PackedGraphInputs, cp_size: int) -> list:
+        """Before TE captures a bank: its inputs and CP size become this layer's last bank, and
+        an empty ``cuda_graphs`` makes megatron-core's dispatch capture, not replay. Returns
+        the earlier banks' graphs, for `close_graph_bank`."""
+        earlier, self.cuda_graphs = self.cuda_graphs, []
+        self._graph_inputs = [*self._graph_inputs, inputs]
+        self._graph_bank_sizes = [*self._graph_bank_sizes, cp_size]
+        return earlier
+
+    def close_graph_bank(self, earlier: list, graphed) -> None:
+        """After the capture: the bank's graphed callable follows the earlier banks'."""
+        self.cuda_graphs = [*earlier, graphed]
+
     def _should_call_te_cudagraph(self, *args, **kwargs):
         if graphs_bypassed():
             return False  # this micro-batch was planned eager (overflow, warm-up)
@@ -214,22 +227,6 @@ def rotary_table(model_chunk, max_seqlen: int) -> Optional[Tensor]:
     return None if rotary is None else rotary(max_seqlen, packed_seq=True)
 
 
-def param_grads_returned_uncloned(make_graphed_callables) -> dict:
-    """``make_graphed_callables`` keywords that hand replayed weight gradients over uncopied.
-
-    TE 2.20 copies every parameter's static gradient buffer when a backward replay returns it
-    (``clone_param_grads_on_return``, default on); TE 2.11 returned the buffer itself. Here
-    each returned gradient goes straight to megatron-core DDP's hook, which adds it into
-    ``main_grad`` on the current stream before any later replay can overwrite the buffer, so
-    the copy buys nothing and costs one device copy per weight per micro-batch (moonlight-small:
-    2,272 copies and 11 ms of GPU time a step). Empty where TE has no such option."""
-    import inspect
-
-    if "clone_param_grads_on_return" in inspect.signature(make_graphed_callables).parameters:
-        return {"clone_param_grads_on_return": False}
-    return {}
-
-
 class TELayerGraphs:
     """Captures every graphable layer of a PP = 1 model with TE's ``make_graphed_callables``:
     one bank of graphs, or one per CP size under dynamic CP."""
@@ -288,19 +285,14 @@ class TELayerGraphs:
             (torch.zeros(self.tokens_per_rank, 1, self.config.hidden_size, dtype=dtype,
                          device="cuda", requires_grad=True),)
             for _ in layers)
-        earlier_banks = [layer.cuda_graphs for layer in layers]
-        for layer in layers:
-            # Empty `cuda_graphs` makes megatron-core's dispatch capture, not replay.
-            layer.cuda_graphs, layer._graph_inputs = [], [*layer._graph_inputs, inputs]
-            layer._graph_bank_sizes = [*layer._graph_bank_sizes, cp_size]
+        earlier_banks = [layer.open_graph_bank(inputs, cp_size) for layer in layers]
         reserved = reserved_without_cache()
         with core_patches.te_graph_capture():
             graphed = make_graphed_callables(
                 tuple(layers), sample_args, sample_kwargs=tuple(kwargs for _ in layers),
                 num_warmup_iters=self.warmup_iters, allow_unused_input=True,
-                _order=[1, -1], _num_layers_per_chunk=[len(layers)],
-                **param_grads_returned_uncloned(make_graphed_callables))
-        for layer, callable_, callables in zip(layers, graphed, earlier_banks):
-            layer.cuda_graphs = [*callables, callable_]
+                **core_patches.te_layer_capture_keywords(make_graphed_callables, len(layers)))
+        for layer, callable_, earlier in zip(layers, graphed, earlier_banks):
+            layer.close_graph_bank(earlier, callable_)
         torch.cuda.synchronize()
         return reserved_without_cache() - reserved

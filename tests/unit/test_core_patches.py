@@ -585,3 +585,88 @@ def test_the_wheel_ships_dataset_helpers_prebuilt_without_a_makefile():
     assert any(name.startswith("helpers_cpp") for name in os.listdir(folder))
     assert "compile_helpers" in inspect.getsource(initialize)
     assert callable(dataset_utils.compile_helpers)
+
+
+# --------------------------------------------------- reaches moved here from the fork's modules
+
+def test_upstream_runner_fields_the_buffer_reach_sets():
+    from megatron.core.transformer import cuda_graphs
+
+    runner_source = source(cuda_graphs._CudaGraphRunner)
+    assert "self.mempool = mempool" in runner_source and "pool=self.mempool" in runner_source
+    runner = SimpleNamespace()
+    core_patches.keep_runner_buffers(runner)
+    assert runner.keep_buffers_private and not hasattr(runner, "mempool")
+
+
+def test_upstream_manager_installs_a_partial_graph_function_as_an_instance_attribute():
+    from megatron.core.transformer.cuda_graphs import CudaGraphManager
+
+    assert "setattr(base_module, function_name, wrapped_func)" in source(CudaGraphManager.__init__)
+    module = SimpleNamespace(_forward_attention=lambda: "graphed")
+    core_patches.route_graphed_function(module, "_forward_attention", lambda: "routed")
+    assert module._forward_attention() == "routed"
+
+    class Plain:
+        def _forward_attention(self):
+            return "plain"
+
+    with pytest.raises(RuntimeError, match="did not install a graphed '_forward_attention'"):
+        core_patches.route_graphed_function(Plain(), "_forward_attention", lambda: None)
+
+
+def test_dispatcher_graph_state_follows_upstreams_dotted_attribute_names():
+    from megatron.core.transformer.moe import moe_utils
+
+    assert "valid_cudagraph_attrs.append(attr_name)" in source(moe_utils)
+    inner = SimpleNamespace(splits=None)
+    dispatcher = SimpleNamespace(valid_cudagraph_attrs=["probs", "comm.splits"],
+                                       probs=None, comm=inner)
+    core_patches.set_dispatcher_graph_state(dispatcher, [1, 2])
+    assert (dispatcher.probs, inner.splits) == (1, 2)
+    with pytest.raises(RuntimeError, match="returned 1 dispatcher tensors"):
+        core_patches.set_dispatcher_graph_state(dispatcher, [1])
+
+
+def test_dropless_dispatch_restores_the_dispatcher():
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    body = source(MoEAlltoAllTokenDispatcher)
+    for name in core_patches.DISPATCHER_STATE:  # every field the scope saves is upstream's
+        assert f"self.{name}" in body, name
+    config = SimpleNamespace(moe_expert_capacity_factor=1.5,
+                                   moe_pad_expert_input_to_capacity=True)
+    dispatcher = SimpleNamespace(config=config, drop_and_pad=True, cuda_sync_point="x",
+                                       input_splits=None, output_splits=None,
+                                       output_splits_tp=None)
+    with core_patches.dispatch_dropless(dispatcher):
+        assert dispatcher.config.moe_expert_capacity_factor is None
+        assert not dispatcher.config.moe_pad_expert_input_to_capacity
+        assert not dispatcher.drop_and_pad
+        dispatcher.input_splits = [3, 1]  # what a dropless call leaves behind
+    assert dispatcher.config is config and dispatcher.drop_and_pad
+    assert dispatcher.input_splits is None and config.moe_expert_capacity_factor == 1.5
+
+
+def test_optimizer_reaches():
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    assert "sharded_state_dict" in source(ChainedOptimizer)
+    calls = []
+
+    class Part:
+        def state_dict(self):
+            calls.append("state_dict")
+            return {"step": 1}
+
+    @contextlib.contextmanager
+    def scope():
+        calls.append("enter")
+        yield
+        calls.append("exit")
+
+    part = Part()
+    core_patches.run_state_dict_within(part, scope)
+    core_patches.install_optimizer_step(part, "graph")
+    assert part.state_dict() == {"step": 1} and calls == ["enter", "state_dict", "exit"]
+    assert part.step == "graph"

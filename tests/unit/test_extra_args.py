@@ -399,7 +399,7 @@ def test_without_te_graphs_keep_megatron_cores_rng_tracker():
     assert parsed.transformer_impl == "transformer_engine" and parsed.te_rng_tracker is False
 
 
-def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path):
+def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path, monkeypatch):
     """Megatron-LM's --use-checkpoint-args: what the command line leaves unset comes from the
     checkpoint's saved arguments (a torch_dist checkpoint's common state, read on the host)."""
     import json
@@ -417,6 +417,8 @@ def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path)
                                ffn_hidden_size=384)
     torch.save({"args": saved, "iteration": 5, "checkpoint_version": 3.0}, step / "common.pt")
     shapeless = BASE[BASE.index("--micro-batch-size"):]  # BASE without the model's shape
+    # Arguments are parsed before torch.distributed starts (another test may have started it).
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     args = parse_args(shapeless + ["--use-checkpoint-args", "--load", str(tmp_path)])
     assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
             args.ffn_hidden_size) == (3, 96, 6, 256, 384)

@@ -5,11 +5,8 @@ import torch
 
 from megatron.packed_graphs.capacity import pad_cu_seqlens
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
-from megatron.packed_graphs.te_graphs import (
-    PackedGraphInputs,
-    graph_kwargs,
-    param_grads_returned_uncloned,
-)
+from megatron.packed_graphs.core_patches import te_layer_capture_keywords
+from megatron.packed_graphs.te_graphs import PackedGraphInputs, graph_kwargs
 
 
 def _params(lengths, capacity=8, seq_idx=True):
@@ -157,5 +154,7 @@ def test_weight_gradients_are_asked_uncopied_where_te_can():
     def te_2_11(modules, sample_args, **kwargs):
         pass
 
-    assert param_grads_returned_uncloned(te_2_20) == {"clone_param_grads_on_return": False}
-    assert param_grads_returned_uncloned(te_2_11) == {}
+    schedule = {"_order": [1, -1], "_num_layers_per_chunk": [3]}
+    assert te_layer_capture_keywords(te_2_20, 3) == schedule | {
+        "clone_param_grads_on_return": False}
+    assert te_layer_capture_keywords(te_2_11, 3) == schedule

@@ -1,0 +1,106 @@
+"""Every reach into upstream internals lives in megatron/packed_graphs/core_patches.py.
+
+The rest of the fork extends megatron-core through specs, subclasses and its public calls.
+This test reads the fork's source and fails on a new reach anywhere else: a private
+keyword argument (TE's ``_order``), ``setattr``/``delattr`` on an upstream object, a write
+to a field or method of an upstream object (an optimizer, a graph runner or manager, a
+dispatcher, a layer or model that is not ``self``), a write to an upstream module or class,
+or any private attribute of an object other than ``self``. Move such code into
+core_patches.py as a named function (its docstring says why; tests/unit/test_core_patches.py
+pins the upstream code it relies on) and call that.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SOURCES = sorted([*(REPO / "megatron").rglob("*.py"), REPO / "pretrain_gpt.py",
+                  REPO / "pretrain_mamba.py"])
+REACHES_LIVE_IN = REPO / "megatron" / "packed_graphs" / "core_patches.py"
+
+# Names under which the fork's code holds upstream objects whose state it must not write.
+UPSTREAM_HOLDERS = {"optimizer", "part", "runner", "manager", "dispatcher", "layer", "block",
+                    "chunk", "model", "module", "mlp", "attention", "transformer_layer"}
+# Receivers of setattr that are the fork's own objects: the parsed arguments, and the
+# full-iteration graph's twin of a micro-batch's params (a dataclass copy it builds).
+OWN_SETATTR_RECEIVERS = {"args", "twin"}
+# Private names that are a protocol, not internals: argparse keeps a parser's actions in
+# ``_actions`` (no public accessor); Megatron-LM's own parse_args sets
+# ``_is_global_batch_size_explicitly_specified`` for its validate_args, as the fork's parse does.
+PROTOCOL_PRIVATE = {"_actions", "_is_global_batch_size_explicitly_specified"}
+
+
+def _root(node):
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _upstream_imports(tree) -> set:
+    """Names this file binds to megatron.core / transformer_engine modules and classes."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                ("megatron.core", "transformer_engine")):
+            names.update(alias.asname or alias.name for alias in node.names)
+    return names
+
+
+def reaches(path: pathlib.Path) -> list:
+    """``(line, what)`` for every reach into upstream internals in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    upstream = _upstream_imports(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            for keyword in node.keywords:
+                if keyword.arg and keyword.arg.startswith("_"):
+                    found.append((node.lineno, f"private keyword {keyword.arg}="))
+            if (isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+                    and not (isinstance(node.args[0], ast.Name)
+                             and node.args[0].id in OWN_SETATTR_RECEIVERS)):
+                found.append((node.lineno, ast.unparse(node)))
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets
+                       for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                holder = target.value.id
+                if holder in UPSTREAM_HOLDERS or holder in upstream:
+                    found.append((node.lineno, f"write {ast.unparse(target)}"))
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and node.attr not in PROTOCOL_PRIVATE):
+            root = _root(node.value)
+            is_super = (isinstance(root, ast.Name) and root.id == "super")
+            if not is_super and not (isinstance(node.value, ast.Name)
+                                     and node.value.id in ("self", "cls")):
+                found.append((node.lineno, f"private {ast.unparse(node)}"))
+    return found
+
+
+def test_the_scan_sees_each_kind_of_reach(tmp_path):
+    source = tmp_path / "reaching.py"
+    source.write_text(
+        "from megatron.core.transformer import cuda_graphs\n"
+        "def f(optimizer, runner, make, args, x):\n"
+        "    optimizer.step = None\n"
+        "    runner.mempool = 1\n"
+        "    cuda_graphs.flag = True\n"
+        "    setattr(x, 'y', 1)\n"
+        "    make(_order=[1])\n"
+        "    return x._private, super()._method, args, setattr(args, 'a', 1)\n")
+    assert [line for line, _ in reaches(source)] == [3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if p != REACHES_LIVE_IN],
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_no_reach_outside_core_patches(path):
+    found = reaches(path)
+    assert not found, (f"{path.relative_to(REPO)} reaches into upstream internals; move it "
+                       "into megatron/packed_graphs/core_patches.py: "
+                       + "; ".join(f"line {line}: {what}" for line, what in found))
