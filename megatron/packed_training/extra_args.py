@@ -23,6 +23,7 @@ from megatron.core.transformer.enums import CudaGraphModule
 
 GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 TE_ATTENTION = ("flash", "fused", "unfused")  # Megatron's TE attention backends
+PARTIAL_MOE_MODULES = (CudaGraphModule.moe_router.name, CudaGraphModule.moe_preprocess.name)
 
 
 def fail(what: str, value, todo: str):
@@ -183,6 +184,7 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     check_health_check(args)
     check_optimizer_graph(args)
     check_moe_graphs(args)
+    check_mla(args, model)
     check_long_documents(args)
     return args
 
@@ -379,7 +381,8 @@ def check_optimizer_graph(args) -> None:
 
 
 def check_moe_graphs(args) -> None:
-    """Whole-layer MoE graphs need drop-and-pad; dropless overflow reruns need a capacity."""
+    """MoE under graphs: whole-layer graphs need drop-and-pad on the alltoall dispatcher;
+    overflow reruns need graphed drop-and-pad layers; partial graphs' own limits."""
     if args.num_experts is None:
         for flag, value in (("--moe-capacity-overflow", args.moe_capacity_overflow != "drop"),
                             ("--moe-router-load-file", args.moe_router_load_file)):
@@ -387,22 +390,79 @@ def check_moe_graphs(args) -> None:
                 fail(flag, getattr(args, flag[2:].replace("-", "_")),
                      "It configures MoE layers; add --num-experts or drop the flag")
         return
-    factor = args.moe_expert_capacity_factor
-    if args.moe_capacity_overflow == "rerun" and factor is None:
-        fail("--moe-capacity-overflow", "rerun", "It reruns micro-batches that overflow the "
-                                                 "expert capacity; add "
-                                                 "--moe-expert-capacity-factor")
+    factor, topk = args.moe_expert_capacity_factor, args.moe_router_topk
+    drop_and_pad = bool(factor and args.moe_pad_expert_input_to_capacity)
+    if drop_and_pad and factor * topk > args.num_experts:
+        fail("--moe-expert-capacity-factor", factor,
+             f"With --moe-pad-expert-input-to-capacity, capacity factor x top-k ({factor} x "
+             f"{topk}) above --num-experts ({args.num_experts}) gives each expert a capacity "
+             f"above the micro-batch's token count, which megatron-core's drop-and-pad "
+             f"permutation does not size for; use a factor <= {args.num_experts / topk:g}")
+    partial = [m for m in args.packed_cuda_graph_modules if m in PARTIAL_MOE_MODULES]
+    graphs = args.packed_graph_impl != "none"
+    if args.moe_capacity_overflow == "rerun":
+        why = ("without CUDA graphs MoE layers run dropless directly: drop it and "
+               "--moe-expert-capacity-factor, or add --cuda-graph-impl" if not graphs else
+               "partial MoE graphs (--cuda-graph-modules moe_router) run dispatch and experts "
+               "eager, dropless already: drop it and --moe-expert-capacity-factor" if partial
+               else "it reruns what overflowed the drop-and-pad capacity: add "
+               "--moe-expert-capacity-factor <f> --moe-pad-expert-input-to-capacity "
+               "(tools/capacity_advisor.py suggests f)" if not drop_and_pad else None)
+        if why:
+            fail("--moe-capacity-overflow", "rerun", why[0].upper() + why[1:])
     if args.moe_router_load_file and args.moe_capacity_overflow != "rerun":
         fail("--moe-router-load-file", args.moe_router_load_file,
              "The loads are measured by --moe-capacity-overflow rerun; add it")
+    if not graphs:
+        return
+    if args.moe_token_dispatcher_type != "alltoall":
+        fail("--moe-token-dispatcher-type", args.moe_token_dispatcher_type,
+             "Graphed MoE layers use the alltoall dispatcher: allgather reads token counts "
+             "back to the host in every MoE layer, and flex needs DeepEP, which does too; "
+             "use alltoall")
+    if "mlp" in args.packed_cuda_graph_modules:
+        fail("--cuda-graph-modules", "mlp",
+             "With --num-experts the MLPs are MoE layers, which mlp graphs do not capture; "
+             "drop mlp, or capture whole layers")
+    if "moe_preprocess" in partial and factor and not drop_and_pad:
+        fail("--moe-expert-capacity-factor", factor,
+             "With moe_preprocess graphed, a capacity without "
+             "--moe-pad-expert-input-to-capacity sizes the permuted tokens from a host read "
+             "inside the graph; add --moe-pad-expert-input-to-capacity, or drop the factor")
     whole_layers = not args.packed_cuda_graph_modules and args.cuda_graph_granularity == "layer"
-    if (args.packed_graph_impl != "none" and whole_layers
-            and not (factor and args.moe_pad_expert_input_to_capacity)):
+    if whole_layers and not drop_and_pad:
         fail("--moe-expert-capacity-factor", factor,
              "Dropless MoE reads per-expert token counts on the host, which a whole-layer "
              "graph cannot capture; add --moe-expert-capacity-factor <f> "
              "--moe-pad-expert-input-to-capacity, or graph MoE layers in part "
              "(--cuda-graph-modules moe_router)")
+
+
+def check_mla(args, model: str) -> None:
+    """Multi-latent attention on packed data: TE attention (check_attention), the fused yarn
+    RoPE, and the flags that only mean something with it."""
+    pattern = args.hybrid_layer_pattern or ""
+    if not args.multi_latent_attention:
+        if model == "hybrid" and "+" in pattern:
+            fail("--hybrid-layer-pattern", repr(pattern),
+                 "Its '+' layers are multi-latent attention layers; add "
+                 "--multi-latent-attention")
+        if args.mla_pad_v != "always":
+            fail("--mla-pad-v", args.mla_pad_v,
+                 "It configures multi-latent attention; add --multi-latent-attention or drop it")
+        return
+    if args.rope_type == "rope" and args.packed_graph_impl != "none":
+        fail("--rope-type", "rope",
+             "MLA's unfused THD RoPE reads cu_seqlens back to the host, which graphs cannot "
+             "capture; use yarn (with --rotary-scaling-factor 1 it rotates like plain RoPE)")
+    if args.qk_pos_emb_head_dim % 4:
+        fail("--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim,
+             "The fused MLA RoPE rotates channel pairs in two halves; use a multiple of 4")
+    query_head = args.qk_head_dim + args.qk_pos_emb_head_dim
+    if args.mla_pad_v == "never" and query_head == args.v_head_dim:
+        fail("--mla-pad-v", "never",
+             f"V already has the query head size ({query_head}), so nothing is padded; "
+             "drop the flag")
 
 
 def check_long_documents(args) -> None:

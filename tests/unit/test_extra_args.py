@@ -23,7 +23,8 @@ LOCAL = dict(packed_graph_impl="local", cuda_graph_max_packed_seqs=32)
 FULL = dict(packed_graph_impl="full_iteration", cuda_graph_max_packed_seqs=32,
             check_for_nan_in_loss_and_grad=False)
 TE = dict(packed_graph_impl="transformer_engine", cuda_graph_max_packed_seqs=32)
-MOE = dict(num_experts=4)
+MOE = dict(num_experts=4, moe_token_dispatcher_type="alltoall")
+PADDED = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 
 
 def pin_importable(monkeypatch, *present):
@@ -68,6 +69,8 @@ CHECKS = {
     "dynamic_cp": extra_args.check_dynamic_cp,
     "mamba": lambda a: extra_args.check_mamba(a, "hybrid"),
     "upstream": lambda a: extra_args.prepare_upstream_args(a, "gpt"),
+    "mla": lambda a: extra_args.check_mla(a, "gpt"),
+    "hybrid_mla": lambda a: extra_args.check_mla(a, "hybrid"),
 }
 
 # (check, attribute values, te importable, flag named, value named, the fix the message gives)
@@ -161,7 +164,7 @@ REJECTED = {
                              "--moe-capacity-overflow", "rerun", "add --num-experts or drop"),
     "load_file_without_moe": ("moe", dict(moe_router_load_file="loads.json"), False,
                               "--moe-router-load-file", "loads.json", "add --num-experts or drop"),
-    "rerun_without_factor": ("moe", dict(MOE, moe_capacity_overflow="rerun"), False,
+    "rerun_without_factor": ("moe", dict(LOCAL, moe_capacity_overflow="rerun", **MOE), False,
                              "--moe-capacity-overflow", "rerun",
                              "add --moe-expert-capacity-factor"),
     "load_file_without_rerun": ("moe", dict(MOE, moe_router_load_file="loads.json"), False,
@@ -172,6 +175,39 @@ REJECTED = {
     "unpadded_layer_graphs": ("moe", dict(LOCAL, moe_expert_capacity_factor=1.0, **MOE), False,
                               "--moe-expert-capacity-factor", "1.0",
                               "(--cuda-graph-modules moe_router)"),
+    "rerun_without_graphs": ("moe", dict(MOE, moe_capacity_overflow="rerun", **PADDED), False,
+                             "--moe-capacity-overflow", "rerun", "or add --cuda-graph-impl"),
+    "rerun_with_partial_graphs": ("moe", dict(LOCAL, packed_cuda_graph_modules=["moe_router"],
+                                              moe_capacity_overflow="rerun", **MOE, **PADDED),
+                                  False, "--moe-capacity-overflow", "rerun", "dropless already"),
+    "allgather_under_graphs": ("moe", dict(LOCAL, **dict(MOE, moe_token_dispatcher_type=
+                                                         "allgather"), **PADDED), False,
+                               "--moe-token-dispatcher-type", "allgather", "use alltoall"),
+    "capacity_above_experts": ("moe", dict(MOE, moe_expert_capacity_factor=4.0,
+                                           moe_pad_expert_input_to_capacity=True,
+                                           moe_router_topk=2), False,
+                               "--moe-expert-capacity-factor", "4.0", "use a factor <= 2"),
+    "mlp_graphs_of_moe": ("moe", dict(LOCAL, packed_cuda_graph_modules=["mlp"], **MOE,
+                                      **PADDED), False, "--cuda-graph-modules", "mlp",
+                          "drop mlp"),
+    "unpadded_preprocess_graph": ("moe", dict(LOCAL, packed_cuda_graph_modules=[
+        "moe_router", "moe_preprocess"], moe_expert_capacity_factor=1.0, **MOE), False,
+        "--moe-expert-capacity-factor", "1.0", "add --moe-pad-expert-input-to-capacity"),
+    "mla_pad_v_without_mla": ("mla", dict(mla_pad_v="never"), False, "--mla-pad-v", "never",
+                              "add --multi-latent-attention"),
+    "mla_layers_without_mla": ("hybrid_mla", dict(hybrid_layer_pattern="M+M-"), False,
+                               "--hybrid-layer-pattern", "'M+M-'",
+                               "add --multi-latent-attention"),
+    "mla_unfused_rope_under_graphs": ("mla", dict(LOCAL, multi_latent_attention=True,
+                                                  rope_type="rope"), False, "--rope-type",
+                                      "rope", "use yarn"),
+    "mla_odd_rope_head": ("mla", dict(multi_latent_attention=True, rope_type="yarn",
+                                      qk_pos_emb_head_dim=30), False,
+                          "--qk-pos-emb-head-dim", "30", "use a multiple of 4"),
+    "mla_nothing_to_pad": ("mla", dict(multi_latent_attention=True, rope_type="yarn",
+                                       qk_head_dim=96, qk_pos_emb_head_dim=32, v_head_dim=128,
+                                       mla_pad_v="never"), False, "--mla-pad-v", "never",
+                           "drop the flag"),
     "truncated_fraction_range": ("long_docs", dict(max_truncated_token_fraction=1.5,
                                                    long_document_policy="truncate"), False,
                                  "--max-truncated-token-fraction", "1.5", "in [0, 1]"),
@@ -211,9 +247,13 @@ ACCEPTED = {
     "padded_moe_layer_graphs": ("moe", dict(LOCAL, moe_expert_capacity_factor=1.0,
                                             moe_pad_expert_input_to_capacity=True, **MOE)),
     "partial_moe_graphs": ("moe", dict(LOCAL, packed_cuda_graph_modules=["moe_router"], **MOE)),
-    "moe_rerun_with_load_file": ("moe", dict(MOE, moe_capacity_overflow="rerun",
-                                             moe_expert_capacity_factor=1.0,
-                                             moe_router_load_file="loads.json")),
+    "moe_rerun_with_load_file": ("moe", dict(LOCAL, moe_capacity_overflow="rerun",
+                                             moe_router_load_file="loads.json", **MOE,
+                                             **PADDED)),
+    "dropless_allgather_eager": ("moe", dict(MOE, moe_token_dispatcher_type="allgather")),
+    "mla_under_graphs": ("mla", dict(LOCAL, multi_latent_attention=True, rope_type="yarn",
+                                     qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                                     mla_pad_v="never")),
     "truncate_fraction": ("long_docs", dict(max_truncated_token_fraction=0.05,
                                             long_document_policy="truncate")),
 }
@@ -364,7 +404,7 @@ LAUNCH_LINES = {
         dict(use_rope_scaling=True, save="/tmp/ckpt", save_interval=5)),
     "moe_permute_fusion": (
         "--num-experts 4 --moe-permute-fusion --moe-expert-capacity-factor 1.0 "
-        "--moe-pad-expert-input-to-capacity",
+        "--moe-pad-expert-input-to-capacity --moe-token-dispatcher-type alltoall",
         dict(num_experts=4, moe_permute_fusion=True, moe_expert_capacity_factor=1.0)),
 }
 
