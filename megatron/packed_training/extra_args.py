@@ -143,8 +143,11 @@ def rampup_schedule(rampup, global_batch_size, seq_length: int) -> str:
              f"({global_batch_size}), INCREMENT > 0 dividing {global_batch_size} - START")
     steps = (global_batch_size - start) // increment
     per_step = samples / steps if steps else 0
-    return " ".join(f"{math.ceil(k * per_step) * seq_length}:{start + k * increment}"
-                    for k in range(steps + 1))
+    # Fewer ramp-up samples than steps: several increments land at one threshold, and the
+    # batch jumps to the last of them (megatron-core wants strictly increasing thresholds).
+    batch_at = {math.ceil(k * per_step) * seq_length: start + k * increment
+                for k in range(steps + 1)}
+    return " ".join(f"{threshold}:{batch}" for threshold, batch in batch_at.items())
 
 
 def validate_packed_args(args, model: str) -> argparse.Namespace:

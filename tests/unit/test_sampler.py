@@ -100,6 +100,9 @@ def test_rampup_becomes_megatron_cores_step_schedule():
     from megatron.packed_training.extra_args import rampup_schedule
 
     assert rampup_schedule([4, 2, 32], 8, 1024) == "0:4 16384:6 32768:8"
+    # Fewer samples than increments: the batch jumps; no ramp-up samples: the full batch.
+    assert rampup_schedule([4, 1, 2], 8, 10) == "0:4 10:6 20:8"
+    assert rampup_schedule([4, 2, 0], 8, 10) == "0:8"
     # As Megatron-LM's start-up builds it: thresholds in tokens of --seq-length.
     calculator.init_num_microbatches_calculator(
         0, None, 8, 1, 1, step_batch_size_schedule=rampup_schedule([4, 2, 32], 8, 1024),
