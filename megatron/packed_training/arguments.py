@@ -38,7 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
         if action.help and action.help is not argparse.SUPPRESS:
             action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(),
                                        action.help)
+        if callable(action.type) and not isinstance(action.type, type):
+            action.type = _unknown_name_is_a_bad_value(action.type, action.choices)
     return parser
+
+
+def _unknown_name_is_a_bad_value(convert, choices):
+    """Megatron-LM converts enum flags (``--attention-backend``, ``--exit-signal``) by name
+    lookup, whose KeyError argparse does not catch: a typo would end in a traceback."""
+    def convert_or_refuse(value):
+        try:
+            return convert(value)
+        except KeyError:
+            names = ", ".join(getattr(c, "name", str(c)) for c in choices or [])
+            raise argparse.ArgumentTypeError(
+                f"invalid value {value!r}" + (f" (use one of {names})" if names else ""))
+    return convert_or_refuse
 
 
 def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
@@ -140,10 +155,12 @@ def _failed_check(err: AssertionError) -> str:
 
 
 def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace:
-    """`parse_args` for an entry script: a bad value prints ``<script>: error: <message>`` and
-    exits with status 2, as argparse does for a bad flag."""
+    """`parse_args` for an entry script: a bad flag or value prints one line,
+    ``<script>: error: <message>``, from rank 0 only (every rank of a torchrun job parses the
+    same line) and exits with status 2, as argparse does."""
     try:
-        return parse_args(argv, model)
+        return parse_args(argv, model, raise_on_error=True)
     except ValueError as err:
-        print(f"{script}: error: {err}", file=sys.stderr, flush=True)
+        if int(os.getenv("RANK", "0")) == 0:
+            print(f"{script}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

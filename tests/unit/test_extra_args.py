@@ -389,6 +389,22 @@ def test_parse_args_or_exit_prints_one_line_and_exits_2(capsys):
                       "would be ignored without graphs; add --cuda-graph-impl local."]
 
 
+def test_an_unknown_enum_name_is_a_bad_value_not_a_traceback():
+    with pytest.raises(ValueError, match=r"argument --attention-backend: invalid value 'nope' "
+                                         r"\(use one of .*flash.*local"):
+        parse_args(BASE + ["--attention-backend", "nope"], raise_on_error=True)
+
+
+def test_a_bad_flag_is_one_line_from_rank_zero_only(capsys, monkeypatch):
+    for rank, lines in (("0", ["pretrain_gpt.py: error: arguments are wrong: unrecognized "
+                               "arguments: --bogus-flag."]), ("3", [])):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_:
+            parse_args_or_exit("gpt", "pretrain_gpt.py", BASE + ["--bogus-flag"])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.splitlines() == lines
+
+
 GRAPH_MODES = {"graphs_off": ([], "none"),
                "local_graphs": (["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
                                  "32"], "local")}
