@@ -10,6 +10,7 @@ Every flag and where the fork differs from Megatron-LM: docs/flags.md.
 """
 
 import argparse
+import functools
 import os
 import re
 import sys
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _unknown_name_is_a_bad_value(convert, choices):
     """Megatron-LM converts enum flags (``--attention-backend``, ``--exit-signal``) by name
     lookup, whose KeyError argparse does not catch: a typo would end in a traceback."""
+    @functools.wraps(convert)  # argparse names the type in its other errors
     def convert_or_refuse(value):
         try:
             return convert(value)

@@ -58,6 +58,7 @@ def initialize_distributed(args) -> None:
         rank, None, args.global_batch_size, args.micro_batch_size,
         parallel_state.get_data_parallel_world_size(),
         step_batch_size_schedule=args.step_batch_size_schedule,
+        seq_length=args.seq_length,  # the schedule's thresholds are tokens, as Megatron-LM's
     )
 
 

@@ -393,6 +393,9 @@ def test_an_unknown_enum_name_is_a_bad_value_not_a_traceback():
     with pytest.raises(ValueError, match=r"argument --attention-backend: invalid value 'nope' "
                                          r"\(use one of .*flash.*local"):
         parse_args(BASE + ["--attention-backend", "nope"], raise_on_error=True)
+    # Megatron-LM's other converters keep their own name in argparse's message.
+    with pytest.raises(ValueError, match="argument --window-size: invalid tuple_type value"):
+        parse_args(BASE + ["--window-size", "x,y"], raise_on_error=True)
 
 
 def test_a_bad_flag_is_one_line_from_rank_zero_only(capsys, monkeypatch):
