@@ -18,11 +18,12 @@ expected, outside any graph).
 The training arguments after ``--`` are the script's own (Megatron-LM's command line);
 ``--train-iters`` is raised to ``--iteration`` if smaller.
 
-The watched iteration is one call of the graph runtime's seam into Megatron-LM's loop
-(`megatron.packed_graphs.schedule.GraphRuntimeSchedule`: planning, megatron-core's schedule)
-through the end of that iteration, which the seam closes after the optimizer step (the
-runtime's statistics and health check, the log). This process wraps the seam's class before
-training starts (`watch_training_iteration`); evaluation calls are not counted.
+The watched iteration is Megatron-LM's ``train_step`` (the graph runtime's seam with its
+planning and megatron-core's schedule, the optimizer step, the step's statistics) through the
+``training_log`` after it, so the loop's own reads are counted with the runtime's. This
+process wraps the two functions before training starts (`watch_training_iteration`);
+evaluation and checkpoints, which follow the log, are not counted. Use a ``--log-interval``
+above the watched iteration to leave out the log line's reads.
 """
 
 import argparse
@@ -161,61 +162,47 @@ def current_training_iteration() -> int:
 
 
 def watch_training_iteration(watch: SyncWatch, current_iteration=current_training_iteration):
-    """Put ``watch`` around one training iteration of this process: from the start of the
-    graph runtime seam's training call (``GraphRuntimeSchedule.__call__`` with
-    ``forward_only`` False) to the end of the ``close_iteration`` that ends it (after the
-    optimizer step). Evaluation calls pass untouched. ``current_iteration()`` names the
-    iteration a training call runs. Wraps the class (every seam of the run); returns a function
-    that restores it.
+    """Put ``watch`` around one training iteration of Megatron-LM's loop: from the start of its
+    ``train_step`` (the graph runtime's seam and megatron-core's schedule, the optimizer step,
+    the step's statistics) to the end of the ``training_log`` that follows it (``train()``
+    reads the loss scale in between). Evaluation and checkpoints come after the log and are
+    not watched. ``current_iteration()`` names the iteration a ``train_step`` runs. Wraps the
+    loop module's two functions; returns a function that restores them."""
+    import megatron.training.training as loop
 
-    The old fork's loop took an iteration hook; Megatron-LM's loop takes none, so the seam it
-    calls once per iteration stands in for it."""
-    from megatron.packed_graphs.schedule import GraphRuntimeSchedule
-
-    call, close = GraphRuntimeSchedule.__call__, GraphRuntimeSchedule.close_iteration
-    state = {"seam": None, "window": None, "ran": False}
+    train_step, training_log = loop.train_step, loop.training_log
+    state = {"window": None}
 
     def end_window(*exc_info):
-        window, state["window"], state["seam"] = state["window"], None, None
+        window, state["window"] = state["window"], None
         if window is not None:
             window.__exit__(*(exc_info or (None, None, None)))
 
-    def watched_call(seam, *args, forward_only=False, **kwargs):
-        if forward_only:
-            return call(seam, *args, forward_only=forward_only, **kwargs)
-        seam.close_iteration()  # the previous iteration (a skipped step) ends unwatched
+    def watched_step(*args, **kwargs):
+        end_window()  # a window a failed step left open
         iteration = current_iteration()
-        if iteration == watch.iteration and state["window"] is None:
-            window = watch(iteration)
-            window.__enter__()
-            state.update(seam=seam, window=window, ran=False)
+        if iteration == watch.iteration:
+            state["window"] = watch(iteration)
+            state["window"].__enter__()
         try:
-            result = call(seam, *args, forward_only=forward_only, **kwargs)
+            return train_step(*args, **kwargs)
         except BaseException:
-            if state["seam"] is seam:
-                end_window(*sys.exc_info())
+            end_window(*sys.exc_info())
             raise
-        if state["seam"] is seam:
-            state["ran"] = True  # open until the seam closes it after the optimizer step
+
+    def watched_log(*args, **kwargs):
+        try:
+            result = training_log(*args, **kwargs)
+        except BaseException:
+            end_window(*sys.exc_info())
+            raise
+        end_window()
         return result
 
-    def watched_close(seam):
-        closing = state["seam"] is seam and state["ran"]
-        try:
-            close(seam)
-        except BaseException:
-            if closing:
-                end_window(*sys.exc_info())
-            raise
-        if closing:
-            end_window()
-
-    GraphRuntimeSchedule.__call__ = watched_call
-    GraphRuntimeSchedule.close_iteration = watched_close
+    loop.train_step, loop.training_log = watched_step, watched_log
 
     def restore():
-        GraphRuntimeSchedule.__call__ = call
-        GraphRuntimeSchedule.close_iteration = close
+        loop.train_step, loop.training_log = train_step, training_log
         end_window()
     return restore
 

@@ -27,6 +27,11 @@ explicitly, at the start of training:
   take the flag then copy a host scalar to the GPU each backward, which a capture refuses.
 * `check_arg_types_without_reimporting`, `record_capture_statistics`: host time and statistics.
 
+`route_training_loop` puts the graph runtime into Megatron-LM's loop (the seam) and takes the
+loop's per-iteration host reads of its statistics out where they are identities
+(`all_model_parallel_ranks_updated`, `max_stat_across_model_parallel_ranks`,
+`keep_loss_scale_on_host`).
+
 **Reaches** are small functions the fork calls where a subclass cannot do the job: the GPT
 decoder class switch (`switch_block_class`), the TE capture flag
 (`te_graph_capture`), which layers TE graphs for a module list (`layer_graphed_for_modules`),
@@ -494,7 +499,10 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
       before the set-up (never, in ``pretrain``) megatron-core's own;
     * with ``capturable_optimizer`` the optimizer is built capturable
       (``OptimizerConfig.optimizer_cuda_graph``, for the fork's optimizer graph) while upstream's
-      own ``--optimizer-cuda-graph`` wrapper stays off.
+      own ``--optimizer-cuda-graph`` wrapper stays off;
+    * the end of each iteration reads nothing back from the GPU where nothing needs reading
+      (`all_model_parallel_ranks_updated`, `max_stat_across_model_parallel_ranks`,
+      `keep_loss_scale_on_host`).
 
     Upstream's own graph wrappers (``FullCudaGraphWrapper``, ``TECudaGraphHelper``, the
     optimizer wrapper) key on ``args.cuda_graph_impl`` / ``args.optimizer_cuda_graph``, which
@@ -510,6 +518,7 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
     def setup_model_and_optimizer(*args, **kwargs):
         nonlocal wrap
         model, optimizer, scheduler = upstream_setup(*args, **kwargs)
+        keep_loss_scale_on_host(optimizer)
         wrap = on_setup(model, optimizer, scheduler)
         return model, optimizer, scheduler
 
@@ -531,6 +540,76 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
     loop.setup_model_and_optimizer = setup_model_and_optimizer
     loop.get_forward_backward_func = get_forward_backward_func
     loop.get_megatron_optimizer_config = get_megatron_optimizer_config
+    loop.logical_and_across_model_parallel_group = all_model_parallel_ranks_updated
+    loop.reduce_max_stat_across_model_parallel_group = max_stat_across_model_parallel_ranks
+
+
+# Megatron-LM's train_step and training_log end every iteration with three host reads: whether
+# the update succeeded on every model-parallel rank, the gradient norm's maximum over them
+# (train_step) and the learning rate's (training_log), each a one-element tensor built on the
+# GPU, all-reduced and read back; and train() reads the optimizer's loss scale, a CUDA tensor,
+# every iteration. Each read waits for the whole step, so the GPU idles while the host plans
+# the next iteration (docs/benchmarks.md). With a model-parallel group of one these reductions
+# are identities, and without a loss scaler the scale is the constant 1: route_training_loop
+# installs the two functions below, and the loss scale goes to the host after the set-up.
+def _model_parallel_size(group) -> int:
+    from megatron.core import parallel_state
+
+    group = group if group is not None else parallel_state.get_model_parallel_group()
+    return torch.distributed.get_world_size(group)
+
+
+def all_model_parallel_ranks_updated(update_successful: bool, group=None) -> bool:
+    """Upstream's ``logical_and_across_model_parallel_group`` without the device round trip in
+    a model-parallel group of one (then it is ``update_successful``); upstream's otherwise."""
+    if _model_parallel_size(group) == 1:
+        return bool(update_successful)
+    return _upstream_loop_utils()[0](update_successful, group=group)
+
+
+def max_stat_across_model_parallel_ranks(stat, group=None):
+    """Upstream's ``reduce_max_stat_across_model_parallel_group`` (the gradient norm, the zero
+    count, the learning rate) without a host read where none is needed:
+
+    * a model-parallel group of one: ``stat`` itself (a float, None, or the optimizer's 0-dim
+      CUDA gradient norm, which the log reads when it prints it);
+    * a CUDA tensor in a larger group: its maximum over the group as a 0-dim CUDA tensor (an
+      all-reduce on the device; ranks without the statistic take upstream's path, which joins
+      the same all-reduce with -1);
+    * otherwise upstream's (a float: one all-reduce and a host read).
+    """
+    if _model_parallel_size(group) == 1:
+        return stat
+    if torch.is_tensor(stat) and stat.is_cuda:
+        reduced = stat.detach().float().reshape(1).clone()
+        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, group=group)
+        return reduced.reshape(())
+    return _upstream_loop_utils()[1](stat, group=group)
+
+
+def _upstream_loop_utils():
+    from megatron.training.utils import common_utils
+
+    return (common_utils.logical_and_across_model_parallel_group,
+            common_utils.reduce_max_stat_across_model_parallel_group)
+
+
+LOSS_SCALE_ONE = torch.tensor(1.0)  # 0-dim on the host: a scalar operand for a CUDA loss
+
+
+def keep_loss_scale_on_host(optimizer) -> bool:
+    """Without a loss scaler (bf16, fp32), make ``optimizer.get_loss_scale()`` return the host
+    scalar 1.0 instead of upstream's one-element CUDA tensor, on the optimizer and each chained
+    one: train() calls ``.item()`` on it every iteration, a device sync. ``scale_loss`` and
+    megatron-core's schedules multiply the loss by it as before (a 0-dim host tensor is a scalar
+    operand of a CUDA op; the product is the loss, bitwise). With a loss scaler (fp16) the scale
+    lives on the device and changes: nothing is replaced. Returns whether it replaced it."""
+    parts = [optimizer, *getattr(optimizer, "chained_optimizers", [])]
+    if any(getattr(part, "grad_scaler", None) is not None for part in parts):
+        return False
+    for part in parts:
+        part.get_loss_scale = lambda: LOSS_SCALE_ONE
+    return True
 
 
 def skip_dataset_helper_build() -> str:

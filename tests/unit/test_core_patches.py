@@ -554,9 +554,14 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
         args_seen.append(args.optimizer_cuda_graph)
         return config, "overrides"
 
-    monkeypatch.setattr(loop, "setup_model_and_optimizer", lambda *a, **k: ("m", "o", "s"))
+    optimizer = SimpleNamespace(grad_scaler=None)
+    monkeypatch.setattr(loop, "setup_model_and_optimizer",
+                        lambda *a, **k: ("m", optimizer, "s"))
     monkeypatch.setattr(loop, "get_forward_backward_func", lambda **k: "schedule")
     monkeypatch.setattr(loop, "get_megatron_optimizer_config", optimizer_config)
+    for name in ("logical_and_across_model_parallel_group",
+                 "reduce_max_stat_across_model_parallel_group"):
+        monkeypatch.setattr(loop, name, getattr(loop, name))  # restored after the test
     built = []
 
     def on_setup(model, optimizer, scheduler):
@@ -565,12 +570,69 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
 
     core_patches.route_training_loop(on_setup, capturable_optimizer=True)
     assert loop.get_forward_backward_func(schedule_pg_collection=None) == "schedule"
-    assert loop.setup_model_and_optimizer("model_type") == ("m", "o", "s")
-    assert built == [("m", "o", "s")]
+    assert loop.setup_model_and_optimizer("model_type") == ("m", optimizer, "s")
+    assert built == [("m", optimizer, "s")]
+    assert optimizer.get_loss_scale() is core_patches.LOSS_SCALE_ONE
+    assert (loop.logical_and_across_model_parallel_group
+            is core_patches.all_model_parallel_ranks_updated)
+    assert (loop.reduce_max_stat_across_model_parallel_group
+            is core_patches.max_stat_across_model_parallel_ranks)
     assert loop.get_forward_backward_func(schedule_pg_collection=None) == "seam around schedule"
     args = SimpleNamespace(optimizer_cuda_graph=False)
     assert loop.get_megatron_optimizer_config(args) == (config, "overrides")
     assert args_seen == [True] and args.optimizer_cuda_graph is False  # shown False again
+
+
+def test_upstream_loop_reads_its_step_statistics_through_module_names():
+    """The per-iteration reads route_training_loop takes out: train_step reduces the update flag
+    and the gradient norm, training_log the learning rate, by their names in the loop module;
+    train() reads the loss scale with .item(); without a scaler upstream's scale is a constant
+    one-element CUDA tensor that scale_loss multiplies the loss by."""
+    import megatron.training.training as loop
+    from megatron.core.optimizer import optimizer as upstream
+
+    step = inspect.getsource(loop.train_step)
+    assert "logical_and_across_model_parallel_group(update_successful" in step
+    assert "reduce_max_stat_across_model_parallel_group(grad_norm" in step
+    assert "reduce_max_stat_across_model_parallel_group(" in inspect.getsource(loop.training_log)
+    assert "optimizer.get_loss_scale().item()" in inspect.getsource(loop.train)
+    assert "return self._scale_one" in source(upstream.MixedPrecisionOptimizer.get_loss_scale)
+    assert "return self._scale" in source(upstream.FP32Optimizer.get_loss_scale)
+    assert "self.chained_optimizers[0].get_loss_scale()" in source(
+        upstream.ChainedOptimizer.get_loss_scale)
+    assert "self.get_loss_scale() * loss" in source(upstream.MegatronOptimizer.scale_loss)
+
+
+def test_step_statistics_of_a_model_parallel_group_of_one_are_not_read_back(cpu_dist):
+    norm = torch.tensor(2.5)  # stands for the optimizer's device norm: returned, not read
+    assert core_patches.max_stat_across_model_parallel_ranks(norm) is norm
+    assert core_patches.max_stat_across_model_parallel_ranks(None) is None
+    assert core_patches.max_stat_across_model_parallel_ranks(3e-4) == 3e-4
+    assert core_patches.all_model_parallel_ranks_updated(True) is True
+    assert core_patches.all_model_parallel_ranks_updated(False) is False
+
+
+def test_loss_scale_goes_to_the_host_only_without_a_scaler():
+    from megatron.core.optimizer import optimizer as upstream
+    from megatron.core.pipeline_parallel import schedules
+
+    parts = [SimpleNamespace(grad_scaler=None), SimpleNamespace(grad_scaler=None)]
+    chained = SimpleNamespace(chained_optimizers=parts)
+    assert core_patches.keep_loss_scale_on_host(chained)
+    for optimizer in (chained, *parts):
+        assert optimizer.get_loss_scale().item() == 1.0
+    # upstream's scale_loss and the schedule's normalisation, with the host scalar
+    loss = torch.tensor([2.0, 3.0]) / 7
+    scaled = upstream.MegatronOptimizer.scale_loss(chained, loss)
+    assert scaled.dtype == loss.dtype and torch.equal(scaled, loss)
+    config = SimpleNamespace(grad_scale_func=lambda x: parts[0].get_loss_scale() * x)
+    assert torch.equal(schedules._compute_loss_scale(config, torch.device("cpu")),
+                       torch.ones(1))
+
+    scaler = SimpleNamespace(scale=torch.tensor([1024.0]))
+    fp16 = SimpleNamespace(grad_scaler=scaler, get_loss_scale=lambda: scaler.scale)
+    assert not core_patches.keep_loss_scale_on_host(fp16)
+    assert fp16.get_loss_scale() is scaler.scale
 
 
 def test_the_wheel_ships_dataset_helpers_prebuilt_without_a_makefile():

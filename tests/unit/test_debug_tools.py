@@ -156,16 +156,20 @@ def test_compare_graph_grads_relative_differences():
     assert total == pytest.approx(1.0 / 26 ** 0.5)
 
 
-def test_the_watch_brackets_one_training_iteration_of_the_real_seam(monkeypatch):
-    """watch_training_iteration on the graph runtime's seam into Megatron-LM's loop (a real
-    GraphRuntimeSchedule over a real GraphRuntime, graphs off; the schedule under it stands in
-    for megatron-core's, which allocates on CUDA): the watched iteration's debug mode is on from
-    its schedule call through its optimizer step, across an evaluation, and off after it."""
+def test_the_watch_brackets_train_step_through_training_log(monkeypatch):
+    """watch_training_iteration wraps Megatron-LM's loop functions by their module names (the
+    names train() calls): the watched iteration's debug mode is on from its train_step through
+    its training_log, and only there; a failing step closes the window; restore puts upstream's
+    functions back."""
+    import inspect
+
     import torch
 
-    from megatron.packed_graphs.plan import GraphRuntimeConfig
-    from megatron.packed_graphs.runtime import GraphRuntime
-    from megatron.packed_graphs.schedule import GraphRuntimeSchedule
+    import megatron.training.training as loop
+
+    source = inspect.getsource(loop.train)  # the order the window relies on
+    assert source.index("train_step(") < source.index(
+        "optimizer.get_loss_scale().item()") < source.index("training_log(")
 
     calls, mode = [], {"now": 0}
 
@@ -175,49 +179,32 @@ def test_the_watch_brackets_one_training_iteration_of_the_real_seam(monkeypatch)
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
-
-    class Step:  # the PackedForwardStep interface the runtime drives
-        def stage(self, batch, capacity):
-            return batch
-
-        def run(self, model, staged):
-            return staged["id"], lambda output: {"lm loss": output}
-
     seen = []
 
-    def schedule(*, forward_step_func, data_iterator, model, num_microbatches, **kwargs):
-        seen.append((kwargs["forward_only"], mode["now"]))
-        outputs = [forward_step_func(data_iterator, model) for _ in range(num_microbatches)]
-        return [loss_func(output) for output, loss_func in outputs]
+    def train_step(*args, **kwargs):
+        seen.append(("step", mode["now"]))
+        if kwargs.get("fail"):
+            raise RuntimeError("the step failed")
 
-    class Chunk:
-        def zero_grad_buffer(self):
-            pass
-
-    original = (GraphRuntimeSchedule.__call__, GraphRuntimeSchedule.close_iteration)
+    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(loop, "training_log", lambda *a, **k: seen.append(("log", mode["now"])))
     iteration = {"now": 0}
     restore = fhs.watch_training_iteration(fhs.SyncWatch(iteration=2), lambda: iteration["now"])
     try:
-        seam = GraphRuntimeSchedule(GraphRuntime(GraphRuntimeConfig()), schedule,
-                                    stream_length=64)
-        optimizer_step = seam.wrap_optimizer_step(lambda: seen.append(("step", mode["now"])))
-        batches = iter([{"id": i, "num_segments": 1, "num_documents": 1} for i in range(8)])
         for it in (1, 2, 3):
             iteration["now"] = it
-            seam(forward_step_func=Step(), data_iterator=batches, model=[Chunk()],
-                 num_microbatches=1, forward_only=False)
-            if it == 2:  # an evaluation inside the open iteration is not counted
-                seam(forward_step_func=Step(), data_iterator=batches, model=[Chunk()],
-                     num_microbatches=1, forward_only=True)
-            optimizer_step()
+            loop.train_step("forward_step", "data", iteration=it)
+            loop.training_log({}, {})
+        assert seen == [("step", 0), ("log", 0), ("step", "warn"), ("log", "warn"),
+                        ("step", 0), ("log", 0)]
+        assert calls == ["synchronize", "warn", 0]
+        iteration["now"] = 2
+        with pytest.raises(RuntimeError, match="the step failed"):
+            loop.train_step(fail=True)
+        assert mode["now"] == 0  # the failed step's window is closed
     finally:
         restore()
-    assert seen == [(False, 0), ("step", 0),
-                    (False, "warn"), (True, "warn"), ("step", "warn"),
-                    (False, 0), ("step", 0)]
-    assert calls == ["synchronize", "warn", 0]
-    assert seam.runtime.iterations == 3
-    assert (GraphRuntimeSchedule.__call__, GraphRuntimeSchedule.close_iteration) == original
+    assert loop.train_step is train_step
 
 
 def test_compare_graph_grads_builds_the_model_setup_of_megatron_lms_training(monkeypatch):
