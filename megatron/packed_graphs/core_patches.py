@@ -571,15 +571,16 @@ def max_stat_across_model_parallel_ranks(stat, group=None):
     """Upstream's ``reduce_max_stat_across_model_parallel_group`` (the gradient norm, the zero
     count, the learning rate) without a host read where none is needed:
 
-    * a model-parallel group of one: ``stat`` itself (a float, None, or the optimizer's 0-dim
-      CUDA gradient norm, which the log reads when it prints it);
+    * a model-parallel group of one: ``stat`` itself (a float or None), or the optimizer's
+      CUDA gradient norm as a 0-dim tensor, which the log reads only when it prints it;
     * a CUDA tensor in a larger group: its maximum over the group as a 0-dim CUDA tensor (an
       all-reduce on the device; ranks without the statistic take upstream's path, which joins
       the same all-reduce with -1);
     * otherwise upstream's (a float: one all-reduce and a host read).
     """
     if _model_parallel_size(group) == 1:
-        return stat
+        # 0-dim, so the log line's f"{grad_norm:.3f}" formats it (a 1-element tensor cannot)
+        return stat.detach().reshape(()) if torch.is_tensor(stat) else stat
     if torch.is_tensor(stat) and stat.is_cuda:
         reduced = stat.detach().float().reshape(1).clone()
         torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, group=group)

@@ -604,8 +604,12 @@ def test_upstream_loop_reads_its_step_statistics_through_module_names():
 
 
 def test_step_statistics_of_a_model_parallel_group_of_one_are_not_read_back(cpu_dist):
-    norm = torch.tensor(2.5)  # stands for the optimizer's device norm: returned, not read
-    assert core_patches.max_stat_across_model_parallel_ranks(norm) is norm
+    # The optimizer's device norm (0-dim, or 1-element from the optimizer graph) is not read
+    # here, and comes back 0-dim: the log line formats it as a number.
+    for norm in (torch.tensor(2.5), torch.tensor([2.5])):
+        kept = core_patches.max_stat_across_model_parallel_ranks(norm)
+        assert kept.shape == () and kept.data_ptr() == norm.data_ptr()
+        assert f"{kept:.3f}" == "2.500"
     assert core_patches.max_stat_across_model_parallel_ranks(None) is None
     assert core_patches.max_stat_across_model_parallel_ranks(3e-4) == 3e-4
     assert core_patches.all_model_parallel_ranks_updated(True) is True
