@@ -29,8 +29,6 @@ does after its eager reference and graphed runs.
 --dynamic-cp-sets runs every preset and variant once per set of dynamic CP sizes (a row
 label ``preset cp1,2``), with ``--seq-length`` = tokens per rank x the set's largest size, so
 every set holds the same positions per rank: a single-size set measures one graph bank.
-(Training refuses dynamic CP on Megatron-LM's loop in this release: such rows fail with the
-training parser's reason.)
 
 --profile profiles the last two iterations of every run (excluded from the step-time median)
 and reports the GPU-busy time of a step (union of its kernel intervals) and the ratio

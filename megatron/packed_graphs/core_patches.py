@@ -28,9 +28,12 @@ explicitly, at the start of training:
 * `check_arg_types_without_reimporting`, `record_capture_statistics`: host time and statistics.
 
 `route_training_loop` puts the graph runtime into Megatron-LM's loop (the seam) and takes the
-loop's per-iteration host reads of its statistics out where they are identities
+loop's per-iteration host syncs out: its statistics where they are identities
 (`all_model_parallel_ranks_updated`, `max_stat_across_model_parallel_ranks`,
-`keep_loss_scale_on_host`).
+`keep_loss_scale_on_host`), the log's loss sums (`training_log_summing_losses_on_device`) and
+the rerun machine's flags (`reduce_rerun_flags_on_host`). With dynamic context parallelism,
+`build_hybrid_cp_groups_at_start_up` has Megatron-LM's start-up build megatron-core's hybrid
+DP x CP groups without turning on Megatron-LM's own hybrid CP.
 
 **Reaches** are small functions the fork calls where a subclass cannot do the job: the GPT
 decoder class switch (`switch_block_class`), the TE capture flag
@@ -65,6 +68,7 @@ import torch
 import megatron.core
 from megatron.core.optimizer import clip_grads
 from megatron.core.pipeline_parallel import schedules
+from megatron.core.rerun_state_machine import RerunStateMachine
 from megatron.core.transformer import cuda_graphs
 
 from megatron.packed_graphs.graph_memory import reserved_without_cache
@@ -80,6 +84,7 @@ UPSTREAM_ARG_METADATA_INIT = cuda_graphs.ArgMetadata.__init__
 UPSTREAM_ARG_METADATA_ZEROS_LIKE = cuda_graphs.ArgMetadata.zeros_like
 UPSTREAM_GET_GRAD_NORM = clip_grads.get_grad_norm_fp32
 UPSTREAM_CLIP_BY_TOTAL_NORM = clip_grads.clip_grad_by_total_norm_fp32
+UPSTREAM_REDUCE_ANY = RerunStateMachine._reduce_any
 
 # Filled by the capture-statistics patch, one entry per graph capture; the graph runtime
 # empties it after each capture iteration, and it keeps the last few at most.
@@ -502,7 +507,8 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
       own ``--optimizer-cuda-graph`` wrapper stays off;
     * the end of each iteration reads nothing back from the GPU where nothing needs reading
       (`all_model_parallel_ranks_updated`, `max_stat_across_model_parallel_ranks`,
-      `keep_loss_scale_on_host`).
+      `keep_loss_scale_on_host`, `training_log_summing_losses_on_device`,
+      `reduce_rerun_flags_on_host`).
 
     Upstream's own graph wrappers (``FullCudaGraphWrapper``, ``TECudaGraphHelper``, the
     optimizer wrapper) key on ``args.cuda_graph_impl`` / ``args.optimizer_cuda_graph``, which
@@ -542,6 +548,9 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
     loop.get_megatron_optimizer_config = get_megatron_optimizer_config
     loop.logical_and_across_model_parallel_group = all_model_parallel_ranks_updated
     loop.reduce_max_stat_across_model_parallel_group = max_stat_across_model_parallel_ranks
+    if not getattr(loop.training_log, "sums_losses_on_device", False):
+        loop.training_log = training_log_summing_losses_on_device(loop.training_log)
+    reduce_rerun_flags_on_host()
 
 
 # Megatron-LM's train_step and training_log end every iteration with three host reads: whether
@@ -593,6 +602,71 @@ def _upstream_loop_utils():
 
     return (common_utils.logical_and_across_model_parallel_group,
             common_utils.reduce_max_stat_across_model_parallel_group)
+
+
+def training_log_summing_losses_on_device(upstream_log: Callable) -> Callable:
+    """Megatron-LM's ``training_log`` that adds the iteration's losses to the interval's sums
+    without a host copy. Upstream evaluates ``torch.tensor([0.0], device='cuda')`` for every
+    loss key of every iteration (the default of a ``dict.get``): a pageable host-to-device
+    copy, which waits for the whole step. Here the sums start from ``torch.zeros`` on the
+    device (a fill kernel) and the same additions run on the device, so the values are
+    upstream's bitwise. Upstream still gets the iteration's losses where it reads them itself:
+    a skipped iteration (its NaN check) and a TensorBoard/W&B iteration (the writers)."""
+    import inspect
+
+    from megatron.training.global_vars import get_args, get_tensorboard_writer
+
+    signature = inspect.signature(upstream_log)
+
+    def training_log(*positional, **keywords):
+        call = signature.bind(*positional, **keywords)
+        losses, sums = call.arguments["loss_dict"], call.arguments["total_loss_dict"]
+        args, iteration = get_args(), call.arguments["iteration"]
+        writes = (get_tensorboard_writer() is not None
+                  and iteration % args.tensorboard_log_interval == 0)
+        if losses and not call.arguments["skipped_iter"] and not writes:
+            for key, loss in losses.items():
+                total = sums.get(key)
+                if total is None:
+                    total = torch.zeros(1, dtype=torch.float, device=loss.device)
+                sums[key] = total + loss
+            call.arguments["loss_dict"] = {}
+        return upstream_log(*call.args, **call.kwargs)
+
+    training_log.sums_losses_on_device = True
+    training_log.__wrapped__ = upstream_log
+    return training_log
+
+
+def reduce_rerun_flags_on_host() -> None:
+    """Megatron-LM's rerun state machine all-reduces its request flags over the world after
+    every forward-backward (``RerunStateMachine._reduce_any``) as one-element CUDA tensors
+    read back on the host: two device syncs per iteration in its default ``validate_results``
+    mode. The flags are host booleans, so they are reduced on the host: as they are in a
+    world of one, else over a Gloo group of the world (a host all-reduce, no device sync)."""
+    RerunStateMachine._reduce_any = any_rank_requested
+
+
+def any_rank_requested(machine, value):
+    """``RerunStateMachine._reduce_any`` on the host: whether any rank's flag is set, for one
+    flag or a list of flags (a tuple back), as upstream returns them."""
+    flags = [bool(flag) for flag in (value if isinstance(value, list) else [value])]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        counts = torch.tensor(flags, dtype=torch.int32)
+        torch.distributed.all_reduce(counts, group=_host_world_group())
+        flags = [count > 0 for count in counts.tolist()]
+    return tuple(flags) if isinstance(value, list) else flags[0]
+
+
+_HOST_WORLD_GROUP = []
+
+
+def _host_world_group():
+    """A Gloo group of the whole world, made at the first reduction (a collective every rank
+    reaches at the same point: the rerun machine's reduction is one already)."""
+    if not _HOST_WORLD_GROUP:
+        _HOST_WORLD_GROUP.append(torch.distributed.new_group(backend="gloo"))
+    return _HOST_WORLD_GROUP[0]
 
 
 LOSS_SCALE_ONE = torch.tensor(1.0)  # 0-dim on the host: a scalar operand for a CUDA loss
@@ -859,3 +933,40 @@ def te_layer_capture_keywords(make_graphed_callables, num_layers: int) -> dict:
     if "clone_param_grads_on_return" in inspect.signature(make_graphed_callables).parameters:
         keywords["clone_param_grads_on_return"] = False
     return keywords
+
+
+# --------------------------------------------------------------------------------------------
+# Dynamic context parallelism: megatron-core's hybrid DP x CP groups at Megatron-LM's start-up
+# --------------------------------------------------------------------------------------------
+
+def build_hybrid_cp_groups_at_start_up() -> None:
+    """Make Megatron-LM's start-up build megatron-core's hybrid DP x CP groups: aligned blocks
+    of the data x context-parallel ranks of every power-of-two size, from which dynamic CP
+    takes each micro-batch's CP group (dynamic_cp.dynamic_cp_group). Idempotent.
+
+    ``initialize_megatron`` (in ``pretrain()``) builds the process groups in
+    ``_initialize_distributed``, which passes ``args.hybrid_context_parallel`` on to
+    ``parallel_state.initialize_model_parallel``: that field is True for the duration of the
+    call only. Left on, it would also start upstream's own hybrid CP, another scheduler over
+    another data format: ``validate_args`` wants ``--dataloader-type single`` with it,
+    ``train()`` wraps the data iterator in ``HybridCPDataLoaderWrapper`` (which all-gathers and
+    reroutes upstream's sub-samples), and the TransformerConfig field of the same name turns
+    megatron-core's no-pipelining schedule into ``hybrid_context_parallel_forward_backward``.
+    """
+    from megatron.training import get_args
+    from megatron.training import initialize as start_up
+
+    upstream = start_up._initialize_distributed
+    if getattr(upstream, "builds_hybrid_cp_groups", False):
+        return
+
+    def initialize_distributed(*positional, **keywords):
+        args = get_args()
+        shown, args.hybrid_context_parallel = args.hybrid_context_parallel, True
+        try:
+            return upstream(*positional, **keywords)
+        finally:
+            args.hybrid_context_parallel = shown
+
+    initialize_distributed.builds_hybrid_cp_groups = True
+    start_up._initialize_distributed = initialize_distributed

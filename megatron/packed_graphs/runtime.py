@@ -36,7 +36,8 @@ The forward step the runtime drives (megatron.packed_training.packed_step.Packed
   CP size (dynamic CP banks are captured with it).
 
 From each micro-batch (a collated dict) the runtime reads the host values ``num_segments``,
-``num_documents`` and, under dynamic CP, ``cp_turn`` (its CP size), ``cp_mix``, ``cp_rounds``.
+``num_documents`` and, under dynamic CP, ``cp_turn`` (its CP size), ``cp_mix``, ``cp_rounds``,
+``iteration_positions``.
 """
 
 from collections import Counter
@@ -77,6 +78,8 @@ from megatron.packed_graphs.te_graphs import TELayerGraphs
 
 PLAN_KEY = "graph_plan"  # where a planned micro-batch (a copy of the loader's dict) holds its plan
 STATIC_KEY = "static_micro_batch"  # an iteration graph's micro-batch: its static staged inputs
+# Dynamic CP: the statistic holding the iteration's token positions (its samples, all ranks).
+ITERATION_POSITIONS = "iteration positions"
 
 
 def tokens_per_rank(args) -> int:
@@ -391,7 +394,10 @@ class GraphRuntime:
                 stats |= source()
             if batches and "cp_mix" in batches[0]:  # dynamic CP: the iteration's sizes, rounds
                 stats |= {"cp micro-batches": batches[0]["cp_mix"],
-                          "cp rounds": batches[0]["cp_rounds"]}
+                          "cp rounds": batches[0]["cp_rounds"],
+                          "cp turns": len(batches),  # this rank's micro-batches
+                          # Samples differ in length: the log's throughput counts these.
+                          ITERATION_POSITIONS: batches[0]["iteration_positions"]}
         eager = Counter(r for r in micro_batch_reasons(step.plans) if r is not Reason.GRAPHED)
         eager.update(step.reruns)
         self.eager_totals.update(eager)

@@ -21,6 +21,16 @@ overflowed micro-batches are rerun eager here, before the optimizer step.
 The schedule always sees one THD stream per micro-batch: ``seq_length`` is the micro-batch's
 ``micro_batch_size * seq_length`` positions and ``micro_batch_size`` 1, whatever upstream passes.
 
+Dynamic CP (``rank_iterations``): upstream passes every rank the same ``N``, but a rank runs
+the micro-batches of its own turns (datasets/dynamic_cp.py), one or more, their count varying
+by rank and iteration. The data iterator then yields one iteration per ``next()``, that list,
+and the schedule runs as many micro-batches as it holds. The collectives stay matched: at
+PP = 1 megatron-core's schedule reduces the gradients (DDP's bucket reductions, and
+``finalize_model_grads``, which all-reduces the token count of the per-token loss) once per
+call whatever the count, ``train_step`` all-reduces the loss once per iteration over the
+data x context-parallel group (every rank has a loss: at least one turn), and the ranks of a
+micro-batch's CP group meet its collectives in the same round order.
+
 ``forward_step_func`` must be the run's `PackedForwardStep` (megatron.packed_training): the
 runtime stages and runs each micro-batch through it under the micro-batch's plan.
 
@@ -47,15 +57,19 @@ class GraphRuntimeSchedule:
     ``listeners``: called as ``listener(split, stats, losses)`` when a training iteration closes
     (after its optimizer step; ``split`` "train") and after each evaluation iteration ("valid"),
     with the runtime's statistics of the iteration and the schedule's losses_reduced.
+    ``rank_iterations``: each ``next()`` of the data iterator is a whole iteration of this
+    rank, a non-empty list of micro-batches, and the schedule runs that many whatever
+    ``num_microbatches`` says (dynamic CP, module doc).
     """
 
     def __init__(self, runtime: GraphRuntime, schedule: Callable, *, stream_length: int,
-                 moe_rerun=None, optimizer=None):
+                 moe_rerun=None, optimizer=None, rank_iterations: bool = False):
         self.runtime = runtime
         self.schedule = schedule
         self.stream_length = stream_length
         self.moe_rerun = moe_rerun
         self.optimizer = optimizer  # zeroed with the gradient buffers before a MoE rerun
+        self.rank_iterations = rank_iterations
         self.before_iteration: List[Callable[[], None]] = []
         self.listeners: List[Callable[[str, dict, list], None]] = []
         # The training iteration whose optimizer step has not run yet.
@@ -67,7 +81,8 @@ class GraphRuntimeSchedule:
                  forward_only: bool = False, seq_length=None, micro_batch_size=None,
                  **schedule_kwargs):
         """Plan, then run this iteration's ``num_microbatches`` micro-batches (one data
-        iterator, or one per virtual pipeline chunk). Returns what the schedule returns
+        iterator, or one per virtual pipeline chunk; with ``rank_iterations``, this rank's
+        micro-batches of the iteration, however many). Returns what the schedule returns
         (losses_reduced; under a full-iteration graph, graph-owned tensors the next replay
         overwrites). Syncs only where the runtime does (captures, the MoE overflow read)."""
         if not forward_only:
@@ -79,13 +94,13 @@ class GraphRuntimeSchedule:
         if len(iterators) == 1 and chunks > 1:  # VPP: every chunk reads the micro-batches itself
             raise ValueError(f"data_iterator is wrong: one iterator for {chunks} model chunks. "
                              "Give one iterator per virtual pipeline chunk.")
-        micro_batches = [[next(it) for _ in range(num_microbatches)] for it in iterators]
+        micro_batches = [self._read(it, num_microbatches) for it in iterators]
 
         def run(step_forward, planned: Sequence[Sequence[dict]]):
             data = [iter(batches) for batches in planned]
             return self.schedule(
                 forward_step_func=step_forward, data_iterator=data if chunks > 1 else data[0],
-                model=model, num_microbatches=num_microbatches, forward_only=forward_only,
+                model=model, num_microbatches=len(planned[0]), forward_only=forward_only,
                 seq_length=self.stream_length, micro_batch_size=1, **schedule_kwargs)
 
         if forward_only:
@@ -106,6 +121,20 @@ class GraphRuntimeSchedule:
             raise
         self._open, self._open_step, self._open_losses = stack, step, losses
         return losses
+
+    def _read(self, iterator, num_microbatches: int) -> List[dict]:
+        """One iteration's micro-batches from ``iterator``: ``num_microbatches`` of them, or
+        with ``rank_iterations`` the list its next item is."""
+        if not self.rank_iterations:
+            return [next(iterator) for _ in range(num_microbatches)]
+        turns = next(iterator)
+        if not isinstance(turns, list) or not turns:
+            # A rank without a micro-batch would skip the loss all-reduce the others wait in.
+            shown = "an empty list" if turns == [] else f"a {type(turns).__name__}"
+            raise ValueError(f"data iterator item is wrong: {shown}. With rank_iterations each "
+                             "item is the non-empty list of this rank's micro-batches of one "
+                             "iteration (datasets/dynamic_cp.DynamicCPBatches).")
+        return turns
 
     def _zeroed(self, model, run: Callable) -> Callable:
         """``run`` after zeroing the gradients, as upstream's train_step does before its

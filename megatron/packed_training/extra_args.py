@@ -219,7 +219,7 @@ def check_mamba(args, model: str) -> None:
         fail("--mamba-head-dim", args.mamba_head_dim,
              f"It must divide the Mamba inner width 2 x --hidden-size = {inner}, or set "
              "--mamba-num-heads")
-    heads = args.mamba_num_heads or inner // args.mamba_head_dim
+    heads = _mamba_heads(args)
     if heads % args.mamba_num_groups:
         fail("--mamba-num-groups", args.mamba_num_groups,
              f"It must divide the Mamba head count ({heads})")
@@ -250,15 +250,104 @@ def check_tokenizer(args) -> None:
 
 
 def check_dynamic_cp(args) -> None:
-    """--dynamic-cp-sizes: a CP size per micro-batch, whose ranks then run different numbers of
-    micro-batches. Megatron-LM's loop runs the same count on every rank and builds its own
-    hybrid-CP groups and data path, so the fork's dynamic CP does not run on it yet."""
-    for flag in ("--dynamic-cp-sizes", "--dynamic-cp-max-packed-seqs"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value:
-            fail(flag, " ".join(map(str, value)),
-                 "Dynamic context parallelism does not run on Megatron-LM's training loop in "
-                 "this release; use a static --context-parallel-size")
+    """--dynamic-cp-sizes / --dynamic-cp-max-packed-seqs: a CP size per micro-batch from the
+    set, so ranks run different numbers of micro-batches (docs/context-parallel.md). Fills
+    ``dynamic_cp_tokens_per_rank`` (0 without dynamic CP), ``dynamic_cp_max_packed_seqs`` (a
+    capacity per size) and ``dynamic_cp_groups`` (a size above 1: megatron-core's hybrid
+    DP x CP groups are built at start-up, core_patches.build_hybrid_cp_groups_at_start_up)."""
+    from megatron.packed_graphs.dynamic_cp import check_cp_sizes
+
+    sizes, capacities = args.dynamic_cp_sizes, args.dynamic_cp_max_packed_seqs
+    args.dynamic_cp_tokens_per_rank, args.dynamic_cp_groups = 0, False
+    if not sizes:
+        if capacities:
+            fail("--dynamic-cp-max-packed-seqs", _shown(capacities),
+                 "It sizes the graph banks of dynamic CP; add --dynamic-cp-sizes or drop it")
+        return
+    impl = args.packed_graph_impl
+    uneven = "Ranks run different numbers of micro-batches under dynamic CP"
+    ramp = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
+    modules = [getattr(m, "name", str(m)) for m in args.cuda_graph_modules or []]
+    for refused, flag, value, todo in (
+            (args.context_parallel_size > 1, "--context-parallel-size", args.context_parallel_size,
+             "Dynamic CP picks each micro-batch's CP group from the data-parallel ranks; use 1"),
+            (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
+             args.pipeline_model_parallel_size, f"{uneven}, which pipeline stages cannot; use 1"),
+            (args.expert_model_parallel_size > 1, "--expert-model-parallel-size",
+             args.expert_model_parallel_size, "Ranks hold different token counts under dynamic "
+             "CP, so expert capacities would differ within one expert-parallel all-to-all; use 1"),
+            (args.micro_batch_size != 1, "--micro-batch-size", args.micro_batch_size,
+             "Under dynamic CP a micro-batch is one packed stream; use 1"),
+            (bool(args.rampup_batch_size or args.step_batch_size_schedule), ramp,
+             _shown(getattr(args, ramp[2:].replace("-", "_"))),
+             "Dynamic CP places whole global batches of one size; drop it"),
+            (args.decrease_batch_size_if_needed, "--decrease-batch-size-if-needed", True,
+             "Dynamic CP places whole global batches of one size; drop it"),
+            (not args.calculate_per_token_loss, "--calculate-per-token-loss", "not given",
+             f"{uneven}, so only the per-token loss weighs them right; add it"),
+            (impl in ("local", "full_iteration"), "--cuda-graph-impl", impl,
+             "Dynamic CP graphs are banks of TE layer graphs, one per CP size; use "
+             "transformer_engine, or none"),
+            (args.cuda_graph_check_interval > 0, "--cuda-graph-check-interval",
+             args.cuda_graph_check_interval, "Each rank checks its first graphed micro-batch, "
+             "and the ranks of a dynamic CP group need not pick the same one; drop it"),
+            ("moe_preprocess" in modules, "--cuda-graph-modules", " ".join(modules),
+             "Under dynamic CP each graph bank holds another token count, and the eager part "
+             "of an MoE layer reads shapes its preprocess graph set at capture (the last "
+             "bank's); drop moe_preprocess")):
+        if refused:
+            fail(flag, value, f"{todo}, or drop --dynamic-cp-sizes")
+    ranks = args.data_parallel_size
+    sizes = list(check_cp_sizes(sizes, ranks, what="--dynamic-cp-sizes"))
+    shown, largest = _shown(sizes), sizes[-1]
+    if ranks & (ranks - 1):
+        fail("--dynamic-cp-sizes", shown, f"Dynamic CP places micro-batches on power-of-two "
+                                          f"blocks of the {ranks} data-parallel ranks; use a "
+                                          "power-of-two rank count")
+    if largest > 1 and not uses_te_attention(args):
+        fail("--attention-backend", args.attention_backend.name,
+             f"CP sizes above 1 (--dynamic-cp-sizes {shown}) run Transformer Engine's "
+             "context-parallel attention; install TE and use auto, flash, fused or unfused")
+    if args.model == "hybrid":
+        for size in (size for size in sizes if size > 1):
+            _check_mamba_cp(args, size)
+    if args.seq_length % (2 * largest * largest):
+        fail("--seq-length", args.seq_length,
+             f"With --dynamic-cp-sizes up to {largest} every rank holds --seq-length / {largest} "
+             f"positions, a multiple of 2 x {largest}: use a multiple of {2 * largest ** 2}")
+    if capacities and impl == "none":
+        fail("--dynamic-cp-max-packed-seqs", _shown(capacities),
+             "It would be ignored without graphs; add --cuda-graph-impl transformer_engine")
+    if capacities and (len(capacities) != len(sizes) or min(capacities) < 1):
+        fail("--dynamic-cp-max-packed-seqs", _shown(capacities),
+             f"Give one positive capacity per --dynamic-cp-sizes entry ({len(sizes)})")
+    args.dynamic_cp_sizes = sizes
+    args.dynamic_cp_max_packed_seqs = list(capacities or [args.cuda_graph_max_packed_seqs]
+                                           * len(sizes))
+    args.dynamic_cp_tokens_per_rank = args.seq_length // largest
+    args.dynamic_cp_groups = largest > 1
+
+
+def _check_mamba_cp(args, size: int) -> None:
+    """What megatron-core's MambaContextParallel asserts for a micro-batch's CP group, built
+    when the first micro-batch of that size runs: whole heads per CP rank, and the CP size
+    and the B/C groups per TP rank dividing one another."""
+    tp = args.tensor_model_parallel_size
+    heads, groups = _mamba_heads(args) // tp, max(args.mamba_num_groups // tp, 1)
+    if heads % size or max(size, groups) % min(size, groups):
+        fail("--dynamic-cp-sizes", _shown(args.dynamic_cp_sizes),
+             f"Mamba context parallelism needs each CP size to divide the {heads} Mamba heads "
+             f"per TP rank, and to divide or be divided by the {groups} groups per TP rank "
+             f"(--mamba-num-groups / TP); {size} does not")
+
+
+def _mamba_heads(args) -> int:
+    return args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
+
+
+def _shown(values) -> str:
+    """A list-valued flag as typed (``1 2 4``), for error messages."""
+    return " ".join(map(str, values)) if isinstance(values, (list, tuple)) else str(values)
 
 
 def check_graphs(args, model: str) -> None:
@@ -275,9 +364,8 @@ def check_graphs(args, model: str) -> None:
         for flag, value in (("--cuda-graph-max-packed-seqs", capacity),
                             ("--cuda-graph-capacity-ladder", args.cuda_graph_capacity_ladder)):
             if value:
-                shown = " ".join(map(str, value)) if isinstance(value, list) else value
-                fail(flag, shown, "It would be ignored without graphs; add --cuda-graph-impl "
-                                  "local")
+                fail(flag, _shown(value), "It would be ignored without graphs; add "
+                                          "--cuda-graph-impl local")
         return
     if capacity == 0:
         fail("--cuda-graph-max-packed-seqs", 0,

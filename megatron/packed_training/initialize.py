@@ -52,7 +52,7 @@ def initialize_distributed(args) -> None:
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         # Dynamic CP: megatron-core's aligned DP x CP groups of every power-of-two size.
-        hybrid_context_parallel=max(args.dynamic_cp_sizes or [1]) > 1,
+        hybrid_context_parallel=args.dynamic_cp_groups,
     )
     init_num_microbatches_calculator(
         rank, None, args.global_batch_size, args.micro_batch_size,

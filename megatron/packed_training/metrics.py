@@ -127,10 +127,14 @@ class RuntimeLog:
         self._flush_valid()
         from megatron.core.num_microbatches_calculator import get_current_global_batch_size
 
+        from megatron.packed_graphs.runtime import ITERATION_POSITIONS
+
         self.iteration += 1
         batch = get_current_global_batch_size()
         stats = stats | self.profiler.finish(self.iteration)
-        self.interval.add(batch, batch * self.args.seq_length, stats)
+        # Dynamic CP samples hold CP size x tokens per rank positions each: the runtime counts.
+        positions = stats.pop(ITERATION_POSITIONS, batch * self.args.seq_length)
+        self.interval.add(batch, positions, stats)
         if self.iteration % self.args.log_interval and self.iteration != self.args.train_iters:
             return
         loss = reduced_lm_loss(losses)

@@ -35,9 +35,10 @@ def model_provider(build: Callable, pre_process=True, post_process=True, vp_stag
 
 def packed_data_provider(packed_rows: dict | None):
     """Megatron-LM's ``train_valid_test_datasets_provider`` for packed rows: iterators of this
-    rank's micro-batch dicts (``--dataloader-type external``), every rank its own (the packed
-    metadata is needed on every stage), resuming at the consumed samples of a loaded checkpoint.
-    ``packed_rows``: the data check's rows (rank 0), not read again."""
+    rank's micro-batch dicts (``--dataloader-type external``; under dynamic CP, of this rank's
+    turns per iteration), every rank its own (the packed metadata is needed on every stage),
+    resuming at the consumed samples of a loaded checkpoint. ``packed_rows``: the data check's
+    rows (rank 0), not read again."""
     built = {}
 
     def provider(num_samples, vp_stage=None):
@@ -45,8 +46,8 @@ def packed_data_provider(packed_rows: dict | None):
         from megatron.training import get_args, print_rank_0
 
         from megatron.packed_training.datasets.builder import (
-            build_data_iterator,
             build_datasets,
+            build_rank_iterators,
             describe_packing,
         )
 
@@ -55,17 +56,9 @@ def packed_data_provider(packed_rows: dict | None):
             built["train"], built["valid"], stats = build_datasets(args, packed_rows)
             if stats is not None:
                 print_rank_0(f" > packed training data: {describe_packing(stats)}")
-        rank = parallel_state.get_data_parallel_rank()
-        size = parallel_state.get_data_parallel_world_size()
-        train = build_data_iterator(built["train"], args.consumed_train_samples,
-                                    args.micro_batch_size, rank, size,
-                                    num_workers=args.num_workers,
-                                    exit_signal=args.exit_signal if args.exit_signal_handler
-                                    else None)
-        valid = None
-        if built["valid"] is not None:
-            valid = build_data_iterator(built["valid"], 0, args.micro_batch_size, rank, size,
-                                        cycle=True)
+        train, valid = build_rank_iterators(
+            built["train"], built["valid"], args, parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size())
         return train, valid, None
 
     provider.is_distributed = True
@@ -110,7 +103,8 @@ class PackedGraphRun:
 
         seam = GraphRuntimeSchedule(self.runtime, schedule,
                                     stream_length=self.args.micro_batch_size * self.args.seq_length,
-                                    moe_rerun=self.moe_rerun, optimizer=self.optimizer)
+                                    moe_rerun=self.moe_rerun, optimizer=self.optimizer,
+                                    rank_iterations=bool(self.args.dynamic_cp_sizes))
         if not self.step_wrapped:
             self.optimizer.step = seam.wrap_optimizer_step(self.optimizer.step)
             self.step_wrapped = True
@@ -149,7 +143,11 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.global_vars import set_global_variables
 
-    from megatron.packed_graphs.core_patches import apply_core_patches, route_training_loop
+    from megatron.packed_graphs.core_patches import (
+        apply_core_patches,
+        build_hybrid_cp_groups_at_start_up,
+        route_training_loop,
+    )
     from megatron.packed_training.packed_step import PackedForwardStep
 
     set_global_variables(args)  # the tokenizer, micro-batch calculator, writers, timers
@@ -159,6 +157,8 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
             f"{name} ({state})" for name, state in patches.items()), flush=True)
     run = PackedGraphRun(args)
     route_training_loop(run, capturable_optimizer=args.packed_optimizer_graph)
+    if args.dynamic_cp_groups:  # a --dynamic-cp-sizes size above 1
+        build_hybrid_cp_groups_at_start_up()
     if args.rank == 0:
         for note in args.packed_notes:
             print(f" > {note}", flush=True)

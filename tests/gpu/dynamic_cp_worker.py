@@ -4,11 +4,15 @@ One packed micro-batch, three ways, same weights on both ranks:
 
 * ``reference``: each rank runs the whole micro-batch without CP;
 * ``dynamic CP 2``: the two ranks split it with the THD CP layout and run TE's CP attention
-  over their data-parallel group (RoPE at each rank's own positions), passed per micro-batch
+  over the group training gives a size-2 micro-batch (``dynamic_cp_group(2)``: here the
+  data-parallel group; RoPE at each rank's own positions), passed per micro-batch
   (``packed_seq_params.cp_group``, ``local_cp_size = 2``); loss sums, token counts and
   gradients are summed over the two ranks;
 * ``dynamic CP 1``: the whole micro-batch again with ``local_cp_size = 1`` (no group): the
   layers must have switched back.
+
+Parsed with ``--dynamic-cp-sizes 1 2``, so the start-up builds megatron-core's parallel state
+with its hybrid DP x CP groups, as training's does.
 
 Rank 0 writes ``{case: {"loss", "tokens", "grad_rel_diff"}}`` (relative to the reference) as
 JSON to the path given as the first argument.
@@ -26,6 +30,7 @@ sys.path.insert(0, REPO)
 import pretrain_gpt  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
+from megatron.packed_graphs.dynamic_cp import dynamic_cp_group  # noqa: E402
 from megatron.packed_training.arguments import parse_args  # noqa: E402
 from megatron.packed_training.config import transformer_config_from_args  # noqa: E402
 from megatron.packed_training.datasets.mock import MockPackedDataset  # noqa: E402
@@ -52,14 +57,16 @@ def main(out_path: str) -> None:
         "--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--train-iters", "1",
         "--micro-batch-size", "1",
         "--global-batch-size", "2", "--eval-iters", "0", "--attention-backend", "auto",
-        "--te-rng-tracker"], model="gpt")
+        "--te-rng-tracker", "--dynamic-cp-sizes", "1", "2"], model="gpt")
+    assert args.dynamic_cp_groups
     initialize_distributed(args)
     set_seeds(args.seed, te_rng_tracker=True)
     config = transformer_config_from_args(args)
     model = Float16Module(config, pretrain_gpt.model_provider(args, config).cuda())
     for param in model.parameters():  # the same weights on both ranks
         torch.distributed.broadcast(param.data, src=0)
-    group = parallel_state.get_data_parallel_group()
+    group = dynamic_cp_group(2)
+    assert group is parallel_state.get_data_parallel_group(with_context_parallel=True)
     cp = group.size()
     data = MockPackedDataset(4, args.seq_length, args.vocab_size, seed=7, doc_length_median=300,
                              segment_multiple=2 * cp)

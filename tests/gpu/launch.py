@@ -10,8 +10,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
 from megatron.packed_training.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,14 +88,6 @@ def megatron_log_values(log: str) -> dict:
                 continue
         values[int(match.group(1))] = found
     return values
-
-
-# Training with --dynamic-cp-sizes: the fork's parser refuses it on Megatron-LM's loop in this
-# release (extra_args.check_dynamic_cp: that loop runs one micro-batch count on every rank).
-# The tests that train with it are kept, skipped with this mark, for when it runs again.
-DYNAMIC_CP_TRAINING = pytest.mark.skip(
-    reason="--dynamic-cp-sizes does not run on Megatron-LM's training loop in this release "
-           "(refused by megatron/packed_training/extra_args.py, check_dynamic_cp)")
 
 
 def _free_port() -> int:

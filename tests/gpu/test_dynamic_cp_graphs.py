@@ -1,10 +1,9 @@
 """Dynamic context parallelism (issue 7): a micro-batch's own CP group, and training with
-graph banks per CP size through pretrain_gpt.py / pretrain_mamba.py.
+graph banks per CP size through pretrain_gpt.py / pretrain_mamba.py, on Megatron-LM's loop
+(each rank runs its own turns of the global batch through the graph runtime's seam).
 
 Skipped without Transformer Engine (`pip install -e ".[te]"`) or with fewer GPUs than a test
-needs (2; the CP = 4 cases need the x4 machine). The training cases are skipped while the
-fork refuses --dynamic-cp-sizes on Megatron-LM's loop (launch.DYNAMIC_CP_TRAINING); the
-per-micro-batch CP group (dynamic_cp_worker.py) runs.
+needs (2; the CP = 4 cases need the x4 machine).
 """
 
 import json
@@ -16,7 +15,6 @@ pytest.importorskip("transformer_engine.pytorch",
                     reason="needs Transformer Engine (pip install -e '.[te]')")
 
 from tests.gpu.launch import (  # noqa: E402
-    DYNAMIC_CP_TRAINING,
     TINY_GPT,
     TINY_HYBRID,
     TRAIN,
@@ -68,7 +66,6 @@ def test_micro_batch_cp_group_matches_the_whole_micro_batch(tmp_path):
     assert cp1["grad_rel_diff"] < 1e-6
 
 
-@DYNAMIC_CP_TRAINING
 @pytest.mark.parametrize("kind, size, ranks", [
     pytest.param("gpt", 1, 2, marks=pytest.mark.gpus(2)),
     pytest.param("gpt", 2, 2, marks=pytest.mark.gpus(2)),
@@ -78,20 +75,23 @@ def test_micro_batch_cp_group_matches_the_whole_micro_batch(tmp_path):
 ])
 def test_forced_cp_size_graphs_match_eager(tmp_path, kind, size, ranks):
     """Every micro-batch at one CP size (``--dynamic-cp-sizes size``): the bank's graph
-    replay gives eager's loss and grad norm at every iteration, and training learns."""
+    replay gives eager's loss and grad norm at every iteration, and training learns. Each rank
+    runs 2 x size micro-batches an iteration, where Megatron-LM's loop counts 2."""
     script, model = SCRIPT[kind]
     common = model + TRAIN + TE + ["--train-iters", "20", "--global-batch-size", str(2 * ranks),
                                    "--dynamic-cp-sizes", str(size)]
     eager = run_training(script, common, tmp_path, nproc=ranks, name=f"{kind}_cp{size}_eager")
     graphs = run_training(script, common + TE_GRAPH_BANKS, tmp_path, nproc=ranks,
                           name=f"{kind}_cp{size}_graphs")
+    assert len(eager) == len(graphs) == 20
     assert {r["cp micro-batches"] for r in eager} == {f"{size}x{2 * ranks}"}
+    assert {r["cp turns"] for r in eager + graphs} == {2 * size}
+    assert {r["global_batch_size"] for r in graphs} == {2 * ranks}
     assert graphs[2][f"graph memory cp{size} (MiB)"] > 0
     _compare(eager, graphs, f"{kind} forced CP {size} on {ranks} ranks")
     assert losses(eager)[-1] < losses(eager)[0] - 0.5
 
 
-@DYNAMIC_CP_TRAINING
 @pytest.mark.parametrize("kind, sizes, ranks", [
     pytest.param("gpt", (1, 2), 2, marks=pytest.mark.gpus(2)),
     pytest.param("hybrid", (1, 2), 2, marks=pytest.mark.gpus(2)),
@@ -111,8 +111,11 @@ def test_mixed_cp_sizes_soak(tmp_path, kind, sizes, ranks):
     assert len(graphs) == 100 and all(r["lm_loss"] == r["lm_loss"] for r in graphs)  # no NaN
     mixes = [r["cp micro-batches"] for r in graphs]
     used = {int(part.split("x")[0]) for mix in mixes for part in mix.split()}
-    print(f"{kind} mixed CP sizes: used {sorted(used)}, e.g. {mixes[:5]}")
+    turns = [r["cp turns"] for r in graphs]  # the last rank's micro-batches per iteration
+    print(f"{kind} mixed CP sizes: used {sorted(used)}, e.g. {mixes[:5]}, turns {turns[:5]}")
     assert used == set(sizes), mixes
+    assert len(set(turns)) > 1, turns  # Megatron-LM's loop counts 2 every iteration
+    assert [r["cp turns"] for r in eager] == turns  # the same data path with and without graphs
     for size in sizes:
         assert graphs[2][f"graph memory cp{size} (MiB)"] > 0
     _compare(eager, graphs, f"{kind} mixed CP sizes {sizes} on {ranks} ranks")

@@ -7,8 +7,7 @@ without Transformer Engine: packed MLA runs on TE attention).
 * A captured MLA forward + backward still reads valid RoPE tables after an eager micro-batch
   of another length grew them (the hazard of upstream's re-registered cos/sin cache).
 * Training: eager == layer graphs (local and TE), chunk graphs, dynamic-CP graph banks
-  (CP 1/2/4; skipped while the fork refuses --dynamic-cp-sizes on Megatron-LM's loop), for
-  GPT, hybrid '+' layers and an MLA + MoE model.
+  (CP 1/2/4), for GPT, hybrid '+' layers and an MLA + MoE model.
 """
 
 import pytest
@@ -20,7 +19,6 @@ pytest.importorskip("transformer_engine.pytorch",
 
 from tests.gpu.capture import capture_without_host_sync  # noqa: E402
 from tests.gpu.launch import (  # noqa: E402
-    DYNAMIC_CP_TRAINING,
     LAYER_GRAPHS,
     TRAIN,
     losses,
@@ -278,7 +276,6 @@ def test_mla_graphs_train_like_eager(tmp_path, eager_run, kind, graphs):
     assert losses(eager)[-1] < losses(eager)[0] - 0.5
 
 
-@DYNAMIC_CP_TRAINING
 @pytest.mark.parametrize("kind, sizes, ranks", [
     pytest.param("gpt", (2,), 2, marks=pytest.mark.gpus(2)),
     pytest.param("gpt", (1, 2), 2, marks=pytest.mark.gpus(2)),

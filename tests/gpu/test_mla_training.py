@@ -15,8 +15,7 @@ micro-batch:
 * eager vs TE layer-graph banks at one forced dynamic-CP size (1 and 2 on two GPUs, 4 on
   four), 50 steps;
 * a 100-step soak with mixed CP sizes 1/2/4 on four GPUs: no NaN, every bank replays,
-  eager's curve (these two skipped while the fork refuses --dynamic-cp-sizes on
-  Megatron-LM's loop: launch.DYNAMIC_CP_TRAINING).
+  eager's curve.
 
 And, on a tiny MLA model, ``--mla-pad-v never`` trains like the default (V padded), eager
 and under layer graphs.
@@ -42,7 +41,7 @@ pytest.importorskip("transformer_engine.pytorch",
                     reason="needs Transformer Engine (pip install -e '.[te]'): packed MLA runs "
                            "on TE attention")
 
-from tests.gpu.launch import DYNAMIC_CP_TRAINING, TRAIN, losses, run_training  # noqa: E402
+from tests.gpu.launch import TRAIN, losses, run_training  # noqa: E402
 from tools.benchmark import GROUPED_GEMM, PRESETS  # noqa: E402  (the preset's one definition)
 
 SCRIPT = "pretrain_gpt.py"
@@ -154,7 +153,6 @@ def _cp_sizes_used(records) -> set:
     return {int(part.split("x")[0]) for r in records for part in r["cp micro-batches"].split()}
 
 
-@DYNAMIC_CP_TRAINING
 @pytest.mark.parametrize("size, ranks", [
     pytest.param(1, 2, marks=pytest.mark.gpus(2)),
     pytest.param(2, 2, marks=pytest.mark.gpus(2)),
@@ -171,7 +169,6 @@ def test_moonlight_forced_cp_size_graphs_match_eager(tmp_path, size, ranks):
     _compare(eager, graphs, f"moonlight-like, forced CP {size} on {ranks} ranks", again=again)
 
 
-@DYNAMIC_CP_TRAINING
 @pytest.mark.gpus(4)
 def test_moonlight_mixed_cp_sizes_soak(tmp_path):
     """100 iterations with mixed CP sizes 1/2/4 (long documents open larger sizes): the

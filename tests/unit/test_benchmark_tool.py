@@ -691,12 +691,12 @@ def test_full_iteration_rows_add_the_iteration_graphs_capture_and_memory():
 
 
 @pytest.mark.parametrize("cp_set", ["1", "2", "4", "1,2,4"])
-def test_the_documented_mla_dynamic_cp_benchmark_meets_the_training_parsers_refusal(
-        te_importable, cp_set):
+def test_the_documented_mla_dynamic_cp_benchmark_passes_the_training_parser(te_importable,
+                                                                            cp_set):
     """docs/benchmarks.md's moonlight-small dynamic-CP command (four GPUs, TE layer graphs,
     grouped GEMM): every CP set's launch command carries the set's sizes and sequence length,
-    and the training parser refuses dynamic CP on Megatron-LM's loop in this release (so each
-    row fails with that reason); the same command without the set passes it."""
+    and the training parser accepts it with 4096 positions per rank; the same command without
+    the set passes it too."""
     te_importable(True)
     args = _args(nproc=4, global_batch_size=4, tokens_per_rank=4096, steps=40, warmup=10,
                  log_interval=10, profile=True,
@@ -710,10 +710,9 @@ def test_the_documented_mla_dynamic_cp_benchmark_meets_the_training_parsers_refu
     seq_length = str(4096 * max(sizes))
     assert benchmark.flag_value(cmd, "--seq-length") == seq_length
     assert int(benchmark.flag_value(cmd, "--max-position-embeddings")) >= int(seq_length)
-    with pytest.raises(ValueError, match="--dynamic-cp-sizes is wrong: .*Dynamic context "
-                                         "parallelism does not run on Megatron-LM's training "
-                                         "loop"):
-        _validated(cmd, world_size=4)
+    parsed = _validated(cmd, world_size=4)
+    assert parsed.dynamic_cp_sizes == sizes and parsed.dynamic_cp_tokens_per_rank == 4096
+    assert parsed.dynamic_cp_groups is (max(sizes) > 1)
     static = benchmark.launch_command("moonlight-small", "te-layer-graphs", args,
                                       "/tmp/m.jsonl", "", "grouped-gemm")
     parsed = _validated(static, world_size=4)

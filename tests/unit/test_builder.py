@@ -6,7 +6,12 @@ from argparse import Namespace
 import pytest
 import torch
 
-from megatron.packed_training.datasets.builder import build_data_iterator, build_datasets, describe_packing
+from megatron.packed_training.datasets.builder import (
+    build_data_iterator,
+    build_datasets,
+    build_rank_iterators,
+    describe_packing,
+)
 from megatron.packed_training.datasets.mock import MockPackedDataset
 from megatron.packed_training.datasets.packing import PackingStats
 
@@ -145,6 +150,21 @@ def test_cycling_iterator_restarts_from_zero():
 def test_cycling_a_dataset_smaller_than_a_micro_batch_is_rejected():
     with pytest.raises(ValueError, match="cannot be cycled"):
         build_data_iterator(MockPackedDataset(1, 16, 50, seed=0), 0, 2, 0, 1, cycle=True)
+
+
+def test_rank_iterators_read_micro_batches_from_the_consumed_samples():
+    """What Megatron-LM's loop gets from the data provider: this data-parallel rank's
+    micro-batches, training resumed at a checkpoint's consumed samples, validation cycling."""
+    train = MockPackedDataset(24, 16, 50, seed=0, doc_length_median=5)
+    valid = MockPackedDataset(4, 16, 50, seed=1, doc_length_median=5)
+    args = Namespace(dynamic_cp_sizes=None, consumed_train_samples=8, micro_batch_size=2,
+                     num_workers=0, exit_signal_handler=False)
+    train_iterator, valid_iterator = build_rank_iterators(train, valid, args, 1, 2)
+    assert next(train_iterator)["tokens"][0].tolist() == train[10].tokens.tolist()
+    assert len(list(train_iterator)) == 3
+    assert [next(valid_iterator)["tokens"][0].tolist() for _ in range(2)] == [
+        valid[2].tokens.tolist()] * 2
+    assert build_rank_iterators(train, None, args, 0, 2)[1] is None
 
 
 def test_describe_packing():

@@ -546,6 +546,7 @@ def test_upstream_loop_reaches_the_seam_through_module_names():
 
 def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
     import megatron.training.training as loop
+    from megatron.core.rerun_state_machine import RerunStateMachine
 
     config = SimpleNamespace(optimizer_cuda_graph=False)
     args_seen = []
@@ -560,8 +561,9 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
     monkeypatch.setattr(loop, "get_forward_backward_func", lambda **k: "schedule")
     monkeypatch.setattr(loop, "get_megatron_optimizer_config", optimizer_config)
     for name in ("logical_and_across_model_parallel_group",
-                 "reduce_max_stat_across_model_parallel_group"):
+                 "reduce_max_stat_across_model_parallel_group", "training_log"):
         monkeypatch.setattr(loop, name, getattr(loop, name))  # restored after the test
+    monkeypatch.setattr(RerunStateMachine, "_reduce_any", RerunStateMachine._reduce_any)
     built = []
 
     def on_setup(model, optimizer, scheduler):
@@ -577,6 +579,8 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
             is core_patches.all_model_parallel_ranks_updated)
     assert (loop.reduce_max_stat_across_model_parallel_group
             is core_patches.max_stat_across_model_parallel_ranks)
+    assert loop.training_log.sums_losses_on_device
+    assert RerunStateMachine._reduce_any is core_patches.any_rank_requested
     assert loop.get_forward_backward_func(schedule_pg_collection=None) == "seam around schedule"
     args = SimpleNamespace(optimizer_cuda_graph=False)
     assert loop.get_megatron_optimizer_config(args) == (config, "overrides")
@@ -614,6 +618,95 @@ def test_step_statistics_of_a_model_parallel_group_of_one_are_not_read_back(cpu_
     assert core_patches.max_stat_across_model_parallel_ranks(3e-4) == 3e-4
     assert core_patches.all_model_parallel_ranks_updated(True) is True
     assert core_patches.all_model_parallel_ranks_updated(False) is False
+
+
+def test_upstream_log_and_rerun_machine_copy_host_values_to_the_device_each_iteration():
+    """The two per-iteration syncs the loop patches remove: training_log's default loss sum is
+    a host-to-device copy evaluated for every loss key, and the writers are the only other
+    readers of the iteration's losses; the rerun machine reduces host flags as CUDA tensors."""
+    import megatron.training.training as loop
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    log = source(getattr(loop.training_log, "__wrapped__", loop.training_log))
+    assert ("total_loss_dict.get(key, torch.tensor([0.0], dtype=torch.float, device='cuda'))"
+            in log)
+    import re
+
+    # the sum, the NaN check, three writer calls: nothing else reads the iteration's losses
+    assert len(re.findall(r"(?<!total_)loss_dict\[key\]", log)) == 5
+    assert "if writer and (iteration % args.tensorboard_log_interval == 0):" in log
+    assert list(inspect.signature(loop.train_step).parameters)[:1] == ["forward_step_func"]
+    parameters = inspect.signature(getattr(loop.training_log, "__wrapped__",
+                                           loop.training_log)).parameters
+    assert {"loss_dict", "total_loss_dict", "iteration", "skipped_iter"} <= set(parameters)
+    assert RerunStateMachine._reduce_any in (core_patches.UPSTREAM_REDUCE_ANY,
+                                             core_patches.any_rank_requested)
+    reduce = source(core_patches.UPSTREAM_REDUCE_ANY)
+    assert "device='cuda'" in reduce and "torch.distributed.all_reduce(val_tensor)" in reduce
+
+
+def _training_log_stand_in(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                           report_memory_flag, skipped_iter, grad_norm, params_norm,
+                           num_zeros_in_grad, max_attention_logit, pg_collection=None,
+                           is_first_iteration=False, **more):
+    _training_log_stand_in.calls.append((dict(loss_dict), iteration, skipped_iter))
+    return "flag"
+
+
+@pytest.mark.parametrize("writer", [False, True])
+def test_training_log_sums_losses_on_the_device_and_hands_upstream_what_it_reads(
+        monkeypatch, writer):
+    from megatron.training import global_vars
+
+    monkeypatch.setattr(global_vars, "get_args",
+                        lambda: SimpleNamespace(tensorboard_log_interval=2))
+    monkeypatch.setattr(global_vars, "get_tensorboard_writer",
+                        lambda: object() if writer else None)
+    _training_log_stand_in.calls = []
+    log = core_patches.training_log_summing_losses_on_device(_training_log_stand_in)
+    sums, losses = {}, [torch.tensor(2.25), torch.tensor(1.0 / 3), torch.tensor(float("nan"))]
+    for iteration, loss in enumerate(losses[:2], start=1):  # positional, as train() calls it
+        assert log({"lm loss": loss}, sums, 1e-4, iteration, 1.0, True, 0, None, None, None, 0,
+                   pg_collection=None, is_first_iteration=iteration == 1) == "flag"
+    log({"lm loss": losses[2]}, sums, 1e-4, 3, 1.0, True, 1, None, None, None, 0)  # skipped
+    # upstream's own sum, bitwise: its default operand is tensor([0.]) on the device
+    expected = torch.tensor([0.0]) + losses[0]
+    if not writer:
+        expected = expected + losses[1]
+    assert torch.equal(sums["lm loss"], expected) and sums["lm loss"].shape == (1,)
+    handed = [(bool(d), it, skipped) for d, it, skipped in _training_log_stand_in.calls]
+    assert handed == [(False, 1, 0), (writer, 2, 0), (True, 3, 1)]
+
+
+def test_rerun_flags_are_reduced_without_the_device(cpu_dist):
+    assert core_patches.any_rank_requested(None, True) is True
+    assert core_patches.any_rank_requested(None, False) is False
+    assert core_patches.any_rank_requested(None, [False, True]) == (False, True)
+
+
+def _two_rank_rerun_flags(rank, store, results):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                         world_size=2)
+    try:
+        results.put((rank, core_patches.any_rank_requested(None, rank == 1),
+                     core_patches.any_rank_requested(None, [False, rank == 0])))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_rerun_flags_of_two_ranks_meet_on_a_host_group(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_two_rank_rerun_flags,
+                             args=(rank, str(tmp_path / "store"), results)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    got = sorted(results.get(timeout=120) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+    assert got == [(0, True, (False, True)), (1, True, (False, True))]
 
 
 def test_loss_scale_goes_to_the_host_only_without_a_scaler():
@@ -736,3 +829,69 @@ def test_optimizer_reaches():
     core_patches.install_optimizer_step(part, "graph")
     assert part.state_dict() == {"step": 1} and calls == ["enter", "state_dict", "exit"]
     assert part.step == "graph"
+
+
+# -- dynamic CP: megatron-core's hybrid DP x CP groups at Megatron-LM's start-up ---------------
+
+def test_upstream_start_up_builds_the_hybrid_cp_groups_from_the_args_field():
+    """pretrain() starts up through initialize_megatron, which builds the process groups in
+    _initialize_distributed (looked up by name at call time), passing the args field on."""
+    import megatron.training.initialize as start_up
+    import megatron.training.training as loop
+
+    assert "initialize_megatron(" in source(loop.pretrain)
+    assert "_initialize_distributed(" in source(start_up.initialize_megatron)
+    build = source(start_up._initialize_distributed)
+    assert "args = get_args()" in build
+    assert "hybrid_context_parallel=args.hybrid_context_parallel" in build
+
+
+def test_upstream_hybrid_cp_is_more_than_its_groups():
+    """Why the field is on only while the groups are built: upstream's own hybrid CP wraps the
+    training data, switches the schedule and wants its own data loader type."""
+    import megatron.training.arguments as arguments
+    import megatron.training.training as loop
+    from megatron.core.pipeline_parallel import schedules
+
+    assert "HybridCPDataLoaderWrapper(train_data_iterator" in source(loop.train)
+    assert "elif config.hybrid_context_parallel:" in source(
+        schedules.forward_backward_no_pipelining)
+    assert "Hybrid context parallelism only supported with single dataloader type" in source(
+        arguments.validate_args)
+
+
+def test_upstream_hybrid_groups_are_the_aligned_power_of_two_blocks_dynamic_cp_takes():
+    """dynamic_cp.dynamic_cp_group: sizes 2 .. half the DP x CP ranks are hybrid groups of
+    aligned blocks; the full size is the DP x CP group itself."""
+    from megatron.core import parallel_state
+
+    build = source(parallel_state.create_hybrid_dp_cp_groups)
+    assert "group_sizes = [2**i for i in range(int(log2(len(ranks))))][1:]" in build
+    assert "ranks[i : i + group_size]" in build
+    get = source(parallel_state.get_hybrid_data_context_parallel_groups)
+    assert "return _DATA_PARALLEL_GROUP_WITH_CP" in get
+    assert "return _HYBRID_DP_CP_GROUPS[group_size]" in get
+
+
+def test_hybrid_cp_groups_are_asked_for_only_while_the_groups_are_built(monkeypatch):
+    import megatron.training.initialize as start_up
+    from megatron.training import global_vars
+
+    args = SimpleNamespace(hybrid_context_parallel=False)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    seen = []
+
+    def upstream(get_embedding_ranks, get_position_embedding_ranks, store,
+                 skip_model_parallel_init=False):
+        seen.append((args.hybrid_context_parallel, store, skip_model_parallel_init))
+        if store == "fail":
+            raise RuntimeError("no rendezvous")
+
+    monkeypatch.setattr(start_up, "_initialize_distributed", upstream)
+    core_patches.build_hybrid_cp_groups_at_start_up()
+    core_patches.build_hybrid_cp_groups_at_start_up()  # idempotent: wrapped once
+    start_up._initialize_distributed(None, None, "store", skip_model_parallel_init=True)
+    assert seen == [(True, "store", True)] and args.hybrid_context_parallel is False
+    with pytest.raises(RuntimeError, match="no rendezvous"):
+        start_up._initialize_distributed(None, None, "fail")
+    assert args.hybrid_context_parallel is False

@@ -90,6 +90,28 @@ def test_every_micro_batch_of_an_iteration_runs_once_on_its_group():
     assert next(cycled)[0]["cp_turn"] is not None and cycled.consumed == 8
 
 
+def test_the_run_reads_each_ranks_turns_one_iteration_per_item():
+    """What Megatron-LM's loop gets from the data provider under --dynamic-cp-sizes: training
+    resumes at the consumed samples, validation cycles; each item is one iteration's turns."""
+    from argparse import Namespace
+
+    from megatron.packed_training.datasets.builder import build_rank_iterators
+
+    rows = pack_rows_for_dynamic_cp(mock_documents(4000, 128, 97, 3, 48, 1.3), (1, 2), 64)
+    train, valid = PackedRowDataset(rows, 16, 0), PackedRowDataset(rows, 4, 1)
+    args = Namespace(dynamic_cp_sizes=[1, 2], global_batch_size=4, consumed_train_samples=8)
+    train_iterations, valid_iterations = build_rank_iterators(train, valid, args, 1, 2)
+    expected = DynamicCPBatches(train, 8, 4, 1, 2)
+    for _ in range(2):
+        turns, again = next(train_iterations), next(expected)
+        assert isinstance(turns, list) and turns
+        assert [t["cp_turn"] for t in turns] == [t["cp_turn"] for t in again]
+    with pytest.raises(StopIteration):  # 16 samples: iterations from sample 8 and 12 only
+        next(train_iterations)
+    assert all(next(valid_iterations) for _ in range(3))  # cycles over its 4 samples
+    assert build_rank_iterators(train, None, args, 0, 2)[1] is None
+
+
 def test_global_batch_must_give_every_rank_a_turn():
     dataset = PackedRowDataset(pack_rows_for_dynamic_cp(_documents([50] * 8), (1, 2), 64), 8, 0)
     with pytest.raises(ValueError, match="global batch size is wrong: 2 micro-batches for 4 ranks"):

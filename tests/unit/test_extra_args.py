@@ -25,6 +25,10 @@ FULL = dict(packed_graph_impl="full_iteration", cuda_graph_max_packed_seqs=32,
 TE = dict(packed_graph_impl="transformer_engine", cuda_graph_max_packed_seqs=32)
 MOE = dict(num_experts=4, moe_token_dispatcher_type="alltoall")
 PADDED = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+# Dynamic CP sizes 1 and 2 on two data-parallel ranks, eager, with what it needs.
+DCP = dict(dynamic_cp_sizes=[1, 2], data_parallel_size=2, calculate_per_token_loss=True,
+           attention_backend=AttnBackend.auto)
+DROP_DCP = ", or drop --dynamic-cp-sizes"
 
 
 def pin_importable(monkeypatch, *present):
@@ -130,11 +134,72 @@ REJECTED = {
     "mamba_groups": ("mamba", dict(hidden_size=64, mamba_head_dim=16, mamba_num_heads=None,
                                    mamba_num_groups=3), False, "--mamba-num-groups", "3",
                      "must divide the Mamba head count (8)"),
-    "dynamic_cp": ("dynamic_cp", dict(dynamic_cp_sizes=[1, 2]), False, "--dynamic-cp-sizes",
-                   "1 2", "use a static --context-parallel-size"),
-    "dynamic_cp_capacities": ("dynamic_cp", dict(dynamic_cp_max_packed_seqs=[8, 8]), False,
-                              "--dynamic-cp-max-packed-seqs", "8 8",
-                              "use a static --context-parallel-size"),
+    "dcp_capacities_alone": ("dynamic_cp", dict(dynamic_cp_max_packed_seqs=[8, 8]), False,
+                             "--dynamic-cp-max-packed-seqs", "8 8",
+                             "add --dynamic-cp-sizes or drop it"),
+    "dcp_static_cp": ("dynamic_cp", dict(DCP, context_parallel_size=2), True,
+                      "--context-parallel-size", "2", "from the data-parallel ranks; use 1"
+                      + DROP_DCP),
+    "dcp_pipeline": ("dynamic_cp", dict(DCP, pipeline_model_parallel_size=2), True,
+                     "--pipeline-model-parallel-size", "2", "which pipeline stages cannot; use 1"
+                     + DROP_DCP),
+    "dcp_expert_parallel": ("dynamic_cp", dict(DCP, expert_model_parallel_size=2), True,
+                            "--expert-model-parallel-size", "2",
+                            "within one expert-parallel all-to-all; use 1" + DROP_DCP),
+    "dcp_micro_batch": ("dynamic_cp", dict(DCP, micro_batch_size=2), True, "--micro-batch-size",
+                        "2", "one packed stream; use 1" + DROP_DCP),
+    "dcp_rampup": ("dynamic_cp", dict(DCP, rampup_batch_size=["2", "1", "16"],
+                                      step_batch_size_schedule="0:2 1024:3 2048:4"), True,
+                   "--rampup-batch-size", "2 1 16", "whole global batches of one size; drop it"),
+    "dcp_step_schedule": ("dynamic_cp", dict(DCP, step_batch_size_schedule="0:2 1024:4"), True,
+                          "--step-batch-size-schedule", "0:2 1024:4", "drop it" + DROP_DCP),
+    "dcp_decreased_batch": ("dynamic_cp", dict(DCP, decrease_batch_size_if_needed=True), True,
+                            "--decrease-batch-size-if-needed", "True", "drop it" + DROP_DCP),
+    "dcp_mean_loss": ("dynamic_cp", dict(DCP, calculate_per_token_loss=False), True,
+                      "--calculate-per-token-loss", "not given",
+                      "only the per-token loss weighs them right; add it" + DROP_DCP),
+    "dcp_local_graphs": ("dynamic_cp", dict(DCP, **LOCAL), True, "--cuda-graph-impl", "local",
+                         "use transformer_engine, or none" + DROP_DCP),
+    "dcp_full_iteration": ("dynamic_cp", dict(DCP, **FULL), True, "--cuda-graph-impl",
+                           "full_iteration", "banks of TE layer graphs, one per CP size"),
+    "dcp_health_check": ("dynamic_cp", dict(DCP, **TE, cuda_graph_check_interval=10), True,
+                         "--cuda-graph-check-interval", "10", "need not pick the same one"),
+    "dcp_moe_preprocess": ("dynamic_cp", dict(DCP, **TE, cuda_graph_modules=[
+        CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess]), True,
+        "--cuda-graph-modules", "moe_router moe_preprocess", "drop moe_preprocess" + DROP_DCP),
+    "dcp_not_powers_of_two": ("dynamic_cp", dict(DCP, dynamic_cp_sizes=[1, 3]), True,
+                              "--dynamic-cp-sizes", "1 3", "Give powers of two in ascending"),
+    "dcp_descending": ("dynamic_cp", dict(DCP, dynamic_cp_sizes=[2, 1]), True,
+                       "--dynamic-cp-sizes", "2 1", "Give powers of two in ascending"),
+    "dcp_above_the_ranks": ("dynamic_cp", dict(DCP, dynamic_cp_sizes=[1, 4]), True,
+                            "--dynamic-cp-sizes", "1 4", "4 exceeds the 2 ranks"),
+    "dcp_rank_count": ("dynamic_cp", dict(DCP, data_parallel_size=6), True, "--dynamic-cp-sizes",
+                       "1 2", "of the 6 data-parallel ranks; use a power-of-two rank count"),
+    "dcp_without_te_attention": ("dynamic_cp", dict(DCP, attention_backend=AttnBackend.local),
+                                 True, "--attention-backend", "local",
+                                 "install TE and use auto, flash, fused or unfused"),
+    "dcp_te_missing": ("dynamic_cp", DCP, False, "--attention-backend", "auto",
+                       "run Transformer Engine's context-parallel attention"),
+    "dcp_mamba_heads": ("dynamic_cp", dict(DCP, model="hybrid", dynamic_cp_sizes=[1, 2, 4],
+                                           data_parallel_size=4, hidden_size=48,
+                                           mamba_head_dim=16, mamba_num_heads=None,
+                                           mamba_num_groups=2), True, "--dynamic-cp-sizes",
+                        "1 2 4", "divide the 6 Mamba heads per TP rank"),
+    "dcp_mamba_groups": ("dynamic_cp", dict(DCP, model="hybrid", hidden_size=48,
+                                            mamba_head_dim=16, mamba_num_heads=None,
+                                            mamba_num_groups=3), True, "--dynamic-cp-sizes",
+                         "1 2", "the 3 groups per TP rank (--mamba-num-groups / TP); 2 does not"),
+    "dcp_seq_length": ("dynamic_cp", dict(DCP, seq_length=100), True, "--seq-length", "100",
+                       "every rank holds --seq-length / 2 positions, a multiple of 2 x 2: use a "
+                       "multiple of 8"),
+    "dcp_capacities_without_graphs": ("dynamic_cp", dict(DCP, dynamic_cp_max_packed_seqs=[8, 4]),
+                                      True, "--dynamic-cp-max-packed-seqs", "8 4",
+                                      "add --cuda-graph-impl transformer_engine"),
+    "dcp_capacity_count": ("dynamic_cp", dict(DCP, **TE, dynamic_cp_max_packed_seqs=[8]), True,
+                           "--dynamic-cp-max-packed-seqs", "8",
+                           "one positive capacity per --dynamic-cp-sizes entry (2)"),
+    "dcp_capacity_zero": ("dynamic_cp", dict(DCP, **TE, dynamic_cp_max_packed_seqs=[8, 0]), True,
+                          "--dynamic-cp-max-packed-seqs", "8 0", "one positive capacity"),
     "full_moe": ("graphs", dict(FULL, **MOE), False, "--num-experts", "4",
                  "use --cuda-graph-impl local"),
     "full_health_check": ("graphs", dict(FULL, cuda_graph_check_interval=10), False,
@@ -297,6 +362,38 @@ def test_graph_modules_become_names(args):
 def test_num_microbatches(args):
     tweak(args, global_batch_size=32, micro_batch_size=2, data_parallel_size=2)
     assert extra_args.validate_packed_args(args, "gpt").num_microbatches == 8
+
+
+@pytest.mark.parametrize("values, tokens, capacities, groups", [
+    (dict(DCP, dynamic_cp_sizes=[1], attention_backend=AttnBackend.local), 128, [0], False),
+    (DCP, 64, [0, 0], True),
+    (dict(DCP, **TE), 64, [32, 32], True),
+    (dict(DCP, **TE, dynamic_cp_max_packed_seqs=[16, 8]), 64, [16, 8], True),
+])
+def test_dynamic_cp_fills_tokens_per_rank_capacities_and_groups(args, with_te, values, tokens,
+                                                                capacities, groups):
+    """A size-c micro-batch spans c x --seq-length / max size positions; graph banks default
+    to --cuda-graph-max-packed-seqs; hybrid DP x CP groups only for a size above 1."""
+    extra_args.check_dynamic_cp(tweak(args, **values))
+    assert (args.dynamic_cp_tokens_per_rank, args.dynamic_cp_max_packed_seqs,
+            args.dynamic_cp_groups) == (tokens, capacities, groups)
+
+
+def test_a_dynamic_cp_launch_line_keeps_upstreams_own_hybrid_cp_off(monkeypatch, parsed):
+    """Megatron-LM's --hybrid-context-parallel is another scheduler (its own data wrapper and
+    schedule): the fork asks only for its groups, at start-up (dynamic_cp_groups, read by
+    pretrain.run_pretraining), never through that field."""
+    pin_importable(monkeypatch, "transformer_engine")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse_args(BASE[:-2] + [
+        "--attention-backend", "auto", "--calculate-per-token-loss", "--dynamic-cp-sizes", "1",
+        "2", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "16",
+        "--dynamic-cp-max-packed-seqs", "16", "8"])
+    assert (args.data_parallel_size, args.num_microbatches) == (2, 2)
+    assert (args.dynamic_cp_sizes, args.dynamic_cp_max_packed_seqs,
+            args.dynamic_cp_tokens_per_rank) == ([1, 2], [16, 8], 64)
+    assert args.dynamic_cp_groups is True and args.hybrid_context_parallel is False
+    assert (parsed.dynamic_cp_tokens_per_rank, parsed.dynamic_cp_groups) == (0, False)
 
 
 @pytest.mark.parametrize("values, backend, present, expected", [

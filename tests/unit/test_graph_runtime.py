@@ -224,10 +224,11 @@ def test_cp_banks_are_all_captured_past_the_warm_up_even_without_micro_batches()
                                 warmup_iterations=1, bank_capacities=((1, 4), (2, 6)))
     runtime = te_runtime(config)
     turns = lambda *sizes: [CPTurn(i, size, 0) for i, size in enumerate(sizes)]
-    mix = dict(cp_mix="cp1 x1, cp2 x1", cp_rounds=1)
+    mix = dict(cp_mix="cp1 x1, cp2 x1", cp_rounds=1, iteration_positions=96)
     first = [[dict(b, cp_turn=t) for b, t in zip(batches(3, 5, **mix)[0], turns(1, 2))]]
     it, _, _ = run(runtime, first)
     assert it.stats["eager warmup"] == 2 and it.stats["cp micro-batches"] == "cp1 x1, cp2 x1"
+    assert it.stats["cp turns"] == 2 and it.stats["iteration positions"] == 96
     it, _, step = run(runtime, [[]])  # this rank has no turn in the iteration
     assert runtime.te_graphs.captures == [[(1, "layout cp1"), (2, "layout cp2")]]
     assert step.layouts == [(1, 4), (2, 6)] and runtime.captured == {(1, 4), (2, 6)}

@@ -61,3 +61,19 @@ def test_an_evaluation_is_reported_once_it_has_ended(cpu_dist, calculator, tmp_p
     valid = read_metrics(args(tmp_path).metrics_file, split="valid")
     assert valid == [{"split": "valid", "iteration": 1, "lm_loss": 3.0, "eager eval": 8}]
     assert "validation at iteration 1 | eager eval: 8 |" in capsys.readouterr().out
+
+
+def test_dynamic_cp_throughput_counts_the_samples_own_positions(cpu_dist, calculator, tmp_path,
+                                                                monkeypatch):
+    """Dynamic CP samples hold CP size x tokens per rank positions: the runtime reports the
+    iteration's, and the log's tokens/s counts them instead of samples x --seq-length."""
+    from megatron.packed_graphs.runtime import ITERATION_POSITIONS
+
+    log = RuntimeLog(args(tmp_path))  # a record at iterations 2 and 3
+    monkeypatch.setattr(log.interval, "timing", lambda: {"tokens_per_sec": log.interval.positions})
+    log("train", {"cp turns": 3, ITERATION_POSITIONS: 20}, losses((1.0, 1.0)))
+    log("train", {}, losses((1.0, 1.0)))
+    log("train", {"cp turns": 1, ITERATION_POSITIONS: 12}, losses((1.0, 1.0)))
+    records = read_metrics(args(tmp_path).metrics_file)
+    assert [r["tokens_per_sec"] for r in records] == [20 + 4 * 8, 12]  # else 4 samples x 8
+    assert records[1]["cp turns"] == 1 and ITERATION_POSITIONS not in records[1]

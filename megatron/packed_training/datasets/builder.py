@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 
 from megatron.packed_training.datasets.chat import ChatStats, read_documents
-from megatron.packed_training.datasets.dynamic_cp import pack_rows_for_dynamic_cp
+from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
 from megatron.packed_training.datasets.mock import MockPackedDataset, mock_documents
 from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
 from megatron.packed_training.datasets.packing import (
@@ -282,6 +282,30 @@ def build_data_iterator(
             f"Raise --eval-iters or lower --micro-batch-size."
         )
     return itertools.chain(first, itertools.chain.from_iterable(loader(0) for _ in itertools.count()))
+
+
+def build_rank_iterators(train, valid, args: Namespace, rank: int, size: int) -> tuple:
+    """Megatron-LM's ``(train, valid)`` iterators of data-parallel rank ``rank`` of ``size``
+    over the built datasets (``valid`` None: None): training from
+    ``args.consumed_train_samples`` on (a loaded checkpoint's), validation cycling.
+
+    Static layouts yield one micro-batch dict per ``next()`` (`build_data_iterator`). Dynamic
+    CP yields one training iteration per ``next()``: the list of this rank's turns
+    (`DynamicCPBatches`), whose length varies by rank and iteration; the graph runtime's seam
+    runs that many micro-batches (packed_graphs/schedule.py)."""
+    if getattr(args, "dynamic_cp_sizes", None):
+        def iterations(dataset, consumed, cycle=False):
+            return DynamicCPBatches(dataset, consumed, args.global_batch_size, rank, size,
+                                    cycle=cycle)
+        return (iterations(train, args.consumed_train_samples),
+                None if valid is None else iterations(valid, 0, cycle=True))
+    exit_signal = args.exit_signal if args.exit_signal_handler else None
+    train_iterator = build_data_iterator(train, args.consumed_train_samples,
+                                         args.micro_batch_size, rank, size,
+                                         num_workers=args.num_workers, exit_signal=exit_signal)
+    valid_iterator = None if valid is None else build_data_iterator(
+        valid, 0, args.micro_batch_size, rank, size, cycle=True)
+    return train_iterator, valid_iterator
 
 
 def _ignore_signal(signum: int, _worker_id: int) -> None:
