@@ -10,11 +10,14 @@ Every flag and where the fork differs from Megatron-LM: docs/flags.md.
 """
 
 import argparse
+import contextlib
 import functools
+import logging
 import os
 import re
 import sys
 import traceback
+import warnings
 
 MODELS = ("gpt", "hybrid")
 
@@ -24,13 +27,33 @@ UPSTREAM_DEFAULTS = {"eval_interval": 1000}
 DEFAULT_VOCAB_SIZE = 32000  # pre-tokenized data without --vocab-size (NullTokenizer)
 # A '%' in a help text: an escaped '%%', an argparse field such as '%(default)s', or bare.
 _PERCENT = re.compile(r"%(?:%|\([a-z_]+\)[a-z])?")
+# What megatron-core and torch print while Megatron-LM's parser is imported on a machine
+# without Apex, Transformer Engine or a CUDA toolkit: ten lines before every message of the
+# parser, --help and a typo included. The start-up notes say what the run falls back to.
+_IMPORT_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed",
+                   "supports MoE experts")
+
+
+@contextlib.contextmanager
+def _without_import_notices():
+    cuda_home = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found"
+    level = cuda_home.level
+    cuda_home.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            for notice in _IMPORT_NOTICES:
+                warnings.filterwarnings("ignore", message=f".*{notice}")
+            yield
+    finally:
+        cuda_home.setLevel(level)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Megatron-LM's parser with the fork's flags; parses without validating."""
-    from megatron.training.arguments import add_megatron_arguments
+    with _without_import_notices():
+        from megatron.training.arguments import add_megatron_arguments
 
-    from megatron.packed_training.extra_args import add_packed_args
+        from megatron.packed_training.extra_args import add_packed_args
 
     parser = argparse.ArgumentParser(description="Megatron-LM arguments (packed CUDA graphs)",
                                      allow_abbrev=False)
@@ -65,13 +88,14 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
     Runs Megatron-LM's ``validate_args`` and the fork's rules; sets no global state. Raises
     ``ValueError`` with the value and the fix; argparse's own errors (an unknown flag, a bad
     choice) exit with status 2, or raise ``ValueError`` with ``raise_on_error``."""
-    from megatron.training.arguments import validate_args
+    with _without_import_notices():
+        from megatron.training.arguments import validate_args
 
-    from megatron.packed_training.extra_args import (
-        hand_graph_flags_to_the_runtime,
-        prepare_upstream_args,
-        validate_packed_args,
-    )
+        from megatron.packed_training.extra_args import (
+            hand_graph_flags_to_the_runtime,
+            prepare_upstream_args,
+            validate_packed_args,
+        )
 
     if model not in MODELS:
         raise ValueError(f"model is wrong: {model!r}. Use one of {', '.join(MODELS)}.")

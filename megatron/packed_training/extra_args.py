@@ -164,6 +164,9 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
         args.gradient_accumulation_fusion = False
         args.packed_notes.append("gradient accumulation fusion off: apex's "
                                  "fused_weight_gradient_mlp_cuda is not importable")
+    if not (is_importable("transformer_engine") or is_importable("apex")):
+        args.packed_notes.append("neither Transformer Engine nor apex is importable: "
+                                 "megatron-core uses torch's Adam, norms and multi-tensor ops")
     # --profile (without --use-pytorch-profiler): the fork's profiler opens the nsys range
     # itself and measures each profiled iteration's GPU-busy time (profiling.py); Megatron-LM's
     # own nsys path would hold torch's autograd profiler (emit_nvtx) at the same time.

@@ -124,11 +124,12 @@ class PackedGraphRun:
 def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None:
     """Entry point of pretrain_gpt.py (``model`` 'gpt') and pretrain_mamba.py ('hybrid')."""
     from megatron.packed_training.arguments import parse_args_or_exit
+
+    args = parse_args_or_exit(model, script, argv)  # first: its messages come before imports
     from megatron.packed_training.datasets.preflight import run_data_check
     from megatron.packed_training.extra_args import require_mamba_kernels
     from megatron.packed_training.initialize import require_cuda
 
-    args = parse_args_or_exit(model, script, argv)
     try:
         if model == "hybrid":
             require_mamba_kernels()

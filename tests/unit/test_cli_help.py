@@ -12,6 +12,9 @@ def test_training_help_lists_megatron_lm_and_fork_flags():
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--help"], capture_output=True,
                           text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # megatron-core's and torch's import notices (no Apex, TE or CUDA toolkit here) are held
+    # back: the help is all the script prints.
+    assert proc.stderr == ""
     text = " ".join(proc.stdout.split())  # argparse wraps lines
     # Megatron-LM's own flags, with its help text.
     assert "--lr LR Initial learning rate." in text
@@ -21,3 +24,12 @@ def test_training_help_lists_megatron_lm_and_fork_flags():
     assert ("--cuda-graph-max-packed-seqs [CUDA_GRAPH_MAX_PACKED_SEQS] Graph capacity: packed "
             "documents per micro-batch") in text
     assert "--long-document-policy {truncate,split,reject}" in text
+
+
+def test_a_typo_is_the_one_line_the_script_prints():
+    proc = subprocess.run([sys.executable, "pretrain_mamba.py", "--num-layerz", "2"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == ["pretrain_mamba.py: error: arguments are wrong: "
+                                        "unrecognized arguments: --num-layerz 2."]

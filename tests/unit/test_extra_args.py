@@ -420,6 +420,15 @@ def test_gradient_accumulation_fusion_needs_apex(args, monkeypatch, apex):
     assert any("gradient accumulation fusion off" in n for n in args.packed_notes) is not apex
 
 
+@pytest.mark.parametrize("present", [(), ("apex",), ("transformer_engine",)])
+def test_the_start_up_notes_say_when_megatron_core_falls_back_to_torch_kernels(
+        args, monkeypatch, present):
+    pin_importable(monkeypatch, *present)
+    extra_args.validate_packed_args(args, "gpt")
+    fallback = [n for n in args.packed_notes if "neither Transformer Engine nor apex" in n]
+    assert bool(fallback) is (present == ())
+
+
 @pytest.mark.parametrize("backend, present, expected", [
     ("flash", (), "te"), ("fused", (), "te"), ("unfused", (), "te"),
     ("local", ("flash_attn",), "flash"), ("local", (), "torch"), ("auto", (), "auto"),
