@@ -31,7 +31,8 @@ explicitly, at the start of training:
 loop's per-iteration host syncs out: its statistics where they are identities
 (`all_model_parallel_ranks_updated`, `max_stat_across_model_parallel_ranks`,
 `keep_loss_scale_on_host`), the log's loss sums (`training_log_summing_losses_on_device`) and
-the rerun machine's flags (`reduce_rerun_flags_on_host`). With dynamic context parallelism,
+the rerun machine's flags (`reduce_rerun_flags_on_host`) and the exit-signal check
+(`check_exit_signal_on_host`). With dynamic context parallelism,
 `build_hybrid_cp_groups_at_start_up` has Megatron-LM's start-up build megatron-core's hybrid
 DP x CP groups without turning on Megatron-LM's own hybrid CP.
 
@@ -508,7 +509,7 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
     * the end of each iteration reads nothing back from the GPU where nothing needs reading
       (`all_model_parallel_ranks_updated`, `max_stat_across_model_parallel_ranks`,
       `keep_loss_scale_on_host`, `training_log_summing_losses_on_device`,
-      `reduce_rerun_flags_on_host`).
+      `reduce_rerun_flags_on_host`, `check_exit_signal_on_host`).
 
     Upstream's own graph wrappers (``FullCudaGraphWrapper``, ``TECudaGraphHelper``, the
     optimizer wrapper) key on ``args.cuda_graph_impl`` / ``args.optimizer_cuda_graph``, which
@@ -551,6 +552,7 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
     if not getattr(loop.training_log, "sums_losses_on_device", False):
         loop.training_log = training_log_summing_losses_on_device(loop.training_log)
     reduce_rerun_flags_on_host()
+    check_exit_signal_on_host()
 
 
 # Megatron-LM's train_step and training_log end every iteration with three host reads: whether
@@ -656,6 +658,29 @@ def any_rank_requested(machine, value):
         torch.distributed.all_reduce(counts, group=_host_world_group())
         flags = [count > 0 for count in counts.tolist()]
     return tuple(flags) if isinstance(value, list) else flags[0]
+
+
+def check_exit_signal_on_host() -> None:
+    """With ``--exit-signal-handler`` Megatron-LM asks every iteration whether any rank got the
+    signal (``DistributedSignalHandler.signals_received``): each rank's flag goes into a CUDA
+    tensor, is all-gathered and read back, a device sync per iteration. The flag is a host
+    boolean, so it is gathered on the host (`signals_received_on_host`)."""
+    from megatron.training.dist_signal_handler import DistributedSignalHandler
+
+    DistributedSignalHandler.signals_received = signals_received_on_host
+
+
+def signals_received_on_host(handler) -> list:
+    """``DistributedSignalHandler.signals_received`` on the host: every rank's flag, in rank
+    order (a Gloo all-gather over the world; a world of one: this rank's)."""
+    received = bool(handler._signal_received)
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [received]
+    flags = [torch.zeros(1, dtype=torch.int32)
+             for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(flags, torch.tensor([int(received)], dtype=torch.int32),
+                                 group=_host_world_group())
+    return [bool(flag.item()) for flag in flags]  # host tensors: no device sync
 
 
 _HOST_WORLD_GROUP = []

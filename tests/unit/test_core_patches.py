@@ -564,6 +564,10 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
                  "reduce_max_stat_across_model_parallel_group", "training_log"):
         monkeypatch.setattr(loop, name, getattr(loop, name))  # restored after the test
     monkeypatch.setattr(RerunStateMachine, "_reduce_any", RerunStateMachine._reduce_any)
+    from megatron.training.dist_signal_handler import DistributedSignalHandler
+
+    monkeypatch.setattr(DistributedSignalHandler, "signals_received",
+                        DistributedSignalHandler.signals_received)
     built = []
 
     def on_setup(model, optimizer, scheduler):
@@ -581,6 +585,7 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
             is core_patches.max_stat_across_model_parallel_ranks)
     assert loop.training_log.sums_losses_on_device
     assert RerunStateMachine._reduce_any is core_patches.any_rank_requested
+    assert DistributedSignalHandler.signals_received is core_patches.signals_received_on_host
     assert loop.get_forward_backward_func(schedule_pg_collection=None) == "seam around schedule"
     args = SimpleNamespace(optimizer_cuda_graph=False)
     assert loop.get_megatron_optimizer_config(args) == (config, "overrides")
@@ -678,6 +683,21 @@ def test_training_log_sums_losses_on_the_device_and_hands_upstream_what_it_reads
     assert handed == [(False, 1, 0), (writer, 2, 0), (True, 3, 1)]
 
 
+def test_upstream_exit_signal_check_gathers_a_cuda_flag_every_iteration():
+    import megatron.training.training as loop
+    from megatron.training import dist_signal_handler
+
+    check = source(dist_signal_handler.DistributedSignalHandler.signals_received)
+    assert "all_gather_item(" in check and "self._signal_received" in check
+    assert "device = get_device(local_rank)" in source(dist_signal_handler.all_gather_item)
+    assert "signal_handler.signals_received()" in source(loop.checkpoint_and_decide_exit)
+
+
+def test_exit_signal_flags_are_gathered_without_the_device(cpu_dist):
+    handler = SimpleNamespace(_signal_received=True)
+    assert core_patches.signals_received_on_host(handler) == [True]
+
+
 def test_rerun_flags_are_reduced_without_the_device(cpu_dist):
     assert core_patches.any_rank_requested(None, True) is True
     assert core_patches.any_rank_requested(None, False) is False
@@ -689,12 +709,14 @@ def _two_rank_rerun_flags(rank, store, results):
                                          world_size=2)
     try:
         results.put((rank, core_patches.any_rank_requested(None, rank == 1),
-                     core_patches.any_rank_requested(None, [False, rank == 0])))
+                     core_patches.any_rank_requested(None, [False, rank == 0]),
+                     core_patches.signals_received_on_host(
+                         SimpleNamespace(_signal_received=rank == 1))))
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_rerun_flags_of_two_ranks_meet_on_a_host_group(tmp_path):
+def test_rerun_and_exit_signal_flags_of_two_ranks_meet_on_a_host_group(tmp_path):
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
@@ -706,7 +728,8 @@ def test_rerun_flags_of_two_ranks_meet_on_a_host_group(tmp_path):
     got = sorted(results.get(timeout=120) for _ in ranks)
     for process in ranks:
         process.join(timeout=60)
-    assert got == [(0, True, (False, True)), (1, True, (False, True))]
+    assert got == [(0, True, (False, True), [False, True]),
+                   (1, True, (False, True), [False, True])]
 
 
 def test_loss_scale_goes_to_the_host_only_without_a_scaler():
