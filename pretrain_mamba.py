@@ -13,31 +13,12 @@ import sys
 
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
-    """HybridModel built from the packed hybrid stack spec of ``--attention-backend``."""
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    """HybridModel built from the packed hybrid stack spec of ``--attention-backend``
+    (megatron.packed_training.models.hybrid_model; the library API builds it too)."""
+    from megatron.packed_training.models import hybrid_model
 
-    from megatron.packed_graphs.attention import resolve_attention_backend
-    from megatron.packed_training.extra_args import packed_attention_backend
-    from megatron.packed_graphs.specs import hybrid_stack_spec
-
-    backend = resolve_attention_backend(packed_attention_backend(args))
-    return HybridModel(
-        config=config,
-        hybrid_stack_spec=hybrid_stack_spec(
-            backend, args.normalization, num_experts=getattr(args, "num_experts", None),
-            moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
-            multi_latent_attention=getattr(args, "multi_latent_attention", False),
-            qk_layernorm=args.qk_layernorm),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        hybrid_layer_pattern=args.hybrid_layer_pattern,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-    )
+    return hybrid_model(args, config, pre_process=pre_process, post_process=post_process,
+                        vp_stage=vp_stage)
 
 
 def main(argv=None):

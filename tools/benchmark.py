@@ -22,6 +22,17 @@ out of the medians. All rows of a table come from the same invocation on the sam
     python tools/benchmark.py --presets mla --variants eager te-layer-graphs chunk-graphs \
         --moe-experts grouped-gemm --profile
 
+--mode logprobs measures forward-only throughput instead of training: each (preset, variant)
+runs tools/logprobs_benchmark.py under torchrun, which builds the policy of the library API
+(megatron.packed_training.rl) from the same flags and times ``--steps`` log-prob calls (the
+first ``--warmup`` left out), each over ``--global-batch-size`` / data-parallel micro-batches
+of synthetic documents. A variant with a graph implementation replays forward-only graphs;
+``eager`` runs without graphs. The table's step is one call, its graph memory and capture
+the forward-only graphs', its fallback rate the micro-batches run eager for overflow:
+
+    python tools/benchmark.py --mode logprobs --presets logprobs --variants eager layer-graphs \
+        --global-batch-size 8
+
 --from-metrics trains nothing: it tabulates the metrics files of finished runs (one row per
 VARIANT=FILE, speedup against the row named eager), as examples/local/train_hybrid_synthetic.sh
 does after its eager reference and graphed runs.
@@ -46,6 +57,27 @@ columns: the dropped-token fraction (mean of the metrics file's moe_dropped_toke
 over the timed steps) and the rerun rate (micro-batches rerun eager after a capacity
 overflow, per micro-batch, from "eager moe_overflow_rerun"); "-" where the run does not
 write the key.
+
+MoE modes (``--moe-modes``, MoE presets only; the variant column names any but the default):
+``drop-and-pad`` (default) the preset's capacity factor, padded (``--moe-capacity-factor``
+overrides it); ``dropless`` megatron-core's dropless alltoall (no capacity; eager only: it reads
+token counts on the host in every MoE layer); ``dropless-graphs`` ``--moe-dropless-graphs``
+(static-shape dropless layers, graphed whole); ``rerun`` drop-and-pad with
+``--moe-capacity-overflow rerun`` (graph variants only). Combinations training refuses
+(``dropless`` under graphs, ``rerun`` eager) are left out. Speedups of an MoE preset are
+against its ``eager dropless`` row where the table has one (what dropless training runs
+without graphs), else its ``eager`` row. ``--moe-routers skewed`` runs the MoE presets again
+with ``--moe-router-skew 0.5`` (about half the routed slots to an eighth of the experts; row
+label ``skewed``) next to the default ``balanced`` (randomly initialised) router:
+
+    python tools/benchmark.py --presets qwen3-30b-a3b-layers --variants eager layer-graphs \
+        te-layer-graphs --moe-modes dropless dropless-graphs drop-and-pad \
+        --moe-routers balanced skewed --profile
+
+Qwen3-MoE presets (group ``qwen3-moe``): ``qwen3-30b-a3b-layers``, four layers of
+Qwen3-30B-A3B's shapes (hidden 2048, 32 heads / 4 query groups of 128, qk-layernorm, 128
+experts top-8 of width 768, TE attention and TE's grouped GEMM: needs Transformer Engine), and
+``qwen3-moe-small`` (hidden 512, 64 experts top-8 of width 256, TE-free like group ``moe``).
 
 MLA presets (group ``mla``: ``moonlight-small``, a Moonlight-shaped MLA + MoE model,
 docs/mla.md) run on Transformer Engine attention whatever the variant. They are MoE presets
@@ -181,6 +213,24 @@ PRESETS = {
     "hybrid-moe-small": hybrid_preset(
         "--hybrid-layer-pattern", HYBRID_MOE_PATTERN_16, "--hidden-size", "1024",
         "--num-attention-heads", "16", "--num-query-groups", "8", "--seq-length", "4096", *MOE),
+    # Qwen3-30B-A3B's layer shapes, 4 layers: 32 heads of 128 over 4 query groups,
+    # qk-layernorm, 128 experts top-8 of width 768 (TE attention and TE's grouped GEMM, which
+    # the preset needs installed), drop-and-pad as every MoE preset (--moe-modes changes it).
+    "qwen3-30b-a3b-layers": gpt_preset(
+        "--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "32",
+        "--num-query-groups", "4", "--kv-channels", "128", "--qk-layernorm", "--swiglu",
+        "--seq-length", "4096", "--rotary-base", "1000000", "--num-experts", "128",
+        "--moe-router-topk", "8", "--moe-ffn-hidden-size", "768",
+        "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.25",
+        "--moe-pad-expert-input-to-capacity", "--moe-aux-loss-coeff", "1e-3",
+        "--moe-grouped-gemm", "--attention-backend", "auto"),
+    # Qwen3-MoE-like and small: hidden 512, 64 experts top-8 of width 256 (TE-free).
+    "qwen3-moe-small": gpt_preset(
+        "--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
+        "--num-query-groups", "4", "--qk-layernorm", "--swiglu", "--seq-length", "4096",
+        "--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "256",
+        "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.25",
+        "--moe-pad-expert-input-to-capacity", "--moe-aux-loss-coeff", "1e-3"),
     # Moonlight-16B-A3B's ratios at hidden 1024, 8 layers (docs/mla.md): MLA with kv_lora_rank
     # = hidden / 4, no query compression, head dims 128 / 64 / 128, latent norms, RoPE base
     # 50000 without yarn scaling; 64 experts, top-6, sigmoid router, expert width 0.6875 x
@@ -207,6 +257,12 @@ PRESET_GROUPS = {
     "moe": ["gpt-moe-small", "hybrid-moe-small"],
     # Multi-latent attention presets (need Transformer Engine).
     "mla": ["moonlight-small"],
+    # Qwen3-MoE shapes: 128 experts top-8 on TE (needs Transformer Engine), 64 top-8 TE-free.
+    "qwen3-moe": ["qwen3-30b-a3b-layers", "qwen3-moe-small"],
+    # --mode logprobs: forward-only throughput at the launch-bound and the GPU-bound end, and
+    # a drop-and-pad MoE hybrid.
+    "logprobs": ["gpt-8x512x2048", "gpt-16x1024x4096", "hybrid-8x512x2048",
+                 "hybrid-16x1024x4096", "hybrid-moe-small"],
 }
 
 # Variants are extra flags on top of a preset.
@@ -251,6 +307,18 @@ COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size"
 DROPPED_KEY = "moe_dropped_token_fraction"
 RERUN_KEY = "eager moe_overflow_rerun"
 
+# How MoE presets route (--moe-modes): flags put in place of the preset's capacity flags
+# (None: keep them). The first is the default and leaves the variant label alone.
+CAPACITY_FLAGS = ("--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity")
+MOE_MODES = {
+    "drop-and-pad": None,
+    "dropless": [],  # megatron-core's dropless alltoall: eager (or partial graphs) only
+    "dropless-graphs": ["--moe-dropless-graphs"],
+    "rerun": None,  # drop-and-pad + --moe-capacity-overflow rerun: graph variants only
+}
+DEFAULT_MOE_MODE = "drop-and-pad"
+MOE_ROUTERS = {"balanced": [], "skewed": ["--moe-router-skew", "0.5"]}
+
 
 def num_experts(preset: str) -> int | None:
     """--num-experts of a preset; None for a dense one."""
@@ -264,9 +332,11 @@ def is_moe(preset: str) -> bool:
 
 def needs_transformer_engine(preset: str, variant: str, experts: str = "sequential") -> bool:
     """Whether a run needs Transformer Engine: multi-latent attention (an MLA preset), grouped
-    GEMM experts, or TE's graphs. ``--attention-backend auto`` would run the others TE-free."""
-    return ("--multi-latent-attention" in PRESETS[preset][1] or experts == "grouped-gemm"
-            or variant == "te-layer-graphs")
+    GEMM experts (asked for, or the preset's own), or TE's graphs. ``--attention-backend auto``
+    would run the others TE-free."""
+    flags = PRESETS[preset][1]
+    return ("--multi-latent-attention" in flags or "--moe-grouped-gemm" in flags
+            or experts == "grouped-gemm" or variant == "te-layer-graphs")
 
 
 def transformer_engine_importable() -> bool:
@@ -274,14 +344,46 @@ def transformer_engine_importable() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def row_label(preset: str, args, cp_set: str = "", experts: str = "sequential") -> str:
+def row_label(preset: str, args, cp_set: str = "", experts: str = "sequential", *,
+              router: str = "balanced") -> str:
     """A row's preset column: the preset, then what this run changes about it."""
     label = preset
     if is_moe(preset):
         label += "" if experts == "sequential" else f" {experts}"
+        label += "" if router == "balanced" else f" {router}"
         ep = args.expert_model_parallel_size
         label += f" ep{ep}" if ep > 1 else ""
     return f"{label} cp{cp_set}" if cp_set else label
+
+
+def variant_label(variant: str, mode: str = DEFAULT_MOE_MODE) -> str:
+    """A row's variant column: the variant, and an MoE mode other than the default."""
+    return variant if mode == DEFAULT_MOE_MODE else f"{variant} {mode}"
+
+
+def moe_mode_applies(variant: str, mode: str) -> bool:
+    """Whether training takes ``mode`` under ``variant``: megatron-core's dropless dispatch
+    reads token counts on the host (no whole-layer graphs), and reruns redo what graphs
+    dropped (no eager runs)."""
+    graphed = bool(variant_flags(variant))
+    return not ((mode == "dropless" and graphed) or (mode == "rerun" and not graphed))
+
+
+def moe_mode_flags(model_flags: list, mode: str, capacity_factor=None) -> list:
+    """``model_flags`` (an MoE preset's) routed by ``mode`` (`MOE_MODES`): the capacity flags
+    replaced or kept, ``capacity_factor`` in place of the preset's factor where kept."""
+    replacement = MOE_MODES[mode]
+    flags = list(model_flags)
+    if replacement is not None:
+        for flag in CAPACITY_FLAGS:
+            while flag in flags:
+                at = flags.index(flag)
+                takes_value = flag == CAPACITY_FLAGS[0]
+                del flags[at:at + 1 + takes_value]
+        return flags + replacement
+    if capacity_factor is not None:
+        flags[flags.index(CAPACITY_FLAGS[0]) + 1] = f"{capacity_factor:g}"
+    return flags + (["--moe-capacity-overflow", "rerun"] if mode == "rerun" else [])
 
 
 def variant_flags(variant: str) -> list:
@@ -309,20 +411,26 @@ class RunFailed(RuntimeError):
 
 
 def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = "",
-                   experts: str = "sequential") -> list:
+                   experts: str = "sequential", *, mode: str = DEFAULT_MOE_MODE,
+                   router: str = "balanced") -> list:
     """The torchrun command of one configuration. ``--standalone``: torchrun's rendezvous
     store binds a free port itself (``localhost:0``) and the ranks reuse that store, so no
     port is chosen before it is bound (benchmarks side by side cannot race for one).
-    ``experts`` (a MOE_EXPERTS key) and --expert-model-parallel-size reach MoE presets only."""
+    ``experts`` (a MOE_EXPERTS key), ``mode`` (a MOE_MODES key), ``router`` (a MOE_ROUTERS
+    key) and --expert-model-parallel-size reach MoE presets only."""
     script, model_flags = PRESETS[preset]
     dynamic_cp = dynamic_cp_flags(cp_set, args.tokens_per_rank) if cp_set else []
-    moe = ([*MOE_EXPERTS[experts], "--expert-model-parallel-size",
-            str(args.expert_model_parallel_size)] if is_moe(preset) else [])
+    moe = []
+    if is_moe(preset):
+        model_flags = moe_mode_flags(model_flags, mode,
+                                     getattr(args, "moe_capacity_factor", None))
+        moe = [*MOE_EXPERTS[experts], *MOE_ROUTERS[router], "--expert-model-parallel-size",
+               str(args.expert_model_parallel_size)]
     profile = (["--profile", "--profile-step-start", str(args.steps - 1),
                 "--profile-step-end", str(args.steps + 1)] if args.profile else [])
     if args.keep_traces:
         profile += ["--profile-trace-dir", trace_dir(args.keep_traces, preset, variant, args,
-                                                     cp_set, experts)]
+                                                     cp_set, experts, mode=mode, router=router)]
     # Megatron-LM's memory report at the last step (--steps is a multiple of --log-interval).
     flags = [*model_flags, *COMMON, *variant_flags(variant), *moe, *profile,
              "--train-iters", str(args.steps), "--global-batch-size", str(args.global_batch_size),
@@ -346,11 +454,56 @@ def position_limit(flags: list) -> list:
     return ["--max-position-embeddings", seq_length]
 
 
+def logprobs_command(preset: str, variant: str, args, row_file: str,
+                     experts: str = "sequential", **moe) -> list:
+    """The torchrun command of one --mode logprobs configuration: tools/logprobs_benchmark.py
+    with the training flags `launch_command` gives the same configuration (``moe``: its MoE
+    mode and router keywords), less the metrics file; ``--steps`` calls of
+    ``--global-batch-size`` / ``--nproc`` micro-batches each."""
+    train = launch_command(preset, variant, args, row_file, "", experts, **moe)
+    at = next(i for i, word in enumerate(train) if word.endswith(PRESETS[preset][0]))
+    flags = train[at + 1:]
+    at_metrics = flags.index("--metrics-file")
+    del flags[at_metrics:at_metrics + 2]
+    model = "hybrid" if PRESETS[preset][0] == "pretrain_mamba.py" else "gpt"
+    return [*train[:at], os.path.join(REPO, "tools", "logprobs_benchmark.py"), "--model", model,
+            "--calls", str(args.steps), "--warmup", str(args.warmup),
+            "--micro-batches", str(args.global_batch_size // args.nproc), "--json", row_file,
+            "--", *flags]
+
+
+def logprobs_row(preset: str, variant: str, args, row_file: str, log: str = "",
+                 experts: str = "sequential") -> dict:
+    """The table row of a --mode logprobs run from the row its worker wrote; RunFailed when
+    the file is missing or incomplete."""
+    try:
+        with open(row_file) as f:
+            measured = json.load(f)
+        row = {"preset": row_label(preset, args, "", experts), "variant": variant,
+               "step_ms": measured["call_ms"], "step_iqr_ms": measured["call_iqr_ms"],
+               "tokens_per_sec": measured["tokens_per_sec"],
+               "peak_mem_gib": measured["peak_mem_gib"],
+               "fallback_rate": measured["fallback_rate"], "capture_s": measured["capture_s"],
+               "graph_mem_mib": measured["graph_mem_mib"], "gpu_busy_ms": None,
+               "stats": measured.get("stats", {})}
+    except FileNotFoundError:
+        raise RunFailed(f"no row file {row_file}", log) from None
+    except (json.JSONDecodeError, KeyError) as error:
+        raise RunFailed(f"row file {row_file} is incomplete ({type(error).__name__}: {error})",
+                        log) from None
+    if is_moe(preset):
+        row |= {"moe": True, "dropped_token_fraction": None, "rerun_rate": None}
+    return row
+
+
 def trace_dir(root: str, preset: str, variant: str, args, cp_set: str = "",
-              experts: str = "sequential") -> str:
+              experts: str = "sequential", *, mode: str = DEFAULT_MOE_MODE,
+              router: str = "balanced") -> str:
     """Where --keep-traces keeps one configuration's traces: ``root/<row label>/<variant>``,
-    the label's spaces as ``_``."""
-    return os.path.join(root, row_label(preset, args, cp_set, experts).replace(" ", "_"), variant)
+    the label's spaces as ``_`` (an MoE mode other than the default follows the variant)."""
+    label = row_label(preset, args, cp_set, experts, router=router)
+    return os.path.join(root, label.replace(" ", "_"),
+                        variant_label(variant, mode).replace(" ", "_"))
 
 
 def check_keep_traces(parser, args) -> None:
@@ -379,21 +532,35 @@ def failure_summary(output: str, returncode: int) -> str:
 
 
 def run_one(preset: str, variant: str, args, cp_set: str = "",
-            experts: str = "sequential") -> dict:
+            experts: str = "sequential", *, mode: str = DEFAULT_MOE_MODE,
+            router: str = "balanced") -> dict:
     """Train one configuration; return its summary row (raises RunFailed on failure)."""
     if needs_transformer_engine(preset, variant, experts) and not transformer_engine_importable():
         raise RunFailed("needs Transformer Engine, which is not importable here: install it "
                         "(pip install .[te]) or leave this row out")
+    if getattr(args, "mode", "train") == "logprobs":
+        with tempfile.TemporaryDirectory() as tmp:
+            row_file = os.path.join(tmp, "row.json")
+            cmd = logprobs_command(preset, variant, args, row_file, experts, mode=mode,
+                                   router=router)
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+            output = proc.stdout + proc.stderr
+            if proc.returncode != 0:
+                raise RunFailed(failure_summary(output, proc.returncode), output[-4000:])
+            row = logprobs_row(preset, variant, args, row_file, output[-4000:], experts)
+            return row | {"preset": row_label(preset, args, "", experts, router=router),
+                          "variant": variant_label(variant, mode)}
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        cmd = launch_command(preset, variant, args, metrics, cp_set, experts)
+        cmd = launch_command(preset, variant, args, metrics, cp_set, experts, mode=mode,
+                             router=router)
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         output = proc.stdout + proc.stderr
         if proc.returncode != 0:
             raise RunFailed(failure_summary(output, proc.returncode), output[-4000:])
         records = read_metrics(metrics, output[-4000:])
     return summarise(preset, variant, args, records, cp_set, output[-4000:], experts,
-                     memory=memory_reports(output))
+                     memory=memory_reports(output), mode=mode, router=router)
 
 
 # Megatron-LM's memory report (report_memory: at the first log points and every
@@ -431,17 +598,21 @@ def read_metrics(path: str, log: str = "") -> list:
 
 
 def summarise(preset: str, variant: str, args, records: list, cp_set: str = "",
-              log: str = "", experts: str = "sequential", memory: list = ()) -> dict:
+              log: str = "", experts: str = "sequential", memory: list = (), *,
+              mode: str = DEFAULT_MOE_MODE, router: str = "balanced") -> dict:
     """The summary row of one configuration's metrics records; RunFailed when they lack what
     the row needs (e.g. no record past --warmup). ``memory``: the run's `memory_reports`;
     ``peak_mem_gib`` is the largest max-allocated of them (or of the records, an older metrics
     file's ``mem_max_allocated_bytes``), None with neither. An MoE row (an MoE preset, or
     records with MoE keys) has ``moe`` True, ``dropped_token_fraction`` and ``rerun_rate``
-    (None where the run did not write the key)."""
+    (None where the run did not write the key). ``mode`` and ``router`` label the row
+    (`variant_label`, `row_label`)."""
     try:
-        return _summarise(preset, variant, args, records, cp_set, experts, memory)
+        row = _summarise(preset, variant, args, records, cp_set, experts, memory)
     except (KeyError, IndexError, ValueError, ZeroDivisionError) as error:
         raise RunFailed(f"metrics incomplete ({type(error).__name__}: {error})", log) from None
+    return row | {"preset": row_label(preset, args, cp_set, experts, router=router),
+                  "variant": variant_label(variant, mode)}
 
 
 def _summarise(preset: str, variant: str, args, records: list, cp_set: str,
@@ -493,7 +664,8 @@ def moe_summary(timed: list, micro_batches_per_record: int) -> dict:
 
 
 def format_table(rows: list) -> str:
-    """Markdown table; speedup is against the eager row of the same preset.
+    """Markdown table; speedup is against the eager row of the same preset (an MoE preset's
+    ``eager dropless`` row where the table has one: dropless training without graphs).
 
     step IQR is the interquartile range of the timed steps: how much a step varies (the
     document count per micro-batch changes every step), to read differences against.
@@ -502,8 +674,10 @@ def format_table(rows: list) -> str:
     steps) and *rerun rate* (micro-batches rerun per micro-batch); "-" where a row has none.
     *peak mem* is "-" for a row without a memory report (--from-metrics).
     """
-    eager = {r["preset"]: r["tokens_per_sec"] for r in rows
-             if r["variant"] == "eager" and not r.get("error")}
+    eager = {}
+    for baseline in ("eager", variant_label("eager", "dropless")):  # the latter wins
+        eager |= {r["preset"]: r["tokens_per_sec"] for r in rows
+                  if r["variant"] == baseline and not r.get("error")}
     columns = ["preset", "variant", "step (ms)", "step IQR (ms)", "tokens/s", "speedup",
                "peak mem (GiB)", "fallback rate", "capture (s)", "graph mem (MiB)",
                "GPU busy (ms)", "step / busy"]
@@ -541,6 +715,9 @@ _number = _percent  # "-" for a value the run did not report
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--mode", choices=("train", "logprobs"), default="train",
+                        help="train: training iterations (pretrain_*.py); logprobs: forward-only "
+                             "log-prob calls of the library API (tools/logprobs_benchmark.py)")
     parser.add_argument("--presets", nargs="+", default=["hybrid-small", "gpt-small"],
                         help=f"names from {sorted(PRESETS)} or groups {sorted(PRESET_GROUPS)}; "
                              f"with --from-metrics, the first names the rows")
@@ -575,6 +752,19 @@ def main(argv=None) -> int:
                         help="MoE presets only: run each once per expert implementation; "
                              "grouped-gemm = --attention-backend auto --moe-grouped-gemm (needs "
                              "Transformer Engine)")
+    parser.add_argument("--moe-modes", nargs="+", default=[DEFAULT_MOE_MODE],
+                        choices=list(MOE_MODES),
+                        help="MoE presets only: run each once per routing mode (drop-and-pad, "
+                             "megatron-core's dropless, --moe-dropless-graphs, drop-and-pad "
+                             "with reruns); combinations training refuses are left out")
+    parser.add_argument("--moe-capacity-factor", type=float, default=None,
+                        help="MoE presets only: the drop-and-pad and rerun modes' capacity "
+                             "factor (default: the preset's, 1.25)")
+    parser.add_argument("--moe-routers", nargs="+", default=["balanced"],
+                        choices=list(MOE_ROUTERS),
+                        help="MoE presets only: balanced (randomly initialised) routers, and/or "
+                             "skewed ones (--moe-router-skew 0.5: about half the routed slots "
+                             "to an eighth of the experts)")
     parser.add_argument("--extra-args", default="",
                         help="more training flags for every run (Megatron-LM's command line), "
                              "one string: --extra-args=\"--no-check-for-nan-in-loss-and-grad\"")
@@ -590,6 +780,7 @@ def main(argv=None) -> int:
                              "--global-batch-size describe those runs)")
     args = parser.parse_args(argv)
     check_keep_traces(parser, args)
+    check_logprobs_mode(parser, args)
     if args.from_metrics:
         return tabulate_metrics_files(parser, args)
     presets = [p for name in args.presets for p in PRESET_GROUPS.get(name, [name])]
@@ -607,21 +798,29 @@ def main(argv=None) -> int:
                      f"It must divide --nproc ({args.nproc}).")
     check_moe_options(parser, args, presets)
     variants = args.variants + [f"layer-graphs-c{c}" for c in args.capacities]
-    runs = [(preset, variant, cp_set, experts) for preset in presets
+    runs = [(preset, variant, cp_set, experts, mode, router) for preset in presets
             for experts in (args.moe_experts if is_moe(preset) else ["sequential"])
-            for cp_set in args.dynamic_cp_sets or [""] for variant in variants]
+            for router in (args.moe_routers if is_moe(preset) else ["balanced"])
+            for cp_set in args.dynamic_cp_sets or [""]
+            for mode in (args.moe_modes if is_moe(preset) else [DEFAULT_MOE_MODE])
+            for variant in variants if moe_mode_applies(variant, mode)]
     rows, stopped = [], False
     # A time limit (timeout, Slurm) sends SIGTERM: print the rows measured so far.
     previous = signal.signal(signal.SIGTERM, _raise_time_limit)
     try:
-        for preset, variant, cp_set, experts in runs:
-            rows.append(run_row(preset, variant, args, cp_set, experts))
+        for preset, variant, cp_set, experts, mode, router in runs:
+            rows.append(run_row(preset, variant, args, cp_set, experts, mode=mode,
+                                router=router))
             write_json(rows, args.json)
     except TimeLimit:
         stopped = True
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(run_header(sys.argv[1:] if argv is None else argv))
+    if args.mode == "logprobs":
+        print(f"Forward-only log-prob calls (the library API): a step is one call over "
+              f"{args.global_batch_size // args.nproc} micro-batches per rank; graph memory "
+              f"and capture are the forward-only graphs'.\n")
     code = report(rows, args)
     if stopped:
         print(f"benchmark: stopped by SIGTERM after {len(rows)} of {len(runs)} runs; the "
@@ -692,25 +891,50 @@ def check_moe_options(parser, args, presets: list) -> None:
         if num_experts(preset) % ep:
             parser.error(f"--expert-model-parallel-size is wrong: {ep}. It must divide "
                          f"{preset}'s {num_experts(preset)} experts.")
-    given = [flag for flag, changed in (("--expert-model-parallel-size", ep != 1),
-                                        ("--moe-experts", args.moe_experts != ["sequential"]))
-             if changed]
+    given = [flag for flag, changed in (
+        ("--expert-model-parallel-size", ep != 1),
+        ("--moe-experts", args.moe_experts != ["sequential"]),
+        ("--moe-modes", getattr(args, "moe_modes", [DEFAULT_MOE_MODE]) != [DEFAULT_MOE_MODE]),
+        ("--moe-capacity-factor", getattr(args, "moe_capacity_factor", None) is not None),
+        ("--moe-routers", getattr(args, "moe_routers", ["balanced"]) != ["balanced"]))
+        if changed]
     if given and not moe:
         parser.error(f"{given[0]} is wrong: no MoE preset in {presets}. Add one "
                      f"({', '.join(p for p in PRESETS if is_moe(p))} or group moe) or drop it.")
 
 
-def run_row(preset: str, variant: str, args, cp_set: str, experts: str) -> dict:
+def check_logprobs_mode(parser, args) -> None:
+    """--mode logprobs runs the library API: PP and CP 1, no profile, nothing tabulated from
+    metrics files; its micro-batches are --global-batch-size / --nproc per call."""
+    if args.mode != "logprobs":
+        return
+    refused = [(args.from_metrics, "--from-metrics", "it tabulates training runs"),
+               (args.profile, "--profile", "it profiles training iterations"),
+               (args.dynamic_cp_sets, "--dynamic-cp-sets", "the library API runs CP size 1"),
+               (args.pipeline_model_parallel_size != 1, "--pipeline-model-parallel-size",
+                "the library API runs one pipeline stage")]
+    for given, flag, why in refused:
+        if given:
+            parser.error(f"{flag} is wrong with --mode logprobs: {why}. Drop it.")
+    if args.global_batch_size % args.nproc:
+        parser.error(f"--global-batch-size is wrong: {args.global_batch_size}. With --mode "
+                     f"logprobs it is the micro-batches of a call over all {args.nproc} "
+                     f"ranks: give a multiple of --nproc.")
+
+
+def run_row(preset: str, variant: str, args, cp_set: str, experts: str, *,
+            mode: str = DEFAULT_MOE_MODE, router: str = "balanced") -> dict:
     """Train one configuration; its summary row, or its error row (log tail to stderr)."""
-    label = row_label(preset, args, cp_set, experts)
+    label = row_label(preset, args, cp_set, experts, router=router)
+    shown = variant_label(variant, mode)
     try:
-        row = run_one(preset, variant, args, cp_set, experts)
-        print(f"done: {label}/{variant} {row['step_ms']:.1f} ms/step", flush=True)
+        row = run_one(preset, variant, args, cp_set, experts, mode=mode, router=router)
+        print(f"done: {label}/{shown} {row['step_ms']:.1f} ms/step", flush=True)
         return row
     except RunFailed as failed:
-        print(f"failed: {label}/{variant}: {failed.summary}\n{failed.log}", file=sys.stderr,
+        print(f"failed: {label}/{shown}: {failed.summary}\n{failed.log}", file=sys.stderr,
               flush=True)
-        row = {"preset": label, "variant": variant, "error": failed.summary}
+        row = {"preset": label, "variant": shown, "error": failed.summary}
         return (row | {"moe": True}) if is_moe(preset) else row
 
 

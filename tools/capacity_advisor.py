@@ -11,7 +11,9 @@ smallest drop-and-pad capacity factor whose predicted overflow rate is at most t
 with ``--moe-capacity-overflow rerun`` that is the share of micro-batches rerun eager. The
 loads come from a training run (`moe_rerun.MoEOverflowRerun.router_load_record`, e.g. a
 warm-up with a generous factor) or any dump in the same JSON format (`read_router_loads`).
-CPU only.
+The report then sets that factor against dropless MoE graphs (``--moe-dropless-graphs``: no
+capacity at all) in rows per MoE layer (and MiB with ``--hidden-size``), and says when
+drop-and-pad remains the better choice (`format_dropless_comparison`). CPU only.
 
     python tools/capacity_advisor.py --data-path train.jsonl --seq-length 4096 --vocab-size 32000
     python tools/capacity_advisor.py --mock-data --seq-length 4096 --vocab-size 32000
@@ -277,6 +279,68 @@ def format_moe_report(loads: RouterLoads, target_overflow_rate: float) -> str:
     return "\n".join(lines)
 
 
+DROPLESS_ALIGNMENT = 8
+"""Rows each expert's group is padded to under --moe-dropless-graphs (16 bytes of bf16;
+packed_graphs/grouped_gemm.group_alignment)."""
+
+
+def dropless_graph_rows(loads: RouterLoads, expert_parallel: int = 1) -> tuple[int, int]:
+    """``(allocated, computed at most)`` expert rows of one MoE layer, rank and micro-batch
+    under --moe-dropless-graphs: the static buffer and its groups at their largest. At
+    expert parallel size 1 the buffer holds every slot of the rank's tokens
+    (moe_dropless.static_rows); above, each rank receives a fixed block of room for the worst
+    case from every rank (moe_dropless.send_capacity) and regroups it."""
+    from megatron.packed_graphs.moe_dropless import buffer_rows, send_capacity
+
+    local = loads.num_experts // expert_parallel
+    slots = loads.tokens_per_rank * loads.topk
+    if expert_parallel > 1:
+        slots = expert_parallel * send_capacity(loads.tokens_per_rank, loads.topk, local)
+    return (buffer_rows(slots, local, DROPLESS_ALIGNMENT), slots + local * DROPLESS_ALIGNMENT)
+
+
+def format_dropless_comparison(loads: RouterLoads, factor: float, expert_parallel: int = 1,
+                               hidden_size: int = 0) -> str:
+    """Dropless MoE graphs set against drop-and-pad at ``factor``: expert rows per MoE layer,
+    rank and micro-batch (the dispatched input, fc1 output and activation, all saved for the
+    backward, scale with them; ``hidden_size`` adds the input rows' MiB in bf16), and when
+    drop-and-pad is still the better choice."""
+    capacity_rows = loads.num_experts * expert_capacity(loads, factor)
+    allocated, computed = dropless_graph_rows(loads, expert_parallel)
+    mib = (lambda rows: f"{rows * hidden_size * 2 / 2**20:>10.1f}") if hidden_size else (
+        lambda rows: "")
+    unit = f"{'input MiB':>10}" if hidden_size else ""
+    room = (f"room for every slot of {expert_parallel} ranks' blocks" if expert_parallel > 1
+            else f"routed slots {loads.tokens_per_rank * loads.topk}")
+    lines = ["", "dropless MoE graphs (--moe-dropless-graphs) instead: no capacity, no token "
+                 "dropped, nothing rerun",
+             f"{'rows per MoE layer':<26}{'allocated':>10}{'computed':>10}{unit}",
+             f"{'dropless graphs':<26}{allocated:>10}{computed:>10}{mib(allocated)}"
+             f"   (at most: {room} + {DROPLESS_ALIGNMENT} per expert)",
+             f"{'drop-and-pad at ' + format(factor, 'g'):<26}{capacity_rows:>10}"
+             f"{capacity_rows:>10}{mib(capacity_rows)}   ({loads.num_experts} experts x "
+             f"capacity {expert_capacity(loads, factor)})"]
+    smaller = "fewer" if allocated < capacity_rows else "more"
+    lines.append(f"dropless graphs hold {smaller} rows than drop-and-pad at this factor, "
+                 f"whatever the routing; padding tokens take none")
+    if expert_parallel > 1:
+        from megatron.packed_graphs.moe_dropless import send_capacity
+
+        exchanged = expert_parallel * send_capacity(
+            loads.tokens_per_rank, loads.topk, loads.num_experts // expert_parallel)
+        lines.append(f"at expert parallel size {expert_parallel} each rank sends and receives "
+                     f"{exchanged} rows each way (drop-and-pad: {capacity_rows}): the "
+                     "exchange is sized for the worst case")
+    lines += ["drop-and-pad stays the better choice:",
+              "  at expert parallel sizes where its factor needs fewer rows than the blocks "
+              "above (memory and all-to-all bytes);",
+              "  with FP8/FP4 experts (dropless graphs run bf16);",
+              "  when the factor is close to 1 (as many rows, hardly a rerun) and TE's grouped "
+              "GEMM is faster than torch's on these shapes:",
+              "  measure with tools/benchmark.py --moe-modes dropless-graphs drop-and-pad"]
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -311,6 +375,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target-overflow-rate", type=float, default=0.01,
                         help="with --moe-router-loads: largest acceptable share of "
                              "micro-batches that overflow an expert's capacity")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="with --moe-router-loads: training's expert parallel size (sizes "
+                             "the exchange of dropless MoE graphs)")
+    parser.add_argument("--hidden-size", type=int, default=0,
+                        help="with --moe-router-loads: training's --hidden-size, to show the "
+                             "dispatched rows in MiB")
     parser.add_argument("--print-capacity", action="store_true",
                         help="print only the recommended capacity (one integer; with "
                              "--moe-router-loads the capacity factor), for scripts")
@@ -336,6 +406,9 @@ def main(argv=None) -> int:
         else:
             print(args.moe_router_loads)
             print(format_moe_report(loads, args.target_overflow_rate))
+            factor = recommend_capacity_factor(loads, args.target_overflow_rate)[0]
+            print(format_dropless_comparison(loads, factor, args.expert_model_parallel_size,
+                                             args.hidden_size))
         return 0
     recommend_capacity([1], args.target_fallback_rate)  # reject a bad target before packing
     if args.mock_data:

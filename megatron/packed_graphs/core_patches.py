@@ -995,3 +995,19 @@ def build_hybrid_cp_groups_at_start_up() -> None:
 
     initialize_distributed.builds_hybrid_cp_groups = True
     start_up._initialize_distributed = initialize_distributed
+
+
+# --------------------------------------------------------------------------------------------
+# Forward-only graphs: the memory pool they share with the local layer graphs
+# --------------------------------------------------------------------------------------------
+
+def local_graph_pool():
+    """megatron-core's one memory pool of local CUDA graphs (``CudaGraphManager.global_mempool``,
+    created with the first manager, i.e. when the first graphable layer is built under
+    ``cuda_graph_impl == "local"``), or None before any manager exists.
+
+    Forward-only graphs (forward_graphs.py) capture into it: they replay only between
+    training iterations, when no layer graph's buffers hold a value another layer graph
+    still reads, so the two sets of graphs can share free blocks instead of each keeping its
+    own activation-sized pool."""
+    return cuda_graphs.CudaGraphManager.global_mempool

@@ -26,7 +26,8 @@ Captured = Collection[Tuple[int, int]]
 
 def plan_iteration(config: GraphRuntimeConfig, iteration: int, captured: Captured,
                    segment_counts: Sequence[int], cp_sizes: Optional[Sequence[int]] = None,
-                   *, training: bool = True, graphs_off: bool = False) -> List[StepGraphPlan]:
+                   *, training: bool = True, graphs_off: bool = False,
+                   forward_captured: Captured = (), forced: bool = False) -> List[StepGraphPlan]:
     """Plans for one iteration's micro-batches, in order (one per micro-batch).
 
     ``iteration`` counts training iterations of this process from 0; ``captured`` holds the
@@ -35,17 +36,22 @@ def plan_iteration(config: GraphRuntimeConfig, iteration: int, captured: Capture
     iterations below the warm-up count run eager; the first later iteration captures graphs
     for every micro-batch that fits (`capture_capacities`; CP banks: every bank). After
     capture each micro-batch replays the smallest captured capacity of its CP size that
-    fits, or runs eager. Evaluation (``training=False``) runs eager. ``graphs_off``: graphs
-    were turned off for the rest of the run (the health check's disable action): everything
-    runs eager, as without graphs. Chunk slots are assigned per chunk afterwards
-    (`plan_chunks`).
+    fits, or runs eager. ``graphs_off``: graphs were turned off for the rest of the run (the
+    health check's disable action): everything runs eager, as without graphs. Chunk slots are
+    assigned per chunk afterwards (`plan_chunks`).
+
+    A forward-only pass (``training=False``: evaluation, log-probs) is planned by
+    `plan_forward_only` against ``forward_captured``, the forward-only graphs that exist.
+    ``forced``: a caller asked for an eager pass (a reference to compare graphs with).
     """
     n = len(segment_counts)
     sizes = list(cp_sizes) if cp_sizes is not None else [config.cp_size] * n
     if not config.enabled or graphs_off:
         return [StepGraphPlan.eager(Reason.DISABLED)] * n
+    if forced:
+        return [StepGraphPlan.eager(Reason.FORCED)] * n
     if not training:
-        return [StepGraphPlan.eager(Reason.EVAL)] * n
+        return plan_forward_only(config, forward_captured, segment_counts, sizes)
     if captured:
         return [_smallest_fit(config, count, size, captured, Mode.REPLAY)
                 for count, size in zip(segment_counts, sizes)]
@@ -59,6 +65,32 @@ def plan_iteration(config: GraphRuntimeConfig, iteration: int, captured: Capture
     if config.capture_needs_all_micro_batches and not all(fits):
         return [StepGraphPlan.eager(Reason.DEFERRED)] * n
     return capture_capacities(config, segment_counts)
+
+
+def plan_forward_only(config: GraphRuntimeConfig, captured: Captured,
+                      segment_counts: Sequence[int], cp_sizes: Sequence[int]
+                      ) -> List[StepGraphPlan]:
+    """Plans for a forward-only pass (the runtime checked that graphs are on).
+
+    Without forward-only graphs (`GraphRuntimeConfig.forward_graphs`) every micro-batch runs
+    eager (`Reason.EVAL`). Otherwise each micro-batch gets the smallest forward bank of its
+    CP size that fits (`GraphRuntimeConfig.forward_banks`): REPLAY when ``captured`` holds it,
+    CAPTURE before (the runtime then captures every bank first, on every rank alike), or
+    eager (`Reason.OVERFLOW`). No warm-up iterations: a capture warms itself up.
+    """
+    if not config.forward_graphs:
+        return [StepGraphPlan.eager(Reason.EVAL)] * len(segment_counts)
+    plans = []
+    for count, size in zip(segment_counts, cp_sizes):
+        fitting = [capacity for bank_size, capacity in config.forward_banks
+                   if bank_size == size and fits_capacity(count, capacity)]
+        if not fitting:
+            plans.append(StepGraphPlan.eager(Reason.OVERFLOW))
+            continue
+        key = GraphKey.forward(min(fitting), size)
+        mode = Mode.REPLAY if (size, key.capacity) in captured else Mode.CAPTURE
+        plans.append(StepGraphPlan.graphed(mode, key))
+    return plans
 
 
 def capture_capacities(config: GraphRuntimeConfig,
@@ -131,7 +163,8 @@ def plan_chunks(config: GraphRuntimeConfig, plans: Sequence[StepGraphPlan],
     Chunk granularity gives each chunk its own slots (`assign_chunk_slots`); otherwise every
     chunk follows the same plans.
     """
-    if config.granularity is Granularity.CHUNK and config.enabled:
+    if (config.granularity is Granularity.CHUNK and config.enabled
+            and not any(plan.forward_only for plan in plans)):
         return [assign_chunk_slots(plans, config.slots_per_chunk[chunk])
                 for chunk in range(num_chunks)]
     return [list(plans) for _ in range(num_chunks)]

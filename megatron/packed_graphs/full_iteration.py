@@ -122,7 +122,8 @@ class StaticMicroBatches:
     """The iteration graph's inputs: one staged micro-batch per position, fixed addresses.
 
     A staged micro-batch is a dataclass (packed_step.PackedMicroBatch) of tensors, nested
-    dataclasses (its PackedBatchParams) and host values. `fill` copies every tensor into its
+    dataclasses (its PackedBatchParams), dicts of tensors (per-token tensors of a loss, e.g.
+    megatron.packed_training.rl) and host values. `fill` copies every tensor into its
     static twin (allocated at the first fill, a clone; one twin per distinct tensor object,
     so ``cu_seqlens_q is cu_seqlens_kv`` stays true). Host values are frozen at the first fill
     and must not change (``max_seqlen``, ``qkv_format``, groups), except `HOST_COUNTERS`.
@@ -136,7 +137,7 @@ class StaticMicroBatches:
     def fill(self, staged: Sequence[Any]) -> List[Any]:
         """Copy ``staged`` (one per position) into the static micro-batches; returns them."""
         if self.slots and len(staged) != len(self.slots):
-            raise ValueError(f"iteration graph inputs are wrong: {len(staged)} micro-batches "
+            raise ValueError(f"graph inputs are wrong: {len(staged)} micro-batches "
                              f"for a graph of {len(self.slots)}.")
         if not self.slots:
             self.slots = [_twin(mb, {}) for mb in staged]
@@ -157,6 +158,8 @@ def _twin(value, seen: Dict[int, torch.Tensor]):
         for field in dataclasses.fields(value):
             setattr(twin, field.name, _twin(getattr(value, field.name), seen))
         return twin
+    if isinstance(value, dict):
+        return {key: _twin(item, seen) for key, item in value.items()}
     return value
 
 
@@ -169,22 +172,32 @@ def _shallow_copy(value):
 
 def _copy_into(static, value, done: set, where: str) -> None:
     for field in dataclasses.fields(value):
-        name = f"{where}.{field.name}"
-        old, new = getattr(static, field.name), getattr(value, field.name)
-        if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
-            if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or \
-                    old.shape != new.shape or old.dtype != new.dtype:
-                raise ValueError(f"iteration graph input {name} is wrong: {_describe(new)}, "
-                                 f"captured as {_describe(old)}. Every micro-batch must be "
-                                 f"staged to the graph's capacity and length.")
-            if id(old) not in done:
-                old.copy_(new, non_blocking=True)
-                done.add(id(old))
-        elif dataclasses.is_dataclass(old):
-            _copy_into(old, new, done, name)
-        elif field.name not in HOST_COUNTERS and old is not new and old != new:
-            raise ValueError(f"iteration graph input {name} is wrong: {new!r}, captured as "
-                             f"{old!r}. Host values are fixed at capture.")
+        _copy_item(field.name, getattr(static, field.name), getattr(value, field.name), done,
+                   f"{where}.{field.name}")
+
+
+def _copy_item(field: str, old, new, done: set, name: str) -> None:
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or \
+                old.shape != new.shape or old.dtype != new.dtype:
+            raise ValueError(f"graph input {name} is wrong: {_describe(new)}, captured as "
+                             f"{_describe(old)}. Every micro-batch must be staged to the "
+                             f"graph's capacity and length.")
+        if id(old) not in done:
+            old.copy_(new, non_blocking=True)
+            done.add(id(old))
+    elif dataclasses.is_dataclass(old):
+        _copy_into(old, new, done, name)
+    elif isinstance(old, dict):
+        if not isinstance(new, dict) or old.keys() != new.keys():
+            shown = sorted(new) if isinstance(new, dict) else repr(new)
+            raise ValueError(f"graph input {name} is wrong: {shown}, captured with "
+                             f"{sorted(old)}. Every micro-batch must carry the same tensors.")
+        for key in old:
+            _copy_item(key, old[key], new[key], done, f"{name}[{key!r}]")
+    elif field not in HOST_COUNTERS and old is not new and old != new:
+        raise ValueError(f"graph input {name} is wrong: {new!r}, captured as {old!r}. Host "
+                         f"values are fixed at capture.")
 
 
 def _describe(value) -> str:

@@ -18,6 +18,12 @@ out of the aux loss, the z-loss and the expert-bias counts.
   mask travels with the packed params into every graph path (local and TE layer graphs,
   chunk graphs), not as a separate argument that a graph could drop.
 
+* `moe_mlp_spec` builds megatron-core's MoE layer, or with ``--moe-dropless-graphs`` (the
+  config's ``moe_dropless_graphs``) the static-shape dropless layer of moe_dropless.py, which
+  graphs capture whole whatever the routing (`build_moe_layer`). Its routers count routed
+  slots too, so the log's drop fraction (0) is measured. ``--moe-router-skew`` gives the
+  routers a fixed logit bias toward the first eighth of the experts (benchmarks).
+
 * `dropless_moe` (``--moe-capacity-overflow rerun``) switches the MoE layers of some model
   chunks to upstream's dropless alltoall for the enclosed eager calls: no capacity, every
   routed token reaches its experts. It syncs with the host (dropless dispatch reads token
@@ -39,7 +45,8 @@ from torch import Tensor
 
 from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import (
     apply_router_token_dropping,
     router_gating_linear,
@@ -48,6 +55,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron.packed_graphs import core_patches
+from megatron.packed_graphs.moe_dropless import DroplessMoELayer
+from megatron.packed_graphs.moe_experts import TorchGroupedMLP
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -74,6 +83,19 @@ class PackedTopKRouter(TopKRouter):
         # forward call. Its address is baked into graphs, so it is set before any capture.
         self.overflow_counter: Optional[Tensor] = None
         self.num_tokens: Optional[int] = None  # of the last call (static under graphs)
+        # --moe-dropless-graphs: routed slots are counted (none is dropped), so the drop
+        # fraction the log reports is a measurement.
+        self.count_routed = getattr(config, "moe_dropless_graphs", False)
+        # --moe-router-skew (benchmarks): a fixed logit bias on the first eighth of the experts.
+        skew = getattr(config, "moe_router_skew", 0.0)
+        if skew:
+            bias = torch.zeros(config.num_moe_experts, device=self.weight.device)
+            bias[:hot_experts(config.num_moe_experts)] = skew_logit_bias(
+                config.num_moe_experts, self.topk, skew,
+                config.init_method_std * config.hidden_size ** 0.5)
+            self.register_buffer("logit_skew", bias, persistent=False)
+        else:
+            self.logit_skew: Optional[Tensor] = None
 
     def route_dropless(self, dropless: bool) -> None:
         """Route without the capacity (True; `dropless_moe` sets it around eager calls)."""
@@ -81,11 +103,15 @@ class PackedTopKRouter(TopKRouter):
 
     def gating(self, input: Tensor) -> Tensor:
         if input.device.type == "cuda":
-            return super().gating(input)
-        # Upstream moves CPU weights to CUDA unconditionally (router.py gating); training
-        # moves the whole model to the GPU first, so this branch serves CPU runs only.
-        dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
-        return router_gating_linear(input, self.weight, self.bias, dtype)
+            logits = super().gating(input)
+        else:
+            # Upstream moves CPU weights to CUDA unconditionally (router.py gating); training
+            # moves the whole model to the GPU first, so this branch serves CPU runs only.
+            dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
+            logits = router_gating_linear(input, self.weight, self.bias, dtype)
+        if self.logit_skew is not None:
+            logits = logits + self.logit_skew
+        return logits
 
     def _apply_expert_bias(self, routing_map: Tensor, padding_mask: Optional[Tensor] = None):
         # megatron-core 0.19.2 ands the [tokens, experts] map with the flattened [tokens]
@@ -104,7 +130,11 @@ class PackedTopKRouter(TopKRouter):
             documents_map = routing_map & keep
         if self.capacity_factor is None:
             # Dropless dispatch sizes its rows as tokens x top-k (static): padding keeps its
-            # slots, at probability zero, and adds nothing to any output or gradient.
+            # slots, at probability zero, and adds nothing to any output or gradient (the
+            # static dropless layer takes them out of the map itself, moe_dropless.py).
+            if self.count_routed:
+                routed = documents_map.sum()
+                self.token_slots += torch.stack([routed, torch.zeros_like(routed)])
             return probs, routing_map
         # The demand before the capacity: what overflow detection and the advisor read.
         self.num_tokens = routing_map.shape[0]  # host int: the capacity's token count
@@ -128,6 +158,39 @@ class PackedTopKRouter(TopKRouter):
             torch.maximum(self.overflow_counter, torch.stack([dropped, loads.max()]),
                           out=self.overflow_counter)
         return probs, routing_map
+
+
+def hot_experts(num_experts: int) -> int:
+    """The experts `--moe-router-skew` favours: the first eighth (at least one)."""
+    return max(1, num_experts // 8)
+
+
+def skew_logit_bias(num_experts: int, topk: int, fraction: float, logit_std: float,
+                    samples: int = 4096) -> float:
+    """The logit bias on the `hot_experts` that sends about ``fraction`` of a top-``topk``
+    router's slots to them, for logits drawn independently from N(0, ``logit_std``^2) (a
+    router at initialisation: weights of std ``init_method_std`` over unit-RMS hidden
+    states). Found by bisection over a fixed sample (seeded: the same bias every run); host
+    only, once per router. Benchmarks of unbalanced routing only (--moe-router-skew)."""
+    hot = hot_experts(num_experts)
+    most = min(topk, hot) / topk  # every token picks all the hot experts it can
+    if not 0.0 < fraction < most:
+        raise ValueError(f"--moe-router-skew is wrong: {fraction}. With {num_experts} experts, "
+                         f"top-{topk}, the first {hot} can get a share in (0, {most:g}) of the "
+                         f"slots ({hot / num_experts:g} without a skew); choose one inside.")
+    logits = torch.randn(samples, num_experts, generator=torch.Generator().manual_seed(0))
+    logits *= logit_std
+
+    def share(bias: float) -> float:
+        chosen = torch.topk(logits + torch.tensor([bias] * hot + [0.0] * (num_experts - hot)),
+                            topk, dim=1).indices
+        return (chosen < hot).float().mean().item()
+
+    low, high = -20.0 * logit_std, 20.0 * logit_std
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if share(middle) < fraction else (low, middle)
+    return (low + high) / 2
 
 
 def read_dropped_token_fraction(model_chunks) -> float:
@@ -234,12 +297,30 @@ def dropless_moe(modules) -> Iterator[None]:
 def moe_mlp_spec(provider: BackendSpecProvider, num_experts: int, grouped_gemm: bool):
     """megatron-core's MoE builder for ``provider`` (SequentialMLP experts over the provider's
     linears, or TEGroupedMLP with TE and grouped GEMM; shared experts from the same linears),
-    with `PackedTopKRouter` as its router."""
+    with `PackedTopKRouter` as its router.
+
+    The layer is built by `build_moe_layer`, which reads the config's ``moe_dropless_graphs``
+    (as megatron-core's MoE spec picks its shared-expert class from the config)."""
     builder = get_moe_module_spec_for_backend(provider, num_experts=num_experts,
                                               moe_grouped_gemm=grouped_gemm)
     submodules = copy.copy(builder.keywords["submodules"])
     submodules.router = PackedTopKRouter
-    return partial(builder.func, *builder.args, submodules=submodules)
+    return partial(build_moe_layer, builder.func, *builder.args, submodules=submodules)
+
+
+def build_moe_layer(layer_class, *args, config, submodules: MoESubmodules, **kwargs):
+    """``layer_class(*args, config=config, submodules=submodules, **kwargs)`` (megatron-core's
+    MoELayer), or with ``config.moe_dropless_graphs`` (``--moe-dropless-graphs``, a field of
+    the fork's PackedTransformerConfig) `moe_dropless.DroplessMoELayer` over
+    `moe_experts.TorchGroupedMLP` experts, drawn in the order of the experts they stand in
+    for (TEGroupedMLP's with TE grouped GEMM, else SequentialMLP's)."""
+    if getattr(config, "moe_dropless_graphs", False):
+        experts = getattr(submodules.experts, "func", submodules.experts)
+        order = "per_expert" if experts is SequentialMLP else "per_linear"
+        submodules = copy.copy(submodules)
+        submodules.experts = partial(TorchGroupedMLP, init_order=order)
+        layer_class = DroplessMoELayer
+    return layer_class(*args, config=config, submodules=submodules, **kwargs)
 
 
 def layer_padding_mask(params, num_tokens: int, tp_group, sequence_parallel: bool):

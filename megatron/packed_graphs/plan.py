@@ -1,8 +1,10 @@
 """What one micro-batch does about CUDA graphs: the plan types, and the scope that carries a plan.
 
 A `StepGraphPlan` is made on the host, before the schedule runs (`dispatch.plan_iteration`):
-its *mode* (eager, capture, replay), its `GraphKey` (granularity, capacity, CP size, slot:
-which graph) and its *reason*. The graph runtime (runtime.py) enters `running(plan)` around
+its *mode* (eager, capture, replay), its `GraphKey` (granularity, capacity, CP size, slot,
+forward-only: which graph) and its *reason*. Training and forward-only passes (evaluation,
+log-probs) are planned alike; a forward-only key names a graph of its own
+(forward_graphs.py). The graph runtime (runtime.py) enters `running(plan)` around
 each micro-batch's model call; the graphable modules (layers.py, chunk_graphs.py,
 te_graphs.py) read it with `active_plan()` at megatron-core's dispatch site and nothing else.
 
@@ -47,9 +49,13 @@ class Reason(str, enum.Enum):
     MICRO_BATCH_COUNT = "micro_batch_count"
     DEFERRED = "deferred"  # PP > 1: an overflow in the would-be capture iteration postpones it
     SLOT_CAP = "slot_cap"  # chunk graphs: past the slots recorded in the capture iteration
-    EVAL = "eval"  # evaluation (forward only) runs eager
+    # A forward-only pass (evaluation, log-probs) where forward-only graphs cannot run: pipeline
+    # parallelism, or an MoE layer that is not drop-and-pad (GraphRuntimeConfig.forward_graphs).
+    EVAL = "eval"
     MOE_OVERFLOW_RERUN = "moe_overflow_rerun"  # rerun eager after an expert-capacity overflow
-    FORCED = "forced"  # a caller asked for eager (`run_eager`: tools comparing graph and eager)
+    # A caller asked for eager: `run_eager` (tools comparing graph and eager), or a whole pass
+    # through `GraphRuntime.forced_eager` (e.g. eager reference log-probs).
+    FORCED = "forced"
     HEALTH_CHECK = "health_check"  # the graph health check's eager pass (health_check.py)
     DISABLED = "disabled"  # --cuda-graph-impl none, or graphs turned off by the health check
 
@@ -66,12 +72,26 @@ class GraphKey:
     ``capacity``: its ``cu_seqlens`` is padded to ``capacity + 1`` entries; ``cp_size``: the
     CP size baked into the graph (the static size, or the micro-batch's under dynamic CP);
     ``slot``: chunk granularity, which of the chunk's runners (0 for other granularities).
+    ``forward_only``: a forward-only graph (forward_graphs.py): the model chunk's whole
+    forward pass and output head, no backward, captured apart from the training graphs;
+    its granularity is always CHUNK.
     """
 
     granularity: Granularity
     capacity: int
     cp_size: int = 1
     slot: int = 0
+    forward_only: bool = False
+
+    def __post_init__(self):
+        if self.forward_only and (self.granularity is not Granularity.CHUNK or self.slot):
+            raise ValueError(f"forward-only graph key is wrong: {self}. A forward-only graph "
+                             f"holds a whole model chunk: granularity chunk, slot 0.")
+
+    @classmethod
+    def forward(cls, capacity: int, cp_size: int = 1) -> "GraphKey":
+        """The key of the forward-only graph of ``capacity`` (and CP size)."""
+        return cls(Granularity.CHUNK, capacity, cp_size, forward_only=True)
 
 
 @dataclass(frozen=True)
@@ -100,6 +120,11 @@ class StepGraphPlan:
         return self.mode is not Mode.EAGER
 
     @property
+    def forward_only(self) -> bool:
+        """Whether this micro-batch replays (or captures) a forward-only graph."""
+        return self.key is not None and self.key.forward_only
+
+    @property
     def is_fallback(self) -> bool:
         """An eager run that graphs would have done (counted in the log line)."""
         return self.reason in FALLBACK_REASONS
@@ -112,7 +137,8 @@ class StepGraphPlan:
     def with_slot(self, slot: int) -> "StepGraphPlan":
         key = self.key
         return StepGraphPlan(self.mode, self.reason,
-                             GraphKey(key.granularity, key.capacity, key.cp_size, slot))
+                             GraphKey(key.granularity, key.capacity, key.cp_size, slot,
+                                      key.forward_only))
 
 
 @dataclass(frozen=True)
@@ -142,6 +168,10 @@ class GraphRuntimeConfig:
     # per micro-batch under `granularity` (local layer or chunk graphs, eager on overflow).
     full_iteration: bool = False
     iteration_micro_batches: int = 0
+    # Forward-only passes (evaluation, log-probs) replay forward-only graphs, one per capacity
+    # (and CP bank): PP = 1 and every layer capturable whole (forward_graphs.py); otherwise
+    # they run eager (Reason.EVAL).
+    forward_graphs: bool = False
 
     def __post_init__(self):
         if self.granularity is Granularity.FULL_ITERATION:
@@ -164,6 +194,9 @@ class GraphRuntimeConfig:
         if self.enabled and self.granularity is not Granularity.CP_BANK and self.capacity < 1:
             raise ValueError(f"CUDA graph capacity is wrong: {self.capacity}. Set "
                              f"--cuda-graph-max-packed-seqs to a positive count.")
+        if self.forward_graphs and not self.enabled:
+            raise ValueError("forward-only graph settings are wrong: forward graphs with "
+                             "--cuda-graph-impl none. They need a graph implementation.")
         if (self.granularity is Granularity.CP_BANK) != bool(self.bank_capacities):
             raise ValueError(f"CUDA graph banks are wrong: {self.bank_capacities}. CP banks "
                              f"need one capacity per CP size (--dynamic-cp-sizes), and only "
@@ -177,6 +210,14 @@ class GraphRuntimeConfig:
     def capacities(self) -> Tuple[int, ...]:
         """Every capacity a static-layout graph may be captured for, ascending."""
         return tuple(self.ladder) + (self.capacity,)
+
+    @property
+    def forward_banks(self) -> Tuple[Tuple[int, int], ...]:
+        """(CP size, capacity) of every forward-only graph, in capture order: each CP bank's
+        capacity under dynamic CP, else every capacity of the ladder at the static CP size."""
+        if self.bank_capacities:
+            return tuple(self.bank_capacities)
+        return tuple((self.cp_size, capacity) for capacity in self.capacities)
 
 
 _active_plan: ContextVar[Optional[StepGraphPlan]] = ContextVar("packed_graph_plan", default=None)

@@ -13,8 +13,11 @@ this is their capture iteration (before the schedule: one bank, or one per CP si
 micro-batch then runs under its plan (`plan.running`): the graphable modules read it,
 megatron-core's local graphs record it and capture at the end of the schedule. On exit the
 iteration's statistics are in ``step.stats``: documents per micro-batch, graph fallbacks,
-eager micro-batches by reason, capture time and memory. Evaluation (``training=False``)
-runs eager (`Reason.EVAL`), with statistics of its own. With ``--cuda-graph-check-interval``
+eager micro-batches by reason, capture time and memory. A forward-only pass
+(``training=False``: evaluation, log-probs) runs with the model in eval mode and replays
+forward-only graphs (forward_graphs.py), one per capacity, captured at the first such pass;
+where they cannot run it is eager (`Reason.EVAL`); its statistics are its own. With
+``--cuda-graph-check-interval``
 the exit of every N-th training iteration first runs the graph health check
 (health_check.py), which may turn graphs off for the rest of the run.
 
@@ -33,7 +36,10 @@ The forward step the runtime drives (megatron.packed_training.packed_step.Packed
   the host micro-batch on the device, ``cu_seqlens`` padded to ``capacity`` when not None;
 * ``run(model, staged)`` -> ``(output, loss_func)``, megatron-core's forward-step result;
 * ``bank_layout(cp_size, capacity)`` -> params laid out like a graphed micro-batch of that
-  CP size (dynamic CP banks are captured with it).
+  CP size (dynamic CP banks are captured with it);
+* ``graph_layout(cp_size, capacity, like)`` -> a staged micro-batch laid out like a graphed
+  one of that CP size and capacity, as long as the collated micro-batch ``like`` (forward-only
+  graphs are captured with it).
 
 From each micro-batch (a collated dict) the runtime reads the host values ``num_segments``,
 ``num_documents`` and, under dynamic CP, ``cp_turn`` (its CP size), ``cp_mix``, ``cp_rounds``,
@@ -57,6 +63,8 @@ from megatron.packed_graphs.full_iteration import (
     iteration_graph_due,
     plan_full_iteration,
 )
+from megatron.packed_graphs.forward_graphs import ForwardGraphs, eval_mode, forward_graph_pool
+from megatron.packed_graphs.graph_memory import capture_graph
 from megatron.packed_graphs.health_check import GraphHealthCheck, HealthCheckConfig
 from megatron.packed_graphs.moe import moe_accumulators_kept
 from megatron.packed_graphs.dispatch import (
@@ -68,6 +76,7 @@ from megatron.packed_graphs.dispatch import (
 from megatron.packed_graphs.plan import (
     FALLBACK_REASONS,
     Granularity,
+    GraphKey,
     GraphRuntimeConfig,
     Mode,
     Reason,
@@ -90,6 +99,32 @@ def tokens_per_rank(args) -> int:
     return tokens // args.tensor_model_parallel_size if args.sequence_parallel else tokens
 
 
+def forward_graphs_unavailable(args) -> Optional[str]:
+    """Why forward-only passes of this run cannot replay forward-only graphs (they then run
+    eager, `Reason.EVAL`); None when they can. A forward-only graph holds the whole forward
+    pass of a model chunk: every part of it must be capturable, and nothing outside it may
+    be needed between micro-batches."""
+    if args.packed_graph_impl == "none":
+        return "--cuda-graph-impl none"
+    if args.pipeline_model_parallel_size > 1:
+        return ("pipeline parallelism (a stage's forward waits on the previous stage's send, "
+                "outside any graph)")
+    if getattr(args, "overlap_param_gather", False):
+        return ("--overlap-param-gather (DDP gathers the parameters in forward pre-hooks, "
+                "which a replay does not run)")
+    if getattr(args, "num_experts", None) is not None:
+        if getattr(args, "moe_capacity_overflow", "drop") == "rerun":
+            return ("--moe-capacity-overflow rerun (forward-only passes run the MoE layers "
+                    "dropless, which reads token counts on the host)")
+        if not getattr(args, "moe_dropless_graphs", False) and (
+                args.moe_expert_capacity_factor is None
+                or not args.moe_pad_expert_input_to_capacity):
+            return ("MoE without drop-and-pad (the dispatch reads token counts on the host); "
+                    "add --moe-dropless-graphs, or --moe-expert-capacity-factor and "
+                    "--moe-pad-expert-input-to-capacity")
+    return None
+
+
 def config_from_args(args, slots_per_chunk: Sequence[int] = (1,)) -> GraphRuntimeConfig:
     """The frozen graph settings of a run (validated CLI arguments; docs/cuda-graphs.md)."""
     impl = args.packed_graph_impl
@@ -110,7 +145,8 @@ def config_from_args(args, slots_per_chunk: Sequence[int] = (1,)) -> GraphRuntim
         cp_size=args.context_parallel_size, bank_capacities=banks,
         slots_per_chunk=tuple(slots_per_chunk), tokens_per_rank=tokens_per_rank(args),
         full_iteration=full_iteration,
-        iteration_micro_batches=getattr(args, "num_microbatches", 0) if full_iteration else 0)
+        iteration_micro_batches=getattr(args, "num_microbatches", 0) if full_iteration else 0,
+        forward_graphs=forward_graphs_unavailable(args) is None)
 
 
 class GraphRuntime:
@@ -144,6 +180,16 @@ class GraphRuntime:
             # wait on; they are complete after the capture's device sync.
             self.iteration_graph = IterationGraph(
                 _rng_states, partial(core_patches.forget_layer_graph_grad_events, self.model))
+        # Forward-only graphs, one set per forward step handed to a forward-only pass
+        # (evaluation's, log-probs'), all in one pool: the local layer graphs' where training
+        # graphs are local, so forward-only passes add little graph memory.
+        self.forward_graphs: List[ForwardGraphs] = []
+        self.forward_pool = forward_graph_pool(
+            core_patches.local_graph_pool if config.impl == "local" else None)
+        self.forward_capture: Callable = capture_graph  # CPU tests pass a stand-in
+        # Why forward-only passes run eager (from_args; None: they replay graphs, or unknown).
+        self.forward_eager_reason: Optional[str] = None
+        self._forced = False  # inside `forced_eager`
 
     def add_statistics(self, source: Callable[[], dict]) -> None:
         """Add ``source()`` to every training iteration's statistics (called on the
@@ -172,6 +218,7 @@ class GraphRuntime:
                                   tolerance=getattr(args, "cuda_graph_check_tolerance", 0.01),
                                   action=getattr(args, "cuda_graph_check_action", "warn"))
         runtime = cls(config_from_args(args, slots), model, model_config, check, check_guards)
+        runtime.forward_eager_reason = forward_graphs_unavailable(args)
         if runtime.iteration_graph is not None:
             from megatron.core import parallel_state
 
@@ -198,34 +245,57 @@ class GraphRuntime:
             line = (f"cuda graphs: full-iteration graphs of {c.iteration_micro_batches} "
                     f"micro-batches at capacity {c.capacity}; iterations that miss run "
                     + line.removeprefix("cuda graphs: "))
+        if c.forward_graphs:
+            line += ("; forward-only passes (evaluation, log-probs): forward-only graphs at "
+                     + ", ".join(f"cp{size}: {capacity}" if c.bank_capacities else str(capacity)
+                                 for size, capacity in c.forward_banks))
+        elif self.forward_eager_reason:
+            line += f"; forward-only passes run eager: {self.forward_eager_reason}"
         check = self.health_check.config
         if check.enabled:
             line += (f", health check every {check.interval} iterations (tolerance "
                      f"{check.tolerance:g}, on divergence: {check.action})")
         return line
 
+    @contextmanager
+    def forced_eager(self) -> Iterator[None]:
+        """Every micro-batch of the passes in this scope runs eager (`Reason.FORCED`, counted):
+        an eager reference on the same weights, e.g. log-probs to compare a replay with.
+        Nothing is captured in the scope; a training iteration in it still counts."""
+        forced, self._forced = self._forced, True
+        try:
+            yield
+        finally:
+            self._forced = forced
+
     # -- planning ------------------------------------------------------------------------------
 
-    def plan(self, micro_batches: Sequence[Sequence[dict]],
-             training: bool = True) -> List[List[StepGraphPlan]]:
+    def plan(self, micro_batches: Sequence[Sequence[dict]], training: bool = True,
+             forward_step=None) -> List[List[StepGraphPlan]]:
         """Plans of an iteration's micro-batches (one list per model chunk, every chunk the
-        same micro-batches), for this runtime's state. Host only; changes nothing."""
+        same micro-batches), for this runtime's state. A forward-only pass
+        (``training=False``) is planned against ``forward_step``'s forward-only graphs. Host
+        only; changes nothing."""
         batches = micro_batches[0]
         cp_sizes = None
         if self.config.granularity is Granularity.CP_BANK:
             cp_sizes = [batch["cp_turn"].cp_size for batch in batches]
+        forward_captured = () if training else self._forward_bank(forward_step).captured
         plans = plan_iteration(self.config, self.iterations, self.captured,
                                [batch["num_segments"] for batch in batches], cp_sizes,
-                               training=training, graphs_off=self.graphs_off)
+                               training=training, graphs_off=self.graphs_off,
+                               forward_captured=forward_captured, forced=self._forced)
         return plan_chunks(self.config, plans, len(micro_batches))
 
-    def plan_iteration_graph(self, micro_batches: Sequence[Sequence[dict]], training: bool = True
+    def plan_iteration_graph(self, micro_batches: Sequence[Sequence[dict]], training: bool = True,
+                             forward_step=None
                              ) -> Tuple[Optional[IterationPlan], List[List[StepGraphPlan]]]:
-        """The iteration's plan (None without full-iteration graphs) and its micro-batches'
-        plans, one list per model chunk. Where the iteration graph is due, the data-parallel
-        ranks agree whether all their micro-batches fit (one host all-reduce, no device sync)."""
-        if self.iteration_graph is None:
-            return None, self.plan(micro_batches, training)
+        """The iteration's plan (None without full-iteration graphs, and for a forward-only
+        pass) and its micro-batches' plans, one list per model chunk. Where the iteration
+        graph is due, the data-parallel ranks agree whether all their micro-batches fit (one
+        host all-reduce, no device sync)."""
+        if self.iteration_graph is None or not training or self._forced:
+            return None, self.plan(micro_batches, training, forward_step)
         counts = [batch["num_segments"] for batch in micro_batches[0]]
         captured, fit = self.iteration_graph.captured, None
         if iteration_graph_due(self.config, self.iterations, captured, training=training,
@@ -242,14 +312,20 @@ class GraphRuntime:
     @contextmanager
     def iteration(self, micro_batches: Sequence[Sequence[dict]], forward_step,
                   training: bool = True) -> Iterator["GraphIteration"]:
-        """One iteration (training, or an evaluation pass) over ``micro_batches``, one list
-        per model chunk. Plans and, in the TE capture iteration, captures on entry (syncs the
-        device); yields the `GraphIteration` the schedule runs; collects statistics on exit."""
-        whole, plans = self.plan_iteration_graph(micro_batches, training)
-        step = GraphIteration(self, forward_step, micro_batches, plans, training, whole)
+        """One iteration (training, or a forward-only pass) over ``micro_batches``, one list
+        per model chunk. Plans and, in the TE capture iteration or the first forward-only pass
+        that needs forward-only graphs, captures on entry (syncs the device); yields the
+        `GraphIteration` the schedule runs; collects statistics on exit. A forward-only pass
+        runs with every model chunk in eval mode."""
+        if not training:
+            with eval_mode(self.model):
+                yield from self._forward_only_iteration(micro_batches, forward_step)
+            return
+        whole, plans = self.plan_iteration_graph(micro_batches)
+        step = GraphIteration(self, forward_step, micro_batches, plans, True, whole)
         # Layer (or chunk) graphs are recorded only in iterations that are not one graph.
-        capturing = (training and self.config.enabled and not self.captured
-                     and not self.graphs_off and not (whole and whole.uses_graph))
+        capturing = (self.config.enabled and not self.captured and not self.graphs_off
+                     and not self._forced and not (whole and whole.uses_graph))
         # Capture warm-up runs the layers on placeholder inputs: keep it out of the MoE aux
         # losses and drop counts of this step (TE captures here, local at the schedule's end).
         keep_moe_accumulators = partial(moe_accumulators_kept, self.model)
@@ -260,21 +336,39 @@ class GraphRuntime:
         with (core_patches.guard_local_capture(keep_moe_accumulators) if capturing
               else nullcontext()):
             yield step
-        checked = self._check_health(step) if training else {}
+        checked = self._check_health(step)
         step.stats = self._statistics(step)
         if capturing:
             step.stats |= capture_stats | self._after_capture(step)
-        if training:
-            step.stats |= checked or self.health_check.counts()
-            if whole is not None:
-                step.stats |= self._iteration_graph_statistics(step)
-            self.iterations += 1
+        step.stats |= checked or self.health_check.counts()
+        if whole is not None:
+            step.stats |= self._iteration_graph_statistics(step)
+        self.iterations += 1
+
+    def _forward_only_iteration(self, micro_batches, forward_step) -> Iterator["GraphIteration"]:
+        """`iteration` for a forward-only pass (model chunks in eval mode already): plans;
+        at the first pass that may use forward-only graphs, captures every bank first (on
+        every rank, whatever its own micro-batches need: captures run collectives); yields;
+        collects the pass's statistics."""
+        _, plans = self.plan_iteration_graph(micro_batches, False, forward_step)
+        step = GraphIteration(self, forward_step, micro_batches, plans, False)
+        capture_stats = {}
+        if (self.config.forward_graphs and not self.graphs_off and not self._forced
+                and not self._forward_bank(forward_step).captured):
+            capture_stats = self._capture_forward(step)
+        yield step
+        step.stats = self._statistics(step) | capture_stats
 
     def run_micro_batch(self, forward_step, model, batch: dict, plan: StepGraphPlan):
-        """Stage ``batch``, load a graphed one into its TE bank, call the model under ``plan``.
+        """Stage ``batch``, load a graphed one into its TE bank, call the model under ``plan``;
+        a forward-only graph's micro-batch replays that graph instead.
 
-        Returns megatron-core's forward-step result ``(output, loss_func)``.
+        Returns megatron-core's forward-step result ``(output, loss_func)``; a forward-only
+        graph's is graph-owned (forward_graphs.py: consume it before the next micro-batch).
         """
+        if plan.forward_only:
+            staged = forward_step.stage(batch, plan.capacity)
+            return self._forward_bank(forward_step).run(model, plan.key, staged)
         staged = batch.get(STATIC_KEY)  # an iteration graph's micro-batch is staged already
         if staged is None:
             staged = forward_step.stage(batch, self._staging_capacity(batch, plan))
@@ -335,6 +429,32 @@ class GraphRuntime:
                                          forward_step.stage(batch, plan.capacity).params)])
         self.captured = frozenset({(plan.key.cp_size, plan.key.capacity)})
         return stats
+
+    def _forward_bank(self, forward_step) -> ForwardGraphs:
+        """The forward-only graphs of ``forward_step`` (made empty at first ask)."""
+        for bank in self.forward_graphs:
+            if bank.forward_step is forward_step:
+                return bank
+        bank = ForwardGraphs(forward_step, self.forward_pool, capture=self.forward_capture,
+                             rng_states=_rng_states,
+                             guard=partial(moe_accumulators_kept, self.model))
+        self.forward_graphs.append(bank)
+        return bank
+
+    def _capture_forward(self, step: "GraphIteration") -> dict:
+        """Every forward-only bank of the run (`GraphRuntimeConfig.forward_banks`), each laid
+        out like the pass's first micro-batch (one all-padding segment at the bank's
+        capacity), over the one model chunk (PP = 1). Every rank captures the same banks in
+        the same order: the first forward-only pass is reached by every rank together.
+        Syncs the device."""
+        if len(self.model) != 1:
+            raise RuntimeError(f"forward-only graphs capture one model chunk (PP = 1); the "
+                               f"runtime holds {len(self.model)}")
+        like = step.micro_batches[0][0]
+        layouts = [(GraphKey.forward(capacity, size),
+                    step.forward.graph_layout(size, capacity, like))
+                   for size, capacity in self.config.forward_banks]
+        return self._forward_bank(step.forward).capture(self.model[0], layouts)
 
     def _after_capture(self, step: "GraphIteration") -> dict:
         """After the schedule of an iteration that had nothing captured at its start: what the
@@ -405,6 +525,8 @@ class GraphRuntime:
             return stats
         if step.training:
             stats["graph fallbacks"] = sum(n for r, n in eager.items() if r in FALLBACK_REASONS)
+        elif self.config.forward_graphs:
+            stats["forward graphs"] = sum(plan.forward_only for plan in step.plans[0])
         stats |= {f"eager {reason.value}": count for reason, count in sorted(eager.items())}
         return stats
 

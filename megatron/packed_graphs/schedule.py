@@ -13,6 +13,8 @@ Per call it reads the iteration's ``N`` micro-batches from the data iterator(s) 
 the graph runtime plan every one of them on the host (a graph key, or eager and why:
 `runtime.GraphRuntime.iteration`), then runs megatron-core's schedule over the planned
 micro-batches: layer, chunk and TE graphs replay inside it, a full-iteration graph replaces it.
+A forward-only call (``evaluate()``'s, the library API's log-probs) is planned against the
+runtime's forward-only graphs and reported at once (forward_graphs.py).
 A training iteration stays open until its optimizer step has run, so the runtime's end of
 iteration (statistics, the graph health check on the new weights, the iteration count) sees
 the step, as it did when the fork ran its own loop. With ``--moe-capacity-overflow rerun`` the

@@ -20,7 +20,9 @@ MoE (``num_experts``): the MLP is megatron-core's MoELayer from its own builder 
 provider (SequentialMLP experts over the provider's linears; TEGroupedMLP with TE and
 ``moe_grouped_gemm``), with the packed router `moe.PackedTopKRouter`; the norm in front is
 always a separate module (MoE does not fuse it). The layer is `layers.GraphSafeMoELayer`
-(megatron-core's MoETransformerLayer), in GPT and hybrid models alike.
+(megatron-core's MoETransformerLayer), in GPT and hybrid models alike. With the config's
+``moe_dropless_graphs`` (``--moe-dropless-graphs``) the MoE builder makes it dropless with
+static shapes (moe_dropless.py), its experts one grouped GEMM per linear (moe_experts.py).
 
 MLA (``multi_latent_attention``, TE only): the self-attention is `mla.PackedMLASelfAttention`
 (megatron-core's MLA with graph-safe fused yarn RoPE) behind a separate input norm; in hybrid

@@ -27,6 +27,15 @@ class PackedTransformerConfig(TransformerConfig):
     cuda_graph_granularity: str = "layer"
     """'layer': one graph per layer; 'chunk': one per model chunk (packed_graphs/chunk_graphs.py)."""
 
+    moe_dropless_graphs: bool = False
+    """MoE layers dropless with static shapes, whole-layer graphs capture them
+    (--moe-dropless-graphs; packed_graphs/moe_dropless.py)."""
+
+    moe_router_skew: float = 0.0
+    """Benchmarks of unbalanced routing (--moe-router-skew): a fixed logit bias on the first
+    eighth of the experts that sends about this fraction of the routed slots there; 0: off
+    (packed_graphs/moe.py, `PackedTopKRouter`)."""
+
 
 @dataclass
 class PackedMLATransformerConfig(PackedTransformerConfig, MLATransformerConfig):
@@ -61,6 +70,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
     config.cuda_graph_granularity = args.cuda_graph_granularity
     config.apply_rope_fusion = uses_te_attention(args)  # off on the TE-free path already
     config.deallocate_pipeline_outputs = False
+    config.moe_dropless_graphs = getattr(args, "moe_dropless_graphs", False)
+    config.moe_router_skew = getattr(args, "moe_router_skew", 0.0)
     if args.multi_latent_attention:
         config.mla_pad_v = args.mla_pad_v == "always"
     return config

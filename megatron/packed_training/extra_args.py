@@ -76,6 +76,9 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-router-load-file", default=None,
                    help="With rerun: write the measured router loads (for "
                         "tools/capacity_advisor.py).")
+    from megatron.packed_training.moe_dropless_args import add_moe_dropless_args
+
+    add_moe_dropless_args(g)
     g.add_argument("--mla-pad-v", choices=["always", "never"], default="always",
                    help="Packed MLA: pad V to the query head size (always) or not (never).")
     g.add_argument("--metrics-file", default=None,
@@ -476,7 +479,15 @@ def check_optimizer_graph(args) -> None:
 
 def check_moe_graphs(args) -> None:
     """MoE under graphs: whole-layer graphs need drop-and-pad on the alltoall dispatcher;
-    overflow reruns need graphed drop-and-pad layers; partial graphs' own limits."""
+    overflow reruns need graphed drop-and-pad layers; partial graphs' own limits; dropless
+    MoE graphs (moe_dropless_args.py) take the place of drop-and-pad."""
+    from megatron.packed_training.moe_dropless_args import (
+        check_moe_dropless_graphs,
+        check_moe_router_skew,
+    )
+
+    check_moe_router_skew(args)
+    dropless_graphs = check_moe_dropless_graphs(args)
     if args.num_experts is None:
         for flag, value in (("--moe-capacity-overflow", args.moe_capacity_overflow != "drop"),
                             ("--moe-router-load-file", args.moe_router_load_file)):
@@ -524,12 +535,12 @@ def check_moe_graphs(args) -> None:
              "--moe-pad-expert-input-to-capacity sizes the permuted tokens from a host read "
              "inside the graph; add --moe-pad-expert-input-to-capacity, or drop the factor")
     whole_layers = not args.packed_cuda_graph_modules and args.cuda_graph_granularity == "layer"
-    if whole_layers and not drop_and_pad:
+    if whole_layers and not drop_and_pad and not dropless_graphs:
         fail("--moe-expert-capacity-factor", factor,
              "Dropless MoE reads per-expert token counts on the host, which a whole-layer "
              "graph cannot capture; add --moe-expert-capacity-factor <f> "
-             "--moe-pad-expert-input-to-capacity, or graph MoE layers in part "
-             "(--cuda-graph-modules moe_router)")
+             "--moe-pad-expert-input-to-capacity, or --moe-dropless-graphs, or graph MoE "
+             "layers in part (--cuda-graph-modules moe_router)")
 
 
 def check_mla(args, model: str) -> None:

@@ -94,9 +94,11 @@ class RuntimeLog:
 
     def __init__(self, args, model=()):
         self.args, self.model = args, list(model)
-        # With an expert capacity: the fraction of routed token slots it dropped (moe.py).
+        # With an expert capacity: the fraction of routed token slots it dropped (moe.py);
+        # with --moe-dropless-graphs the routers count routed slots and the fraction is 0.
         self.count_drops = (args.num_experts is not None
-                            and args.moe_expert_capacity_factor is not None)
+                            and (args.moe_expert_capacity_factor is not None
+                                 or getattr(args, "moe_dropless_graphs", False)))
         self.iteration = args.iteration  # a loaded checkpoint's
         self.interval = IntervalTimer()
         self.enabled = is_reporting_rank()

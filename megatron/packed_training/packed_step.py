@@ -145,8 +145,10 @@ class PackedForwardStep:
     """
 
     def __init__(self, *, with_seq_idx: bool, static_max_seqlen: bool = False, cp_size: int = 1,
-                 dynamic_cp_tokens_per_rank: int = 0, with_padding_mask: bool = False):
+                 dynamic_cp_tokens_per_rank: int = 0, with_padding_mask: bool = False,
+                 device: Optional[torch.device] = None):
         self.with_seq_idx = with_seq_idx
+        self.device = device  # None: the current CUDA device
         # Graphs on: max_seqlen is the packed length for every micro-batch (a host constant).
         self.static_max_seqlen = static_max_seqlen
         self.with_padding_mask = with_padding_mask  # MoE models: the router's padding mask
@@ -173,7 +175,7 @@ class PackedForwardStep:
             cp_rank = parallel_state.get_context_parallel_rank() if cp_size > 1 else 0
         mb = to_device_micro_batch(
             batch, with_seq_idx=self.with_seq_idx, static_max_seqlen=self.static_max_seqlen,
-            capacity=capacity, cp_size=cp_size, cp_rank=cp_rank,
+            capacity=capacity, device=self.device, cp_size=cp_size, cp_rank=cp_rank,
             with_padding_mask=self.with_padding_mask)
         if turn is not None:
             mb.params.local_cp_size, mb.params.cp_group = cp_size, dynamic_cp_group(cp_size)
@@ -182,10 +184,28 @@ class PackedForwardStep:
     def bank_layout(self, cp_size: int, capacity: int) -> PackedBatchParams:
         """Params laid out like a graphed micro-batch of CP size ``cp_size`` (the capture
         input of that size's TE graph bank under dynamic CP)."""
-        rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-        turn = CPTurn(micro_batch=0, cp_size=cp_size, first_rank=rank - rank % cp_size)
-        batch = dummy_micro_batch(cp_size * self.dynamic_cp_tokens_per_rank) | {"cp_turn": turn}
-        return self.stage(batch, capacity).params
+        return self.graph_layout(cp_size, capacity).params
+
+    def graph_layout(self, cp_size: int, capacity: int,
+                     like: Optional[dict] = None) -> PackedMicroBatch:
+        """A micro-batch staged like a graphed one of CP size ``cp_size`` at ``capacity``: one
+        all-padding segment (loss mask 0) over the positions of the collated micro-batch
+        ``like`` or, under dynamic CP, ``cp_size`` x tokens per rank with this rank's block
+        of that size as its CP group. Forward-only graphs and dynamic CP's TE banks are
+        captured with it."""
+        return self.stage(self.layout_batch(cp_size, like), capacity)
+
+    def layout_batch(self, cp_size: int, like: Optional[dict] = None) -> dict:
+        """The collated micro-batch `graph_layout` stages: `dummy_micro_batch`, with the
+        turn of this rank's block of ``cp_size`` under dynamic CP."""
+        if self.dynamic_cp_tokens_per_rank:
+            rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+            turn = CPTurn(micro_batch=0, cp_size=cp_size, first_rank=rank - rank % cp_size)
+            return dummy_micro_batch(cp_size * self.dynamic_cp_tokens_per_rank) | {"cp_turn": turn}
+        if like is None:
+            raise ValueError("graph layout is wrong: no micro-batch to take the length from. "
+                             "Pass like= (a collated micro-batch) without dynamic CP.")
+        return dummy_micro_batch(like["tokens"].numel())
 
     def run(self, model, mb: PackedMicroBatch):
         """The model on a staged micro-batch: ``(output, loss_func)`` for the schedule."""

@@ -71,10 +71,13 @@ class PackedGraphRun:
     the runtime's log. Megatron-LM's loop reaches it through `wrap` (core_patches.route_training_loop);
     `finish` runs after ``pretrain()`` returns."""
 
-    def __init__(self, args):
+    def __init__(self, args, log: bool = True):
         self.args = args
         self.runtime = self.moe_rerun = self.log = self.optimizer = None
         self.step_wrapped = False  # train()'s schedule comes first; evaluate() gets its own
+        # The runtime's log line and metrics file (RuntimeLog); the library API (rl/policy.py)
+        # reports its statistics itself.
+        self.with_log = log
 
     def __call__(self, model, optimizer, scheduler):
         from megatron.core.utils import get_model_config
@@ -93,7 +96,8 @@ class PackedGraphRun:
         print_rank_0(f" > {self.runtime.describe()}")
         if graph := OptimizerGraph.install(args, optimizer, self.runtime):
             print_rank_0(f" > {graph.describe()}")
-        self.optimizer, self.log = optimizer, RuntimeLog(args, model)
+        self.optimizer = optimizer
+        self.log = RuntimeLog(args, model) if self.with_log else None
         return self.wrap
 
     def wrap(self, schedule):
@@ -108,8 +112,9 @@ class PackedGraphRun:
         if not self.step_wrapped:
             self.optimizer.step = seam.wrap_optimizer_step(self.optimizer.step)
             self.step_wrapped = True
-        seam.before_iteration.append(self.log.begin_iteration)
-        seam.listeners.append(self.log)
+        if self.log is not None:
+            seam.before_iteration.append(self.log.begin_iteration)
+            seam.listeners.append(self.log)
         return seam
 
     def finish(self) -> None:

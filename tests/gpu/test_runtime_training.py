@@ -1,8 +1,9 @@
 """The graph runtime in real training (one GPU): what it logs, and the sync finder with TE graphs.
 
-* Every eager micro-batch shows with its reason: warm-up and overflow in the training records,
-  evaluation (Megatron-LM's evaluate(), through the same runtime) in the validation records,
-  never in a training iteration's numbers.
+* Every eager micro-batch shows with its reason: warm-up and overflow in the training records;
+  evaluation (Megatron-LM's evaluate(), through the same runtime) replays forward-only graphs,
+  its overflow eager, counted in the validation records, never in a training iteration's
+  numbers.
 * tools/find_host_syncs.py trains with TE layer graphs: the runtime captures them (the forward
   step the tool used to wrap no longer receives them as an attribute), and a replayed
   iteration has no host sync inside the model.
@@ -33,11 +34,15 @@ def test_eager_reasons_are_logged_and_evaluation_stays_apart(tmp_path):
     assert [r.get("eager overflow", 0) for r in train[2:]] == [r["graph fallbacks"]
                                                                for r in train[2:]]
     assert sum(r["graph fallbacks"] for r in train[2:]) > 0  # both paths ran
-    assert not any("eager eval" in r for r in train)
+    assert not any("eager eval" in r or "forward graphs" in r for r in train)
     # Megatron-LM's validation passes at iterations 5 and 10, of 2 x 4 micro-batches each
-    # (and its pass after the last iteration, at 12, where the metrics file records it).
-    assert [(r["iteration"], r["eager eval"]) for r in valid][:2] == [(5, 8), (10, 8)]
-    assert [(r["iteration"], r["eager eval"]) for r in valid][2:] in ([], [(12, 8)])
+    # (and its pass after the last iteration, at 12, where the metrics file records it), on
+    # forward-only graphs captured at the first, overflow eager.
+    passes = [(r["iteration"], r["forward graphs"] + r.get("eager overflow", 0)) for r in valid]
+    assert passes[:2] == [(5, 8), (10, 8)] and passes[2:] in ([], [(12, 8)])
+    assert not any("eager eval" in r for r in valid)
+    assert valid[0]["forward graphs captured"] == 1 and "forward graph memory (MiB)" in valid[0]
+    assert not any("forward graphs captured" in r for r in valid[1:])
 
 
 @pytest.mark.skipif(not is_importable("transformer_engine"), reason="needs Transformer Engine")

@@ -301,6 +301,7 @@ def test_keep_traces_takes_an_empty_directory(monkeypatch, tmp_path):
 MODEL_OF_SCRIPT = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
 MOE_PRESETS = benchmark.PRESET_GROUPS["moe"]
 MLA_PRESETS = benchmark.PRESET_GROUPS["mla"]
+QWEN3_PRESETS = benchmark.PRESET_GROUPS["qwen3-moe"]
 NEEDS_TE = {"te-layer-graphs"}
 
 
@@ -350,7 +351,8 @@ def te_importable(monkeypatch):
 
 def test_moe_presets_are_drop_and_pad_without_grouped_gemm():
     assert set(MOE_PRESETS) == {"gpt-moe-small", "hybrid-moe-small"}
-    assert [p for p in benchmark.PRESETS if benchmark.is_moe(p)] == MOE_PRESETS + MLA_PRESETS
+    assert ([p for p in benchmark.PRESETS if benchmark.is_moe(p)]
+            == MOE_PRESETS + QWEN3_PRESETS + MLA_PRESETS)
     for preset in MOE_PRESETS:
         flags = benchmark.PRESETS[preset][1]
         value = dict(zip(flags, flags[1:]))
@@ -369,7 +371,8 @@ def test_moe_presets_are_drop_and_pad_without_grouped_gemm():
 def test_mla_presets_are_moe_presets_on_te_attention():
     assert MLA_PRESETS == ["moonlight-small"]
     assert not set(MLA_PRESETS) & set(MOE_PRESETS)  # the moe group stays TE-free
-    assert not any(_needs_te(p) for p in benchmark.PRESETS if p not in MLA_PRESETS)
+    assert not any(_needs_te(p) for p in benchmark.PRESETS
+                   if p not in MLA_PRESETS + ["qwen3-30b-a3b-layers"])
     for preset in MLA_PRESETS:
         flags = benchmark.PRESETS[preset][1]
         assert "--multi-latent-attention" in flags and _needs_te(preset)
@@ -470,9 +473,11 @@ def test_every_launch_command_passes_the_training_parser(te_importable, preset, 
         assert config.multi_latent_attention == (preset in MLA_PRESETS)
     if benchmark.is_moe(preset):
         assert parsed.num_experts == benchmark.num_experts(preset)
-        assert parsed.num_experts == (64 if preset in MLA_PRESETS else 16)
+        assert parsed.num_experts == {"qwen3-30b-a3b-layers": 128, "qwen3-moe-small": 64,
+                                      "moonlight-small": 64}.get(preset, 16)
         assert parsed.expert_model_parallel_size == ep
-        assert parsed.moe_grouped_gemm == (experts == "grouped-gemm")
+        assert parsed.moe_grouped_gemm == (experts == "grouped-gemm"
+                                           or preset == "qwen3-30b-a3b-layers")
         assert parsed.attention_backend.name == "auto"
     else:
         assert parsed.num_experts is None and "--expert-model-parallel-size" not in cmd
@@ -806,3 +811,108 @@ def test_an_older_metrics_file_still_gives_its_peak_memory(tmp_path):
                               benchmark.read_metrics(str(tmp_path / "new.jsonl")))
     assert row["peak_mem_gib"] is None
     assert "| 1.00x | - |" in benchmark.format_table([row])
+
+
+# ------------------------------------------------ MoE modes and routers (dropless MoE graphs)
+
+def _parser_has(flag: str) -> bool:
+    from megatron.packed_training.arguments import build_parser
+
+    return any(flag in action.option_strings for action in build_parser()._actions)
+
+
+def test_moe_modes_rewrite_the_capacity_flags_only():
+    flags = benchmark.PRESETS["gpt-moe-small"][1]
+    without = [f for f in flags if f not in benchmark.CAPACITY_FLAGS and f != "1.25"]
+    assert benchmark.moe_mode_flags(flags, "drop-and-pad") == flags
+    assert benchmark.moe_mode_flags(flags, "dropless") == without
+    assert benchmark.moe_mode_flags(flags, "dropless-graphs") == without + [
+        "--moe-dropless-graphs"]
+    assert benchmark.moe_mode_flags(flags, "rerun") == flags + ["--moe-capacity-overflow",
+                                                                "rerun"]
+    factor = benchmark.moe_mode_flags(flags, "drop-and-pad", 2.0)
+    assert factor[factor.index("--moe-expert-capacity-factor") + 1] == "2"
+
+
+def test_moe_modes_run_where_training_takes_them():
+    applies = benchmark.moe_mode_applies
+    assert applies("eager", "dropless") and not applies("layer-graphs", "dropless")
+    assert applies("layer-graphs", "rerun") and not applies("eager", "rerun")
+    assert applies("eager", "dropless-graphs") and applies("te-layer-graphs", "dropless-graphs")
+
+
+def test_mode_and_router_label_the_rows_and_eager_dropless_is_the_baseline(monkeypatch, capsys):
+    launched = []
+
+    def fake_run(cmd, **kwargs):
+        launched.append(cmd)
+        tps = 1000.0 if "--moe-dropless-graphs" not in cmd else 4000.0
+        tps *= 2 if "--cuda-graph-impl" in cmd and "--moe-dropless-graphs" not in cmd else 1
+        path = cmd[cmd.index("--metrics-file") + 1]
+        with open(path, "w") as f:
+            for it in range(1, 11):
+                f.write(json.dumps({"iteration": it, "lm_loss": 5.0, "iteration_time_ms": 10.0,
+                                    "tokens_per_sec": tps, benchmark.DROPPED_KEY: 0.0}) + "\n")
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    assert benchmark.main(["--presets", "gpt-moe-small", "--steps", "10", "--variants", "eager",
+                           "layer-graphs", "--moe-modes", "dropless", "dropless-graphs",
+                           "drop-and-pad", "--moe-routers", "balanced", "skewed"]) == 0
+    out = capsys.readouterr().out
+    # Per router: eager dropless, eager / layer-graphs dropless-graphs, eager / layer-graphs
+    # drop-and-pad; megatron-core's dropless under layer graphs is left out.
+    assert len(launched) == 10
+    assert not any("--moe-expert-capacity-factor" not in cmd and "--cuda-graph-impl" in cmd
+                   and "--moe-dropless-graphs" not in cmd for cmd in launched)
+    assert "| gpt-moe-small | eager dropless | " in out
+    assert "| gpt-moe-small | layer-graphs dropless-graphs | " in out
+    assert "| gpt-moe-small skewed | layer-graphs | " in out  # drop-and-pad: plain variant
+    assert sum("--moe-router-skew" in cmd for cmd in launched) == 5
+    rows = [line for line in out.splitlines() if "| gpt-moe-small |" in line]
+    speedups = {line.split("|")[2].strip(): line.split("|")[6].strip() for line in rows}
+    assert speedups["eager dropless"] == "1.00x"  # the baseline of an MoE preset
+    assert speedups["layer-graphs dropless-graphs"] == "4.00x"
+    assert speedups["layer-graphs"] == "2.00x"
+
+
+@pytest.mark.parametrize("mode,variant", [("dropless", "eager"), ("rerun", "layer-graphs"),
+                                          ("drop-and-pad", "layer-graphs")])
+def test_moe_mode_launch_commands_pass_the_training_parser(te_importable, mode, variant):
+    args = _args(nproc=1, global_batch_size=4, moe_capacity_factor=1.5)
+    cmd = benchmark.launch_command("qwen3-moe-small", variant, args, "/tmp/m.jsonl", mode=mode)
+    parsed = _validated(cmd, world_size=1)
+    assert parsed.num_experts == 64 and parsed.moe_router_topk == 8
+    assert parsed.moe_expert_capacity_factor == (None if mode == "dropless" else 1.5)
+    assert parsed.moe_capacity_overflow == ("rerun" if mode == "rerun" else "drop")
+
+
+@pytest.mark.skipif(not _parser_has("--moe-dropless-graphs"),
+                    reason="--moe-dropless-graphs is not in the training parser yet")
+@pytest.mark.parametrize("preset", ["gpt-moe-small", "hybrid-moe-small", "qwen3-moe-small",
+                                    "qwen3-30b-a3b-layers"])
+@pytest.mark.parametrize("router", ["balanced", "skewed"])
+def test_dropless_graph_launch_commands_pass_the_training_parser(te_importable, preset, router):
+    te_importable(benchmark.needs_transformer_engine(preset, "layer-graphs"))
+    cmd = benchmark.launch_command(preset, "layer-graphs", _args(nproc=1), "/tmp/m.jsonl",
+                                   mode="dropless-graphs", router=router)
+    parsed = _validated(cmd, world_size=1)
+    assert parsed.moe_dropless_graphs and parsed.moe_expert_capacity_factor is None
+    assert parsed.moe_router_skew == (0.5 if router == "skewed" else 0.0)
+    if not benchmark.needs_transformer_engine(preset, "layer-graphs"):
+        from megatron.packed_training.config import transformer_config_from_args
+
+        config = transformer_config_from_args(parsed)  # what the MoE builder reads
+        assert config.moe_dropless_graphs and config.moe_router_skew == parsed.moe_router_skew
+
+
+def test_the_qwen3_layers_preset_has_qwen3_30b_a3b_shapes():
+    value = dict(zip(benchmark.PRESETS["qwen3-30b-a3b-layers"][1],
+                     benchmark.PRESETS["qwen3-30b-a3b-layers"][1][1:]))
+    assert (value["--num-layers"], value["--hidden-size"], value["--num-attention-heads"],
+            value["--num-query-groups"], value["--kv-channels"]) == ("4", "2048", "32", "4",
+                                                                     "128")
+    assert (value["--num-experts"], value["--moe-router-topk"],
+            value["--moe-ffn-hidden-size"]) == ("128", "8", "768")
+    assert "--moe-grouped-gemm" in value and value["--attention-backend"] == "auto"
+    assert benchmark.needs_transformer_engine("qwen3-30b-a3b-layers", "eager")

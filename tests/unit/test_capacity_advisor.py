@@ -240,3 +240,43 @@ def test_the_two_spellings_of_reject_cannot_disagree(capsys):
     assert done.value.code == 2
     assert "long-document policy is wrong: 'split' together with reject_long_documents" in \
         capsys.readouterr().err
+
+
+# ------------------------------------------------------------ against dropless MoE graphs
+
+def test_dropless_graph_rows_are_the_layers_static_buffer():
+    from megatron.packed_graphs.grouped_gemm import group_alignment
+    from megatron.packed_graphs.moe_dropless import static_rows
+
+    import torch
+
+    loads = router_loads(PEAKS)  # 1024 tokens, top-2, 8 experts
+    assert ca.DROPLESS_ALIGNMENT == group_alignment(torch.bfloat16)
+    allocated, computed = ca.dropless_graph_rows(loads)
+    assert allocated == static_rows(1024, 2, 8, 8) == 2048 + 64 + 8
+    assert computed == 2048 + 64
+
+
+def test_the_report_sets_the_factor_against_dropless_graphs():
+    loads = router_loads(PEAKS)
+    report = ca.format_dropless_comparison(loads, 1.17, hidden_size=1024)
+    # drop-and-pad at 1.17: 8 experts x 300 rows; dropless graphs: 2120 allocated.
+    assert re.search(r"dropless graphs\s+2120\s+2112\s+4\.1", report)
+    assert re.search(r"drop-and-pad at 1\.17\s+2400\s+2400\s+4\.7", report)
+    assert "dropless graphs hold fewer rows" in report
+    assert "with FP8/FP4 experts (dropless graphs run bf16)" in report
+    tight = ca.format_dropless_comparison(loads, 1.0)
+    assert "dropless graphs hold more rows" in tight  # 2120 > 8 x 256
+    ep = ca.format_dropless_comparison(loads, 1.17, expert_parallel=2)
+    # 4 local experts: blocks of 1024 x min(2, 4) rows from each of the 2 ranks.
+    assert ca.dropless_graph_rows(loads, 2) == (4096 + 32 + 8, 4096 + 32)
+    assert "each rank sends and receives 4096 rows each way (drop-and-pad: 2400)" in ep
+    assert "dropless graphs hold more rows" in ep
+
+
+def test_moe_cli_compares_with_dropless_graphs(tmp_path, capsys):
+    path = write(tmp_path, SHAPE | {"peak_loads": PEAKS})
+    assert main(["--moe-router-loads", path, "--hidden-size", "1024"]) == 0
+    report = capsys.readouterr().out
+    assert "dropless MoE graphs (--moe-dropless-graphs) instead" in report
+    assert re.search(r"drop-and-pad at 1\.17\s+2400", report)  # the recommended factor

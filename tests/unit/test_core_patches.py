@@ -918,3 +918,17 @@ def test_hybrid_cp_groups_are_asked_for_only_while_the_groups_are_built(monkeypa
     with pytest.raises(RuntimeError, match="no rendezvous"):
         start_up._initialize_distributed(None, None, "fail")
     assert args.hybrid_context_parallel is False
+
+
+def test_upstream_local_graphs_share_one_pool_forward_only_graphs_can_join(monkeypatch):
+    """local_graph_pool: megatron-core creates one class-level pool with its first manager and
+    captures every local runner into it (forward_graphs.py captures there too)."""
+    init = source(cuda_graphs.CudaGraphManager.__init__)
+    assert "if CudaGraphManager.global_mempool is None:" in init
+    assert "CudaGraphManager.global_mempool = torch.cuda.graph_pool_handle()" in init
+    assert source(cuda_graphs.CudaGraphManager.get_cudagraph_runner).count(
+        "CudaGraphManager.global_mempool") == 2  # both runner kinds: reused and per micro-batch
+    assert "pool=self.mempool" in source(cuda_graphs._CudaGraphRunner.create_fwd_graph)
+    pool = object()
+    monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", pool)
+    assert core_patches.local_graph_pool() is pool

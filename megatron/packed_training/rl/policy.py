@@ -1,0 +1,325 @@
+"""`PackedPolicy`: the graphed packed training step as a library, for a framework's own loop.
+
+    policy = PackedPolicy.build(PolicyConfig("policy.yaml", model="hybrid"))
+    reference = policy.snapshot_weights()                     # e.g. before any update
+    with policy.swapped_weights(reference):
+        ref_lp = policy.logprobs(rollouts)                    # forward-only graphs
+    old_lp = policy.logprobs(rollouts)
+    result = policy.train_step(micro_batches, loss_fn)        # training graphs + optimizer
+    policy.load_weights(new_weights)                          # a refit, in place
+
+Everything runs through the one graph runtime of the run (megatron/packed_graphs/runtime.py)
+behind the one seam (`GraphRuntimeSchedule`, megatron-core's forward-backward function with
+the runtime in front), as Megatron-LM's loop does: each micro-batch gets a graph key or an
+eager reason, counted (`TrainResult.stats`, `PackedPolicy.last_stats`). Training replays the
+configured training graphs (layer, chunk, TE or full-iteration); log-prob passes replay
+forward-only graphs, one per capacity, captured at the first pass. Any number of
+micro-batches and documents per call: a micro-batch with more sequences than every captured
+capacity runs eager (``eager overflow``).
+
+Every rank calls `train_step` and `logprobs` together (they run the model's collectives),
+each with its own micro-batches. Layout: pipeline and context parallel size 1 (tensor,
+data and expert parallelism as configured). One policy per process: Megatron-LM keeps its
+arguments, timers and parallel state in process globals.
+"""
+
+import argparse
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from megatron.packed_training.rl.batches import PackedSequences, check_values, lay_out_all
+from megatron.packed_training.rl.steps import (
+    INV_TEMPERATURE,
+    LOGPROBS,
+    LogProbStep,
+    LossFunction,
+    PolicyLossStep,
+)
+from megatron.packed_training.rl.weights import (
+    WeightStore,
+    load_weights,
+    swapped_weights,
+)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The library's one config.
+
+    ``training``: the training config: a YAML path or a mapping keyed by the command line's
+    dest names (docs/config-api.md, `load_training_config`), or arguments it already gave.
+    ``model``: "gpt" or "hybrid". ``check_inputs``: run the input health check on every call
+    (`batches.check_values`: one host read per call; token ids in the vocabulary, loss tensors
+    finite).
+    """
+
+    training: Union[str, os.PathLike, Mapping, argparse.Namespace]
+    model: str = "gpt"
+    check_inputs: bool = True
+
+    def args(self) -> argparse.Namespace:
+        """The validated training arguments."""
+        if self.model not in ("gpt", "hybrid"):
+            raise ValueError(f"PolicyConfig.model is wrong: {self.model!r}. Use 'gpt' or "
+                             f"'hybrid'.")
+        if isinstance(self.training, argparse.Namespace):
+            return self.training
+        from megatron.packed_training.config import load_training_config
+
+        return load_training_config(self.training, self.model)
+
+
+def check_library_layout(args) -> None:
+    """Raise for a parallel layout the library API does not run (module doc)."""
+    for flag, value, why in (
+            ("pipeline_model_parallel_size", args.pipeline_model_parallel_size,
+             "log-probs would stay on the last stage"),
+            ("context_parallel_size", args.context_parallel_size,
+             "each rank would hold a share of a micro-batch's log-probs"),
+    ):
+        if value != 1:
+            raise ValueError(f"{flag} is wrong for the library API: {value}. It runs "
+                             f"{flag} 1 ({why}); use tensor or data parallelism.")
+    if getattr(args, "dynamic_cp_sizes", None):
+        raise ValueError(f"dynamic_cp_sizes is wrong for the library API: "
+                         f"{args.dynamic_cp_sizes}. Leave it unset (context parallel size 1).")
+
+
+@dataclass
+class TrainResult:
+    """One `PackedPolicy.train_step`.
+
+    ``loss``: 0-dim device tensor, this rank's loss summed over its micro-batches divided by
+    their token count; ``num_tokens``: that count (device). ``grad_norm``: the optimizer's
+    (a device tensor, a float, or None); ``update_successful``: False when the optimizer
+    skipped the step (fp16 overflow). ``stats``: the graph runtime's counters of the
+    iteration (``eager <reason>``, ``graph fallbacks``, capture time and memory). Reading a
+    device value waits for the step.
+    """
+
+    loss: Tensor
+    num_tokens: Tensor
+    grad_norm: object
+    update_successful: bool
+    stats: dict
+
+
+class PackedPolicy:
+    """A packed policy on the graph runtime (module doc). Build it with `build`; the
+    constructor takes the parts (model chunks, optimizer, runtime, seam), as tests do.
+
+    ``schedule``: the `GraphRuntimeSchedule` over megatron-core's forward-backward function
+    for ``runtime``; ``step_options``: the forward steps' settings (`LogProbStep` keywords);
+    ``row_positions``: positions of a packed row, micro_batch_size x seq_length;
+    ``lr_increment``: samples the learning-rate schedule advances per step (Megatron-LM's:
+    the global batch size).
+    """
+
+    def __init__(self, model: Sequence[torch.nn.Module], optimizer, runtime, schedule, *,
+                 row_positions: int, vocab_size: int, step_options: dict,
+                 scheduler=None, lr_increment: int = 1, check_inputs: bool = True):
+        self.model = list(model)
+        self.optimizer, self.scheduler, self.runtime = optimizer, scheduler, runtime
+        self.schedule = schedule
+        self.row_positions, self.vocab_size = row_positions, vocab_size
+        self.lr_increment, self.check_inputs = lr_increment, check_inputs
+        self._step_options = dict(step_options)
+        self._logprob_step = LogProbStep(**self._step_options)
+        self._loss_steps: Dict[LossFunction, PolicyLossStep] = {}
+        self.last_stats: dict = {}  # the graph runtime's counters of the latest call
+        schedule.listeners.append(self._record)
+
+    # -- building ------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, config: PolicyConfig) -> "PackedPolicy":
+        """Megatron-LM's start-up, model, optimizer and learning-rate schedule, and the graph
+        runtime, from ``config`` (a checkpoint is loaded where the config names one).
+        Needs a CUDA device; under torchrun each rank builds its part."""
+        args = config.args()
+        check_library_layout(args)
+        if not torch.cuda.is_available():
+            raise RuntimeError("PackedPolicy.build needs a CUDA device (megatron-core's DDP, "
+                               "optimizer and graphs are CUDA-only); none is visible.")
+        # A plain `python script.py` is a world of one, as under torchrun with one process.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        from megatron.core.enums import ModelType
+        from megatron.training import training
+        from megatron.training.global_vars import set_global_variables
+        from megatron.training.initialize import initialize_megatron
+
+        from megatron.packed_graphs.core_patches import apply_core_patches, route_training_loop
+        from megatron.packed_training.extra_args import require_mamba_kernels
+        from megatron.packed_training.models import MODEL_BUILDERS
+        from megatron.packed_training.pretrain import PackedGraphRun, model_provider
+
+        if config.model == "hybrid":
+            require_mamba_kernels()
+        try:
+            set_global_variables(args)
+        except AssertionError:
+            raise RuntimeError("PackedPolicy.build runs once per process: Megatron-LM's "
+                               "arguments, timers and parallel state are process globals, set "
+                               "already. Build one policy and swap weights into it "
+                               "(swapped_weights, load_weights).") from None
+        apply_core_patches()
+        run = PackedGraphRun(args, log=False)
+        route_training_loop(run, capturable_optimizer=args.packed_optimizer_graph)
+        initialize_megatron()
+        model, optimizer, scheduler = training.setup_model_and_optimizer(
+            ModelType.encoder_or_decoder, partial(model_provider, MODEL_BUILDERS[config.model]))
+        prepare_training_loop(args, model, optimizer)
+        seam = training.get_forward_backward_func()  # megatron-core's, behind the runtime
+        return cls(model, optimizer, run.runtime, seam,
+                   row_positions=args.micro_batch_size * args.seq_length,
+                   vocab_size=args.padded_vocab_size, scheduler=scheduler,
+                   lr_increment=args.global_batch_size, check_inputs=config.check_inputs,
+                   step_options=step_options(args, config.model))
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: Sequence[PackedSequences], loss_fn: LossFunction, *,
+                   temperature: float = 1.0) -> TrainResult:
+        """One optimizer step over ``micro_batches`` with the loss ``loss_fn`` (`LossInputs`
+        -> the micro-batch's loss summed over positions; rl/losses.py).
+
+        Gradients are zeroed, the micro-batches run through megatron-core's schedule under
+        their graph plans (forward, ``loss_fn``, backward; the data-parallel reduction), then
+        the optimizer and learning-rate schedule step. The log-probs ``loss_fn`` sees are at
+        ``temperature`` (a graph input: every temperature replays the same graphs).
+        Raises ValueError on bad input before anything runs (batches.py)."""
+        batches = self._prepare(micro_batches, temperature)
+        step = self._loss_step(loss_fn)
+        for chunk in self.model:
+            if hasattr(chunk, "zero_grad_buffer"):  # megatron-core's DDP
+                chunk.zero_grad_buffer()
+            else:  # a bare module (tests, tools)
+                chunk.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
+        losses = self.schedule(forward_step_func=step, data_iterator=iter(batches),
+                               model=self.model, num_microbatches=len(batches),
+                               forward_only=False)
+        # Reduced now: under a full-iteration graph the reports are graph-owned.
+        total = torch.stack([report["loss"].reshape(-1)[:2] for report in losses]).sum(dim=0)
+        stepped = self.optimizer.step()
+        self.schedule.close_iteration()  # a no-op where the step closed it (pretrain.py wraps it)
+        if self.scheduler is not None:
+            self.scheduler.step(increment=self.lr_increment)
+        update_successful, grad_norm = True, None
+        if isinstance(stepped, tuple):  # megatron-core: (update_successful, grad_norm, zeros)
+            update_successful, grad_norm = bool(stepped[0]), stepped[1]
+        return TrainResult(loss=total[0] / total[1].clamp(min=1), num_tokens=total[1],
+                           grad_norm=grad_norm, update_successful=update_successful,
+                           stats=dict(self.last_stats))
+
+    def logprobs(self, micro_batches: Sequence[PackedSequences], *, temperature: float = 1.0,
+                 eager: bool = False) -> List[Tensor]:
+        """Per-token log-probs of the given tokens, forward only: one float32 ``[N]`` device
+        tensor per micro-batch, token aligned (value ``t``: log p(token t | the tokens before
+        it in its sequence) under ``softmax(logits / temperature)``; 0 at each sequence's first
+        token). The model runs in eval mode (no dropout) on forward-only graphs; ``eager``:
+        every micro-batch eager (``eager forced``), a reference to compare graphs with.
+        ``loss_weights`` and ``tensors`` of the micro-batches are not used (checked only)."""
+        batches = self._prepare(micro_batches, temperature)
+        forced = self.runtime.forced_eager() if eager else nullcontext()
+        with torch.no_grad(), forced:
+            reports = self.schedule(forward_step_func=self._logprob_step,
+                                    data_iterator=iter(batches), model=self.model,
+                                    num_microbatches=len(batches), forward_only=True)
+        return [batch["layout"].to_tokens(report[LOGPROBS])
+                for batch, report in zip(batches, reports)]
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def snapshot_weights(self, device: Optional[torch.device] = None) -> WeightStore:
+        """A copy of the policy's weights (e.g. the reference policy), on ``device`` (default:
+        where they are; the host costs no GPU memory, a swap then copies over PCIe)."""
+        return WeightStore.snapshot(self.model, device)
+
+    def swapped_weights(self, store: WeightStore):
+        """Context manager: the model holds ``store``'s weights within the scope (graphs
+        replay with them), its own again after. For the reference policy's log-probs."""
+        return swapped_weights(self.model, store)
+
+    def load_weights(self, source: Union[WeightStore, Mapping[str, Tensor]]) -> None:
+        """A refit: copy ``source`` (a `WeightStore` or ``{name: tensor}`` by
+        `weights.policy_weights` names) into the model in place, and the optimizer's main
+        parameters from them. Optimizer moments are kept."""
+        load_weights(self.model, source)
+        reload = getattr(self.optimizer, "reload_model_params", None)  # megatron-core's
+        if reload is not None:
+            reload()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _prepare(self, micro_batches: Sequence[PackedSequences], temperature: float) -> list:
+        if not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"temperature is wrong: {temperature!r}. Use a positive number "
+                             f"(1.0: the model's own distribution).")
+        batches = lay_out_all(micro_batches, self.row_positions)
+        for batch in batches:
+            batch[INV_TEMPERATURE] = 1.0 / temperature
+        if self.check_inputs:
+            check_values(batches, self.vocab_size)
+        return batches
+
+    def _loss_step(self, loss_fn: LossFunction) -> PolicyLossStep:
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn is wrong: a {type(loss_fn).__name__}. Pass a function "
+                             f"of LossInputs (megatron.packed_training.rl.losses).")
+        step = self._loss_steps.get(loss_fn)
+        if step is not None:
+            return step
+        if self._loss_steps and self.runtime.config.full_iteration:
+            raise ValueError("loss_fn is wrong: another function than the earlier steps'. A "
+                             "full-iteration graph runs the loss it was captured with; bind "
+                             "the loss's settings once (functools.partial) and pass the same "
+                             "object every step.")
+        step = self._loss_steps[loss_fn] = PolicyLossStep(loss_fn, **self._step_options)
+        return step
+
+    def _record(self, split: str, stats: dict, losses) -> None:
+        self.last_stats = dict(stats)
+
+
+def prepare_training_loop(args, model: Sequence[torch.nn.Module], optimizer) -> None:
+    """What Megatron-LM's ``train()`` sets in the model's config before its first iteration,
+    set the same way here (the library runs its own loop): the optimizer's loss scaling;
+    with ``--overlap-grad-reduce`` DDP's no-sync hook (and grad-sync with
+    ``--align-grad-reduce``), with ``--overlap-param-gather --align-param-gather`` the
+    param-sync hook; and ``finalize_model_grads`` (the data-parallel gradient reduction and,
+    with ``--calculate-per-token-loss``, the scaling by the global token count), unless a
+    builder set its own."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+
+    def each(name: str):
+        hooks = [getattr(chunk, name) for chunk in model]
+        return hooks[0] if len(hooks) == 1 else hooks
+
+    if args.overlap_grad_reduce:
+        config.no_sync_func = each("no_sync")
+        if args.align_grad_reduce:
+            config.grad_sync_func = each("start_grad_sync")
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = each("start_param_sync")
+    if config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = finalize_model_grads
+
+
+def step_options(args, model: str) -> dict:
+    """The forward steps' settings for validated ``args`` (as PackedForwardStep.from_args)."""
+    return {"with_seq_idx": model == "hybrid",
+            "static_max_seqlen": args.packed_graph_impl != "none",
+            "cp_size": args.context_parallel_size,
+            "with_padding_mask": getattr(args, "num_experts", None) is not None}

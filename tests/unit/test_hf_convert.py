@@ -1,0 +1,611 @@
+"""Hugging Face checkpoints in and out (megatron/packed_training/hf, tools/convert_hf.py), on
+CPU with tiny random models built offline by transformers.
+
+* HF -> fork -> HF is bitwise on every tensor, and the export loads in transformers.
+* The converted checkpoint holds exactly what the fork's model (built by pretrain_gpt.py's
+  provider from the printed launch flags) shards at TP = 1: every key, global shape and
+  ``_extra_state`` object.
+* Loaded through megatron-core's dist_checkpointing (and through Megatron-LM's own
+  ``load_checkpoint`` with --pretrained-checkpoint and with --load), the fork's model gives
+  the Hugging Face logits on packed rows: several documents per row, each document run
+  alone through the Hugging Face model; fp32, last-position argmax equal, cosine >= 0.999.
+* Vocabulary padding both ways, the hub's older config key names, and the refusals.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron.packed_training.hf import ConversionError, export_hf, import_hf
+from megatron.packed_training.hf.config import HFConfig
+from megatron.packed_training.hf.convert import flag_tokens
+from megatron.packed_training.hf.families import describe, supported_model_types
+from tests.unit.hf_tiny import (
+    VOCAB,
+    agreement,
+    build_fork_model,
+    cpu_mla_model,
+    flags_of,
+    hf_document_logits,
+    load_release,
+    packed_documents,
+    packed_logits,
+    parse_fork_args,
+    NEMOTRON_H_CPU_LAYERS,
+    tiny_deepseek_v3,
+    tiny_llama,
+    tiny_nemotron_h,
+    tiny_qwen3,
+    tiny_qwen3_moe,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILDERS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe,
+            "deepseek_v3": tiny_deepseek_v3, "nemotron_h": tiny_nemotron_h,
+            # Nemotron-H without Mamba layers: the fork's hybrid model builds on CPU
+            "nemotron_h_cpu": lambda folder: tiny_nemotron_h(folder, layers=NEMOTRON_H_CPU_LAYERS),
+            # a dense first layer: --moe-layer-freq as a list, one checkpoint key per layer
+            "qwen3_moe_dense_first": lambda folder: tiny_qwen3_moe(folder, mlp_only_layers=[0])}
+# Models whose fork model runs on CPU (Mamba layers need mamba-ssm's kernels: tests/gpu).
+ON_CPU = sorted(set(BUILDERS) - {"nemotron_h"})
+ROUND_TRIP = sorted(set(BUILDERS) - {"nemotron_h_cpu"})
+DOCUMENTS = [9, 17, 5, 12]  # one packed row
+# MoE on CPU runs megatron-core's drop-and-pad dispatch (dropless dispatch needs a GPU): a
+# capacity of all tokens per expert drops none, so it routes as dropless does.
+DROP_NOTHING = {"qwen3_moe": ["--moe-expert-capacity-factor=2",
+                              "--moe-pad-expert-input-to-capacity"],
+                "deepseek_v3": ["--moe-expert-capacity-factor=2",
+                                "--moe-pad-expert-input-to-capacity"],
+                "nemotron_h_cpu": ["--moe-expert-capacity-factor=2",
+                                   "--moe-pad-expert-input-to-capacity"],
+                "qwen3_moe_dense_first": ["--moe-expert-capacity-factor=2",
+                                          "--moe-pad-expert-input-to-capacity"]}
+
+
+def _weights(folder) -> dict:
+    tensors = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, name)))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """family -> (Hugging Face folder, converted folder), built once per module."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(family)
+            hf = BUILDERS[family](root / "hf")
+            import_hf(hf, root / "megatron")
+            cache[family] = (hf, os.fspath(root / "megatron"))
+        return cache[family]
+    return get
+
+
+@pytest.fixture
+def cpu_rope(monkeypatch):
+    # megatron-core builds RoPE tables and the expert bias on torch.cuda.current_device()
+    # (rotary_pos_embedding.py, moe/router.py)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+
+# ------------------------------------------------------------------------------ round trip
+
+@pytest.mark.parametrize("family", ROUND_TRIP)
+def test_round_trip_is_bitwise(converted, family, tmp_path):
+    hf, megatron = converted(family)
+    export_hf(megatron, tmp_path / "back")
+    original, back = _weights(hf), _weights(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    for side_file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(hf, side_file), "rb") as a, open(tmp_path / "back" / side_file,
+                                                               "rb") as b:
+            assert a.read() == b.read(), side_file
+
+
+@pytest.mark.parametrize("family", ROUND_TRIP)
+def test_export_loads_in_transformers(converted, family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf, megatron = converted(family)
+    export_hf(megatron, tmp_path / "back", max_shard_bytes=40_000)  # several shards
+    assert os.path.isfile(tmp_path / "back" / "model.safetensors.index.json")
+    tokens = torch.randint(3, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(hf).eval()(tokens).logits
+        actual = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()(tokens).logits
+    assert torch.equal(actual, expected)
+
+
+# ----------------------------------------------------------------- the fork's model and loader
+
+def _fork_args(family, megatron, extra=()):
+    """The parsed launch line of a converted checkpoint (and ``extra``), on CPU."""
+    if family == "deepseek_v3":
+        from megatron.packed_training import extra_args
+
+        with pytest.MonkeyPatch.context() as patch:  # the parse's check for TE attention
+            patch.setattr(extra_args, "is_importable", lambda name: name == "transformer_engine")
+            return parse_fork_args(flags_of(megatron), extra=[*DROP_NOTHING[family], *extra])
+    return parse_fork_args(flags_of(megatron), _kind(family),
+                           extra=["--attention-backend=local", *DROP_NOTHING.get(family, []),
+                                  *extra])
+
+
+def _kind(family) -> str:
+    return "hybrid" if family.startswith("nemotron_h") else "gpt"
+
+
+def _fork_model(family, megatron, extra=()):
+    """The fork's model of a converted checkpoint on CPU: pretrain_gpt.py's or
+    pretrain_mamba.py's provider, or for MLA (whose packed attention needs Transformer
+    Engine) `hf_tiny.cpu_mla_model`."""
+    args = _fork_args(family, megatron, extra)
+    torch.manual_seed(1234)
+    if family == "deepseek_v3":
+        return cpu_mla_model(args)
+    return build_fork_model(args, _kind(family))
+
+
+def _model_layout(model) -> tuple[dict, set]:
+    """What megatron-core's save would store for ``model``: {key: global shape} and the
+    ShardedObjects' unique keys."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, apply_factories
+
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    tensors, objects = {}, set()
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedObject):
+            objects.add(value.unique_key)
+        else:
+            tensors[value.key] = tuple(value.global_shape)
+    return tensors, objects
+
+
+def _checkpoint_layout(megatron) -> tuple[dict, set]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    entries = FileSystemReader(os.path.join(megatron, "release")).read_metadata() \
+        .state_dict_metadata
+    tensors = {key: tuple(entry.size) for key, entry in entries.items()
+               if not isinstance(entry, BytesStorageMetadata)}
+    objects = {key for key, entry in entries.items() if isinstance(entry, BytesStorageMetadata)
+               and not key.startswith("common_state")}
+    return tensors, objects
+
+
+@pytest.mark.parametrize("family", ON_CPU)
+def test_checkpoint_holds_what_the_fork_model_shards(converted, family, cpu_moe, cpu_rope):
+    _, megatron = converted(family)
+    model_tensors, model_objects = _model_layout(_fork_model(family, megatron))
+    tensors, objects = _checkpoint_layout(megatron)
+    assert tensors == model_tensors
+    assert objects == model_objects
+
+
+@pytest.mark.parametrize("family", ON_CPU)
+def test_fork_logits_equal_hugging_face_on_packed_rows(converted, family, cpu_moe, cpu_rope):
+    from transformers import AutoModelForCausalLM
+
+    hf, megatron = converted(family)
+    model = _fork_model(family, megatron).eval()
+    load_release(model, megatron)
+    documents, tokens, positions, params = packed_documents(DOCUMENTS)
+    logits = packed_logits(model, tokens, positions, params)
+    reference = hf_document_logits(AutoModelForCausalLM.from_pretrained(hf).eval(), documents)
+    for same_token, cosine, largest in agreement(logits, documents, reference, VOCAB):
+        assert same_token and cosine >= 0.999
+        assert largest < 1e-3  # fp32: only the summation order differs
+
+
+def test_llama3_rope_scaling_reaches_the_model(converted, cpu_dist, cpu_rope):
+    from transformers import AutoModelForCausalLM
+
+    hf, megatron = converted("llama")
+    model = _fork_model("llama", megatron)
+    reference = AutoModelForCausalLM.from_pretrained(hf).model.rotary_emb.inv_freq
+    assert "--use-rope-scaling" in flags_of(megatron)
+    torch.testing.assert_close(model.rotary_pos_emb.inv_freq.float(), reference.float())
+
+
+@pytest.fixture
+def megatron_lm_loader(monkeypatch):
+    """Megatron-LM's load_checkpoint on CPU: its tracker read all-reduces the iteration on a
+    CUDA tensor (checkpointing.read_metadata); one rank reads it as it would alone."""
+    from megatron.training import checkpointing
+
+    read = checkpointing.read_metadata
+
+    def one_rank(tracker):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.distributed, "is_initialized", lambda: False)
+            return read(tracker)
+    monkeypatch.setattr(checkpointing, "read_metadata", one_rank)
+    return checkpointing.load_checkpoint
+
+
+@pytest.mark.parametrize("family, how", [
+    ("qwen3", ["--pretrained-checkpoint={ckpt}"]),
+    ("qwen3", ["--load={ckpt}"]),
+    ("qwen3", ["--load={ckpt}", "--finetune"]),
+    ("qwen3_moe", ["--pretrained-checkpoint={ckpt}"]),
+    # a hybrid checkpoint's args name its pattern; without it Megatron-LM would load it as a
+    # GPT checkpoint retargeted to the hybrid stack
+    ("nemotron_h_cpu", ["--load={ckpt}"]),
+])
+def test_megatron_lm_load_checkpoint_reads_it(converted, megatron_lm_loader, cpu_moe, cpu_rope,
+                                              family, how, monkeypatch):
+    """Megatron-LM's own loader, as the training scripts run it: a release loads as
+    iteration 0 (no optimizer, no RNG state) with the model's every tensor from the
+    checkpoint."""
+    from megatron.core import num_microbatches_calculator
+    from megatron.training import global_vars
+
+    _, megatron = converted(family)
+    reference = _fork_model(family, megatron)
+    load_release(reference, megatron)
+    model = _fork_model(family, megatron, [flag.format(ckpt=megatron) for flag in how])
+    args = _fork_args(family, megatron, [flag.format(ckpt=megatron) for flag in how])
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)  # Megatron-LM's get_args()
+    num_microbatches_calculator.init_num_microbatches_calculator(0, None, 1, 1, 1)
+    try:
+        iteration, _ = megatron_lm_loader([model], None, None)
+    finally:
+        num_microbatches_calculator.destroy_num_microbatches_calculator()
+    assert iteration == 0
+    expected = reference.state_dict()
+    for name, tensor in model.state_dict().items():
+        if torch.is_tensor(tensor):
+            assert torch.equal(tensor, expected[name]), name
+
+
+# ------------------------------------------------------------------------ vocabulary padding
+
+def test_vocabulary_is_padded_for_the_tensor_parallel_size(converted, tmp_path):
+    hf, _ = converted("llama")
+    import_hf(hf, tmp_path / "tp2", tensor_parallel_size=2, make_vocab_size_divisible_by=64)
+    tensors, _ = _checkpoint_layout(tmp_path / "tp2")
+    assert tensors["embedding.word_embeddings.weight"][0] == 128  # 96 -> multiple of 64 x 2
+    assert tensors["output_layer.weight"][0] == 128
+    assert "--make-vocab-size-divisible-by=64" in flags_of(tmp_path / "tp2")
+    export_hf(tmp_path / "tp2", tmp_path / "back")
+    assert torch.equal(_weights(tmp_path / "back")["model.embed_tokens.weight"],
+                       _weights(hf)["model.embed_tokens.weight"])
+
+
+def test_a_tokenizer_smaller_than_the_config_vocabulary(tmp_path, cpu_dist, cpu_rope):
+    """Qwen's config.json counts more embedding rows than its tokenizer has ids: the
+    checkpoint keeps every row (the round trip stays bitwise), the run's model has the
+    tokenizer's padded vocabulary and loads the rows it has."""
+    from tests.unit.hf_tiny import make_tokenizer
+
+    hf = tiny_qwen3(tmp_path / "hf", vocab_size=200)
+    make_tokenizer(hf, VOCAB)  # 96 ids
+    import_hf(hf, tmp_path / "megatron")
+    tensors, _ = _checkpoint_layout(tmp_path / "megatron")
+    assert tensors["embedding.word_embeddings.weight"][0] == 256
+    args = parse_fork_args(flags_of(tmp_path / "megatron"), extra=["--attention-backend=local"])
+    assert args.padded_vocab_size == 128
+    model = build_fork_model(args)
+    load_release(model, tmp_path / "megatron")
+    rows = _weights(hf)["model.embed_tokens.weight"]
+    assert torch.equal(model.embedding.word_embeddings.weight, rows[:128])
+    export_hf(tmp_path / "megatron", tmp_path / "back")
+    assert torch.equal(_weights(tmp_path / "back")["model.embed_tokens.weight"], rows)
+
+
+# ---------------------------------------------------------------------- config.json spellings
+
+def _rewrite_config(folder, change):
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    change(config)
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def _hub_rope(config):
+    parameters = config.pop("rope_parameters")
+    config["rope_theta"] = parameters.pop("rope_theta")
+    if parameters.get("rope_type", "default") != "default":
+        parameters["type"] = parameters.pop("rope_type")  # the oldest hub spelling
+        config["rope_scaling"] = parameters
+
+
+def _hub_nemotron_h(config):
+    chars = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    config["hybrid_override_pattern"] = "".join(chars[kind]
+                                                for kind in config.pop("layers_block_type"))
+    config["attention_head_dim"] = config.pop("head_dim")
+    config["rms_norm_eps"] = config.pop("layer_norm_epsilon")
+
+
+@pytest.mark.parametrize("family, change", [
+    ("llama", _hub_rope),
+    ("qwen3_moe", lambda c: (_hub_rope(c), c.update(num_experts=c.pop("num_local_experts")))),
+    ("nemotron_h", _hub_nemotron_h),
+])
+def test_hub_key_names_give_the_same_model(converted, family, change, tmp_path):
+    hf, _ = converted(family)
+    hub = shutil.copytree(hf, tmp_path / "hub")
+    _rewrite_config(hub, change)
+    assert (flag_tokens(describe(HFConfig.from_folder(hub)).flags)
+            == flag_tokens(describe(HFConfig.from_folder(hf)).flags))
+
+
+# -------------------------------------------------------------------------------- refusals
+
+def _describe(raw):
+    return describe(HFConfig(raw))
+
+
+def test_unknown_model_type_lists_the_supported_ones():
+    with pytest.raises(ConversionError, match="model_type is 'gpt2': the converter supports "
+                                              + ", ".join(supported_model_types())):
+        _describe({"model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(mlp_bias=True), "mlp_bias is True: the fork's GPT model is built with "
+                          "--disable-bias-linear"),
+    (dict(hidden_act="gelu"), "hidden_act is 'gelu': this family converts with silu"),
+    (dict(num_key_value_heads=3), "num_key_value_heads is 3: it must divide "
+                                  "num_attention_heads"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+     "rope_scaling.rope_type is 'yarn': Llama converts plain RoPE or llama3"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}),
+     "rope_scaling.low_freq_factor is 2.0: Megatron's --use-rope-scaling fixes it at 1"),
+])
+def test_llama_fields_the_fork_cannot_build_are_refused(change, message):
+    raw = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 96,
+           "vocab_size": VOCAB, "max_position_embeddings": 256, **change}
+    with pytest.raises(ConversionError, match=message):
+        _describe(raw)
+
+
+def test_a_checkpoint_with_tensors_the_model_lacks_is_refused(converted, tmp_path):
+    from safetensors.torch import save_file
+
+    hf, _ = converted("qwen3")
+    extra = shutil.copytree(hf, tmp_path / "extra")
+    weights = _weights(extra)
+    weights["model.layers.0.self_attn.extra_gate.weight"] = torch.zeros(2, 2)
+    save_file(weights, extra / "model.safetensors")
+    with pytest.raises(ConversionError, match="1 checkpoint tensors have no place in the "
+                                              "fork's model, e.g. model.layers.0.self_attn"):
+        import_hf(extra, tmp_path / "out")
+
+
+def test_export_refuses_a_checkpoint_of_another_model(converted, tmp_path):
+    _, llama = converted("llama")
+    qwen3, _ = converted("qwen3")
+    with pytest.raises(ConversionError, match="has no decoder.layers.self_attention.q_layernorm"):
+        export_hf(llama, tmp_path / "out", hf_config=qwen3)
+
+
+# -------------------------------------------------------------------------------- the tool
+
+def _tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "convert_hf", os.path.join(REPO, "tools", "convert_hf.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tool_converts_both_ways_and_measures(converted, tmp_path, capsys):
+    hf, _ = converted("llama")
+    run = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), "import",
+                          hf, tmp_path / "m", "--measure"], cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    assert "pretrain_gpt.py \\\n    --num-layers=2 \\" in run.stdout
+    assert f"--pretrained-checkpoint={tmp_path / 'm'}" in run.stdout
+    assert "measured: " in run.stdout and "peak host memory" in run.stdout
+    tool = _tool()  # the rest in this process: Megatron-LM's imports are paid already
+    assert tool.main(["export", str(tmp_path / "m"), str(tmp_path / "back"), "--measure",
+                      "--max-shard-size", "50KB"]) == 0
+    assert "measured: " in capsys.readouterr().out
+    assert os.path.isfile(tmp_path / "back" / "model.safetensors.index.json")
+    assert tool.main(["flags", hf]) == 0
+    assert capsys.readouterr().out.startswith("pretrain_gpt.py \\\n    --num-layers=2 \\")
+    assert tool.main(["flags", REPO]) == 2
+    assert "convert_hf.py: error: " in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- the SFT example, on CPU
+
+def load_example():
+    import importlib.util
+
+    path = os.path.join(REPO, "examples", "hf", "sft_from_hugging_face.py")
+    spec = importlib.util.spec_from_file_location("sft_from_hugging_face", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sft_example_line_parses_and_starts_from_the_pretrained_loss(tmp_path, cpu_dist,
+                                                                    cpu_rope):
+    """The example's training line passes the real parser, and the loss of its first
+    micro-batch (the fork's data pipeline on the chat file) under the converted model is the
+    Hugging Face model's on the same documents: the first logged loss of a run is the
+    pretrained model's (tests/gpu/test_hf_checkpoints.py checks it in a real run)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.hf_tiny import first_micro_batches, fork_loss_sum, hf_loss_sum, write_chat_data
+
+    example = load_example()
+    hf = tiny_qwen3(tmp_path / "hf")
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    converted = example.convert(hf, tmp_path / "work")
+    command = example.training_command(converted, data, str(tmp_path / "work"),
+                                       train_iters=4, seq_length=128, global_batch_size=2,
+                                       capacity=16)
+    script = command.index(os.path.join(REPO, "pretrain_gpt.py"))
+    args = parse_fork_args(command[script + 1:], extra=["--attention-backend=local"],
+                           training=())
+    assert (args.sft, args.packed_graph_impl, args.cuda_graph_max_packed_seqs) == (
+        True, "local", 16)
+    assert args.pretrained_checkpoint == os.path.join(tmp_path / "work", "megatron")
+    (batch,) = first_micro_batches(args, 1)
+    assert batch["num_documents"] > 1 and batch["loss_mask"].sum() > 0
+    model = _fork_model("qwen3", converted.destination).eval()
+    load_release(model, converted.destination)
+    fork = fork_loss_sum(model, batch)
+    reference = hf_loss_sum(AutoModelForCausalLM.from_pretrained(hf).eval(), batch)
+    assert fork[1] == reference[1]
+    assert abs(fork[0] / fork[1] - reference[0] / reference[1]) < 1e-4
+    # The example's last step on the converted model exported straight back.
+    export_hf(converted.destination, tmp_path / "back")
+    tokens = example.generate(str(tmp_path / "back"), example.first_prompt(data), 4)
+    assert len(tokens) == 4 and all(0 <= token < VOCAB for token in tokens)
+
+
+@pytest.mark.parametrize("run_vocab, hf_vocab, tp, divisor, trained_rows_only", [
+    (128256, 128256, 1, 128, True),  # Llama 3: no padding at the default
+    (128256, 128256, 8, 32, True),   # 128 x 8 would add 768 zero rows at TP 8; 32 x 8 none
+    (151669, 151936, 1, 128, True),  # Qwen: the tokenizer pads into the checkpoint's rows
+    (96, 96, 1, 32, True),
+    (97, 97, 2, 128, False),         # nothing avoids a zero row: Megatron's default
+])
+def test_vocab_divisor_keeps_the_runs_rows_trained(run_vocab, hf_vocab, tp, divisor,
+                                                   trained_rows_only):
+    from megatron.packed_training.hf.convert import padded_vocab_size, vocab_divisor
+
+    assert vocab_divisor(run_vocab, hf_vocab, tp) == divisor
+    assert (padded_vocab_size(run_vocab, divisor, tp) <= hf_vocab) == trained_rows_only
+
+
+# ------------------------------------------------------------------------- streaming writes
+
+def test_the_writer_makes_one_chunk_at_a_time(tmp_path, cpu_dist):
+    """write_checkpoint asks for each chunk when it writes it: at most the chunk being written
+    is alive (peak memory is one chunk, not the checkpoint), and megatron-core reads every
+    chunk back where it was planned."""
+    import gc
+    import weakref
+
+    from megatron.packed_training.hf import torch_dist
+
+    alive = []
+
+    def chunk(layer):
+        def produce():
+            gc.collect()
+            assert sum(ref() is not None for ref in alive) <= 1, "chunks pile up in memory"
+            tensor = torch.full((1, 4, 8), float(layer))
+            alive.append(weakref.ref(tensor))
+            return tensor
+        return torch_dist.Chunk((layer, 0, 0), (1, 4, 8), produce)
+
+    stored = torch_dist.StoredTensor("decoder.layers.w", (6, 4, 8), torch.float32,
+                                     [chunk(layer) for layer in range(6)])
+    torch_dist.write_checkpoint(tmp_path, [stored], [], {"iteration": 0})
+    assert len(alive) == 6
+    requests = {layer: torch_dist.Request("decoder.layers.w", (6, 4, 8), torch.float32, (layer,))
+                for layer in (0, 5)}
+    loaded = torch_dist.read_tensors(str(tmp_path), requests)
+    assert torch.equal(loaded[5], torch.full((4, 8), 5.0)) and loaded[0].shape == (4, 8)
+
+
+def test_the_writer_refuses_chunks_that_do_not_tile(tmp_path):
+    from megatron.packed_training.hf import torch_dist
+
+    def chunk(offset):
+        return torch_dist.Chunk(offset, (1, 4), lambda: torch.zeros(1, 4))
+
+    gap = torch_dist.StoredTensor("w", (3, 4), torch.float32, [chunk((0, 0)), chunk((2, 0))])
+    with pytest.raises(ValueError,
+                       match="checkpoint tensor w: 2 chunks of \\(1, 4\\) do not cover"):
+        torch_dist.write_checkpoint(tmp_path, [gap], [], {})
+
+
+def test_without_the_tokenizer_the_flags_give_the_vocabulary(converted, tmp_path):
+    hf, _ = converted("llama")
+    result = import_hf(hf, tmp_path / "m", tokenizer=False)
+    assert f"--vocab-size={VOCAB}" in result.flags
+    assert not any(flag.startswith("--tokenizer") for flag in result.flags)
+    assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "generation_config.json",
+                                                  "latest_checkpointed_iteration.txt",
+                                                  "megatron_flags.txt", "release"]
+    args = parse_fork_args(flags_of(tmp_path / "m"), extra=["--attention-backend=local"])
+    assert (args.tokenizer_type, args.padded_vocab_size) == ("NullTokenizer", VOCAB)
+
+
+def test_import_reads_the_shards_in_their_order(tmp_path, monkeypatch):
+    """A model in many shards: each shard is opened once for its headers and about once for
+    its tensors (at most two open at a time; a fused weight whose parts straddle two shards
+    may reopen one), whatever the order of the checkpoint's keys (key by key, every layer of
+    one key, would open each shard once per key)."""
+    from megatron.packed_training.hf import safetensors_io
+
+    hf = tiny_llama(tmp_path / "hf", num_hidden_layers=4)
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(hf)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    for name in os.listdir(hf):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(hf, name), tmp_path / "sharded")
+    with open(tmp_path / "sharded" / "model.safetensors.index.json") as f:
+        shards = set(json.load(f)["weight_map"].values())
+    assert len(shards) >= 4
+    opened = []
+    real_open = safetensors_io.safe_open
+    monkeypatch.setattr(safetensors_io, "safe_open",
+                        lambda path, **kw: opened.append(path) or real_open(path, **kw))
+    import_hf(tmp_path / "sharded", tmp_path / "out")
+    assert len(opened) < 3 * len(shards), sorted(opened)
+
+
+def test_rope_tables_and_a_tied_output_copy_are_left_out(converted, tmp_path):
+    """Older checkpoints save RoPE frequencies, some tied models a copy of the embedding as
+    lm_head: neither is a weight of the model; the import says what it left out."""
+    from safetensors.torch import save_file
+
+    hf, _ = converted("qwen3")  # tied embeddings
+    extra = shutil.copytree(hf, tmp_path / "extra")
+    weights = _weights(extra)
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, extra / "model.safetensors")
+    result = import_hf(extra, tmp_path / "out")
+    assert any("rotary_emb.inv_freq" in note for note in result.notes)
+    assert any("lm_head.weight" in note and "tie_word_embeddings" in note
+               for note in result.notes)
+
+
+@pytest.mark.parametrize("family, graphs", [
+    ("llama", "layer"), ("llama", "full_iteration"), ("qwen3_moe", "layer"),
+    ("deepseek_v3", "layer"), ("nemotron_h", "layer")])
+def test_the_gpu_tests_launch_lines_parse(converted, family, graphs, monkeypatch):
+    """tests/gpu/test_hf_checkpoints.py's training lines (converted flags, the checkpoint,
+    its training and graph flags) pass Megatron-LM's and the fork's checks here, before a GPU
+    runs them (Transformer Engine stands importable: the GPU machine has it)."""
+    from megatron.packed_training import extra_args
+    from megatron.packed_training.arguments import parse_args
+    from tests.gpu import test_hf_checkpoints as gpu
+
+    monkeypatch.setattr(extra_args, "is_importable", lambda name: name == "transformer_engine")
+    _, megatron = converted(family)
+    line = gpu._launch(megatron, family) + gpu.TRAINING + (
+        gpu.LAYER_GRAPHS if graphs == "layer" else gpu.FULL_ITERATION)
+    args = parse_args(line, _kind(family), raise_on_error=True)
+    assert args.packed_graph_impl == ("local" if graphs == "layer" else "full_iteration")
+    assert args.pretrained_checkpoint == megatron

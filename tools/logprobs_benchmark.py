@@ -1,0 +1,121 @@
+"""Forward-only throughput of one configuration: `PackedPolicy.logprobs` calls, timed.
+
+What ``tools/benchmark.py --mode logprobs`` runs once per (preset, variant), under torchrun:
+
+    torchrun --standalone --nproc-per-node 1 tools/logprobs_benchmark.py --model gpt \
+        --calls 30 --warmup 5 --micro-batches 8 --json row.json -- <training flags>
+
+The training flags (Megatron-LM's command line, as for pretrain_gpt.py / pretrain_mamba.py)
+build the policy (`PackedPolicy.build`); with a graph implementation, log-probs replay
+forward-only graphs, without one they run eager. Each call hands over ``--micro-batches``
+micro-batches of synthetic documents (mock data's length law, ``--mock-doc-length-median``
+and ``--mock-doc-length-sigma``), packed whole into rows of micro_batch_size x seq_length
+positions, other documents each call; the first ``--warmup`` calls (captures, autotuning)
+are left out. Rank 0 writes one JSON object: ``call_ms`` (median) and ``call_iqr_ms``,
+``tokens_per_sec`` (row positions per second, as training's benchmark counts them),
+``peak_mem_gib``, ``capture_s`` and ``graph_mem_mib`` (the forward-only graphs'),
+``fallback_rate`` (micro-batches run eager for overflow, per micro-batch) and ``stats`` (the
+graph runtime's counters of the last call).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import List
+
+
+def synthetic_calls(calls: int, micro_batches: int, row_positions: int, vocab_size: int,
+                    median: float, sigma: float, seed: int = 1234) -> List[list]:
+    """``calls`` lists of ``micro_batches`` `PackedSequences` each (host), documents of mock
+    data's length law cut to a row, packed whole and in order."""
+    import torch
+
+    from megatron.packed_training.datasets.mock import mock_documents
+    from megatron.packed_training.rl import pack_sequences
+
+    out = []
+    for call in range(calls):
+        documents = mock_documents((micro_batches + 1) * row_positions, row_positions,
+                                   vocab_size, seed + call, median, sigma)
+        tokens = [torch.from_numpy(doc.input_ids[:row_positions + 1]) for doc in documents]
+        packed = pack_sequences(tokens, row_positions)
+        if len(packed) < micro_batches:
+            raise RuntimeError(f"synthetic data gave {len(packed)} micro-batches for "
+                               f"{micro_batches}; this is a bug")
+        out.append(packed[:micro_batches])
+    return out
+
+
+def measure(policy, calls: List[list], warmup: int) -> dict:
+    """Time ``policy.logprobs`` over ``calls``; the row's values (module doc)."""
+    import torch
+
+    times, overflow, first = [], 0, {}
+    for index, micro_batches in enumerate(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        policy.logprobs(micro_batches)
+        torch.cuda.synchronize()
+        if index == 0:
+            first = dict(policy.last_stats)
+        if index >= warmup:
+            times.append(time.perf_counter() - start)
+            overflow += policy.last_stats.get("eager overflow", 0)
+    timed = len(calls) - warmup
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    positions = len(calls[0]) * policy.row_positions
+    return {"call_ms": 1000 * statistics.median(times),
+            "call_iqr_ms": 1000 * (quartiles[2] - quartiles[0]),
+            "tokens_per_sec": positions / statistics.median(times),
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "capture_s": first.get("forward graph capture (s)", 0.0),
+            "graph_mem_mib": first.get("forward graph memory (MiB)", 0.0),
+            "fallback_rate": overflow / (timed * len(calls[0])),
+            "stats": dict(policy.last_stats)}
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("gpt", "hybrid"), required=True)
+    parser.add_argument("--calls", type=int, default=30, help="logprobs calls")
+    parser.add_argument("--warmup", type=int, default=5, help="leading calls left out")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per call")
+    parser.add_argument("--json", required=True, help="where rank 0 writes the row")
+    parser.add_argument("flags", nargs=argparse.REMAINDER,
+                        help="-- then the training flags (Megatron-LM's command line)")
+    options = parser.parse_args(argv)
+    flags = options.flags[1:] if options.flags[:1] == ["--"] else options.flags
+    if options.calls <= options.warmup:
+        parser.error(f"--calls is wrong: {options.calls}. It must exceed --warmup "
+                     f"({options.warmup}).")
+    if options.micro_batches < 1:
+        parser.error(f"--micro-batches is wrong: {options.micro_batches}. Give at least 1.")
+    return options, flags
+
+
+def main(argv=None) -> int:
+    options, flags = parse(argv)
+    import torch
+
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.rl import PackedPolicy, PolicyConfig
+
+    args = parse_args(flags, options.model, raise_on_error=True)
+    policy = PackedPolicy.build(PolicyConfig(args, model=options.model))
+    calls = synthetic_calls(options.calls, options.micro_batches, policy.row_positions,
+                            args.padded_vocab_size, args.mock_doc_length_median,
+                            args.mock_doc_length_sigma, seed=args.seed)
+    row = measure(policy, calls, options.warmup)
+    if torch.distributed.get_rank() == 0:
+        with open(options.json, "w") as f:
+            json.dump(row, f)
+        print(f"logprobs: {row['call_ms']:.1f} ms per call, {row['tokens_per_sec']:,.0f} "
+              f"tokens/s", flush=True)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
