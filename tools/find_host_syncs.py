@@ -26,6 +26,7 @@ evaluation and checkpoints, which follow the log, are not counted. Use a ``--log
 above the watched iteration to leave out the log line's reads.
 """
 
+import functools
 import argparse
 import contextlib
 import importlib
@@ -43,10 +44,11 @@ SCRIPTS = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
 MODEL_PATHS = ("megatron/packed_graphs/", "megatron/core/transformer/", "megatron/core/ssm/",
                "megatron/core/models/", "megatron/core/tensor_parallel/layers",
                "mamba_ssm/", "causal_conv1d/")
-# The seam where Megatron-LM's loop calls the graph runtime: every schedule call and, wrapped,
-# the optimizer step pass through it. It is the loop's code (as the fork's own loop was), not
-# the model's: a frame here alone does not put a sync inside the model.
-LOOP_SEAM = "megatron/packed_graphs/schedule.py"
+# The seam where Megatron-LM's loop calls the graph runtime (every schedule call and, wrapped,
+# the optimizer step pass through it) and the loop's patched functions (core_patches: the
+# training log, the update and rerun flags). They are the loop's code, not the model's: a frame
+# here alone does not put a sync inside the model.
+LOOP_SEAM = ("megatron/packed_graphs/schedule.py", "megatron/packed_graphs/core_patches.py")
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MODULE_CALL = "torch/nn/modules/module.py"  # a frame here: an nn.Module call is running
 # Host reads made on purpose once per iteration, outside every graph, by code that lives
@@ -178,6 +180,7 @@ def watch_training_iteration(watch: SyncWatch, current_iteration=current_trainin
         if window is not None:
             window.__exit__(*(exc_info or (None, None, None)))
 
+    @functools.wraps(train_step)  # a wrapper above reads upstream's signature through it
     def watched_step(*args, **kwargs):
         end_window()  # a window a failed step left open
         iteration = current_iteration()
@@ -190,6 +193,7 @@ def watch_training_iteration(watch: SyncWatch, current_iteration=current_trainin
             end_window(*sys.exc_info())
             raise
 
+    @functools.wraps(training_log)
     def watched_log(*args, **kwargs):
         try:
             result = training_log(*args, **kwargs)

@@ -45,6 +45,10 @@ import torch
 # A difference this many times the eager-against-eager noise still passes (the noise is one
 # sample of a nondeterministic kernel's spread); 0 noise asks for bitwise equality.
 NOISE_SLACK = 4.0
+# Rounding steps (of the weights' dtype) by which the trained weights under graphs may differ
+# from eager's beyond the run-to-run noise: the hybrid's Mamba kernels are not bitwise under
+# graphs (docs/cuda-graphs.md; measured on an H200: one bf16 step after 6 steps, losses equal).
+ROUNDING_STEPS = {"gpt": 0, "hybrid": 1}
 TIMED_FROM = 2  # steps before this one are left out of the timings (warm-up, captures)
 PHASES = ("reference log-probs", "policy log-probs", "train step")
 
@@ -197,8 +201,20 @@ def weight_difference(a: dict, b: dict) -> float:
     return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
 
 
-def report(results: Dict[str, dict]) -> tuple:
-    """The table and the checks of a comparison: ``(text, passed)``."""
+def rounding_steps(a: dict, b: dict) -> float:
+    """The largest difference of two weight sets in rounding steps of their dtype at each
+    element's magnitude (a bf16 element of 0.1 moves in steps of 2^-11)."""
+    def steps(x: torch.Tensor, y: torch.Tensor) -> float:
+        _, exponent = torch.frexp(x.float().abs())  # |x| = m * 2^e, m in [0.5, 1)
+        spacing = torch.finfo(x.dtype).eps * torch.exp2(exponent.float() - 1)
+        return ((x.float() - y.float()).abs() / spacing.clamp_min(
+            torch.finfo(x.dtype).tiny)).max().item()
+    return max(steps(a[name], b[name]) for name in a)
+
+
+def report(results: Dict[str, dict], model: str = "gpt") -> tuple:
+    """The table and the checks of a comparison: ``(text, passed)``. Each check passes within
+    the run-to-run noise; the weights also within `ROUNDING_STEPS` of ``model``."""
     eager, graphs = results["eager"], results["graphs"]
     lines = ["| phase | eager (ms/step) | graphs (ms/step) | eager tokens/s | graphs tokens/s "
              "| speedup |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -214,12 +230,17 @@ def report(results: Dict[str, dict]) -> tuple:
     noise = weight_difference(results["eager again"]["weights"], eager["weights"])
     checks.append(("weights after the last step, graphs against eager", weight_difference(
         graphs["weights"], eager["weights"]), noise))
+    steps = rounding_steps(graphs["weights"], eager["weights"])
     passed = True
-    for name, difference, noise in checks:
+    for index, (name, difference, noise) in enumerate(checks):
         ok = within_noise(difference, noise)
+        note = ""
+        if index == 1:  # the weights
+            ok |= steps <= ROUNDING_STEPS[model]
+            note = f" ({steps:.3g} rounding steps; {ROUNDING_STEPS[model]} allowed for {model})"
         passed &= ok
-        lines.append(f"{'ok  ' if ok else 'FAIL'} {name}: max |difference| {difference:.3g}, "
-                     f"eager against eager {noise:.3g}")
+        lines.append(f"{'ok  ' if ok else 'FAIL'} {name}: max |difference| {difference:.3g}"
+                     f"{note}, eager against eager {noise:.3g}")
     return "\n".join(lines), passed
 
 
@@ -244,7 +265,7 @@ def compare(options, argv: List[str]) -> int:
                 return code
             results[name] = torch.load(out, weights_only=False)
             results[name]["timed_steps"] = options.steps - TIMED_FROM
-    text, passed = report(results)
+    text, passed = report(results, options.model)
     print(f"\n{options.model}, {options.steps} steps ({options.steps - TIMED_FROM} timed), "
           f"{options.prompts} prompts x {options.group_size} responses per step\n{text}")
     return 0 if passed else 1

@@ -111,7 +111,7 @@ class VarlenAttention(MegatronModule):
     Same constructor as megatron-core's DotProductAttention, so specs can swap it in.
     forward: query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (Attention squeezes the batch
     dim for THD) -> ``[T, Hq * D]``. ``packed_seq_params.max_seqlen_q`` is read as a host int;
-    nothing else crosses to the host on CUDA.
+    nothing else crosses to the host on CUDA in bf16 / fp16 (fp32 runs the exact reference).
     """
 
     def __init__(
@@ -169,7 +169,13 @@ class VarlenAttention(MegatronModule):
             raise ValueError("VarlenAttention does not support attention_bias.")
         cu_seqlens = packed_seq_params.cu_seqlens_q
         max_seqlen = packed_seq_params.max_seqlen_q
-        if not query.is_cuda:
+        if not query.is_cuda or query.dtype == torch.float32:
+            # FlashAttention kernels take fp16 / bf16 only: fp32 (checks against a reference,
+            # debugging) runs the exact per-document path, which reads cu_seqlens on the host.
+            if query.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise ValueError("TE-free attention in fp32 cannot run under CUDA graphs (no "
+                                 "fp32 FlashAttention kernel): train with --bf16 or --fp16, "
+                                 "or use Transformer Engine's attention.")
             out = reference_varlen_attention(query, key, value, cu_seqlens, self.softmax_scale)
         elif self.backend == "flash":
             from flash_attn import flash_attn_varlen_func

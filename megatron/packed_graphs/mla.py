@@ -12,6 +12,7 @@ spec, with what packed data under CUDA graphs needs:
   gathers each rank's own positions); the core attention (`PackedTEDotProductAttention`)
   switches TE's CP group itself. megatron-core 0.19.2 refuses ``local_cp_size`` in MLA; the
   RoPE here never reads it;
+* no query norm without q-LoRA: see `DeepSeekMLASelfAttention`;
 * V padding: upstream pads V to the query head size on THD so that TE may choose
   FlashAttention. The config's ``mla_pad_v`` (``--mla-pad-v``) keeps that (True, the
   default) or hands TE the narrower V (False): TE's cuDNN attention takes unequal query and
@@ -26,7 +27,7 @@ import copy
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import BackendSpecProvider
+from megatron.core.models.backends import BackendSpecProvider, get_backend
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import (
@@ -70,7 +71,60 @@ def rope_params(params, rows: int, cp_size: int):
     return rope
 
 
-class PackedMLASelfAttention(MLASelfAttention):
+def _module_class(spec):
+    return spec.module if isinstance(spec, ModuleSpec) else spec
+
+
+def query_norm_fused(config, submodules, resolved: dict) -> bool:
+    """Whether megatron-core's Q/KV norm resolution (``resolved``: linear_q_proj, ...) put a
+    norm in front of the query projection that the spec did not ask for: no q-LoRA,
+    ``qk_layernorm``, and the backend's fused norm + linear in place of the spec's plain
+    ``linear_q_proj`` (megatron-core 0.19.2's choice)."""
+    if config.q_lora_rank is not None or not config.qk_layernorm:
+        return False
+    fused = get_backend(config.transformer_impl).column_parallel_layer_norm_linear()
+    return (fused is not None and _module_class(resolved.get("linear_q_proj")) is fused
+            and _module_class(submodules.linear_q_proj) is not fused)
+
+
+class DeepSeekMLASelfAttention(MLASelfAttention):
+    """megatron-core's MLASelfAttention with DeepSeek's norms also without q-LoRA.
+
+    DeepSeek-V3 and Moonlight normalise only the two latents (``q_a_layernorm`` after the
+    query down projection, ``kv_a_layernorm`` after the key/value one), which
+    ``qk_layernorm`` asks for. Without q-LoRA (``q_lora_rank`` None: Moonlight,
+    DeepSeek-V2-Lite) the query projection reads the layer's normalised input as it is.
+    megatron-core 0.19.2 (transformer/mla_qk_norm_config.py) builds that projection as a
+    fused norm + linear whenever ``qk_layernorm`` is set, a second norm in front of the query
+    that these models lack. Here the spec's ``linear_q_proj`` (a plain column-parallel
+    linear) is built instead; the key/value latent norm stays as megatron-core resolves it
+    (fused into ``linear_kv_up_proj`` on TE). Upstream's forward hands ``linear_q_proj`` the
+    hidden states unchanged either way. Where the resolver leaves the spec's linear (a spec
+    that asks for the fused one, a megatron-core that does not fuse), nothing changes; a
+    megatron-core without ``_resolve_qk_norm_config`` never calls the override.
+    tests/unit/test_mla_spec.py fails once megatron-core stops fusing that norm.
+    """
+
+    def _resolve_qk_norm_config(self, submodules):
+        resolved = super()._resolve_qk_norm_config(submodules)
+        if query_norm_fused(self.config, submodules, resolved):
+            resolved = {**resolved, "linear_q_proj": submodules.linear_q_proj or get_backend(
+                self.config.transformer_impl).column_parallel_linear()}
+        return resolved
+
+    def set_for_recompute_input_layernorm(self):
+        """As upstream (fp8 / fp4 with the input norm recomputed: the projections that read
+        the norm's output save it unquantised), plus the plain query projection, which reads
+        it too."""
+        super().set_for_recompute_input_layernorm()
+        if self.config.q_lora_rank is None and not hasattr(self.linear_q_proj,
+                                                           "layer_norm_weight"):
+            from megatron.core.extensions.transformer_engine import set_save_original_input
+
+            set_save_original_input(self.linear_q_proj)
+
+
+class PackedMLASelfAttention(DeepSeekMLASelfAttention):
     """MLASelfAttention for packed micro-batches under CUDA graphs (see module doc).
 
     forward: hidden states ``[T_local (/ TP with SP), 1, H]`` and THD ``packed_seq_params``
@@ -144,7 +198,8 @@ def mla_self_attention_spec(provider: BackendSpecProvider) -> ModuleSpec:
     """`PackedMLASelfAttention` over ``provider``'s TE modules (upstream's TE MLA layout).
 
     The Q/KV up projections are left to megatron-core's resolver, which fuses the latent
-    norms into them when the config asks for ``qk_layernorm``.
+    norms into them when the config asks for ``qk_layernorm``. Without q-LoRA the query
+    projection is ``linear_q_proj`` as given here, with no norm (`DeepSeekMLASelfAttention`).
     """
     _require_te(provider)
     return ModuleSpec(

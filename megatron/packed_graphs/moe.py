@@ -165,6 +165,19 @@ def hot_experts(num_experts: int) -> int:
     return max(1, num_experts // 8)
 
 
+def skew_limit(num_experts: int, topk: int) -> float:
+    """The share of a top-``topk`` router's slots that the `hot_experts` get when every token
+    picks all of them it can: a bias reaches any share below it, never it."""
+    return min(topk, hot_experts(num_experts)) / topk
+
+
+def skew_error(fraction: float, num_experts: int, topk: int) -> str:
+    hot = hot_experts(num_experts)
+    return (f"--moe-router-skew is wrong: {fraction}. With {num_experts} experts, top-{topk}, "
+            f"the first {hot} can get a share in (0, {skew_limit(num_experts, topk):g}) of the "
+            f"routed slots ({hot / num_experts:g} without a skew); choose one inside")
+
+
 def skew_logit_bias(num_experts: int, topk: int, fraction: float, logit_std: float,
                     samples: int = 4096) -> float:
     """The logit bias on the `hot_experts` that sends about ``fraction`` of a top-``topk``
@@ -173,11 +186,8 @@ def skew_logit_bias(num_experts: int, topk: int, fraction: float, logit_std: flo
     states). Found by bisection over a fixed sample (seeded: the same bias every run); host
     only, once per router. Benchmarks of unbalanced routing only (--moe-router-skew)."""
     hot = hot_experts(num_experts)
-    most = min(topk, hot) / topk  # every token picks all the hot experts it can
-    if not 0.0 < fraction < most:
-        raise ValueError(f"--moe-router-skew is wrong: {fraction}. With {num_experts} experts, "
-                         f"top-{topk}, the first {hot} can get a share in (0, {most:g}) of the "
-                         f"slots ({hot / num_experts:g} without a skew); choose one inside.")
+    if not 0.0 < fraction < skew_limit(num_experts, topk):
+        raise ValueError(skew_error(fraction, num_experts, topk))
     logits = torch.randn(samples, num_experts, generator=torch.Generator().manual_seed(0))
     logits *= logit_std
 

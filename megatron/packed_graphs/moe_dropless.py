@@ -331,36 +331,43 @@ class StaticDroplessDispatcher(MoETokenDispatcher):
         return None, None
 
 
-def check_dropless_config(config) -> None:
-    """Refuse what dropless MoE graphs do not run, naming the value and the fix (the parse-
-    time rules, megatron.packed_training.moe_dropless_args, say the same for the flags)."""
-    problems = [
-        (config.moe_expert_capacity_factor is not None, "moe_expert_capacity_factor",
-         config.moe_expert_capacity_factor, "dropless routing has no capacity: drop "
-         "--moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity"),
-        (config.moe_pad_expert_input_to_capacity, "moe_pad_expert_input_to_capacity", True,
-         "drop --moe-pad-expert-input-to-capacity"),
-        (config.moe_token_dispatcher_type != "alltoall", "moe_token_dispatcher_type",
-         config.moe_token_dispatcher_type, "use --moe-token-dispatcher-type alltoall, whose "
-         "place the static dropless dispatcher takes"),
-        ((config.expert_tensor_parallel_size or 1) != 1, "expert_tensor_parallel_size",
-         config.expert_tensor_parallel_size, "use --expert-tensor-parallel-size 1: each rank "
-         "runs whole experts on its own tokens"),
-        (config.moe_shared_expert_overlap, "moe_shared_expert_overlap", True,
-         "drop --moe-shared-expert-overlap: there is no token exchange to overlap with"),
-        (bool(config.moe_router_padding_for_quantization), "moe_router_padding_for_quantization",
-         True, "drop it: the grouped experts run in bf16"),
-        (config.moe_latent_size is not None, "moe_latent_size", config.moe_latent_size,
-         "drop --moe-latent-size"),
-        (config.overlap_moe_expert_parallel_comm, "overlap_moe_expert_parallel_comm", True,
-         "drop it: there is no expert-parallel exchange"),
-        (config.overlap_dispatch_backward_with_experts_wgrad,
-         "overlap_dispatch_backward_with_experts_wgrad", True,
-         "drop it: the grouped experts compute weight gradients in their backward"),
+def dropless_refusals(settings) -> list:
+    """What dropless MoE graphs do not run, as ``(refused, flag, value, what to do)`` rules on
+    ``settings``: a TransformerConfig here, the parsed arguments at parse time (which name these
+    settings alike; extra_args.check_moe_dropless_graphs adds the rules only they can answer)."""
+    s = settings
+    return [
+        (s.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor",
+         s.moe_expert_capacity_factor, "Dropless MoE graphs route without a capacity: drop it "
+         "(and --moe-pad-expert-input-to-capacity)"),
+        (s.moe_pad_expert_input_to_capacity, "--moe-pad-expert-input-to-capacity", True,
+         "Dropless MoE graphs pad no expert to a capacity: drop it"),
+        (s.moe_token_dispatcher_type != "alltoall", "--moe-token-dispatcher-type",
+         s.moe_token_dispatcher_type, "The static dropless dispatcher takes the place of "
+         "alltoall: use --moe-token-dispatcher-type alltoall"),
+        ((s.expert_tensor_parallel_size or 1) != 1, "--expert-tensor-parallel-size",
+         s.expert_tensor_parallel_size, "Each rank runs whole experts on its own tokens: add "
+         "--expert-tensor-parallel-size 1 (with tensor parallelism, --sequence-parallel splits "
+         "the tokens)"),
+        (s.moe_shared_expert_overlap, "--moe-shared-expert-overlap", True,
+         "There is no token exchange to overlap with: drop it"),
+        (s.moe_router_padding_for_quantization, "--moe-router-padding-for-quantization", True,
+         "The grouped experts pad their groups themselves, in bf16: drop it"),
+        (s.moe_latent_size is not None, "--moe-latent-size", s.moe_latent_size,
+         "Not supported with dropless MoE graphs: drop it"),
+        (s.overlap_moe_expert_parallel_comm, "--overlap-moe-expert-parallel-comm", True,
+         "There is no expert-parallel exchange: drop it"),
+        (s.overlap_dispatch_backward_with_experts_wgrad,
+         "--overlap-dispatch-backward-with-experts-wgrad", True, "The grouped experts compute "
+         "weight gradients in their backward: drop it"),
     ]
-    for wrong, field, value, fix in problems:
-        if wrong:
-            raise ValueError(f"{field} is wrong for dropless MoE graphs: {value}. {fix}.")
+
+
+def check_dropless_config(config) -> None:
+    """Refuse a TransformerConfig that dropless MoE graphs do not run (`dropless_refusals`)."""
+    for refused, flag, value, todo in dropless_refusals(config):
+        if refused:
+            raise ValueError(f"{flag} is wrong: {value}. {todo}.")
 
 
 class DroplessMoELayer(MoELayer):

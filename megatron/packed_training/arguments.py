@@ -1,12 +1,9 @@
-"""The command line of pretrain_gpt.py / pretrain_mamba.py: Megatron-LM's own parser and checks
-(the megatron-core wheel's ``megatron.training.arguments``) plus the fork's flags and rules
-(extra_args.py).
+"""The command line of pretrain_gpt.py / pretrain_mamba.py: Megatron-LM's parser and checks
+(the wheel's ``megatron.training.arguments``) plus the fork's flags and rules (extra_args.py).
 
 ``parse_args(argv, model)`` returns the validated ``args``; a bad value raises ``ValueError``
-(Megatron-LM's own checks are asserts: their message is kept). ``parse_args_or_exit`` is the
-scripts' form: one line, ``<script>: error: <message>``, exit status 2.
-
-Every flag and where the fork differs from Megatron-LM: docs/flags.md.
+(Megatron-LM's asserts keep their message). ``parse_args_or_exit`` is the scripts' form: one
+line, ``<script>: error: <message>``, exit status 2. Every flag: docs/flags.md.
 """
 
 import argparse
@@ -21,15 +18,13 @@ import warnings
 
 MODELS = ("gpt", "hybrid")
 
-# What a packed launch line may leave unset where Megatron-LM has no default (validate_args
-# fills values still None): evaluation every 1000 iterations, as Megatron-LM's scripts do.
+# validate_args fills these where still None: evaluation every 1000 iterations, as upstream.
 UPSTREAM_DEFAULTS = {"eval_interval": 1000}
 DEFAULT_VOCAB_SIZE = 32000  # pre-tokenized data without --vocab-size (NullTokenizer)
 # A '%' in a help text: an escaped '%%', an argparse field such as '%(default)s', or bare.
 _PERCENT = re.compile(r"%(?:%|\([a-z_]+\)[a-z])?")
-# What megatron-core and torch print while Megatron-LM's parser is imported on a machine
-# without Apex, Transformer Engine or a CUDA toolkit: ten lines before every message of the
-# parser, --help and a typo included. The start-up notes say what the run falls back to.
+# What megatron-core and torch print while Megatron-LM's parser is imported without Apex, TE
+# or a CUDA toolkit, ten lines before every message (the start-up notes say the fallbacks).
 _IMPORT_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed",
                    "supports MoE experts")
 
@@ -83,11 +78,10 @@ def _unknown_name_is_a_bad_value(convert, choices):
 
 def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
                ) -> argparse.Namespace:
-    """Parse and validate ``argv`` (default ``sys.argv[1:]``) for ``model`` ('gpt' | 'hybrid').
-
-    Runs Megatron-LM's ``validate_args`` and the fork's rules; sets no global state. Raises
-    ``ValueError`` with the value and the fix; argparse's own errors (an unknown flag, a bad
-    choice) exit with status 2, or raise ``ValueError`` with ``raise_on_error``."""
+    """Parse and validate ``argv`` (default ``sys.argv[1:]``) for ``model`` ('gpt' | 'hybrid'):
+    Megatron-LM's ``validate_args`` and the fork's rules; no global state. Raises ``ValueError``
+    with the value and the fix; argparse's own errors (an unknown flag, a bad choice) exit with
+    status 2, or raise ``ValueError`` with ``raise_on_error``."""
     with _without_import_notices():
         from megatron.training.arguments import validate_args
 
@@ -123,8 +117,7 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
         args.tokenizer_type = "NullTokenizer"
         args.vocab_size = args.vocab_size or DEFAULT_VOCAB_SIZE
     args.dataloader_type = "external"  # the fork's data provider returns the iterators
-    # Megatron-LM gives --data-path a default --split of 969,30,1; here no --split means the
-    # whole file trains (validation from --valid-data-path, if any).
+    # No --split trains on the whole file (Megatron-LM would default to 969,30,1), and
     # --valid-data-path beside --data-path is the fork's (Megatron-LM takes one or the other).
     split, valid_data_path, args.valid_data_path = args.split, args.valid_data_path, None
     try:
@@ -134,8 +127,7 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
     args.split, args.valid_data_path = split, valid_data_path
     validate_packed_args(args, model)
     if args.tokenizer_type == "NullTokenizer":
-        # Megatron-LM sets it while building the tokenizer at start-up; set here, the parsed
-        # arguments build a model as they are (the config API, tools, in-process tests).
+        # Megatron-LM sets it at start-up; here the parsed arguments build a model as they are.
         from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
         args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args,
@@ -148,9 +140,8 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
 
 
 def _take_checkpoint_args(args) -> None:
-    """--use-checkpoint-args as in Megatron-LM's parse: the model shape that the command line
-    leaves unset comes from --pretrained-checkpoint, then from --load (rank 0's files only, no
-    process group needed)."""
+    """--use-checkpoint-args as in Megatron-LM: what the command line leaves unset comes from
+    --pretrained-checkpoint, then --load (rank 0's files, no process group needed)."""
     from megatron.training.checkpointing import load_args_from_checkpoint
 
     if args.load is None and args.pretrained_checkpoint is None:
@@ -181,9 +172,8 @@ def _failed_check(err: AssertionError) -> str:
 
 
 def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace:
-    """`parse_args` for an entry script: a bad flag or value prints one line,
-    ``<script>: error: <message>``, from rank 0 only (every rank of a torchrun job parses the
-    same line) and exits with status 2, as argparse does."""
+    """`parse_args` for an entry script: a bad flag or value prints ``<script>: error:
+    <message>`` from rank 0 only (every torchrun rank parses the line) and exits 2."""
     try:
         return parse_args(argv, model, raise_on_error=True)
     except ValueError as err:

@@ -1,18 +1,8 @@
-"""The fork's own flags, added to Megatron-LM's parser, and their rules.
-
-Megatron-LM's parser (the wheel's ``megatron.training.arguments``) owns every Megatron flag,
-its default and its checks. This module adds what only the fork has (`add_packed_args`, the
-``extra_args_provider`` of ``pretrain_gpt.py`` / ``pretrain_mamba.py``) and checks the run as
-a whole for what packed CUDA graphs need (`validate_packed_args`, one function per feature).
-Every rule raises ``ValueError("<what> is wrong: <value>. <what to do>.")``.
-
-Two upstream flags change hands after parsing (`hand_graph_flags_to_the_runtime`):
-``--cuda-graph-impl`` and ``--optimizer-cuda-graph`` are the graph runtime's. Megatron-LM's loop
-builds graphs of its own when it sees them, so it is shown ``local`` (graph-safe RNG, and
-megatron-core's local graph managers in the layers) or ``none``, and False; the user's values
-stay in ``args.packed_graph_impl`` and ``args.packed_optimizer_graph``.
-
-Every flag: docs/flags.md.
+"""The fork's flags on Megatron-LM's parser (`add_packed_args`, the scripts'
+``extra_args_provider``) and its rules for a whole run (`validate_packed_args`, after
+Megatron-LM's ``validate_args``): one check per feature, each raising ``ValueError("<what> is
+wrong: <value>. <what to do>.")`` (`fail`). The graph flags go to the fork's graph runtime
+(`hand_graph_flags_to_the_runtime`). Every flag: docs/flags.md.
 """
 
 import argparse
@@ -24,11 +14,19 @@ from megatron.core.transformer.enums import CudaGraphModule
 GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 TE_ATTENTION = ("flash", "fused", "unfused")  # Megatron's TE attention backends
 PARTIAL_MOE_MODULES = (CudaGraphModule.moe_router.name, CudaGraphModule.moe_preprocess.name)
+ROW_ALIGNMENT = 8  # torch._grouped_mm (dropless MoE graphs): rows of 16 bytes, 8 bf16 values
 
 
 def fail(what: str, value, todo: str):
     """Raise the one error shape every rule uses."""
     raise ValueError(f"{what} is wrong: {value}. {todo}.")
+
+
+def refuse(*rules) -> None:
+    """`fail` on the first rule ``(refused, flag, value, todo)`` whose ``refused`` holds."""
+    for refused, flag, value, todo in rules:
+        if refused:
+            fail(flag, value, todo)
 
 
 def is_importable(package: str) -> bool:
@@ -76,8 +74,6 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-router-load-file", default=None,
                    help="With rerun: write the measured router loads (for "
                         "tools/capacity_advisor.py).")
-    from megatron.packed_training.moe_dropless_args import add_moe_dropless_args
-
     add_moe_dropless_args(g)
     g.add_argument("--mla-pad-v", choices=["always", "never"], default="always",
                    help="Packed MLA: pad V to the query head size (always) or not (never).")
@@ -88,12 +84,24 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def add_moe_dropless_args(group) -> None:
+    """``--moe-dropless-graphs`` and ``--moe-router-skew`` (docs/moe.md), on ``group``."""
+    group.add_argument("--moe-dropless-graphs", action="store_true",
+                       help="MoE layers dropless with static shapes: whole-layer CUDA graphs "
+                            "capture them whatever the routing (no capacity, no drop, no "
+                            "rerun; bf16).")
+    group.add_argument("--moe-router-skew", type=float, default=0.0, metavar="FRACTION",
+                       help="Benchmarks: a fixed router logit bias that sends about FRACTION "
+                            "of the routed slots to the first eighth of the experts (0: off).")
+
+
 def hand_graph_flags_to_the_runtime(args) -> None:
-    """Keep the user's graph flags for the runtime and show Megatron-LM's loop none of its own
-    graph wrappers' triggers (module doc). Called before Megatron-LM's ``validate_args`` and
-    again after it: where those checks turned a deprecated spelling (--enable-cuda-graph,
-    --external-cuda-graph, --cuda-graph-modules full_iteration) into an implementation, the
-    second call takes that one."""
+    """``--cuda-graph-impl`` and ``--optimizer-cuda-graph`` are the runtime's: their values move
+    to ``args.packed_graph_impl`` / ``packed_optimizer_graph``, and Megatron-LM's loop, which
+    would build graphs of its own, sees ``local`` (graph-safe RNG, megatron-core's local graph
+    managers in the layers) or ``none``, and False. Runs before ``validate_args`` and after it,
+    taking the implementation upstream derived from a deprecated spelling (--enable-cuda-graph,
+    --external-cuda-graph, --cuda-graph-modules full_iteration)."""
     def shown(impl: str) -> str:
         return "none" if impl == "none" else "local"
 
@@ -107,34 +115,29 @@ def hand_graph_flags_to_the_runtime(args) -> None:
 
 
 def prepare_upstream_args(args, model: str) -> None:
-    """What Megatron-LM's ``validate_args`` needs from a fork launch line, before it runs.
-
-    ``--attention-backend local`` is the fork's TE-free attention, which upstream pairs with
-    ``--spec local``; the fork's data paths are one file each."""
+    """What Megatron-LM's ``validate_args`` needs from a fork launch line: ``--spec local`` for
+    the fork's TE-free ``--attention-backend local``, one data file per split, and
+    ``--rampup-batch-size`` as megatron-core's step schedule (0.19 ignores the flag itself)."""
     args.model = model
     if args.attention_backend.name == "local" and args.spec is None:
         args.spec = ["local"]
     for flag in ("--data-path", "--valid-data-path"):
-        name = flag[2:].replace("-", "_")
-        paths = getattr(args, name)
+        paths = getattr(args, _dest(flag))
         if isinstance(paths, list):
             if len(paths) > 1:
-                fail(flag, " ".join(paths), "This fork reads one packed JSONL file per split "
-                                            "(no blends); give one path")
-            setattr(args, name, paths[0] if paths else None)
+                fail(flag, " ".join(paths),
+                     "This fork reads one packed JSONL file per split (no blends); give one path")
+            setattr(args, _dest(flag), paths[0] if paths else None)
     if args.rampup_batch_size and args.step_batch_size_schedule is None:
-        # megatron-core 0.19 ignores --rampup-batch-size (deprecated there for
-        # --step-batch-size-schedule); here it keeps its meaning, given as that schedule.
         args.step_batch_size_schedule = rampup_schedule(
             args.rampup_batch_size, args.global_batch_size, args.seq_length)
         args._is_global_batch_size_explicitly_specified = False  # the schedule's last step
 
 
 def rampup_schedule(rampup, global_batch_size, seq_length: int) -> str:
-    """``--rampup-batch-size START INCREMENT SAMPLES`` as megatron-core's step schedule
-    (``"THRESHOLD:BATCH ..."``; Megatron-LM reads the thresholds as tokens, samples x
-    --seq-length): INCREMENT more samples per batch every SAMPLES / ((GBS - START) /
-    INCREMENT) consumed samples, from START to GBS."""
+    """``--rampup-batch-size START INCREMENT SAMPLES`` as megatron-core's ``"THRESHOLD:BATCH
+    ..."`` schedule (thresholds in tokens, samples x --seq-length): INCREMENT more samples per
+    batch every SAMPLES / ((GBS - START) / INCREMENT) consumed samples, from START to GBS."""
     start, increment, samples = (int(x) for x in rampup)
     shown = " ".join(str(x) for x in rampup)
     if global_batch_size is None:
@@ -156,29 +159,25 @@ def rampup_schedule(rampup, global_batch_size, seq_length: int) -> str:
 def validate_packed_args(args, model: str) -> argparse.Namespace:
     """The fork's rules, after Megatron-LM's ``validate_args``. Fills derived values in place
     (``packed_graph_impl``, ``packed_cuda_graph_modules`` as names, ``num_microbatches``,
-    ``te_rng_tracker``, ``packed_notes``). Returns args."""
+    ``te_rng_tracker``, ``packed_notes``: start-up log lines). Returns args."""
     hand_graph_flags_to_the_runtime(args)
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size
                                                        * args.data_parallel_size)
-    args.packed_notes = []  # start-up log lines: what the fork set for this launch line
+    args.packed_notes = []
     if args.gradient_accumulation_fusion and not is_importable("fused_weight_gradient_mlp_cuda"):
-        # megatron-core's output layer fuses it with apex's kernel only; Megatron-LM stops at
-        # model build without it.
+        # megatron-core fuses it with apex's kernel only; Megatron-LM would stop at model build.
         args.gradient_accumulation_fusion = False
         args.packed_notes.append("gradient accumulation fusion off: apex's "
                                  "fused_weight_gradient_mlp_cuda is not importable")
     if not (is_importable("transformer_engine") or is_importable("apex")):
         args.packed_notes.append("neither Transformer Engine nor apex is importable: "
                                  "megatron-core uses torch's Adam, norms and multi-tensor ops")
-    # --profile (without --use-pytorch-profiler): the fork's profiler opens the nsys range
-    # itself and measures each profiled iteration's GPU-busy time (profiling.py); Megatron-LM's
-    # own nsys path would hold torch's autograd profiler (emit_nvtx) at the same time.
+    # --profile without --use-pytorch-profiler is the fork's nsys range (profiling.py), not
+    # Megatron-LM's, which would hold torch's autograd profiler (emit_nvtx) at the same time.
     args.packed_profile = bool(args.profile and not args.use_pytorch_profiler)
     if args.packed_profile:
         args.profile = False
-    if not uses_te_attention(args):
-        # TE kernels, and megatron-core checks for TE when the config is built: the TE-free
-        # path applies RoPE by gather and has torch norms.
+    if not uses_te_attention(args):  # the TE-free path: RoPE by gather, torch norms
         args.apply_rope_fusion = False
         args.no_persist_layer_norm = True
     check_attention(args)
@@ -187,8 +186,7 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     check_dynamic_cp(args)
     check_graphs(args, model)
     if not is_importable("transformer_engine"):
-        # Megatron-LM turns TE's RNG tracker on for any graphs while --transformer-impl is
-        # its default transformer_engine; without TE the graph-safe megatron-core tracker is used.
+        # Megatron-LM asks for TE's RNG tracker for any graphs; megatron-core's is graph-safe.
         args.te_rng_tracker = False
     check_health_check(args)
     check_optimizer_graph(args)
@@ -206,34 +204,29 @@ def uses_te_attention(args) -> bool:
 def check_attention(args) -> None:
     """``--attention-backend``: flash / fused / unfused are TE's, local the TE-free path."""
     name = args.attention_backend.name
-    if args.multi_latent_attention and not uses_te_attention(args):
-        fail("--attention-backend", name, "Packed multi-latent attention runs only on "
-                                          "Transformer Engine attention; install TE and use "
-                                          "auto, flash or fused")
-    if name in TE_ATTENTION and not is_importable("transformer_engine"):
-        fail("--attention-backend", name, "It is a Transformer Engine backend and TE is not "
-                                          "importable: install it (`pip install .[te]`), or use "
-                                          "local (PyTorch varlen attention)")
+    refuse((args.multi_latent_attention and not uses_te_attention(args), "--attention-backend",
+            name, "Packed multi-latent attention runs only on Transformer Engine attention; "
+            "install TE and use auto, flash or fused"),
+           (name in TE_ATTENTION and not is_importable("transformer_engine"),
+            "--attention-backend", name, "It is a Transformer Engine backend and TE is not "
+            "importable: install it (`pip install .[te]`), or use local (PyTorch varlen "
+            "attention)"))
 
 
 def check_mamba(args, model: str) -> None:
     """The widths MambaMixer asserts (inner width 2 x hidden), before the model is built."""
-    if model != "hybrid":
-        return
-    inner = 2 * args.hidden_size
-    if args.mamba_num_heads is None and inner % args.mamba_head_dim:
-        fail("--mamba-head-dim", args.mamba_head_dim,
-             f"It must divide the Mamba inner width 2 x --hidden-size = {inner}, or set "
-             "--mamba-num-heads")
-    heads = _mamba_heads(args)
-    if heads % args.mamba_num_groups:
-        fail("--mamba-num-groups", args.mamba_num_groups,
-             f"It must divide the Mamba head count ({heads})")
+    if model == "hybrid":
+        inner, heads = 2 * args.hidden_size, _mamba_heads(args)
+        refuse((args.mamba_num_heads is None and inner % args.mamba_head_dim, "--mamba-head-dim",
+                args.mamba_head_dim, f"It must divide the Mamba inner width 2 x --hidden-size = "
+                f"{inner}, or set --mamba-num-heads"),
+               (heads % args.mamba_num_groups, "--mamba-num-groups", args.mamba_num_groups,
+                f"It must divide the Mamba head count ({heads})"))
 
 
 def check_tokenizer(args) -> None:
-    """``--tokenizer-type HuggingFaceTokenizer``: a local tokenizer whose size is the vocabulary
-    (as Megatron-LM pads it); chat data (``messages`` JSONL) needs it and ``--sft``."""
+    """``--tokenizer-type HuggingFaceTokenizer``: the local tokenizer's size is the vocabulary;
+    chat data (``messages`` JSONL) needs ``--sft``."""
     from megatron.packed_training.datasets.chat import chat_line
     from megatron.packed_training.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
@@ -248,7 +241,7 @@ def check_tokenizer(args) -> None:
                  f"vocabulary size; drop --vocab-size or set it to {size}")
         args.vocab_size = size
     for flag in ("--data-path", "--valid-data-path"):
-        path = getattr(args, flag[2:].replace("-", "_"))
+        path = getattr(args, _dest(flag))
         line = chat_line(path) if path else None
         if line is not None and not args.sft:
             fail(flag, path, f"Line {line} is a chat conversation, whose loss is on assistant "
@@ -256,11 +249,9 @@ def check_tokenizer(args) -> None:
 
 
 def check_dynamic_cp(args) -> None:
-    """--dynamic-cp-sizes / --dynamic-cp-max-packed-seqs: a CP size per micro-batch from the
-    set, so ranks run different numbers of micro-batches (docs/context-parallel.md). Fills
-    ``dynamic_cp_tokens_per_rank`` (0 without dynamic CP), ``dynamic_cp_max_packed_seqs`` (a
-    capacity per size) and ``dynamic_cp_groups`` (a size above 1: megatron-core's hybrid
-    DP x CP groups are built at start-up, core_patches.build_hybrid_cp_groups_at_start_up)."""
+    """--dynamic-cp-sizes / --dynamic-cp-max-packed-seqs (docs/context-parallel.md). Fills
+    ``dynamic_cp_tokens_per_rank`` (0: off), ``dynamic_cp_max_packed_seqs`` (a capacity per
+    size) and ``dynamic_cp_groups`` (a size above 1: hybrid DP x CP groups at start-up)."""
     from megatron.packed_graphs.dynamic_cp import check_cp_sizes
 
     sizes, capacities = args.dynamic_cp_sizes, args.dynamic_cp_max_packed_seqs
@@ -270,10 +261,9 @@ def check_dynamic_cp(args) -> None:
             fail("--dynamic-cp-max-packed-seqs", _shown(capacities),
                  "It sizes the graph banks of dynamic CP; add --dynamic-cp-sizes or drop it")
         return
-    impl = args.packed_graph_impl
+    impl, modules = args.packed_graph_impl, _module_names(args)
     uneven = "Ranks run different numbers of micro-batches under dynamic CP"
     ramp = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
-    modules = [getattr(m, "name", str(m)) for m in args.cuda_graph_modules or []]
     for refused, flag, value, todo in (
             (args.context_parallel_size > 1, "--context-parallel-size", args.context_parallel_size,
              "Dynamic CP picks each micro-batch's CP group from the data-parallel ranks; use 1"),
@@ -285,7 +275,7 @@ def check_dynamic_cp(args) -> None:
             (args.micro_batch_size != 1, "--micro-batch-size", args.micro_batch_size,
              "Under dynamic CP a micro-batch is one packed stream; use 1"),
             (bool(args.rampup_batch_size or args.step_batch_size_schedule), ramp,
-             _shown(getattr(args, ramp[2:].replace("-", "_"))),
+             _shown(getattr(args, _dest(ramp))),
              "Dynamic CP places whole global batches of one size; drop it"),
             (args.decrease_batch_size_if_needed, "--decrease-batch-size-if-needed", True,
              "Dynamic CP places whole global batches of one size; drop it"),
@@ -297,7 +287,7 @@ def check_dynamic_cp(args) -> None:
             (args.cuda_graph_check_interval > 0, "--cuda-graph-check-interval",
              args.cuda_graph_check_interval, "Each rank checks its first graphed micro-batch, "
              "and the ranks of a dynamic CP group need not pick the same one; drop it"),
-            ("moe_preprocess" in modules, "--cuda-graph-modules", " ".join(modules),
+            ("moe_preprocess" in modules, "--cuda-graph-modules", _shown(modules),
              "Under dynamic CP each graph bank holds another token count, and the eager part "
              "of an MoE layer reads shapes its preprocess graph set at capture (the last "
              "bank's); drop moe_preprocess")):
@@ -306,27 +296,24 @@ def check_dynamic_cp(args) -> None:
     ranks = args.data_parallel_size
     sizes = list(check_cp_sizes(sizes, ranks, what="--dynamic-cp-sizes"))
     shown, largest = _shown(sizes), sizes[-1]
-    if ranks & (ranks - 1):
-        fail("--dynamic-cp-sizes", shown, f"Dynamic CP places micro-batches on power-of-two "
-                                          f"blocks of the {ranks} data-parallel ranks; use a "
-                                          "power-of-two rank count")
-    if largest > 1 and not uses_te_attention(args):
-        fail("--attention-backend", args.attention_backend.name,
-             f"CP sizes above 1 (--dynamic-cp-sizes {shown}) run Transformer Engine's "
-             "context-parallel attention; install TE and use auto, flash, fused or unfused")
+    refuse((ranks & (ranks - 1), "--dynamic-cp-sizes", shown,
+            f"Dynamic CP places micro-batches on power-of-two blocks of the {ranks} "
+            "data-parallel ranks; use a power-of-two rank count"),
+           (largest > 1 and not uses_te_attention(args), "--attention-backend",
+            args.attention_backend.name, f"CP sizes above 1 (--dynamic-cp-sizes {shown}) run "
+            "Transformer Engine's context-parallel attention; install TE and use auto, flash, "
+            "fused or unfused"))
     if args.model == "hybrid":
         for size in (size for size in sizes if size > 1):
             _check_mamba_cp(args, size)
-    if args.seq_length % (2 * largest * largest):
-        fail("--seq-length", args.seq_length,
-             f"With --dynamic-cp-sizes up to {largest} every rank holds --seq-length / {largest} "
-             f"positions, a multiple of 2 x {largest}: use a multiple of {2 * largest ** 2}")
-    if capacities and impl == "none":
-        fail("--dynamic-cp-max-packed-seqs", _shown(capacities),
-             "It would be ignored without graphs; add --cuda-graph-impl transformer_engine")
-    if capacities and (len(capacities) != len(sizes) or min(capacities) < 1):
-        fail("--dynamic-cp-max-packed-seqs", _shown(capacities),
-             f"Give one positive capacity per --dynamic-cp-sizes entry ({len(sizes)})")
+    refuse((args.seq_length % (2 * largest * largest), "--seq-length", args.seq_length,
+            f"With --dynamic-cp-sizes up to {largest} every rank holds --seq-length / {largest} "
+            f"positions, a multiple of 2 x {largest}: use a multiple of {2 * largest ** 2}"),
+           (capacities and impl == "none", "--dynamic-cp-max-packed-seqs", _shown(capacities),
+            "It would be ignored without graphs; add --cuda-graph-impl transformer_engine"),
+           (capacities and (len(capacities) != len(sizes) or min(capacities) < 1),
+            "--dynamic-cp-max-packed-seqs", _shown(capacities),
+            f"Give one positive capacity per --dynamic-cp-sizes entry ({len(sizes)})"))
     args.dynamic_cp_sizes = sizes
     args.dynamic_cp_max_packed_seqs = list(capacities or [args.cuda_graph_max_packed_seqs]
                                            * len(sizes))
@@ -335,9 +322,8 @@ def check_dynamic_cp(args) -> None:
 
 
 def _check_mamba_cp(args, size: int) -> None:
-    """What megatron-core's MambaContextParallel asserts for a micro-batch's CP group, built
-    when the first micro-batch of that size runs: whole heads per CP rank, and the CP size
-    and the B/C groups per TP rank dividing one another."""
+    """What megatron-core's MambaContextParallel asserts for a CP group of ``size``: whole
+    heads per CP rank, and the CP size and the B/C groups per TP rank dividing one another."""
     tp = args.tensor_model_parallel_size
     heads, groups = _mamba_heads(args) // tp, max(args.mamba_num_groups // tp, 1)
     if heads % size or max(size, groups) % min(size, groups):
@@ -351,61 +337,59 @@ def _mamba_heads(args) -> int:
     return args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
 
 
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
 def _shown(values) -> str:
     """A list-valued flag as typed (``1 2 4``), for error messages."""
     return " ".join(map(str, values)) if isinstance(values, (list, tuple)) else str(values)
 
 
+def _module_names(args) -> list:
+    """``--cuda-graph-modules`` as names (upstream parses them into CudaGraphModule members)."""
+    return [getattr(m, "name", str(m)) for m in args.cuda_graph_modules or []]
+
+
 def check_graphs(args, model: str) -> None:
-    """Graph implementation, capacity, granularity and modules."""
+    """Graph implementation, capacity, ladder, granularity and modules."""
     impl, capacity = args.packed_graph_impl, args.cuda_graph_max_packed_seqs
     if capacity < 0:
-        fail("--cuda-graph-max-packed-seqs", capacity, "Use 0 (graphs off) or a positive "
-                                                       "document capacity")
-    # Upstream parses --cuda-graph-modules into CudaGraphModule members; the runtime reads names.
-    modules = [m.name if isinstance(m, CudaGraphModule) else str(m)
-               for m in (args.cuda_graph_modules or [])]
-    args.packed_cuda_graph_modules = modules
+        fail("--cuda-graph-max-packed-seqs", capacity,
+             "Use 0 (graphs off) or a positive document capacity")
+    modules = args.packed_cuda_graph_modules = _module_names(args)
+    ladder = list(args.cuda_graph_capacity_ladder or [])
     if impl == "none":
-        for flag, value in (("--cuda-graph-max-packed-seqs", capacity),
-                            ("--cuda-graph-capacity-ladder", args.cuda_graph_capacity_ladder)):
-            if value:
-                fail(flag, _shown(value), "It would be ignored without graphs; add "
-                                          "--cuda-graph-impl local")
+        ignored = "It would be ignored without graphs; add --cuda-graph-impl local"
+        refuse((capacity, "--cuda-graph-max-packed-seqs", capacity, ignored),
+               (ladder, "--cuda-graph-capacity-ladder", _shown(ladder), ignored))
         return
-    if capacity == 0:
-        fail("--cuda-graph-max-packed-seqs", 0,
-             f"--cuda-graph-impl {impl} on packed data needs a document capacity per "
-             "micro-batch, e.g. --cuda-graph-max-packed-seqs 64; tools/capacity_advisor.py "
-             "picks one from your data")
-    ladder = args.cuda_graph_capacity_ladder or []
-    if ladder and (any(n < 1 for n in ladder) or list(ladder) != sorted(set(ladder))
-                   or ladder[-1] >= capacity):
-        fail("--cuda-graph-capacity-ladder", " ".join(map(str, ladder)),
-             f"Give positive capacities in ascending order, all below "
-             f"--cuda-graph-max-packed-seqs ({capacity})")
-    if ladder and (impl != "local" or args.pipeline_model_parallel_size > 1):
-        fail("--cuda-graph-capacity-ladder", " ".join(map(str, ladder)),
-             "A ladder needs --cuda-graph-impl local at pipeline-parallel size 1 (other "
-             "implementations capture one capacity)")
-    args.cuda_graph_capacity_ladder = list(ladder)
-    if args.cuda_graph_granularity == "chunk" and impl not in ("local", "full_iteration"):
-        fail("--cuda-graph-granularity", "chunk",
-             f"Chunk graphs are built by the local implementation, not {impl}; add "
-             "--cuda-graph-impl local")
-    if args.cuda_graph_granularity == "chunk" and modules:
-        fail("--cuda-graph-modules", " ".join(modules), "Chunk graphs capture whole chunks; "
-                                                        "drop --cuda-graph-modules")
-    if model == "gpt" and "mamba" in modules:
-        fail("--cuda-graph-modules", "mamba", "A GPT model has no Mamba layers")
-    if impl == "transformer_engine":
-        if not is_importable("transformer_engine"):
-            fail("--cuda-graph-impl", impl, "Transformer Engine is not importable; install it "
-                                            "or use --cuda-graph-impl local")
-        if args.pipeline_model_parallel_size > 1:
-            fail("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
-                 "TE graphs of packed layers are captured for PP = 1; use --cuda-graph-impl "
-                 "local (layer or chunk graphs) with pipeline parallelism")
+    chunk, pp = args.cuda_graph_granularity == "chunk", args.pipeline_model_parallel_size
+    refuse(
+        (capacity == 0, "--cuda-graph-max-packed-seqs", 0,
+         f"--cuda-graph-impl {impl} on packed data needs a document capacity per micro-batch, "
+         "e.g. --cuda-graph-max-packed-seqs 64; tools/capacity_advisor.py picks one from your "
+         "data"),
+        (ladder and (min(ladder) < 1 or ladder != sorted(set(ladder)) or ladder[-1] >= capacity),
+         "--cuda-graph-capacity-ladder", _shown(ladder), "Give positive capacities in ascending "
+         f"order, all below --cuda-graph-max-packed-seqs ({capacity})"),
+        (ladder and (impl != "local" or pp > 1), "--cuda-graph-capacity-ladder", _shown(ladder),
+         "A ladder needs --cuda-graph-impl local at pipeline-parallel size 1 (other "
+         "implementations capture one capacity)"),
+        (chunk and impl not in ("local", "full_iteration"), "--cuda-graph-granularity", "chunk",
+         f"Chunk graphs are built by the local implementation, not {impl}; add "
+         "--cuda-graph-impl local"),
+        (chunk and modules, "--cuda-graph-modules", _shown(modules),
+         "Chunk graphs capture whole chunks; drop --cuda-graph-modules"),
+        (model == "gpt" and "mamba" in modules, "--cuda-graph-modules", "mamba",
+         "A GPT model has no Mamba layers"),
+        (impl == "transformer_engine" and not is_importable("transformer_engine"),
+         "--cuda-graph-impl", impl, "Transformer Engine is not importable; install it or use "
+         "--cuda-graph-impl local"),
+        (impl == "transformer_engine" and pp > 1, "--pipeline-model-parallel-size", pp,
+         "TE graphs of packed layers are captured for PP = 1; use --cuda-graph-impl local "
+         "(layer or chunk graphs) with pipeline parallelism"))
+    args.cuda_graph_capacity_ladder = ladder
     if impl == "full_iteration":
         _check_full_iteration(args)
     if impl in ("transformer_engine", "full_iteration") or uses_te_attention(args):
@@ -413,87 +397,75 @@ def check_graphs(args, model: str) -> None:
 
 
 def _check_full_iteration(args) -> None:
-    if args.cuda_graph_warmup_steps < 1:
-        fail("--cuda-graph-warmup-steps", args.cuda_graph_warmup_steps,
-             "Full-iteration graphs need an eager iteration first (NCCL, cuBLAS and kernel "
-             "autotuning set up on first use); use 1 or more")
-    if args.pipeline_model_parallel_size > 1:
-        fail("--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
-             "Full-iteration graphs are for PP = 1: megatron-core's pipeline send/receive "
-             "synchronises the device after every exchange; use --cuda-graph-impl local")
-    if args.context_parallel_size > 1:
-        fail("--context-parallel-size", args.context_parallel_size,
-             "Context parallelism inside full-iteration graphs is not verified; use "
-             "--cuda-graph-impl local or transformer_engine")
-    if args.num_experts is not None:
-        fail("--num-experts", args.num_experts,
-             "MoE inside full-iteration graphs is not supported (host state per micro-batch); "
-             "use --cuda-graph-impl local")
-    if args.cuda_graph_check_interval:
-        fail("--cuda-graph-check-interval", args.cuda_graph_check_interval,
-             "The health check replays one micro-batch's graph and a full-iteration run has "
-             "one graph per iteration; drop it or use --cuda-graph-impl local")
-    if args.packed_cuda_graph_modules:
-        fail("--cuda-graph-modules", " ".join(args.packed_cuda_graph_modules),
-             "Full-iteration graphs capture whole iterations, and whole layers or chunks for "
-             "the iterations they miss; drop --cuda-graph-modules")
-    if args.check_for_nan_in_loss_and_grad:
-        fail("--no-check-for-nan-in-loss-and-grad", "not given",
-             "DDP's NaN check (on by default) reads every gradient bucket's norm on the host, "
-             "which a full-iteration graph cannot capture; add "
-             "--no-check-for-nan-in-loss-and-grad (as Megatron-LM requires too)")
+    refuse(
+        (args.cuda_graph_warmup_steps < 1, "--cuda-graph-warmup-steps",
+         args.cuda_graph_warmup_steps, "Full-iteration graphs need an eager iteration first "
+         "(NCCL, cuBLAS and kernel autotuning set up on first use); use 1 or more"),
+        (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
+         args.pipeline_model_parallel_size, "Full-iteration graphs are for PP = 1: "
+         "megatron-core's pipeline send/receive synchronises the device after every exchange; "
+         "use --cuda-graph-impl local"),
+        (args.context_parallel_size > 1, "--context-parallel-size", args.context_parallel_size,
+         "Context parallelism inside full-iteration graphs is not verified; use "
+         "--cuda-graph-impl local or transformer_engine"),
+        (args.num_experts is not None, "--num-experts", args.num_experts, "MoE inside "
+         "full-iteration graphs is not supported (host state per micro-batch); use "
+         "--cuda-graph-impl local"),
+        (args.cuda_graph_check_interval, "--cuda-graph-check-interval",
+         args.cuda_graph_check_interval, "The health check replays one micro-batch's graph and "
+         "a full-iteration run has one graph per iteration; drop it or use --cuda-graph-impl "
+         "local"),
+        (args.packed_cuda_graph_modules, "--cuda-graph-modules",
+         _shown(args.packed_cuda_graph_modules), "Full-iteration graphs capture whole "
+         "iterations, and whole layers or chunks for the iterations they miss; drop "
+         "--cuda-graph-modules"),
+        (args.check_for_nan_in_loss_and_grad, "--no-check-for-nan-in-loss-and-grad", "not given",
+         "DDP's NaN check (on by default) reads every gradient bucket's norm on the host, which "
+         "a full-iteration graph cannot capture; add --no-check-for-nan-in-loss-and-grad (as "
+         "Megatron-LM requires too)"))
 
 
 def check_health_check(args) -> None:
-    if args.cuda_graph_check_interval < 0:
-        fail("--cuda-graph-check-interval", args.cuda_graph_check_interval, "Use 0 (off) or N > 0")
-    if args.cuda_graph_check_interval and args.packed_graph_impl == "none":
-        fail("--cuda-graph-check-interval", args.cuda_graph_check_interval,
-             "The health check compares graphs with eager; add --cuda-graph-impl local")
-    if args.cuda_graph_check_interval and args.pipeline_model_parallel_size > 1:
-        fail("--cuda-graph-check-interval", args.cuda_graph_check_interval,
-             "The check runs one micro-batch outside the pipeline schedule, which would take "
-             "a graph runner's turn on every stage; use --pipeline-model-parallel-size 1 or "
-             "drop the flag")
-    if not 0 < args.cuda_graph_check_tolerance < 1:
-        fail("--cuda-graph-check-tolerance", args.cuda_graph_check_tolerance,
-             "Use a relative difference in (0, 1), e.g. 0.01")
+    interval = args.cuda_graph_check_interval
+    refuse(
+        (interval < 0, "--cuda-graph-check-interval", interval, "Use 0 (off) or N > 0"),
+        (interval and args.packed_graph_impl == "none", "--cuda-graph-check-interval", interval,
+         "The health check compares graphs with eager; add --cuda-graph-impl local"),
+        (interval and args.pipeline_model_parallel_size > 1, "--cuda-graph-check-interval",
+         interval, "The check runs one micro-batch outside the pipeline schedule, which would "
+         "take a graph runner's turn on every stage; use --pipeline-model-parallel-size 1 or "
+         "drop the flag"),
+        (not 0 < args.cuda_graph_check_tolerance < 1, "--cuda-graph-check-tolerance",
+         args.cuda_graph_check_tolerance, "Use a relative difference in (0, 1), e.g. 0.01"))
 
 
 def check_optimizer_graph(args) -> None:
     """--optimizer-cuda-graph: the fork's own graph of the optimizer step (optimizer_graph.py)."""
-    if not args.packed_optimizer_graph:
-        return
-    if args.fp16:
-        fail("--optimizer-cuda-graph", True, "fp16's loss scaler reads its found-inf flag on "
-                                             "the host; use --bf16")
-    if args.log_num_zeros_in_grad:
-        fail("--log-num-zeros-in-grad", True, "Counting zero gradients reads the count on the "
-                                               "host each step; drop it with "
-                                               "--optimizer-cuda-graph")
-    if args.num_experts is not None and not args.use_distributed_optimizer:
-        fail("--optimizer-cuda-graph", True, "MoE models have two chained optimizers, whose "
-                                             "norms megatron-core merges on the host without "
-                                             "--use-distributed-optimizer; add it")
+    if args.packed_optimizer_graph:
+        refuse(
+            (args.fp16, "--optimizer-cuda-graph", True,
+             "fp16's loss scaler reads its found-inf flag on the host; use --bf16"),
+            (args.log_num_zeros_in_grad, "--log-num-zeros-in-grad", True, "Counting zero "
+             "gradients reads the count on the host each step; drop it with "
+             "--optimizer-cuda-graph"),
+            (args.num_experts is not None and not args.use_distributed_optimizer,
+             "--optimizer-cuda-graph", True, "MoE models have two chained optimizers, whose "
+             "norms megatron-core merges on the host without --use-distributed-optimizer; add "
+             "it"))
 
 
 def check_moe_graphs(args) -> None:
-    """MoE under graphs: whole-layer graphs need drop-and-pad on the alltoall dispatcher;
-    overflow reruns need graphed drop-and-pad layers; partial graphs' own limits; dropless
-    MoE graphs (moe_dropless_args.py) take the place of drop-and-pad."""
-    from megatron.packed_training.moe_dropless_args import (
-        check_moe_dropless_graphs,
-        check_moe_router_skew,
-    )
-
+    """MoE under graphs: whole-layer graphs need drop-and-pad on the alltoall dispatcher, or
+    dropless MoE graphs; overflow reruns need graphed drop-and-pad layers; partial graphs have
+    limits of their own."""
     check_moe_router_skew(args)
     dropless_graphs = check_moe_dropless_graphs(args)
+    rerun, load_file = args.moe_capacity_overflow == "rerun", args.moe_router_load_file
     if args.num_experts is None:
-        for flag, value in (("--moe-capacity-overflow", args.moe_capacity_overflow != "drop"),
-                            ("--moe-router-load-file", args.moe_router_load_file)):
-            if value:
-                fail(flag, getattr(args, flag[2:].replace("-", "_")),
-                     "It configures MoE layers; add --num-experts or drop the flag")
+        moe_only = "It configures MoE layers; add --num-experts or drop the flag"
+        refuse((args.moe_capacity_overflow != "drop", "--moe-capacity-overflow",
+                args.moe_capacity_overflow, moe_only),
+               (load_file, "--moe-router-load-file", load_file, moe_only))
         return
     factor, topk = args.moe_expert_capacity_factor, args.moe_router_topk
     drop_and_pad = bool(factor and args.moe_pad_expert_input_to_capacity)
@@ -503,44 +475,98 @@ def check_moe_graphs(args) -> None:
              f"{topk}) above --num-experts ({args.num_experts}) gives each expert a capacity "
              f"above the micro-batch's token count, which megatron-core's drop-and-pad "
              f"permutation does not size for; use a factor <= {args.num_experts / topk:g}")
-    partial = [m for m in args.packed_cuda_graph_modules if m in PARTIAL_MOE_MODULES]
+    modules = args.packed_cuda_graph_modules
+    partial = [m for m in modules if m in PARTIAL_MOE_MODULES]
     graphs = args.packed_graph_impl != "none"
-    if args.moe_capacity_overflow == "rerun":
-        why = ("without CUDA graphs MoE layers run dropless directly: drop it and "
-               "--moe-expert-capacity-factor, or add --cuda-graph-impl" if not graphs else
-               "partial MoE graphs (--cuda-graph-modules moe_router) run dispatch and experts "
-               "eager, dropless already: drop it and --moe-expert-capacity-factor" if partial
-               else "it reruns what overflowed the drop-and-pad capacity: add "
-               "--moe-expert-capacity-factor <f> --moe-pad-expert-input-to-capacity "
-               "(tools/capacity_advisor.py suggests f)" if not drop_and_pad else None)
-        if why:
-            fail("--moe-capacity-overflow", "rerun", why[0].upper() + why[1:])
-    if args.moe_router_load_file and args.moe_capacity_overflow != "rerun":
-        fail("--moe-router-load-file", args.moe_router_load_file,
-             "The loads are measured by --moe-capacity-overflow rerun; add it")
+    refuse(
+        (rerun and not graphs, "--moe-capacity-overflow", "rerun", "Without CUDA graphs MoE "
+         "layers run dropless directly: drop it and --moe-expert-capacity-factor, or add "
+         "--cuda-graph-impl"),
+        (rerun and partial, "--moe-capacity-overflow", "rerun", "Partial MoE graphs "
+         "(--cuda-graph-modules moe_router) run dispatch and experts eager, dropless already: "
+         "drop it and --moe-expert-capacity-factor"),
+        (rerun and not drop_and_pad, "--moe-capacity-overflow", "rerun", "It reruns what "
+         "overflowed the drop-and-pad capacity: add --moe-expert-capacity-factor <f> "
+         "--moe-pad-expert-input-to-capacity (tools/capacity_advisor.py suggests f)"),
+        (load_file and not rerun, "--moe-router-load-file", load_file,
+         "The loads are measured by --moe-capacity-overflow rerun; add it"))
     if not graphs:
         return
-    if args.moe_token_dispatcher_type != "alltoall":
-        fail("--moe-token-dispatcher-type", args.moe_token_dispatcher_type,
-             "Graphed MoE layers use the alltoall dispatcher: allgather reads token counts "
-             "back to the host in every MoE layer, and flex needs DeepEP, which does too; "
-             "use alltoall")
-    if "mlp" in args.packed_cuda_graph_modules:
-        fail("--cuda-graph-modules", "mlp",
-             "With --num-experts the MLPs are MoE layers, which mlp graphs do not capture; "
-             "drop mlp, or capture whole layers")
-    if "moe_preprocess" in partial and factor and not drop_and_pad:
-        fail("--moe-expert-capacity-factor", factor,
-             "With moe_preprocess graphed, a capacity without "
-             "--moe-pad-expert-input-to-capacity sizes the permuted tokens from a host read "
-             "inside the graph; add --moe-pad-expert-input-to-capacity, or drop the factor")
-    whole_layers = not args.packed_cuda_graph_modules and args.cuda_graph_granularity == "layer"
-    if whole_layers and not drop_and_pad and not dropless_graphs:
-        fail("--moe-expert-capacity-factor", factor,
-             "Dropless MoE reads per-expert token counts on the host, which a whole-layer "
-             "graph cannot capture; add --moe-expert-capacity-factor <f> "
-             "--moe-pad-expert-input-to-capacity, or --moe-dropless-graphs, or graph MoE "
-             "layers in part (--cuda-graph-modules moe_router)")
+    whole_layers = not modules and args.cuda_graph_granularity == "layer"
+    refuse(
+        (args.moe_token_dispatcher_type != "alltoall", "--moe-token-dispatcher-type",
+         args.moe_token_dispatcher_type, "Graphed MoE layers use the alltoall dispatcher: "
+         "allgather reads token counts back to the host in every MoE layer, and flex needs "
+         "DeepEP, which does too; use alltoall"),
+        ("mlp" in modules, "--cuda-graph-modules", "mlp", "With --num-experts the MLPs are MoE "
+         "layers, which mlp graphs do not capture; drop mlp, or capture whole layers"),
+        ("moe_preprocess" in partial and factor and not drop_and_pad,
+         "--moe-expert-capacity-factor", factor, "With moe_preprocess graphed, a capacity "
+         "without --moe-pad-expert-input-to-capacity sizes the permuted tokens from a host "
+         "read inside the graph; add --moe-pad-expert-input-to-capacity, or drop the factor"),
+        (whole_layers and not drop_and_pad and not dropless_graphs,
+         "--moe-expert-capacity-factor", factor, "Dropless MoE reads per-expert token counts "
+         "on the host, which a whole-layer graph cannot capture; add "
+         "--moe-expert-capacity-factor <f> --moe-pad-expert-input-to-capacity, or "
+         "--moe-dropless-graphs, or graph MoE layers in part (--cuda-graph-modules "
+         "moe_router)"))
+
+
+def check_moe_dropless_graphs(args) -> bool:
+    """``--moe-dropless-graphs``; returns whether it is on (whole-layer MoE graphs then need no
+    drop-and-pad). The rules a TransformerConfig answers too: moe_dropless.dropless_refusals."""
+    from megatron.packed_graphs.moe_dropless import dropless_refusals
+
+    if not getattr(args, "moe_dropless_graphs", False):
+        return False
+    if args.num_experts is None:
+        fail("--moe-dropless-graphs", True,
+             "It configures MoE layers; add --num-experts or drop the flag")
+    modules, recompute = args.packed_cuda_graph_modules, args.recompute_modules or ()
+    fp8, fp4 = args.fp8, getattr(args, "fp4", None)
+    refuse(
+        *dropless_refusals(args),
+        (args.moe_capacity_overflow != "drop", "--moe-capacity-overflow",
+         args.moe_capacity_overflow, "Nothing overflows without a capacity, so nothing is "
+         "rerun: drop it with --moe-dropless-graphs"),
+        (args.moe_router_load_file, "--moe-router-load-file", args.moe_router_load_file,
+         "The loads are measured by --moe-capacity-overflow rerun, which dropless MoE graphs "
+         "do not need: drop it"),
+        (any(m in (*PARTIAL_MOE_MODULES, CudaGraphModule.moe.name) for m in modules),
+         "--cuda-graph-modules", " ".join(modules), "Dropless MoE graphs capture whole MoE "
+         "layers; drop moe, moe_router and moe_preprocess (they graph megatron-core's "
+         "dispatcher in part)"),
+        (not args.bf16, "--bf16", False,
+         "The grouped experts run torch._grouped_mm, which takes bf16: add --bf16"),
+        (fp8 is not None or fp4 is not None, "--fp8-format", fp8 or fp4,
+         "The grouped experts run in bf16: drop FP8/FP4 (drop-and-pad with TE's grouped GEMM "
+         "takes them)"),
+        (args.add_bias_linear, "--disable-bias-linear", False,
+         "The grouped experts have no biases: add --disable-bias-linear"),
+        (args.use_te_activation_func, "--use-te-activation-func", True,
+         "The grouped experts use megatron-core's activations: drop it"),
+        ("moe_act" in recompute and args.recompute_granularity == "selective",
+         "--recompute-modules", " ".join(recompute),
+         "The grouped experts do not recompute their activation: drop moe_act"))
+    for flag, size in (("--hidden-size", args.hidden_size),
+                       ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size)):
+        if size % ROW_ALIGNMENT:
+            fail(flag, size, "torch._grouped_mm needs rows of a multiple of 16 bytes: use a "
+                             f"multiple of {ROW_ALIGNMENT} with --moe-dropless-graphs")
+    return True
+
+
+def check_moe_router_skew(args) -> None:
+    """``--moe-router-skew``: a share of an MoE model's routed slots the router can reach."""
+    skew = getattr(args, "moe_router_skew", 0.0)
+    if not skew:
+        return
+    if args.num_experts is None:
+        fail("--moe-router-skew", skew, "It biases MoE routers; add --num-experts or drop it")
+    from megatron.packed_graphs.moe import skew_error, skew_limit
+
+    if not 0.0 < skew < skew_limit(args.num_experts, args.moe_router_topk):
+        raise ValueError(skew_error(skew, args.num_experts, args.moe_router_topk) + ".")
 
 
 def check_mla(args, model: str) -> None:
@@ -548,57 +574,30 @@ def check_mla(args, model: str) -> None:
     RoPE, and the flags that only mean something with it."""
     pattern = args.hybrid_layer_pattern or ""
     if not args.multi_latent_attention:
-        if model == "hybrid" and "+" in pattern:
-            fail("--hybrid-layer-pattern", repr(pattern),
-                 "Its '+' layers are multi-latent attention layers; add "
-                 "--multi-latent-attention")
-        if args.mla_pad_v != "always":
-            fail("--mla-pad-v", args.mla_pad_v,
-                 "It configures multi-latent attention; add --multi-latent-attention or drop it")
+        refuse((model == "hybrid" and "+" in pattern, "--hybrid-layer-pattern", repr(pattern),
+                "Its '+' layers are multi-latent attention layers; add "
+                "--multi-latent-attention"),
+               (args.mla_pad_v != "always", "--mla-pad-v", args.mla_pad_v,
+                "It configures multi-latent attention; add --multi-latent-attention or drop it"))
         return
-    if args.rope_type == "rope" and args.packed_graph_impl != "none":
-        fail("--rope-type", "rope",
-             "MLA's unfused THD RoPE reads cu_seqlens back to the host, which graphs cannot "
-             "capture; use yarn (with --rotary-scaling-factor 1 it rotates like plain RoPE)")
-    if args.qk_pos_emb_head_dim % 4:
-        fail("--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim,
-             "The fused MLA RoPE rotates channel pairs in two halves; use a multiple of 4")
     query_head = args.qk_head_dim + args.qk_pos_emb_head_dim
-    if args.mla_pad_v == "never" and query_head == args.v_head_dim:
-        fail("--mla-pad-v", "never",
-             f"V already has the query head size ({query_head}), so nothing is padded; "
-             "drop the flag")
+    refuse(
+        (args.rope_type == "rope" and args.packed_graph_impl != "none", "--rope-type", "rope",
+         "MLA's unfused THD RoPE reads cu_seqlens back to the host, which graphs cannot "
+         "capture; use yarn (with --rotary-scaling-factor 1 it rotates like plain RoPE)"),
+        (args.qk_pos_emb_head_dim % 4, "--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim,
+         "The fused MLA RoPE rotates channel pairs in two halves; use a multiple of 4"),
+        (args.mla_pad_v == "never" and query_head == args.v_head_dim, "--mla-pad-v", "never",
+         f"V already has the query head size ({query_head}), so nothing is padded; drop the "
+         "flag"))
 
 
 def check_long_documents(args) -> None:
     fraction = args.max_truncated_token_fraction
-    if fraction is None:
-        return
-    if not 0.0 <= fraction <= 1.0:
-        fail("--max-truncated-token-fraction", fraction, "Use a fraction in [0, 1], e.g. 0.05")
-    if args.long_document_policy != "truncate":
-        fail("--max-truncated-token-fraction", fraction,
-             f"It limits what truncation drops and --long-document-policy "
-             f"{args.long_document_policy} drops nothing; add --long-document-policy truncate")
-
-
-def packed_attention_backend(args) -> str:
-    """The fork's attention for Megatron-LM's ``--attention-backend``: TE's backends (flash,
-    fused, unfused) run TE attention ('te'); local runs the TE-free varlen attention
-    (flash-attn where importable, else PyTorch's); auto prefers TE, then as local."""
-    name = args.attention_backend.name
-    if name in TE_ATTENTION:
-        return "te"
-    if name == "local":
-        return "flash" if is_importable("flash_attn") else "torch"
-    return "auto"
-
-
-def require_mamba_kernels() -> None:
-    """pretrain_mamba.py: mamba-ssm and causal-conv1d importable (checked before any GPU work,
-    not at parse time, so hybrid launch lines parse anywhere)."""
-    for package in ("mamba_ssm", "causal_conv1d"):
-        if not is_importable(package):
-            fail("pretrain_mamba.py", f"{package} is not importable",
-                 "The Mamba layers need mamba-ssm and causal-conv1d: pip install "
-                 "--no-build-isolation -e \".[mamba]\" (docs/quickstart.md)")
+    if fraction is not None:
+        refuse((not 0.0 <= fraction <= 1.0, "--max-truncated-token-fraction", fraction,
+                "Use a fraction in [0, 1], e.g. 0.05"),
+               (args.long_document_policy != "truncate", "--max-truncated-token-fraction",
+                fraction, "It limits what truncation drops and --long-document-policy "
+                f"{args.long_document_policy} drops nothing; add --long-document-policy "
+                "truncate"))

@@ -1,4 +1,5 @@
-"""Process start-up: CUDA check, torch.distributed, megatron-core parallel state, seeds."""
+"""Process start-up: the CUDA and Mamba-kernel checks, torch.distributed, megatron-core parallel
+state, seeds."""
 
 import datetime
 import importlib.util
@@ -23,6 +24,18 @@ def require_cuda(script: str) -> None:
             file=sys.stderr,
         )
         sys.exit(1)
+
+
+def require_mamba_kernels() -> None:
+    """pretrain_mamba.py: mamba-ssm and causal-conv1d importable (checked before any GPU work,
+    not at parse time, so hybrid launch lines parse anywhere)."""
+    from megatron.packed_training.extra_args import fail, is_importable
+
+    for package in ("mamba_ssm", "causal_conv1d"):
+        if not is_importable(package):
+            fail("pretrain_mamba.py", f"{package} is not importable",
+                 "The Mamba layers need mamba-ssm and causal-conv1d: pip install "
+                 "--no-build-isolation -e \".[mamba]\" (docs/quickstart.md)")
 
 
 def initialize_distributed(args) -> None:

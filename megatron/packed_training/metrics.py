@@ -89,8 +89,9 @@ class RuntimeLog:
     reason, graph fallbacks, documents per micro-batch, captures; with an expert capacity the
     fraction of token slots it dropped), writes the counters to
     TensorBoard / W&B (Megatron-LM's writers) and a record to ``--metrics-file`` with the
-    iteration's lm loss, time and throughput. Evaluation passes are reported once they end,
-    with their own counters. Reads the device only at log points (the loss)."""
+    iteration's lm loss, time and throughput. Each evaluation pass is reported once it has
+    ended (`report_evaluation`), with its own counters. Reads the device only at log points
+    (the loss)."""
 
     def __init__(self, args, model=()):
         self.args, self.model = args, list(model)
@@ -126,7 +127,7 @@ class RuntimeLog:
                 self._valid_stats[key] = self._valid_stats.get(key, 0) + value
             self._valid_losses += list(losses or [])
             return
-        self._flush_valid()
+        self.report_evaluation()
         from megatron.core.num_microbatches_calculator import get_current_global_batch_size
 
         from megatron.packed_graphs.runtime import ITERATION_POSITIONS
@@ -158,8 +159,12 @@ class RuntimeLog:
         self._scalars(self.interval.stats)
         self.interval.restart()
 
-    def _flush_valid(self) -> None:
-        """Report the evaluation that ended before this training iteration."""
+    def report_evaluation(self) -> None:
+        """Report the evaluation pass held so far: its line and one ``"split": "valid"``
+        record of its counters and loss, summed over its iterations; a no-op without one.
+        Called once the pass has ended: at the next training iteration, at `close`, and when
+        Megatron-LM starts its next evaluation (pretrain.py): a pass at the last training
+        iteration and the final evaluation after training are two passes, two records."""
         if not self._valid_stats and not self._valid_losses:
             return
         stats, losses = self._valid_stats, self._valid_losses
@@ -174,7 +179,7 @@ class RuntimeLog:
 
     def close(self) -> None:
         """After training: report a final evaluation, close the metrics file."""
-        self._flush_valid()
+        self.report_evaluation()
         if self._file is not None:
             self._file.close()
             self._file = None

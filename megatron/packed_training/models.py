@@ -15,7 +15,6 @@ def gpt_model(args, config, pre_process=True, post_process=True, vp_stage=None):
     from megatron.packed_graphs.attention import resolve_attention_backend
     from megatron.packed_graphs.chunk_graphs import use_chunk_graph_block
     from megatron.packed_graphs.specs import gpt_decoder_spec
-    from megatron.packed_training.extra_args import packed_attention_backend
 
     backend = resolve_attention_backend(packed_attention_backend(args))
     model = GPTModel(
@@ -49,7 +48,6 @@ def hybrid_model(args, config, pre_process=True, post_process=True, vp_stage=Non
 
     from megatron.packed_graphs.attention import resolve_attention_backend
     from megatron.packed_graphs.specs import hybrid_stack_spec
-    from megatron.packed_training.extra_args import packed_attention_backend
 
     backend = resolve_attention_backend(packed_attention_backend(args))
     return HybridModel(
@@ -69,6 +67,20 @@ def hybrid_model(args, config, pre_process=True, post_process=True, vp_stage=Non
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
     )
+
+
+def packed_attention_backend(args) -> str:
+    """The fork's attention for Megatron-LM's ``--attention-backend``: TE's backends (flash,
+    fused, unfused) run TE attention ('te'); local runs the TE-free varlen attention
+    (flash-attn where importable, else PyTorch's); auto prefers TE, then as local."""
+    from megatron.packed_training.extra_args import TE_ATTENTION, is_importable
+
+    name = args.attention_backend.name
+    if name in TE_ATTENTION:
+        return "te"
+    if name == "local":
+        return "flash" if is_importable("flash_attn") else "torch"
+    return "auto"
 
 
 MODEL_BUILDERS = {"gpt": gpt_model, "hybrid": hybrid_model}

@@ -102,8 +102,13 @@ class PackedGraphRun:
 
     def wrap(self, schedule):
         """megatron-core's ``schedule`` behind the graph runtime (packed_graphs/schedule.py).
-        The first one is train()'s: its iterations close after ``optimizer.step``."""
+        The first one is train()'s: its iterations close after ``optimizer.step``. Megatron-LM
+        asks for a schedule once per ``train()`` and once per ``evaluate()`` pass, so any
+        evaluation the log holds has ended: it is reported before the next one adds to it."""
         from megatron.packed_graphs.schedule import GraphRuntimeSchedule
+
+        if self.log is not None:
+            self.log.report_evaluation()
 
         seam = GraphRuntimeSchedule(self.runtime, schedule,
                                     stream_length=self.args.micro_batch_size * self.args.seq_length,
@@ -132,8 +137,7 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
 
     args = parse_args_or_exit(model, script, argv)  # first: its messages come before imports
     from megatron.packed_training.datasets.preflight import run_data_check
-    from megatron.packed_training.extra_args import require_mamba_kernels
-    from megatron.packed_training.initialize import require_cuda
+    from megatron.packed_training.initialize import require_cuda, require_mamba_kernels
 
     try:
         if model == "hybrid":

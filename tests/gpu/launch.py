@@ -123,7 +123,11 @@ def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
     it for tensor and context parallelism (before Blackwell), as the launchers in examples/
     export it. A run beside this one may bind the port between the check and torchrun: a run
     that lost that race is started again on another port (three tries)."""
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", **os.environ, **(env or {})}
+    # A model built in this process leaves its attention backend's NVTE_*_ATTN variables
+    # behind, and megatron-core refuses another backend's values: runs start without them.
+    inherited = {name: value for name, value in os.environ.items()
+                 if name not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", **inherited, **(env or {})}
     for _ in range(3):
         proc = subprocess.run(torchrun_command(path, args, nproc=nproc), cwd=REPO,
                               capture_output=True, text=True, env=env, timeout=timeout)

@@ -2,9 +2,10 @@
 
 An eager run and a graphed run of the same training with validation every 5 iterations:
 
-* the graphed run's validation passes replay forward-only graphs (``forward graphs``), the
-  first pass captures them (one per capacity of the ladder, with the extra memory logged),
-  only overflow runs eager, and ``eager eval`` never shows;
+* the graphed run's validation passes (at iterations 5 and 10, and after training: one
+  record each) replay forward-only graphs (``forward graphs``), the first pass captures
+  them (one per capacity of the ladder, with the extra memory logged), only overflow runs
+  eager, and ``eager eval`` never shows;
 * its validation loss equals the eager run's: bitwise for GPT, whose training under local
   layer graphs is bitwise eager's (docs/cuda-graphs.md), so both evaluate the same weights;
   within 2e-3 for the hybrid (Mamba's kernels are not bitwise run to run) and the MoE hybrid;
@@ -49,6 +50,8 @@ def test_validation_replays_forward_graphs_and_equals_eager(tmp_path, model):
     print(f"{model}: validation eager {[r['lm_loss'] for r in eager]}, graphs "
           f"{[r['lm_loss'] for r in graphs]}; first pass {graphs[0]}")
     assert [r["iteration"] for r in graphs] == [r["iteration"] for r in eager]
+    # train()'s passes at 5 and 10, then pretrain()'s after training: each its own record.
+    assert [r["iteration"] for r in graphs] == [5, 10, 10]
     assert graphs[0]["forward graphs captured"] == 2  # capacities 4 and 8
     assert "forward graph capture (s)" in graphs[0] and "forward graph memory (MiB)" in graphs[0]
     assert not any("forward graphs captured" in r for r in graphs[1:])

@@ -45,6 +45,7 @@ from tests.unit.hf_tiny import (
     parse_fork_args,
     tiny_deepseek_v3,
     tiny_llama,
+    tiny_moonlight,
     tiny_nemotron_h,
     tiny_qwen3,
     tiny_qwen3_moe,
@@ -52,9 +53,8 @@ from tests.unit.hf_tiny import (
 )
 from tests.unit.test_hf_convert import (
     DOCUMENTS,
-    _checkpoint_layout,
-    _model_layout,
     _weights,
+    assert_checkpoint_fits,
     load_example,
 )
 
@@ -66,12 +66,15 @@ FAMILIES = {
     "qwen3": (tiny_qwen3, "gpt"),
     "qwen3_moe": (tiny_qwen3_moe, "gpt"),
     "deepseek_v3": (tiny_deepseek_v3, "gpt"),
+    # no q-LoRA (Moonlight's shape): the fork's MLA builds a plain query projection
+    "deepseek_v3_no_q_lora": (tiny_moonlight, "gpt"),
     "nemotron_h": (tiny_nemotron_h, "hybrid"),
     # without MoE layers: full-iteration graphs refuse MoE
     "nemotron_h_dense": (lambda folder: tiny_nemotron_h(
         folder, layers=["linear_attention", "full_attention", "mlp", "linear_attention",
                         "mlp"]), "hybrid"),
 }
+MLA = ("deepseek_v3", "deepseek_v3_no_q_lora")
 SCRIPT = {"gpt": "pretrain_gpt.py", "hybrid": "pretrain_mamba.py"}
 BACKENDS = {"local": "--attention-backend=local", "te": "--attention-backend=auto"}
 REPORT = {}
@@ -82,7 +85,7 @@ def needs(family: str, backend: str = "local"):
     mamba-ssm and causal-conv1d."""
     if backend == "te" and not TE:
         pytest.skip("needs Transformer Engine (pip install -e .[te])")
-    if family == "deepseek_v3" and backend != "te":
+    if family in MLA and backend != "te":
         pytest.skip("packed multi-latent attention runs on Transformer Engine attention only")
     if family.startswith("nemotron_h") and not MAMBA:
         pytest.skip("needs mamba-ssm and causal-conv1d (pip install -e .[mamba])")
@@ -92,13 +95,13 @@ def needs(family: str, backend: str = "local"):
 def converted(tmp_path_factory):
     cache = {}
 
-    def get(family):
-        if family not in cache:
+    def get(family, tensor_parallel_size=1):
+        if (family, tensor_parallel_size) not in cache:
             root = tmp_path_factory.mktemp(family)
             hf = FAMILIES[family][0](root / "hf")
-            import_hf(hf, root / "megatron")
-            cache[family] = (hf, str(root / "megatron"))
-        return cache[family]
+            import_hf(hf, root / "megatron", tensor_parallel_size=tensor_parallel_size)
+            cache[family, tensor_parallel_size] = (hf, str(root / "megatron"))
+        return cache[family, tensor_parallel_size]
     return get
 
 
@@ -134,17 +137,14 @@ def _gpu_model(family, megatron, backend, bf16=False):
 # ----------------------------------------------------------------------- layout on every backend
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "nemotron_h"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", *MLA, "nemotron_h"])
 def test_checkpoint_holds_what_the_fork_model_shards(dist, converted, family, backend):
     needs(family, backend)
     _, megatron = converted(family)
     kind = FAMILIES[family][1]
     args = parse_fork_args(flags_of(megatron), kind, extra=[BACKENDS[backend]])
     model = build_fork_model(args, kind).cuda()
-    tensors, objects = _checkpoint_layout(megatron)
-    model_tensors, model_objects = _model_layout(model)
-    assert tensors == model_tensors
-    assert objects == model_objects
+    assert_checkpoint_fits(megatron, model)
 
 
 # -------------------------------------------------------------------- logits against transformers
@@ -167,7 +167,7 @@ def test_fp32_logits_equal_hugging_face(dist, converted, family):
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "nemotron_h"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", *MLA, "nemotron_h"])
 def test_bf16_logits_report(dist, converted, family, backend):
     """bf16 on both sides (the fork's model as training wraps it): the report's figures, and
     a loose gate (bf16 rounding, not a wrong weight)."""
@@ -211,17 +211,17 @@ DROP_AND_PAD = ["--moe-expert-capacity-factor", "2", "--moe-pad-expert-input-to-
 def _launch(converted_folder, family):
     """The converted launch line with the checkpoint to start from."""
     return [*flags_of(converted_folder), f"--pretrained-checkpoint={converted_folder}",
-            *(DROP_AND_PAD if family in ("qwen3_moe", "deepseek_v3", "nemotron_h") else [])]
+            *(DROP_AND_PAD if family in ("qwen3_moe", *MLA, "nemotron_h") else [])]
 
 
 @pytest.mark.parametrize("family, graphs", [
     ("llama", "layer"), ("llama", "full_iteration"), ("qwen3", "full_iteration"),
-    ("qwen3_moe", "layer"), ("deepseek_v3", "layer"), ("nemotron_h", "layer"),
-    ("nemotron_h_dense", "full_iteration"),
+    ("qwen3_moe", "layer"), ("deepseek_v3", "layer"), ("deepseek_v3_no_q_lora", "layer"),
+    ("nemotron_h", "layer"), ("nemotron_h_dense", "full_iteration"),
 ])
 def test_graphs_train_like_eager_from_the_converted_checkpoint(converted, tmp_path, family,
                                                                graphs):
-    needs(family, "te" if family == "deepseek_v3" else "local")
+    needs(family, "te" if family in MLA else "local")
     _, megatron = converted(family)
     script = SCRIPT[FAMILIES[family][1]]
     common = _launch(megatron, family) + TRAINING
@@ -238,26 +238,28 @@ def test_graphs_train_like_eager_from_the_converted_checkpoint(converted, tmp_pa
 
 # ------------------------------------------------------------------------------ TP / PP / EP
 
+TP2 = ["--tensor-model-parallel-size", "2"]
+TP2_MOE = TP2 + ["--sequence-parallel"]  # Megatron-LM requires it for MoE with TP
 LAYOUTS = {
-    "llama": {"tp2": ["--tensor-model-parallel-size", "2"],
-              "pp2": ["--pipeline-model-parallel-size", "2"]},
-    "qwen3_moe": {"tp2": ["--tensor-model-parallel-size", "2"],
-                  "ep2": ["--expert-model-parallel-size", "2"]},
-    "deepseek_v3": {"tp2": ["--tensor-model-parallel-size", "2"],
-                    "ep2": ["--expert-model-parallel-size", "2"],
+    "llama": {"tp2": TP2, "pp2": ["--pipeline-model-parallel-size", "2"]},
+    "qwen3_moe": {"tp2": TP2_MOE, "ep2": ["--expert-model-parallel-size", "2"]},
+    "deepseek_v3": {"tp2": TP2_MOE, "ep2": ["--expert-model-parallel-size", "2"],
                     "pp2": ["--pipeline-model-parallel-size", "2"]},
-    "nemotron_h": {"tp2": ["--tensor-model-parallel-size", "2"],
-                   "pp2": ["--pipeline-model-parallel-size", "2"]},
+    # TP shards the plain query projection by heads, as it does the up projections
+    "deepseek_v3_no_q_lora": {"tp2": TP2_MOE},
+    "nemotron_h": {"tp2": TP2_MOE, "pp2": ["--pipeline-model-parallel-size", "2"]},
 }
 
 
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("family", sorted(LAYOUTS))
 def test_parallel_layouts_load_the_converted_checkpoint(converted, tmp_path, family):
-    """The TP = 1 checkpoint loads at TP = 2 (its vocabulary re-padded for TP 2), PP = 2 and
-    EP = 2 and trains from the same loss as on one GPU (same micro-batches)."""
-    needs(family, "te" if family == "deepseek_v3" else "local")
-    _, megatron = converted(family)
+    """One checkpoint loads at TP = 2, PP = 2 and EP = 2 and trains from the same loss as on
+    one GPU (same micro-batches). It is converted for TP 2 (--tensor-parallel-size 2): its
+    vocabulary divisor pads TP 1 and TP 2 alike, with trained rows only; zero rows would
+    add exp(0) to every softmax denominator at one of them (docs/hf-checkpoints.md)."""
+    needs(family, "te" if family in MLA else "local")
+    _, megatron = converted(family, tensor_parallel_size=2)
     script = SCRIPT[FAMILIES[family][1]]
     common = _launch(megatron, family) + TRAINING + ["--train-iters", "6"]
     reference = losses(run_training(script, common, tmp_path, name="one_gpu"))
@@ -273,7 +275,7 @@ def test_parallel_layouts_load_the_converted_checkpoint(converted, tmp_path, fam
     ("llama", ["--tensor-model-parallel-size", "2"]),
     ("llama", ["--pipeline-model-parallel-size", "2"]),
     ("qwen3_moe", ["--expert-model-parallel-size", "2"]),
-    ("nemotron_h", ["--tensor-model-parallel-size", "2"]),
+    ("nemotron_h", TP2_MOE),
 ])
 def test_a_sharded_training_checkpoint_exports_to_hugging_face(converted, tmp_path, family,
                                                               layout):

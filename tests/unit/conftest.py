@@ -45,23 +45,6 @@ def cpu_moe(cpu_dist, monkeypatch):
     get_moe_metrics_tracker().metrics.clear()
 
 
-@pytest.fixture(autouse=True)
-def attention_backend_environment():
-    """megatron-core's language models write NVTE_{FLASH,FUSED,UNFUSED}_ATTN into the process
-    environment for their --attention-backend, and refuse another backend's values later: put
-    them back after every test, as each training process starts clean."""
-    import os
-
-    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-    saved = {name: os.environ.get(name) for name in names}
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
 class ReplayingGraph:
     """A CUDA graph's stand-in on CPU: `replay` runs the captured body again and writes its
     outputs into the tensors the capture returned, as a replay overwrites a graph's static

@@ -224,6 +224,18 @@ def tiny_deepseek_v3(folder, seed: int = 0, **overrides) -> str:
     return save_tiny(model, folder, seed=seed)
 
 
+# Moonlight-16B-A3B's kind of DeepSeek-V3 in small: no q-LoRA (a plain q_proj), plain RoPE
+# (rope_theta 50000, no scaling), one expert group.
+MOONLIGHT = dict(q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=2.446,
+                 rms_norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+
+
+def tiny_moonlight(folder, seed: int = 0, **overrides) -> str:
+    """DeepSeek-V3 without q-LoRA, shaped like Moonlight (`MOONLIGHT`)."""
+    return tiny_deepseek_v3(folder, seed=seed, **{**MOONLIGHT, **overrides})
+
+
 def _mla_core_attention():
     from megatron.packed_graphs.attention import VarlenAttention
 
@@ -241,10 +253,12 @@ def cpu_mla_model(args):
     """The converted DeepSeek-V3 model on CPU, as close to the fork's as CPU allows.
 
     The fork's packed MLA needs Transformer Engine (fused YaRN RoPE, TE attention); here the
-    attention is megatron-core's own MLASelfAttention over local linears with its unfused
-    RoPE and the fork's TE-free core attention, the latent norms separate modules saved under
-    TE's names (as TE's fused LayerNormLinear saves them); the MLPs and MoE layers are the
-    fork's (specs.py). tests/gpu/test_hf_checkpoints.py runs the fork's own TE model.
+    attention is megatron-core's MLASelfAttention (as the fork's `mla.DeepSeekMLASelfAttention`,
+    the packed MLA's base: without q-LoRA the query projection is a plain linear, as on GPU)
+    over local linears with its unfused RoPE and the fork's TE-free core attention, the
+    latent norms separate modules saved under TE's names (as TE's fused LayerNormLinear saves
+    them); the MLPs and MoE layers are the fork's (specs.py). tests/gpu/test_hf_checkpoints.py
+    runs the fork's own TE model.
     """
     import functools
 
@@ -252,10 +266,8 @@ def cpu_mla_model(args):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.multi_latent_attention import (
-        MLASelfAttention,
-        MLASelfAttentionSubmodules,
-    )
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
         LayerNormImpl,
@@ -264,6 +276,7 @@ def cpu_mla_model(args):
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
     from megatron.packed_graphs.layers import GraphSafeMoELayer, GraphSafeTransformerLayer
+    from megatron.packed_graphs.mla import DeepSeekMLASelfAttention
     from megatron.packed_graphs.specs import VarlenSpecProvider, _mlp_spec, _moe_spec, _norm
     from megatron.packed_graphs.specs import moe_layer_pattern
     from megatron.packed_training.config import transformer_config_from_args
@@ -275,13 +288,17 @@ def cpu_mla_model(args):
     _MLACoreAttention = _mla_core_attention()
     norm = functools.partial(_norm(provider, "RMSNorm"))
     attention = ModuleSpec(
-        module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        module=DeepSeekMLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
             linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
             linear_kv_up_proj=ColumnParallelLinear,
             core_attention=ModuleSpec(module=_MLACoreAttention, params={"backend": "torch"}),
-            linear_proj=RowParallelLinear, q_layernorm=norm, kv_layernorm=norm))
+            linear_proj=RowParallelLinear,
+            # without q-LoRA there is no query latent to normalise (megatron-core refuses a
+            # q_layernorm then)
+            q_layernorm=norm if args.q_lora_rank is not None else IdentityOp,
+            kv_layernorm=norm))
     te_names = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
                 "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
 

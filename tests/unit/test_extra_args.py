@@ -13,7 +13,7 @@ import re
 import pytest
 
 from megatron.core.transformer.enums import AttnBackend, CudaGraphModule
-from megatron.packed_training import extra_args
+from megatron.packed_training import extra_args, initialize, models
 from megatron.packed_training.arguments import parse_args, parse_args_or_exit
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
@@ -435,7 +435,7 @@ def test_the_start_up_notes_say_when_megatron_core_falls_back_to_torch_kernels(
 ])
 def test_packed_attention_backend(args, monkeypatch, backend, present, expected):
     pin_importable(monkeypatch, *present)
-    assert extra_args.packed_attention_backend(
+    assert models.packed_attention_backend(
         tweak(args, attention_backend=AttnBackend[backend])) == expected
 
 
@@ -549,9 +549,9 @@ def test_pretrain_mamba_needs_the_mamba_kernels_before_any_gpu_work(monkeypatch)
     monkeypatch.setattr(extra_args, "is_importable", lambda package: package != "causal_conv1d")
     with pytest.raises(ValueError, match=r"pretrain_mamba.py is wrong: causal_conv1d is not "
                                          r"importable\. .*pip install --no-build-isolation"):
-        extra_args.require_mamba_kernels()
+        initialize.require_mamba_kernels()
     monkeypatch.setattr(extra_args, "is_importable", lambda package: True)
-    extra_args.require_mamba_kernels()
+    initialize.require_mamba_kernels()
 
 
 @pytest.mark.skipif(extra_args.is_importable("transformer_engine"),

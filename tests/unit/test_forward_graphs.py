@@ -263,6 +263,73 @@ def test_evaluation_replays_forward_graphs_equal_to_eager_with_overflow_counted(
     assert sum(graph.graph.replays for graph in bank.graphs.values()) == 2 * fitting
 
 
+@pytest.fixture
+def calculator():
+    from megatron.core import num_microbatches_calculator as calc
+
+    calc.init_num_microbatches_calculator(0, None, 4, 1, 1)
+    yield
+    calc.destroy_num_microbatches_calculator()
+
+
+def test_megatron_lm_builds_its_schedule_once_per_evaluation_and_evaluates_after_training():
+    """What `test_each_evaluation_of_megatron_lms_loop_is_one_record` plays: evaluate() asks
+    for its schedule once per pass, and pretrain() evaluates again after train() returns,
+    at the iteration of train()'s last evaluation when --eval-interval divides
+    --train-iters."""
+    import inspect
+
+    import megatron.training.training as loop
+
+    evaluate = inspect.getsource(loop.evaluate)
+    assert evaluate.count("get_forward_backward_func(") == 1
+    assert evaluate.index("get_forward_backward_func(") < evaluate.index("while iteration <")
+    pretrain = inspect.getsource(loop.pretrain)
+    assert pretrain.index("train(") < pretrain.index("evaluate_and_print_results(")
+    assert "iteration % args.eval_interval == 0 and args.do_valid" in inspect.getsource(loop.train)
+
+
+def test_each_evaluation_of_megatron_lms_loop_is_one_record(cpu_dist, calculator, tmp_path):
+    """--train-iters 10 --eval-interval 5 --eval-iters 3, 4 micro-batches per evaluation
+    iteration: passes at iterations 5 and 10 and the one after training, each its own record
+    of 3 x 4 micro-batches, though no training iteration comes between the last two."""
+    from argparse import Namespace
+
+    from megatron.packed_training.metrics import RuntimeLog, read_metrics
+    from megatron.packed_training.pretrain import PackedGraphRun
+
+    model, runtime, _, _ = evaluation(capacity=6, ladder=(4,))
+    args = Namespace(iteration=0, metrics_file=str(tmp_path / "m.jsonl"), log_interval=5,
+                     train_iters=10, seq_length=TOKENS, micro_batch_size=1,
+                     consumed_train_samples=0, num_experts=None, moe_expert_capacity_factor=None,
+                     packed_profile=False, profile_step_start=10, profile_step_end=12,
+                     profile_trace_dir=None, dynamic_cp_sizes=None, moe_router_load_file=None)
+    run = PackedGraphRun(args)
+    run.runtime, run.log = runtime, RuntimeLog(args, [model])
+    run.optimizer = SimpleNamespace(step=lambda: None)
+    run.wrap(forward_only_schedule)  # train()'s; its iterations are logged below as they close
+    step, data = CPUStep(), iter(micro_batches(0, 36))
+
+    def evaluate():  # Megatron-LM's evaluate(): its own schedule, 3 iterations
+        seam = run.wrap(forward_only_schedule)
+        for _ in range(3):
+            with torch.no_grad():
+                seam(forward_step_func=step, data_iterator=data, model=[model],
+                     num_microbatches=4, forward_only=True)
+
+    for iteration in range(1, 11):
+        run.log("train", {}, [{"lm loss": torch.tensor([2.0, 1.0])}])
+        if iteration % 5 == 0:
+            evaluate()
+    evaluate()  # pretrain()'s, after train()
+    run.finish()
+    valid = read_metrics(args.metrics_file, split="valid")
+    assert [r["iteration"] for r in valid] == [5, 10, 10]
+    assert [r["forward graphs"] + r.get("eager overflow", 0) for r in valid] == [12, 12, 12]
+    assert "forward graphs captured" in valid[0]
+    assert not any("forward graphs captured" in r for r in valid[1:])
+
+
 def test_replays_read_the_weights_in_place(cpu_dist):
     model, runtime, seam, _ = evaluation()
     step, batches = CPUStep(), micro_batches(0, 2)

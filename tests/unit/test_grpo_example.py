@@ -89,6 +89,24 @@ def test_the_report_tabulates_each_phase_and_checks_against_the_noise(example):
     assert not passed and "FAIL weights after the last step" in text
 
 
+def test_the_hybrids_weights_may_differ_by_one_rounding_step(example):
+    def weights_results(graphs_a):
+        base = {"a": torch.tensor([0.1, -0.1, 0.0], dtype=torch.bfloat16)}
+        out = results(example)
+        out["eager"]["weights"] = out["eager again"]["weights"] = base
+        out["graphs"]["weights"] = {"a": graphs_a.to(torch.bfloat16)}
+        return out
+
+    one_step = weights_results(torch.tensor([0.1 + 2 ** -11, -0.1, 0.0]))  # 0.1: steps of 2^-11
+    assert example.rounding_steps(one_step["graphs"]["weights"],
+                                  one_step["eager"]["weights"]) == 1.0
+    text, passed = example.report(one_step, "hybrid")
+    assert passed and "(1 rounding steps; 1 allowed for hybrid)" in text
+    assert not example.report(one_step, "gpt")[1]  # GPT: bitwise, as its noise
+    two_steps = weights_results(torch.tensor([0.1 + 2 ** -10, -0.1, 0.0]))
+    assert not example.report(two_steps, "hybrid")[1]
+
+
 def test_the_comparison_runs_eager_twice_then_graphs_and_fails_with_a_check(example,
                                                                            monkeypatch, capsys):
     launched = []

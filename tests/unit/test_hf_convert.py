@@ -40,6 +40,7 @@ from tests.unit.hf_tiny import (
     NEMOTRON_H_CPU_LAYERS,
     tiny_deepseek_v3,
     tiny_llama,
+    tiny_moonlight,
     tiny_nemotron_h,
     tiny_qwen3,
     tiny_qwen3_moe,
@@ -48,6 +49,8 @@ from tests.unit.hf_tiny import (
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILDERS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe,
             "deepseek_v3": tiny_deepseek_v3, "nemotron_h": tiny_nemotron_h,
+            # DeepSeek-V3 without q-LoRA, shaped like Moonlight: a plain query projection
+            "deepseek_v3_no_q_lora": tiny_moonlight,
             # Nemotron-H without Mamba layers: the fork's hybrid model builds on CPU
             "nemotron_h_cpu": lambda folder: tiny_nemotron_h(folder, layers=NEMOTRON_H_CPU_LAYERS),
             # a dense first layer: --moe-layer-freq as a list, one checkpoint key per layer
@@ -55,6 +58,7 @@ BUILDERS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_mo
 # Models whose fork model runs on CPU (Mamba layers need mamba-ssm's kernels: tests/gpu).
 ON_CPU = sorted(set(BUILDERS) - {"nemotron_h"})
 ROUND_TRIP = sorted(set(BUILDERS) - {"nemotron_h_cpu"})
+MLA = ("deepseek_v3", "deepseek_v3_no_q_lora")  # on CPU over `hf_tiny.cpu_mla_model`
 DOCUMENTS = [9, 17, 5, 12]  # one packed row
 # MoE on CPU runs megatron-core's drop-and-pad dispatch (dropless dispatch needs a GPU): a
 # capacity of all tokens per expert drops none, so it routes as dropless does.
@@ -62,6 +66,8 @@ DROP_NOTHING = {"qwen3_moe": ["--moe-expert-capacity-factor=2",
                               "--moe-pad-expert-input-to-capacity"],
                 "deepseek_v3": ["--moe-expert-capacity-factor=2",
                                 "--moe-pad-expert-input-to-capacity"],
+                "deepseek_v3_no_q_lora": ["--moe-expert-capacity-factor=2",
+                                          "--moe-pad-expert-input-to-capacity"],
                 "nemotron_h_cpu": ["--moe-expert-capacity-factor=2",
                                    "--moe-pad-expert-input-to-capacity"],
                 "qwen3_moe_dense_first": ["--moe-expert-capacity-factor=2",
@@ -132,7 +138,7 @@ def test_export_loads_in_transformers(converted, family, tmp_path):
 
 def _fork_args(family, megatron, extra=()):
     """The parsed launch line of a converted checkpoint (and ``extra``), on CPU."""
-    if family == "deepseek_v3":
+    if family in MLA:
         from megatron.packed_training import extra_args
 
         with pytest.MonkeyPatch.context() as patch:  # the parse's check for TE attention
@@ -153,7 +159,7 @@ def _fork_model(family, megatron, extra=()):
     Engine) `hf_tiny.cpu_mla_model`."""
     args = _fork_args(family, megatron, extra)
     torch.manual_seed(1234)
-    if family == "deepseek_v3":
+    if family in MLA:
         return cpu_mla_model(args)
     return build_fork_model(args, _kind(family))
 
@@ -188,13 +194,22 @@ def _checkpoint_layout(megatron) -> tuple[dict, set]:
     return tensors, objects
 
 
+def assert_checkpoint_fits(megatron, model):
+    """The checkpoint holds exactly ``model``'s tensors and every ``_extra_state`` it asks
+    for; the only others are norms' (Transformer Engine's norms have one, torch's do not)."""
+    model_tensors, model_objects = _model_layout(model)
+    tensors, objects = _checkpoint_layout(megatron)
+    assert tensors == model_tensors
+    assert model_objects <= objects, sorted(model_objects - objects)
+    extra = {key.partition("/")[0] for key in objects - model_objects}
+    assert all(key.rpartition("._extra_state")[0].rpartition(".")[2].endswith("norm")
+               for key in extra), sorted(extra)
+
+
 @pytest.mark.parametrize("family", ON_CPU)
 def test_checkpoint_holds_what_the_fork_model_shards(converted, family, cpu_moe, cpu_rope):
     _, megatron = converted(family)
-    model_tensors, model_objects = _model_layout(_fork_model(family, megatron))
-    tensors, objects = _checkpoint_layout(megatron)
-    assert tensors == model_tensors
-    assert objects == model_objects
+    assert_checkpoint_fits(megatron, _fork_model(family, megatron))
 
 
 @pytest.mark.parametrize("family", ON_CPU)
@@ -593,7 +608,7 @@ def test_rope_tables_and_a_tied_output_copy_are_left_out(converted, tmp_path):
 
 @pytest.mark.parametrize("family, graphs", [
     ("llama", "layer"), ("llama", "full_iteration"), ("qwen3_moe", "layer"),
-    ("deepseek_v3", "layer"), ("nemotron_h", "layer")])
+    ("deepseek_v3", "layer"), ("deepseek_v3_no_q_lora", "layer"), ("nemotron_h", "layer")])
 def test_the_gpu_tests_launch_lines_parse(converted, family, graphs, monkeypatch):
     """tests/gpu/test_hf_checkpoints.py's training lines (converted flags, the checkpoint,
     its training and graph flags) pass Megatron-LM's and the fork's checks here, before a GPU

@@ -459,16 +459,18 @@ def test_models_build_dropless_layers_from_the_config_and_train(cpu_moe, kind):
 # ------------------------------------------------------------------- refused configurations
 
 @pytest.mark.parametrize("field,value,fix", [
-    ("moe_expert_capacity_factor", 1.0, "drop --moe-expert-capacity-factor"),
+    ("moe_expert_capacity_factor", 1.0, "route without a capacity: drop it"),
     ("moe_token_dispatcher_type", "allgather", "use --moe-token-dispatcher-type alltoall"),
-    ("expert_tensor_parallel_size", 2, "use --expert-tensor-parallel-size 1"),
-    ("moe_shared_expert_overlap", True, "drop --moe-shared-expert-overlap"),
-    ("moe_latent_size", 16, "drop --moe-latent-size"),
+    ("expert_tensor_parallel_size", 2, "add --expert-tensor-parallel-size 1"),
+    ("moe_shared_expert_overlap", True, "no token exchange to overlap with: drop it"),
+    ("moe_latent_size", 16, "Not supported with dropless MoE graphs: drop it"),
 ])
 def test_the_layer_refuses_what_it_does_not_run(field, value, fix):
+    """The parse-time rules that a TransformerConfig can answer (one table), with their flag."""
     cfg = copy.copy(config())
     setattr(cfg, field, value)
-    with pytest.raises(ValueError, match=f"{field} is wrong for dropless MoE graphs: .*{fix}"):
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{flag} is wrong: {value}. .*{fix}"):
         check_dropless_config(cfg)
 
 

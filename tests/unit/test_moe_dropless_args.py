@@ -1,5 +1,5 @@
 """The parse-time rules of --moe-dropless-graphs and --moe-router-skew
-(megatron/packed_training/moe_dropless_args.py), on copies of one parsed MoE launch line, and
+(megatron/packed_training/extra_args.py), on copies of one parsed MoE launch line, and
 the flags themselves on a parser of their own (the training parser adds them with the fork's
 other flags)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from megatron.packed_training import extra_args
 from megatron.packed_training.arguments import parse_args
-from megatron.packed_training.moe_dropless_args import (
+from megatron.packed_training.extra_args import (
     add_moe_dropless_args,
     check_moe_dropless_graphs,
     check_moe_router_skew,
@@ -84,13 +84,16 @@ def test_what_dropless_graphs_refuse(args, values, flag, fix):
         check_moe_dropless_graphs(args)
 
 
-@pytest.mark.parametrize("skew,match", [(1.0, "in \\(0, 1\\)"), (-0.1, "in \\(0, 1\\)")])
-def test_router_skew_is_a_fraction_of_an_moe_model(args, skew, match):
-    args.moe_router_skew = 0.5
+@pytest.mark.parametrize("skew", [0.5, 1.0, -0.1])
+def test_router_skew_is_a_share_the_router_can_reach(args, skew):
+    # 4 experts, top-2: the hot expert (the first eighth, at least one) gets at most one of a
+    # token's two slots, so a share below 0.5.
+    args.moe_router_skew = 0.4
     check_moe_router_skew(args)
     args.moe_router_skew = skew
-    with pytest.raises(ValueError, match=f"--moe-router-skew is wrong: {skew}. .*{match}"):
+    with pytest.raises(ValueError, match=rf"--moe-router-skew is wrong: {skew}. With 4 experts, "
+                                         rf"top-2, .* in \(0, 0.5\) .*choose one inside\.$"):
         check_moe_router_skew(args)
-    args.moe_router_skew, args.num_experts = 0.5, None
+    args.moe_router_skew, args.num_experts = 0.4, None
     with pytest.raises(ValueError, match="add --num-experts"):
         check_moe_router_skew(args)

@@ -5,6 +5,7 @@ on CUDA) and forward-only graphs replayed by conftest.replaying_capture. The CUD
 tests/gpu/test_rl_policy.py.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -260,13 +261,13 @@ def no_rng_tracker(monkeypatch):
     monkeypatch.setattr(runtime, "_rng_states", dict)
 
 
-def make_policy(seed=0, capacity=4, dropout=0.0, lr=0.1):
+def make_policy(seed=0, capacity=4, dropout=0.0, lr=0.1, schedule=cpu_schedule):
     model = build_gpt(seed, dropout)
     config = GraphRuntimeConfig(impl="local", capacity=capacity, warmup_iterations=1,
                                 forward_graphs=True)
     runtime = GraphRuntime(config, [model])
     runtime.forward_capture = replaying_capture
-    seam = GraphRuntimeSchedule(runtime, cpu_schedule, stream_length=ROW)
+    seam = GraphRuntimeSchedule(runtime, schedule, stream_length=ROW)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     return PackedPolicy([model], optimizer, runtime, seam, row_positions=ROW, vocab_size=VOCAB,
                         step_options={"with_seq_idx": False, "static_max_seqlen": True,
@@ -376,6 +377,93 @@ def test_a_nan_advantage_stops_the_step_before_anything_is_trained(cpu_dist):
     assert all(torch.equal(value, before.tensors[name])
                for name, value in policy_weights(policy.model).items())
     assert policy.runtime.iterations == 0
+
+
+# -- megatron-core's rerun state machine ---------------------------------------------------------
+
+@pytest.fixture
+def validating_machine(monkeypatch):
+    """megatron-core's rerun state machine in Megatron-LM's default mode (validate_results),
+    its CUDA reads stood in for (the device's RNG state and number) and its flags reduced on
+    the host, as `PackedPolicy.build` installs (core_patches.reduce_rerun_flags_on_host)."""
+    from megatron.core import rerun_state_machine as rerun
+    from megatron.packed_graphs import core_patches
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: torch.zeros(1, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(rerun.RerunStateMachine, "_reduce_any", core_patches.any_rank_requested)
+    rerun.destroy_rerun_state_machine()  # one a test before made implicitly
+    rerun.initialize_rerun_state_machine(mode=rerun.RerunMode.VALIDATE_RESULTS)
+    yield rerun.get_rerun_state_machine()
+    rerun.destroy_rerun_state_machine()
+
+
+def grad_checking_schedule(calls: list):
+    """`cpu_schedule`, then what megatron-core's DDP does in finalize_model_grads with
+    ``check_for_nan_in_grad`` (param_and_grad_buffer.check_grads): the gradient norm handed to
+    the rerun state machine's validate_result. ``calls``: each call's forward_only."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    def schedule(**kwargs):
+        calls.append(kwargs["forward_only"])
+        reports = cpu_schedule(**kwargs)
+        if not kwargs["forward_only"]:
+            norm = torch.stack([p.grad.norm() for p in kwargs["model"][0].parameters()
+                                if p.grad is not None]).norm()
+            get_rerun_state_machine().validate_result(
+                result=norm, rejection_func=torch.isnan, message="found NaN in local grad norm",
+                tolerance=0.001, fatal=True)
+        return reports
+    return schedule
+
+
+def nan_in_runs(runs=(), per_run=2):
+    """A loss that is NaN in the forward-backward runs ``runs`` (counted from 0 over the
+    policy's calls, ``per_run`` micro-batches each): every gradient of such a run is NaN."""
+    calls = itertools.count()
+
+    def loss(inputs):
+        scale = float("nan") if next(calls) // per_run in runs else 1.0
+        return (inputs.logprobs * inputs.weights).sum() * scale
+    return loss
+
+
+def test_train_steps_run_inside_the_rerun_state_machine_as_megatron_lms_do(
+        cpu_dist, validating_machine):
+    """DDP's gradient check validates results in the rerun state machine, which refuses
+    outside a run of its loop (Megatron-LM's train_step: should_run_forward_backward)."""
+    calls = []
+    policy = make_policy(schedule=grad_checking_schedule(calls))
+    mbs = rollouts(2)
+    policy.logprobs(mbs)  # forward only: no gradients, nothing validated
+    loss_fn = nan_in_runs()
+    for _ in range(2):  # the first step is not validated (no optimizer step before it)
+        assert policy.train_step(mbs, loss_fn).update_successful
+    assert calls == [True, False, False]
+    assert validating_machine.current_iteration == 1 and validating_machine.first_iteration_complete
+    assert validating_machine.state.name == "NOT_RUNNING_YET"
+
+
+@pytest.mark.parametrize("nan_runs, exit_code", [((1, 2), 16), ((1,), 17)],
+                         ids=["reproduced", "transient"])
+def test_a_nan_gradient_reruns_the_step_in_place_then_stops_it_before_the_update(
+        cpu_dist, validating_machine, nan_runs, exit_code):
+    """Step 2's gradients are NaN; its rerun on the same micro-batches reproduces that
+    (Megatron-LM would check on another GPU: exit code 16) or not (a transient fault: 17)."""
+    calls = []
+    policy = make_policy(schedule=grad_checking_schedule(calls))
+    mbs, loss_fn = rollouts(2), nan_in_runs(nan_runs)
+    policy.train_step(mbs, loss_fn)
+    trained = WeightStore.snapshot(policy.model)
+    with pytest.raises(RuntimeError, match=r"train_step stopped before the optimizer step: "
+                                           rf"megatron-core's rerun state machine .* exit code "
+                                           rf"{exit_code} "):
+        policy.train_step(mbs, loss_fn)
+    assert calls == [False, False, False]  # step 1, step 2 and its rerun in place
+    assert all(torch.equal(value, trained.tensors[name])
+               for name, value in policy_weights(policy.model).items())
+    assert policy.schedule._open is None  # the stopped iteration is closed
 
 
 def test_a_loss_of_the_wrong_shape_is_named(cpu_dist):

@@ -9,7 +9,9 @@ A family (families/*.py) describes its model declaratively:
   layer (``mlp.experts.experts.linear_fc1.weight``, ``...experts.{expert}.gate_proj...``).
 * `LayerKind`: the rules of one kind of layer, and the linear modules whose
   ``_extra_state`` entry megatron-core's checkpoint holds (empty for bf16 / fp32 training,
-  but a loader asks for every one).
+  but a loader asks for every one). Norms get one too (`norm_module`): they are Transformer
+  Engine's where it is installed (megatron-core builds the final norm with TE whatever the
+  layer spec) and torch's without; a loader ignores the entries its model lacks.
 * `ModelMapping`: the model's rules, one `LayerKind` per layer, the number of routed experts
   and whether the checkpoint stacks layers.
 
@@ -172,6 +174,14 @@ def _instances(mapping: ModelMapping):
                 yield EXPERT, layer, expert, kind
 
 
+def norm_module(rule: Rule) -> str | None:
+    """The norm module whose ``weight`` ``rule`` makes (``input_layernorm``,
+    ``decoder.final_layernorm``, ``self_attention.q_layernorm``), else None. Norm weights
+    fused into a TE linear (``linear_qkv.layer_norm_weight``) belong to the linear."""
+    module, _, leaf = rule.megatron.rpartition(".")
+    return module if leaf == "weight" and "norm" in module.rpartition(".")[2] else None
+
+
 def checkpoint_layout(mapping: ModelMapping) -> tuple[dict[str, TensorEntry], list[ObjectEntry]]:
     """Every checkpoint key of ``mapping`` with its pieces (shapes and dtypes not yet known:
     see `fill_shapes`) and every ``_extra_state`` object, in checkpoint order."""
@@ -195,7 +205,8 @@ def checkpoint_layout(mapping: ModelMapping) -> tuple[dict[str, TensorEntry], li
             entry = tensors.setdefault(key, TensorEntry(key, axes))
             entry.pieces.append(Piece(rule, rule.hf_names(layer, expert), layer, index))
         if scope == LAYER:
-            for module in kind.extra_states:
+            norms = [norm_module(rule) for rule in rules]
+            for module in (*kind.extra_states, *filter(None, norms)):
                 add_object(LAYER, module, layer, None)
         elif scope == EXPERT:
             for module in kind.expert_extra_states:
@@ -203,7 +214,8 @@ def checkpoint_layout(mapping: ModelMapping) -> tuple[dict[str, TensorEntry], li
     for rule in model_last:
         tensors[rule.megatron] = TensorEntry(rule.megatron, (), pieces=[
             Piece(rule, rule.hf_names(), None, ())])
-    for module in mapping.model_extra_states:
+    norms = [norm_module(rule) for rule in mapping.model_rules]
+    for module in (*mapping.model_extra_states, *filter(None, norms)):
         add_object(MODEL, module, None, None)
     return tensors, objects
 

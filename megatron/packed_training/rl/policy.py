@@ -33,6 +33,12 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from megatron.core.rerun_state_machine import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+    get_rerun_state_machine,
+)
+
 from megatron.packed_training.rl.batches import PackedSequences, check_values, lay_out_all
 from megatron.packed_training.rl.steps import (
     INV_TEMPERATURE,
@@ -156,7 +162,7 @@ class PackedPolicy:
         from megatron.training.initialize import initialize_megatron
 
         from megatron.packed_graphs.core_patches import apply_core_patches, route_training_loop
-        from megatron.packed_training.extra_args import require_mamba_kernels
+        from megatron.packed_training.initialize import require_mamba_kernels
         from megatron.packed_training.models import MODEL_BUILDERS
         from megatron.packed_training.pretrain import PackedGraphRun, model_provider
 
@@ -194,18 +200,11 @@ class PackedPolicy:
         their graph plans (forward, ``loss_fn``, backward; the data-parallel reduction), then
         the optimizer and learning-rate schedule step. The log-probs ``loss_fn`` sees are at
         ``temperature`` (a graph input: every temperature replays the same graphs).
-        Raises ValueError on bad input before anything runs (batches.py)."""
+        Raises ValueError on bad input before anything runs (batches.py); RuntimeError,
+        before the optimizer steps, where megatron-core's rerun state machine rejects a
+        result of the step and asks to end the process (`_forward_backward`)."""
         batches = self._prepare(micro_batches, temperature)
-        step = self._loss_step(loss_fn)
-        for chunk in self.model:
-            if hasattr(chunk, "zero_grad_buffer"):  # megatron-core's DDP
-                chunk.zero_grad_buffer()
-            else:  # a bare module (tests, tools)
-                chunk.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad()
-        losses = self.schedule(forward_step_func=step, data_iterator=iter(batches),
-                               model=self.model, num_microbatches=len(batches),
-                               forward_only=False)
+        losses = self._forward_backward(self._loss_step(loss_fn), batches)
         # Reduced now: under a full-iteration graph the reports are graph-owned.
         total = torch.stack([report["loss"].reshape(-1)[:2] for report in losses]).sum(dim=0)
         stepped = self.optimizer.step()
@@ -270,6 +269,36 @@ class PackedPolicy:
             check_values(batches, self.vocab_size)
         return batches
 
+    def _forward_backward(self, step: PolicyLossStep, batches: list) -> list:
+        """The step's forward and backward passes from zeroed gradients (the schedule's
+        losses_reduced), inside megatron-core's rerun state machine as Megatron-LM's
+        train_step runs them: DDP validates the gradients in it (``check_for_nan_in_grad``),
+        which the machine refuses outside its loop unless its mode is ``disabled``. A rejected
+        result reruns the passes in place on the same micro-batches; where the machine then
+        asks to end the process (`rerun_stop`), raises RuntimeError. Forward-only passes
+        (`logprobs`) validate nothing: no gradients."""
+        machine = get_rerun_state_machine()
+        losses = None
+        # No data iterator for the machine to rewind: a rerun reads the list again.
+        while machine.should_run_forward_backward(None):
+            self._zero_grads()
+            losses = self.schedule(forward_step_func=step, data_iterator=iter(batches),
+                                   model=self.model, num_microbatches=len(batches),
+                                   forward_only=False)
+        stop = rerun_stop(machine)
+        if stop is not None:
+            self.schedule.close_iteration()  # no optimizer step will close it
+            raise RuntimeError(stop)
+        return losses
+
+    def _zero_grads(self) -> None:
+        for chunk in self.model:
+            if hasattr(chunk, "zero_grad_buffer"):  # megatron-core's DDP
+                chunk.zero_grad_buffer()
+            else:  # a bare module (tests, tools)
+                chunk.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
+
     def _loss_step(self, loss_fn: LossFunction) -> PolicyLossStep:
         if not callable(loss_fn):
             raise ValueError(f"loss_fn is wrong: a {type(loss_fn).__name__}. Pass a function "
@@ -287,6 +316,34 @@ class PackedPolicy:
 
     def _record(self, split: str, stats: dict, losses) -> None:
         self.last_stats = dict(stats)
+
+
+# Why megatron-core's rerun state machine asks to end the process, by its exit code.
+RERUN_EXITS = {
+    EXIT_CODE_RESUME_TO_DISAMBIGUATE: (
+        "the result reproduced on this GPU; Megatron-LM saves a checkpoint and exits so that "
+        "the step reruns from it on another GPU, to tell a faulty GPU from a real NaN"),
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION: (
+        "the rerun did not reproduce the result: a possible transient hardware fault"),
+}
+
+
+def rerun_stop(machine) -> Optional[str]:
+    """After a step's forward-backward loop, where megatron-core's rerun state machine asks
+    to end the process (``should_checkpoint_and_exit``, which Megatron-LM's train_step asks
+    before its optimizer step): the error message, else None. The library cannot checkpoint
+    or exit for its caller: the message says why and with which exit code Megatron-LM
+    exits."""
+    _, should_exit, exit_code = machine.should_checkpoint_and_exit()
+    if not should_exit:
+        return None
+    why = RERUN_EXITS.get(exit_code, "its log says why")
+    return (f"train_step stopped before the optimizer step: megatron-core's rerun state "
+            f"machine rejected a result of the step (e.g. a NaN gradient; its log names it) "
+            f"and asks to end the process with exit code {exit_code} ({why}). The weights are "
+            f"the previous step's. End the process and resume from your last checkpoint; "
+            f"rerun_mode disabled in the training config raises at the first rejected result "
+            f"instead.")
 
 
 def prepare_training_loop(args, model: Sequence[torch.nn.Module], optimizer) -> None:

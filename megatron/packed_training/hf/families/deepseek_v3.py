@@ -1,6 +1,7 @@
-"""DeepSeek-V3 (``model_type`` deepseek_v3): multi-latent attention with q-LoRA and the two
-latent RMSNorms, MoE with sigmoid routing, an expert-bias (aux-loss-free balancing), shared
-experts, group-limited routing and ``first_k_dense_replace`` dense layers first; YaRN RoPE.
+"""DeepSeek-V3 (``model_type`` deepseek_v3): multi-latent attention with the latent RMSNorms
+(q-LoRA, or as in Moonlight a plain query projection), MoE with sigmoid routing, an
+expert-bias (aux-loss-free balancing), shared experts, group-limited routing and
+``first_k_dense_replace`` dense layers first; YaRN RoPE.
 
 Mapping (megatron-core's MLA in Transformer Engine's layout: each latent norm saved under
 the up projection after it; the layer's input norm stays a module of its own):
@@ -10,6 +11,8 @@ the up projection after it; the layer's input norm stays a module of its own):
     layers.N.self_attn.q_a_layernorm        decoder.layers.N.self_attention.linear_q_up_proj
                                             .layer_norm_weight
     layers.N.self_attn.q_b_proj             decoder.layers.N.self_attention.linear_q_up_proj
+    layers.N.self_attn.q_proj               decoder.layers.N.self_attention.linear_q_proj
+                                            (no q-LoRA: instead of the three above)
     layers.N.self_attn.kv_a_proj_with_mqa   decoder.layers.N.self_attention.linear_kv_down_proj
     layers.N.self_attn.kv_a_layernorm       decoder.layers.N.self_attention.linear_kv_up_proj
                                             .layer_norm_weight
@@ -25,8 +28,12 @@ both rotate DeepSeek's interleaved RoPE pairs (megatron-core's MLA RoPE is inter
 every tensor maps unchanged. The multi-token-prediction layers a hub checkpoint carries are
 left out (Megatron's --mtp-num-layers is not set).
 
-Refused: no q-LoRA (Moonlight, DeepSeek-V2-Lite shapes; see `NO_Q_LORA`), FP8 checkpoints,
-and routing or RoPE settings megatron-core computes differently.
+Without q-LoRA (``q_lora_rank`` null: Moonlight) the launch line has no --q-lora-rank and the
+query projection is a plain linear: the fork's MLA (packed_graphs/mla.py,
+`DeepSeekMLASelfAttention`) builds it without the query norm megatron-core 0.19.2 fuses into
+it under --qk-layernorm, so the checkpoint holds no ``linear_q_proj.layer_norm_weight``.
+
+Refused: FP8 checkpoints, and routing or RoPE settings megatron-core computes differently.
 """
 
 from megatron.packed_training.hf.config import HFConfig, refuse
@@ -38,33 +45,34 @@ from megatron.packed_training.hf.transforms import Dims
 MODEL_TYPES = ("deepseek_v3",)
 A = gpt.HF_LAYER + "self_attn."
 
-NO_Q_LORA = (
-    "megatron-core 0.19.2 builds MLA without q-LoRA with --qk-layernorm (needed for "
-    "kv_a_layernorm) as a fused RMSNorm + linear_q_proj (transformer/mla_qk_norm_config.py), "
-    "a query norm this model does not have, so the fork's model would compute something else. "
-    "Models without q-LoRA (Moonlight) convert once the fork's MLA builds a plain "
-    "linear_q_proj; convert with Megatron-Bridge meanwhile (docs/hf-checkpoints.md)")
 # megatron-core's MLA YaRN fields that no Megatron-LM flag sets (MLATransformerConfig
 # defaults); a checkpoint trained with others would rotate differently.
 MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0,
                   "beta_slow": 1.0}
 
 
-def mla_kind() -> LayerKind:
-    """Input norm + MLA with q-LoRA."""
+def mla_kind(q_lora: bool = True) -> LayerKind:
+    """Input norm + MLA, with q-LoRA (down projection, latent norm, up projection) or without
+    (one plain query projection, no norm)."""
     s = "self_attention."
-    return LayerKind("mla", (
+    if q_lora:
+        query = (
+            layer_rule(s + "linear_q_down_proj.weight", A + "q_a_proj.weight"),
+            layer_rule(s + "linear_q_up_proj.layer_norm_weight", A + "q_a_layernorm.weight"),
+            layer_rule(s + "linear_q_up_proj.weight", A + "q_b_proj.weight"))
+        query_linears = ("linear_q_down_proj", "linear_q_up_proj")
+    else:
+        query = (layer_rule(s + "linear_q_proj.weight", A + "q_proj.weight"),)
+        query_linears = ("linear_q_proj",)
+    return LayerKind("mla" if q_lora else "mla_no_q_lora", (
         layer_rule("input_layernorm.weight", gpt.HF_LAYER + "input_layernorm.weight"),
-        layer_rule(s + "linear_q_down_proj.weight", A + "q_a_proj.weight"),
-        layer_rule(s + "linear_q_up_proj.layer_norm_weight", A + "q_a_layernorm.weight"),
-        layer_rule(s + "linear_q_up_proj.weight", A + "q_b_proj.weight"),
+        *query,
         layer_rule(s + "linear_kv_down_proj.weight", A + "kv_a_proj_with_mqa.weight"),
         layer_rule(s + "linear_kv_up_proj.layer_norm_weight", A + "kv_a_layernorm.weight"),
         layer_rule(s + "linear_kv_up_proj.weight", A + "kv_b_proj.weight"),
         layer_rule(s + "linear_proj.weight", A + "o_proj.weight"),
-    ), extra_states=tuple(s + name for name in ("linear_q_down_proj", "linear_q_up_proj",
-                                                "linear_kv_down_proj", "linear_kv_up_proj",
-                                                "linear_proj")))
+    ), extra_states=tuple(s + name for name in (*query_linears, "linear_kv_down_proj",
+                                                "linear_kv_up_proj", "linear_proj")))
 
 
 def rope_flags(config: HFConfig) -> dict:
@@ -119,9 +127,7 @@ def describe(config: HFConfig) -> Converted:
                "the converter reads bf16 / fp32 checkpoints; dequantize the FP8 weights first "
                "(DeepSeek's fp8_cast_bf16.py)")
     gpt.check_plain_transformer(config)
-    q_lora = config.get("q_lora_rank")
-    if q_lora is None:
-        refuse("q_lora_rank", None, NO_Q_LORA)
+    q_lora = config.get("q_lora_rank")  # None: no q-LoRA, Megatron-LM's --q-lora-rank default
     layers = config.require("num_hidden_layers")
     heads = config.require("num_attention_heads")
     experts = config.require("n_routed_experts", "num_local_experts", "num_experts")
@@ -133,7 +139,8 @@ def describe(config: HFConfig) -> Converted:
     flags = {
         "--num-layers": layers, "--hidden-size": dims.hidden_size,
         "--num-attention-heads": heads, "--ffn-hidden-size": config.require("intermediate_size"),
-        "--multi-latent-attention": True, "--q-lora-rank": q_lora,
+        "--multi-latent-attention": True,
+        **({} if q_lora is None else {"--q-lora-rank": q_lora}),
         "--kv-lora-rank": config.require("kv_lora_rank"),
         "--qk-head-dim": config.require("qk_nope_head_dim"),
         "--qk-pos-emb-head-dim": config.require("qk_rope_head_dim"),
@@ -155,7 +162,7 @@ def describe(config: HFConfig) -> Converted:
     if shared:
         flags["--moe-shared-expert-intermediate-size"] = shared * moe_ffn
     flags.update(moe.layer_freq_flag(pattern))
-    attention = mla_kind()
+    attention = mla_kind(q_lora=q_lora is not None)
     moe_layer = attention + moe.moe_kind(expert_bias="mlp.gate.e_score_correction_bias",
                                          shared_experts="mlp.shared_experts" if shared else None)
     dense_layer = attention + gpt.swiglu_mlp_kind()
