@@ -22,10 +22,21 @@ generators: ``init_order="per_expert"`` as SequentialMLP (each expert's fc1, the
 that switches to these start where megatron-core's would (for the TE-free SequentialMLP that
 is exact; tests/unit/test_moe_dropless.py).
 
-Checkpoints (`sharded_state_dict`): ``fc1_weight`` and ``fc2_weight`` as tensors of all the
-layer's experts, ``[experts, ...]``, the expert axis split over the expert-parallel ranks and
-replicated over expert data parallelism. megatron-core's per-expert experts save other keys
-(``experts.linear_fc1.weight`` per expert): a checkpoint does not move between the two yet.
+Checkpoints (`sharded_state_dict`): megatron-core's SequentialMLP layout, which TEGroupedMLP
+and the Hugging Face converter (packed_training/hf/families/moe.py) share, so a checkpoint's
+weights move between a run with these experts and one without, both ways, and export to
+Hugging Face. Each linear is ``...experts.experts.linear_fc1.weight`` (``linear_fc2``) of global
+shape ``[*sharded_offsets, experts, out, in]`` (the stacked GPT block's layer axis first);
+this rank's experts are one chunk of it at their global index, the parameter itself (no
+copy), replicated over expert data parallelism. A gated fc1 is the gate rows, then the linear
+rows, as SequentialMLP's SwiGLU factory saves them at expert tensor parallel size 1 (the only
+size these experts run at). Like megatron-core's linears, every expert and linear also saves
+an empty ``..._extra_state`` object (a loader with Transformer Engine's linears asks for
+them); loading drops them. With ``singleton_local_shards`` the keys are SequentialMLP's
+per-expert ones (``experts.{expert}.linear_fc1.weight_w`` / ``_v``), views of the
+parameters, stacked back on load. The optimizer state is kept per parameter, and the
+parameters differ from SequentialMLP's: a run that switches loads the weights only
+(docs/moe.md).
 
 Activations follow megatron-core's MLP: SwiGLU (``--swiglu``, fused unless
 ``--no-bias-swiglu-fusion``, megatron-core's ``weighted_bias_swiglu_impl``), squared ReLU
@@ -33,6 +44,7 @@ Activations follow megatron-core's MLP: SwiGLU (``--swiglu``, fused unless
 ``activation_func``, gated or not; the routing probability scales the activation before fc2.
 """
 
+import re
 from typing import Optional
 
 import torch
@@ -40,7 +52,11 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from megatron.core.activations import squared_relu
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_quick_geglu_impl
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
@@ -54,6 +70,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.packed_graphs.grouped_gemm import grouped_linear
 
 INIT_ORDERS = ("per_expert", "per_linear")
+# megatron-core's expert linears (SequentialMLP's names) of this module's two parameters.
+_LINEARS = (("fc1_weight", "linear_fc1"), ("fc2_weight", "linear_fc2"))
+_EXTRA_STATE = "._extra_state"
+_EXTRA_STATE_KEY = re.compile(r"linear_fc[12]\._extra_state\d+")
+_EXPERT = "{expert}"  # the global expert index in a per-expert checkpoint key
 
 
 class TorchGroupedMLP(MegatronModule):
@@ -106,6 +127,7 @@ class TorchGroupedMLP(MegatronModule):
                          != config.tensor_model_parallel_size)
         for weight in (self.fc1_weight, self.fc2_weight):
             weight.allreduce = not expert_groups
+        self.register_load_state_dict_pre_hook(self._drop_extra_states)
         if config.perform_initialization:
             self._initialize(init_order)
 
@@ -168,20 +190,86 @@ class TorchGroupedMLP(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:
-        """``{prefix}fc1_weight`` and ``{prefix}fc2_weight`` of all the layer's experts (module
-        doc): this rank's experts at their global index (expert-parallel rank x local
-        experts), one replica per expert-data-parallel rank; ``sharded_offsets`` (e.g. the
-        layer axis) go first."""
+        """megatron-core's SequentialMLP checkpoint layout (module doc): under the dict keys
+        ``{prefix}fc1_weight`` / ``{prefix}fc2_weight`` (this module's parameters) one
+        ShardedTensor of this rank's experts, ``{prefix}experts.linear_fc{1,2}.weight`` at
+        their global index on the expert axis (after ``sharded_offsets``, e.g. the layer
+        axis), one replica per expert-data-parallel rank; and an empty ``_extra_state``
+        object per expert and linear. With ``singleton_local_shards`` in ``metadata``, one
+        key per expert (``{prefix}experts.{expert}.linear_fc1.weight``, a gated fc1 as its
+        ``_w`` and ``_v`` halves), as SequentialMLP saves then."""
         ep_rank, ep_size = _rank_and_size(self.ep_group)
         replica = (0, 0, _rank_and_size(self.expert_dp_group)[0])
-        axis = len(sharded_offsets)
-        return {f"{prefix}{name}": ShardedTensor.from_rank_offsets(
-                    f"{prefix}{name}", getattr(self, name), *sharded_offsets,
-                    (axis, ep_rank, ep_size), replica_id=replica, prepend_axis_num=axis)
-                for name in ("fc1_weight", "fc2_weight")}
+        first, total = ep_rank * self.num_local_experts, ep_size * self.num_local_experts
+        singleton = bool((metadata or {}).get("singleton_local_shards", False))
+        expert_axis = len(sharded_offsets)
+        state = {}
+        for param_name, linear in _LINEARS:
+            weight = getattr(self, param_name)
+            if singleton:
+                state[f"{prefix}{param_name}"] = self._per_expert_factory(
+                    f"{prefix}experts.{_EXPERT}.{linear}.weight", weight, sharded_offsets,
+                    replica, gated=linear == "linear_fc1" and self.config.gated_linear_unit)
+            else:
+                state[f"{prefix}{param_name}"] = ShardedTensor.from_rank_offsets(
+                    f"{prefix}experts.{linear}.weight", weight, *sharded_offsets,
+                    (expert_axis, ep_rank, ep_size), replica_id=replica,
+                    prepend_axis_num=expert_axis)
+            for i in range(self.num_local_experts):
+                if singleton:
+                    key = f"{prefix}experts.{first + i}.{linear}._extra_state"
+                    offsets = sharded_offsets
+                else:
+                    key = f"{prefix}experts.{linear}._extra_state"
+                    offsets = (*sharded_offsets, (expert_axis, first + i, total))
+                state[f"{prefix}{linear}{_EXTRA_STATE}{i}"] = _empty_object(key, offsets, replica)
+        return state
+
+    def _per_expert_factory(self, key: str, weight: Tensor, sharded_offsets: tuple,
+                            replica: tuple, gated: bool) -> ShardedTensorFactory:
+        """One ShardedTensor per local expert (``_EXPERT`` in the key is its global index),
+        views of ``weight``; a gated fc1 as two, its gate (``_w``) and linear (``_v``)
+        halves. Loaded, they stack back into ``weight``'s shape."""
+        first = _rank_and_size(self.ep_group)[0] * self.num_local_experts
+
+        def build(key, data, replica_id, flattened_range):
+            del flattened_range  # never flattened: the model's own checkpoint
+            shards = []
+            for i in range(data.shape[0]):
+                name = key.replace(_EXPERT, str(first + i))
+                parts = (zip((f"{name}_w", f"{name}_v"), torch.chunk(data[i], 2, dim=0))
+                         if gated else [(name, data[i])])
+                shards.append([ShardedTensor.from_rank_offsets(
+                    part_key, part, *sharded_offsets, replica_id=replica_id,
+                    prepend_axis_num=len(sharded_offsets)) for part_key, part in parts])
+            return shards
+
+        def merge(loaded):
+            return torch.stack([torch.cat(parts, dim=0) for parts in loaded])
+
+        return ShardedTensorFactory(key, weight, build, merge, replica)
+
+    def _drop_extra_states(self, module, state_dict, prefix, *args) -> None:
+        """Load pre-hook: the ``_extra_state`` entries `sharded_state_dict` adds hold
+        nothing and have no module here (as megatron-core's linears ignore theirs)."""
+        for key in [k for k in state_dict if k.startswith(prefix)
+                    and _EXTRA_STATE_KEY.fullmatch(k[len(prefix):])]:
+            del state_dict[key]
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass (no delayed wgrad)."""
+
+
+def _empty_object(key: str, sharded_offsets: tuple, replica: tuple) -> ShardedObject:
+    """An ``_extra_state`` entry holding None at ``sharded_offsets`` (whole shards: the
+    object's offset and shape on each axis), as megatron-core saves a linear's empty one."""
+    offsets = sorted(sharded_offsets)
+    if [axis for axis, _, _ in offsets] != list(range(len(offsets))):
+        raise ValueError(f"sharded_offsets are wrong for {key}: {sharded_offsets}; "
+                         "expected one entry for each leading axis")
+    shape = tuple(size for _, _, size in offsets) or (1,)
+    offset = tuple(position for _, position, _ in offsets) or (0,)
+    return ShardedObject(key, None, shape, offset, replica_id=replica)
 
 
 def _rank_and_size(group) -> tuple:

@@ -305,8 +305,8 @@ def test_a_sharded_training_checkpoint_exports_to_hugging_face(converted, tmp_pa
 
 @pytest.mark.parametrize("family", ["qwen3", "nemotron_h_dense"])
 def test_sft_from_hugging_face_under_graphs(dist, converted, tmp_path, family):
-    """examples/hf/sft_from_hugging_face.py on a tiny model: chat SFT under local layer
-    graphs from the converted checkpoint; the first logged loss is the Hugging Face model's on
+    """examples/hf/sft_from_hugging_face.py on a tiny model: 300 iterations of chat SFT under
+    local layer graphs from the converted checkpoint; the first logged loss is the Hugging Face model's on
     the run's first micro-batches; the trained checkpoint exports, reloads in transformers,
     and its greedy tokens are the trained fork model's."""
     from megatron.core import dist_checkpointing
@@ -318,10 +318,10 @@ def test_sft_from_hugging_face_under_graphs(dist, converted, tmp_path, family):
     example = load_example()
     kind = FAMILIES[family][1]
     hf = FAMILIES[family][0](tmp_path / "hf")
-    data = write_chat_data(tmp_path / "chat.jsonl", conversations=256)
+    data = write_chat_data(tmp_path / "chat.jsonl", conversations=4096)
     work = str(tmp_path / "work")
     conversion = example.convert(hf, work)
-    command = example.training_command(conversion, data, work, train_iters=20, seq_length=256,
+    command = example.training_command(conversion, data, work, train_iters=300, seq_length=256,
                                         global_batch_size=2, lr=1e-3, capacity=16)
     example.train(command, os.path.join(work, "train.log"))
     records = read_metrics(os.path.join(work, "metrics.jsonl"))

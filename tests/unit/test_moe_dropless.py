@@ -635,15 +635,16 @@ def test_an_expert_parallel_layer_computes_what_one_rank_computes(cpu_moe, unali
 # -------------------------------------------------------------------------------- checkpoints
 
 def test_the_experts_checkpoint_as_all_experts_of_the_layer(cpu_moe):
-    """One tensor per linear with every expert of the layer (this rank's at their global
-    index; EP = 2: tests the worker's ranks below), the layer axis first."""
+    """One tensor per linear with every expert of the layer under SequentialMLP's key (this
+    rank's at their global index; EP = 2: tests the worker's ranks below), the layer axis
+    first; the layout against SequentialMLP's: test_moe_experts_checkpoint.py."""
     _, ours = _layers()
     experts = ours.mlp.experts
     sharded = experts.sharded_state_dict(prefix="layers.mlp.experts.",
                                          sharded_offsets=((0, 1, 4),))  # layer 1 of 4
-    assert sorted(sharded) == ["layers.mlp.experts.fc1_weight", "layers.mlp.experts.fc2_weight"]
     fc1 = sharded["layers.mlp.experts.fc1_weight"]
-    assert fc1.key == "layers.mlp.experts.fc1_weight" and fc1.data is experts.fc1_weight
+    assert fc1.key == "layers.mlp.experts.experts.linear_fc1.weight"
+    assert fc1.data is experts.fc1_weight
     assert fc1.global_shape == (4, EXPERTS, 32, HIDDEN) and fc1.global_offset == (1, 0, 0, 0)
     assert fc1.replica_id == (0, 0, 0)
     assert sharded["layers.mlp.experts.fc2_weight"].global_shape == (4, EXPERTS, HIDDEN, 16)
