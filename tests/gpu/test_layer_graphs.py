@@ -11,22 +11,9 @@ import statistics
 import pytest
 import torch
 
-import pretrain_gpt
-import pretrain_mamba
-from megatron.core.distributed import DistributedDataParallel
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
-from megatron.core.transformer.module import Float16Module
-from megatron.packed_graphs.core_patches import apply_core_patches
-from megatron.packed_graphs.runtime import GraphRuntime
-from megatron.packed_graphs.schedule import GraphRuntimeSchedule
-from megatron.packed_training.arguments import parse_args
-from megatron.packed_training.config import transformer_config_from_args
-from megatron.packed_training.datasets.mock import MockPackedDataset
-from megatron.packed_training.datasets.packing import collate_packed_rows
+from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 from megatron.packed_training.extra_args import is_importable
-from megatron.packed_training.packed_step import PackedForwardStep, masked_lm_loss, to_device_micro_batch
-from megatron.training.training import get_megatron_ddp_config
+from tests.gpu.capture import seam_replay_makes_no_host_sync
 from tests.gpu.launch import TINY_GPT, TINY_HYBRID, TRAIN, losses, run_training
 from tools.compare_graph_grads import compare_replay_with_eager
 
@@ -103,45 +90,11 @@ def test_capacity_ladder_training_matches_eager(tmp_path):
 
 @pytest.mark.parametrize("kind", ["gpt", "hybrid"])
 def test_replay_forward_backward_has_no_host_sync(dist, kind):
-    argv, module = (TINY_GPT, pretrain_gpt) if kind == "gpt" else (TINY_HYBRID, pretrain_mamba)
-    args = parse_args(argv + TRAIN + ["--train-iters", "4", "--cuda-graph-impl", "local",
-                                      "--cuda-graph-max-packed-seqs", "32",
-                                      "--cuda-graph-warmup-steps", "1"], model=kind)
-    apply_core_patches()
-    config = transformer_config_from_args(args)
-    # DDP (Megatron-LM's config from the arguments): megatron-core's backward graphs
-    # accumulate weight gradients into main_grad.
-    model = DistributedDataParallel(
-        config, get_megatron_ddp_config(args),
-        Float16Module(config, module.model_provider(args, config).cuda()))
-    config.no_sync_func = model.no_sync
-    step = PackedForwardStep.from_args(args, with_seq_idx=kind == "hybrid")
-    runtime = GraphRuntime.from_args(args, [model], config)
-    # The training loop's seam: megatron-core's schedule behind the runtime.
-    seam = GraphRuntimeSchedule(runtime, get_forward_backward_func(),
-                                stream_length=args.micro_batch_size * args.seq_length)
-    data = MockPackedDataset(64, args.seq_length, args.vocab_size, seed=7, doc_length_median=128)
-    batches = iter(collate_packed_rows([data[i]]) for i in range(64))
-
-    for _ in range(2):  # one eager warm-up iteration, then the capture iteration
-        seam(forward_step_func=step, data_iterator=batches, model=[model], num_microbatches=2)
-        seam.close_iteration()  # no optimizer step here
-    assert _CudagraphGlobalRecord.cudagraph_created and runtime.captured == {(1, 32)}
-
-    batch = next(batches)
-    mb = to_device_micro_batch(batch, with_seq_idx=kind == "hybrid", static_max_seqlen=True,
-                               capacity=32)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        output = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                       packed_seq_params=mb.params)
-        loss, _, _ = masked_lm_loss(mb.loss_mask, output)
-        loss.backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    argv = TINY_GPT if kind == "gpt" else TINY_HYBRID
+    loss = seam_replay_makes_no_host_sync(argv + TRAIN + [
+        "--train-iters", "4", "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32",
+        "--cuda-graph-warmup-steps", "1"], kind)
     assert torch.isfinite(loss).item()
-    delete_cuda_graphs()
 
 
 @pytest.mark.gpus(2)

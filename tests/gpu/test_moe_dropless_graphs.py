@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.packed_training.extra_args import is_importable
+from tests.gpu.capture import capture_without_host_sync, seam_replay_makes_no_host_sync
 from tests.gpu.launch import (
     LAYER_GRAPHS,
     TINY_GPT_MOE,
@@ -104,15 +105,7 @@ def test_a_captured_grouped_gemm_replays_new_offsets_bit_for_bit(dist):
         out = grouped_linear(x, weight, offsets)
         return (out, *torch.autograd.grad(out, (x, weight), grad))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture_without_host_sync(step, warmup=3)
     for ends in ([8, 16, 88, 96], [64, 72, 80, 88], [24, 48, 72, 96]):
         offsets.copy_(torch.tensor(ends, dtype=torch.int32))
         graph.replay()
@@ -212,15 +205,7 @@ def test_a_captured_layer_replays_any_routing_bit_for_bit(dist):
         out, _ = layer.mlp(x, padding_mask=mask)
         return (out, *torch.autograd.grad(out, [x, *params], grad))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture_without_host_sync(step, warmup=3)
     for uniform, seed in ((False, 2), (True, 3), (False, 4)):  # (True: two experts take all)
         static_hidden.copy_(_inputs(uniform, seed)[0])
         graph.replay()
@@ -254,57 +239,10 @@ def test_replayed_gradients_equal_eager(dist, kind):
 
 @needs_flag
 def test_a_replayed_step_makes_no_host_sync(dist):
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
-    from megatron.core.transformer.module import Float16Module
-    from megatron.training.training import get_megatron_ddp_config
-
-    import pretrain_gpt
-    from megatron.packed_graphs.core_patches import apply_core_patches
-    from megatron.packed_graphs.runtime import GraphRuntime
-    from megatron.packed_graphs.schedule import GraphRuntimeSchedule
-    from megatron.packed_training.arguments import parse_args
-    from megatron.packed_training.config import transformer_config_from_args
-    from megatron.packed_training.datasets.mock import MockPackedDataset
-    from megatron.packed_training.datasets.packing import collate_packed_rows
-    from megatron.packed_training.packed_step import (
-        PackedForwardStep,
-        masked_lm_loss,
-        to_device_micro_batch,
-    )
-
-    args = parse_args(TINY_GPT_MOE + DROPLESS_GRAPHS + TRAIN + [
+    loss = seam_replay_makes_no_host_sync(TINY_GPT_MOE + DROPLESS_GRAPHS + TRAIN + [
         "--train-iters", "4", "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "32",
-        "--cuda-graph-warmup-steps", "1"], model="gpt")
-    apply_core_patches()
-    config = transformer_config_from_args(args)
-    model = DistributedDataParallel(config, get_megatron_ddp_config(args), Float16Module(
-        config, pretrain_gpt.model_provider(args, config).cuda()))
-    config.no_sync_func = model.no_sync
-    step = PackedForwardStep.from_args(args, with_seq_idx=False)
-    runtime = GraphRuntime.from_args(args, [model], config)
-    seam = GraphRuntimeSchedule(runtime, get_forward_backward_func(),
-                                stream_length=args.micro_batch_size * args.seq_length)
-    data = MockPackedDataset(64, args.seq_length, args.vocab_size, seed=7, doc_length_median=128)
-    batches = iter(collate_packed_rows([data[i]]) for i in range(64))
-    for _ in range(2):  # one eager warm-up iteration, then the capture iteration
-        seam(forward_step_func=step, data_iterator=batches, model=[model], num_microbatches=2)
-        seam.close_iteration()
-    assert _CudagraphGlobalRecord.cudagraph_created and runtime.captured == {(1, 32)}
-    mb = to_device_micro_batch(next(batches), with_seq_idx=False, static_max_seqlen=True,
-                               capacity=32, with_padding_mask=True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        output = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                       packed_seq_params=mb.params)
-        loss, _, _ = masked_lm_loss(mb.loss_mask, output)
-        loss.backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+        "--cuda-graph-warmup-steps", "1"], "gpt", with_padding_mask=True)
     assert torch.isfinite(loss).item()
-    delete_cuda_graphs()
 
 
 # ---------------------------------------------------------------------------------- training
