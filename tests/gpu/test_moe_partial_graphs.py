@@ -46,19 +46,17 @@ COMMON = TRAIN + (["--te-rng-tracker"] if is_importable("transformer_engine") el
 
 def _reset_graph_state():
     """Forget every recorded or captured local graph, a capture left half done included
-    (its capture flag and buffer counts), and the MoE metrics tracker's entries."""
+    (its capture flag and buffer counts)."""
     from megatron.core.transformer import cuda_graphs
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     cuda_graphs.delete_cuda_graphs()
     cuda_graphs._set_capture_end()
     cuda_graphs.fwd_buffer_reuse_ref_count = cuda_graphs.bwd_buffer_reuse_ref_count = 0
-    get_moe_metrics_tracker().metrics.clear()
 
 
 @pytest.fixture
 def fresh_graph_state(dist):
-    """No graph or MoE metric of an earlier in-process test, and none left for a later one."""
+    """No graph of an earlier in-process test, and none left for a later one."""
     _reset_graph_state()
     yield
     _reset_graph_state()

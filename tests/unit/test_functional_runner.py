@@ -153,7 +153,10 @@ def test_graph_case_shares_its_eager_twins_golden_file(graphs, eager, graph_flag
     assert graph_case.metrics == eager_case.metrics
     assert graph_case.model_args["--global-batch-size"] == 4  # accumulation under graphs
     assert graph_case.tolerances["lm loss"] == gv.Tolerance(atol=5e-3)
-    assert eager_case.tolerances["lm loss"] == gv.Tolerance(atol=2e-3)
+    # An eager case's tolerance is its measured run-to-run spread: 2e-3, 5e-3 for GPT-MoE
+    # (a flipped expert choice); never wider than its graph twin's.
+    expected = 5e-3 if eager == "gpt_moe/gpt_moe_eager" else 2e-3
+    assert eager_case.tolerances["lm loss"] == gv.Tolerance(atol=expected)
 
 
 @pytest.mark.parametrize("graphs,eager", [
@@ -664,7 +667,7 @@ def test_runner_records_and_compares_the_moe_metrics(cases_copy, tmp_path, monke
     assert "FAILED: load_balancing_loss do not match" in err
 
 
-@pytest.mark.parametrize("name", ["gpt/gpt_eager", "hybrid_moe/hybrid_moe_eager"])
+@pytest.mark.parametrize("name", ["hybrid/hybrid_eager_pp2", "hybrid_moe/hybrid_moe_eager"])
 def test_golden_files_from_the_old_loop_still_compare(name, cases_copy, tmp_path, monkeypatch,
                                                       capsys):
     """The kept golden files hold keys no longer recorded (memory, dropped-slot fraction):
