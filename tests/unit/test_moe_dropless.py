@@ -194,6 +194,27 @@ def test_dispatch_gradient_adds_each_tokens_rows_in_expert_order():
     assert not hidden.grad[26:].any()  # padding: routed nowhere
 
 
+def test_combine_gradient_is_each_rows_token_gradient():
+    """The combine's backward (a gather, no atomics): a routed row gets its token's gradient,
+    as megatron-core's unpermutation backward gives it; every other row (alignment padding,
+    the spare row unrouted slots point at) gets zero, whatever the row held."""
+    routing_map = random_map(40, EXPERTS, TOPK, padding=6, seed=6)
+    hidden, probs = torch.randn(40, HIDDEN), torch.rand(40, EXPERTS)
+    layout = dropless_layout(routing_map, TOPK, 4)
+    _, _, sorted_indices = _megatron_permutation(hidden, probs, routing_map)
+    real = layout.row_slots < 40 * TOPK
+    expert_rows = torch.randn(int(routing_map.sum()), HIDDEN, requires_grad=True)
+    ours = torch.full((layout.num_rows, HIDDEN), float("nan"))
+    ours[real] = expert_rows.detach()
+    ours.requires_grad_()
+    grad = torch.randn(40, HIDDEN)
+    combine_rows(ours, layout).backward(grad)
+    unpermute(expert_rows, sorted_indices, restore_shape=hidden.shape,
+              routing_map=routing_map).backward(grad)
+    assert torch.equal(ours.grad[real], expert_rows.grad)
+    assert torch.equal(ours.grad[~real], torch.zeros_like(ours.grad[~real]))
+
+
 # ------------------------------------------------------------------------------ grouped GEMM
 
 def test_reference_grouped_gemm_is_a_per_group_matmul():
