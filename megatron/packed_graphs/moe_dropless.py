@@ -210,13 +210,14 @@ def _gather_tokens(tokens: Tensor, row_tokens: Tensor) -> Tensor:
 def _sum_slots(rows: Tensor, slot_rows: Tensor, slot_valid: Tensor) -> Tensor:
     """``[T, H]``: for each token the sum of its routed slots' rows, in slot (= expert) order
     (``(0 + r_1) + r_2 + ...``, as megatron-core's unpermutation adds them on CPU). Unrouted
-    slots add nothing (``where``, not a product: the rows they point at may hold any value)."""
-    num_tokens, topk = slot_rows.shape
-    per_slot = rows.index_select(0, slot_rows.view(-1)).view(num_tokens, topk, -1)
-    per_slot = torch.where(slot_valid.unsqueeze(-1), per_slot, 0)
-    total = per_slot[:, 0]
-    for j in range(1, topk):
-        total = total + per_slot[:, j]
+    slots add nothing (a fill, not a product: the rows they point at may hold any value).
+
+    One slot at a time, on contiguous ``[T, H]`` gathers, in place: no ``[T, top-k, H]``
+    buffer and no strided kernels. Not differentiable itself (`_GatherTokens`, `_SumSlots`)."""
+    total = None
+    for j in range(slot_rows.shape[1]):
+        row = rows.index_select(0, slot_rows[:, j]).masked_fill_(~slot_valid[:, j, None], 0)
+        total = row if total is None else total.add_(row)
     return total
 
 
