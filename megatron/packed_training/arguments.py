@@ -25,8 +25,7 @@ DEFAULT_VOCAB_SIZE = 32000  # pre-tokenized data without --vocab-size (NullToken
 _PERCENT = re.compile(r"%(?:%|\([a-z_]+\)[a-z])?")
 # What megatron-core and torch print while Megatron-LM's parser is imported without Apex, TE
 # or a CUDA toolkit, ten lines before every message (the start-up notes say the fallbacks).
-_IMPORT_NOTICES = ("Apex is not installed", "Transformer Engine and Apex are not installed",
-                   "supports MoE experts")
+_IMPORT_NOTICES = ".*(Apex is not installed|Apex are not installed|supports MoE experts)"
 
 
 @contextlib.contextmanager
@@ -36,8 +35,7 @@ def _without_import_notices():
     cuda_home.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
-            for notice in _IMPORT_NOTICES:
-                warnings.filterwarnings("ignore", message=f".*{notice}")
+            warnings.filterwarnings("ignore", message=_IMPORT_NOTICES)
             yield
     finally:
         cuda_home.setLevel(level)
@@ -76,8 +74,7 @@ def _unknown_name_is_a_bad_value(convert, choices):
     return convert_or_refuse
 
 
-def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
-               ) -> argparse.Namespace:
+def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> argparse.Namespace:
     """Parse and validate ``argv`` (default ``sys.argv[1:]``) for ``model`` ('gpt' | 'hybrid'):
     Megatron-LM's ``validate_args`` and the fork's rules; no global state. Raises ``ValueError``
     with the value and the fix; argparse's own errors (an unknown flag, a bad choice) exit with
@@ -85,34 +82,33 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
     with _without_import_notices():
         from megatron.training.arguments import validate_args
 
-        from megatron.packed_training.extra_args import (
-            hand_graph_flags_to_the_runtime,
-            prepare_upstream_args,
-            validate_packed_args,
-        )
+        from megatron.packed_training import extra_args
 
     if model not in MODELS:
         raise ValueError(f"model is wrong: {model!r}. Use one of {', '.join(MODELS)}.")
     parser = build_parser()
     if raise_on_error:  # a library caller gets a ValueError, not an exit
-        parser.exit_on_error = False
-
-        def error(message):
-            raise ValueError(f"arguments are wrong: {message}.")
+        def error(message):  # argparse's every error, an ArgumentError's message included
+            raise ValueError(f"arguments are wrong: {message}.") from None
 
         parser.error = error
-    try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    except argparse.ArgumentError as err:  # raise_on_error only
-        raise ValueError(f"arguments are wrong: {err}.") from None
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     # What Megatron-LM's own parse_args adds after parsing.
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
     args.rank = int(os.getenv("RANK", "0"))
     args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+    # --use-checkpoint-args as in Megatron-LM: what the line leaves unset comes from
+    # --pretrained-checkpoint, then --load (rank 0's files, no process group needed).
     if args.use_checkpoint_args:
-        _take_checkpoint_args(args)
-    prepare_upstream_args(args, model)
-    hand_graph_flags_to_the_runtime(args)  # before upstream's checks of its own graphs
+        if args.load is None and args.pretrained_checkpoint is None:
+            raise ValueError("--use-checkpoint-args is given without a checkpoint. Add --load "
+                             "or --pretrained-checkpoint, or drop --use-checkpoint-args.")
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
+        load_args_from_checkpoint(args)
+    extra_args.prepare_upstream_args(args, model)
+    extra_args.hand_graph_flags_to_the_runtime(args)  # before upstream's checks of its graphs
     if args.tokenizer_type is None:  # pre-tokenized data: ids below --vocab-size
         args.tokenizer_type = "NullTokenizer"
         args.vocab_size = args.vocab_size or DEFAULT_VOCAB_SIZE
@@ -122,10 +118,12 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
     split, valid_data_path, args.valid_data_path = args.split, args.valid_data_path, None
     try:
         validate_args(args, UPSTREAM_DEFAULTS)
-    except AssertionError as err:  # Megatron-LM's checks are asserts
-        raise ValueError(str(err) or _failed_check(err)) from None
+    except AssertionError as err:  # Megatron-LM's checks are asserts; a bare one: its line
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        raise ValueError(str(err) or f"Megatron-LM's argument check `{frame.line}` failed "
+                         f"({os.path.basename(frame.filename)}:{frame.lineno})") from None
     args.split, args.valid_data_path = split, valid_data_path
-    validate_packed_args(args, model)
+    extra_args.validate_packed_args(args, model)
     if args.tokenizer_type == "NullTokenizer":
         # Megatron-LM sets it at start-up; here the parsed arguments build a model as they are.
         from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
@@ -139,36 +137,14 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False
     return args
 
 
-def _take_checkpoint_args(args) -> None:
-    """--use-checkpoint-args as in Megatron-LM: what the command line leaves unset comes from
-    --pretrained-checkpoint, then --load (rank 0's files, no process group needed)."""
-    from megatron.training.checkpointing import load_args_from_checkpoint
-
-    if args.load is None and args.pretrained_checkpoint is None:
-        raise ValueError("--use-checkpoint-args is given without a checkpoint. Add --load or "
-                         "--pretrained-checkpoint, or drop --use-checkpoint-args.")
-    load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
-    load_args_from_checkpoint(args)
-
-
 def _has_validation_data(args) -> bool:
-    if args.mock_data or args.valid_data_path:
-        return True
-    if args.split is None:
-        return False
     from megatron.packed_training.datasets.builder import split_shares
 
     try:
-        return split_shares(args.split)[1] > 0
+        return bool(args.mock_data or args.valid_data_path
+                    or (args.split is not None and split_shares(args.split)[1] > 0))
     except ValueError:
         return True  # the data check reports the bad --split
-
-
-def _failed_check(err: AssertionError) -> str:
-    """An assert without a message: the check's own source line, which names the flags."""
-    frame = traceback.extract_tb(err.__traceback__)[-1]
-    return (f"Megatron-LM's argument check `{frame.line}` failed "
-            f"({os.path.basename(frame.filename)}:{frame.lineno})")
 
 
 def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace:

@@ -1,8 +1,7 @@
-"""The fork's flags on Megatron-LM's parser (`add_packed_args`, the scripts'
-``extra_args_provider``) and its rules for a whole run (`validate_packed_args`, after
-Megatron-LM's ``validate_args``): one check per feature, each raising ``ValueError("<what> is
-wrong: <value>. <what to do>.")`` (`fail`). The graph flags go to the fork's graph runtime
-(`hand_graph_flags_to_the_runtime`). Every flag: docs/flags.md.
+"""The fork's flags (`add_packed_args`, the scripts' ``extra_args_provider``) and its rules for a
+whole run (`validate_packed_args`, after Megatron-LM's ``validate_args``): one check per feature,
+each raising ``ValueError("<what> is wrong: <value>. <what to do>.")`` (`fail`). The graph flags
+go to the fork's graph runtime (`hand_graph_flags_to_the_runtime`). Every flag: docs/flags.md.
 """
 
 import argparse
@@ -15,6 +14,8 @@ GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 TE_ATTENTION = ("flash", "fused", "unfused")  # Megatron's TE attention backends
 PARTIAL_MOE_MODULES = (CudaGraphModule.moe_router.name, CudaGraphModule.moe_preprocess.name)
 ROW_ALIGNMENT = 8  # torch._grouped_mm (dropless MoE graphs): rows of 16 bytes, 8 bf16 values
+MOE_ONLY = "It configures MoE layers; add --num-experts or drop the flag"
+DATA_PATHS = (("--data-path", "data_path"), ("--valid-data-path", "valid_data_path"))
 
 
 def fail(what: str, value, todo: str):
@@ -22,11 +23,11 @@ def fail(what: str, value, todo: str):
     raise ValueError(f"{what} is wrong: {value}. {todo}.")
 
 
-def refuse(*rules) -> None:
-    """`fail` on the first rule ``(refused, flag, value, todo)`` whose ``refused`` holds."""
+def refuse(*rules, suffix: str = "") -> None:
+    """`fail` on the first rule ``(refused, flag, value, todo)`` that holds (todo + suffix)."""
     for refused, flag, value, todo in rules:
         if refused:
-            fail(flag, value, todo)
+            fail(flag, value, todo + suffix)
 
 
 def is_importable(package: str) -> bool:
@@ -39,29 +40,28 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cuda-graph-max-packed-seqs", type=int, nargs="?", const=50, default=0,
                    help="Graph capacity: packed documents per micro-batch (bare flag: 50; 0: "
                         "off). Choose it with tools/capacity_advisor.py.")
-    g.add_argument("--cuda-graph-capacity-ladder", type=int, nargs="+", default=None,
-                   metavar="N", help="Smaller capacities below --cuda-graph-max-packed-seqs, "
-                                     "ascending; each micro-batch takes the smallest that fits.")
+    g.add_argument("--cuda-graph-capacity-ladder", type=int, nargs="+", metavar="N",
+                   help="Smaller capacities below --cuda-graph-max-packed-seqs, ascending; "
+                        "each micro-batch takes the smallest that fits.")
     g.add_argument("--cuda-graph-granularity", choices=["layer", "chunk"], default="layer",
                    help="layer: graphs per layer; chunk: one graph pair per pipeline model "
                         "chunk and in-flight micro-batch (local impl).")
     g.add_argument("--cuda-graph-check-interval", type=int, default=0, metavar="N",
-                   help="Every N training iterations replay one graphed micro-batch, run it "
-                        "eager too and compare loss and gradient norm (0: off).")
+                   help="Every N iterations compare one graphed micro-batch with eager (0: off).")
     g.add_argument("--cuda-graph-check-tolerance", type=float, default=0.01,
                    help="Largest relative difference the health check accepts.")
     g.add_argument("--cuda-graph-check-action", choices=["warn", "disable"], default="warn",
                    help="On a health-check divergence: warn, or turn graphs off.")
-    g.add_argument("--dynamic-cp-sizes", type=int, nargs="+", default=None,
+    g.add_argument("--dynamic-cp-sizes", type=int, nargs="+",
                    help="Dynamic context parallelism: the CP sizes a micro-batch may get.")
-    g.add_argument("--dynamic-cp-max-packed-seqs", type=int, nargs="+", default=None,
+    g.add_argument("--dynamic-cp-max-packed-seqs", type=int, nargs="+",
                    help="Graph capacity per dynamic CP size.")
     g = parser.add_argument_group("packed data", "docs/data-format.md")
     g.add_argument("--long-document-policy", choices=["truncate", "split", "reject"],
                    default="split",
                    help="A document longer than a row: split into row-sized pieces (default), "
                         "truncate to --seq-length + 1 tokens, or reject naming file:line.")
-    g.add_argument("--max-truncated-token-fraction", type=float, default=None,
+    g.add_argument("--max-truncated-token-fraction", type=float,
                    help="With truncate: stop before training when truncation drops more than "
                         "this fraction of a file's tokens (default 0.05).")
     g.add_argument("--mock-doc-length-median", type=float, default=512,
@@ -71,37 +71,29 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-capacity-overflow", choices=["drop", "rerun"], default="drop",
                    help="A micro-batch that overflows the expert capacity: drop tokens "
                         "(Megatron's behaviour) or rerun it eager and dropless.")
-    g.add_argument("--moe-router-load-file", default=None,
-                   help="With rerun: write the measured router loads (for "
-                        "tools/capacity_advisor.py).")
-    add_moe_dropless_args(g)
+    g.add_argument("--moe-router-load-file",
+                   help="With rerun: write the router loads here (tools/capacity_advisor.py).")
+    g.add_argument("--moe-dropless-graphs", action="store_true",
+                   help="Dropless MoE layers with static shapes, captured by whole-layer CUDA "
+                        "graphs whatever the routing (no capacity, drop or rerun; bf16).")
+    g.add_argument("--moe-router-skew", type=float, default=0.0, metavar="FRACTION",
+                   help="Benchmarks: a fixed router logit bias that sends about FRACTION of "
+                        "the routed slots to the first eighth of the experts (0: off).")
     g.add_argument("--mla-pad-v", choices=["always", "never"], default="always",
                    help="Packed MLA: pad V to the query head size (always) or not (never).")
-    g.add_argument("--metrics-file", default=None,
+    g.add_argument("--metrics-file",
                    help="JSON-lines file: one record per training iteration and evaluation.")
-    g.add_argument("--profile-trace-dir", default=None,
+    g.add_argument("--profile-trace-dir",
                    help="With --profile: Chrome traces of the profiled iterations here.")
     return parser
 
 
-def add_moe_dropless_args(group) -> None:
-    """``--moe-dropless-graphs`` and ``--moe-router-skew`` (docs/moe.md), on ``group``."""
-    group.add_argument("--moe-dropless-graphs", action="store_true",
-                       help="MoE layers dropless with static shapes: whole-layer CUDA graphs "
-                            "capture them whatever the routing (no capacity, no drop, no "
-                            "rerun; bf16).")
-    group.add_argument("--moe-router-skew", type=float, default=0.0, metavar="FRACTION",
-                       help="Benchmarks: a fixed router logit bias that sends about FRACTION "
-                            "of the routed slots to the first eighth of the experts (0: off).")
-
-
 def hand_graph_flags_to_the_runtime(args) -> None:
-    """``--cuda-graph-impl`` and ``--optimizer-cuda-graph`` are the runtime's: their values move
-    to ``args.packed_graph_impl`` / ``packed_optimizer_graph``, and Megatron-LM's loop, which
-    would build graphs of its own, sees ``local`` (graph-safe RNG, megatron-core's local graph
-    managers in the layers) or ``none``, and False. Runs before ``validate_args`` and after it,
-    taking the implementation upstream derived from a deprecated spelling (--enable-cuda-graph,
-    --external-cuda-graph, --cuda-graph-modules full_iteration)."""
+    """Move ``--cuda-graph-impl`` / ``--optimizer-cuda-graph`` to ``args.packed_graph_impl`` /
+    ``packed_optimizer_graph`` (the runtime's): Megatron-LM's loop, which would build its own
+    graphs, sees ``local`` (graph-safe RNG, local graph managers) or ``none``, and False. Runs
+    before and after ``validate_args`` (then taking what upstream derived from a deprecated
+    spelling: --enable-cuda-graph, --external-cuda-graph, --cuda-graph-modules full_iteration)."""
     def shown(impl: str) -> str:
         return "none" if impl == "none" else "local"
 
@@ -121,13 +113,13 @@ def prepare_upstream_args(args, model: str) -> None:
     args.model = model
     if args.attention_backend.name == "local" and args.spec is None:
         args.spec = ["local"]
-    for flag in ("--data-path", "--valid-data-path"):
-        paths = getattr(args, _dest(flag))
+    for flag, dest in DATA_PATHS:
+        paths = getattr(args, dest)
         if isinstance(paths, list):
             if len(paths) > 1:
-                fail(flag, " ".join(paths),
+                fail(flag, _shown(paths),
                      "This fork reads one packed JSONL file per split (no blends); give one path")
-            setattr(args, _dest(flag), paths[0] if paths else None)
+            setattr(args, dest, paths[0] if paths else None)
     if args.rampup_batch_size and args.step_batch_size_schedule is None:
         args.step_batch_size_schedule = rampup_schedule(
             args.rampup_batch_size, args.global_batch_size, args.seq_length)
@@ -139,14 +131,14 @@ def rampup_schedule(rampup, global_batch_size, seq_length: int) -> str:
     ..."`` schedule (thresholds in tokens, samples x --seq-length): INCREMENT more samples per
     batch every SAMPLES / ((GBS - START) / INCREMENT) consumed samples, from START to GBS."""
     start, increment, samples = (int(x) for x in rampup)
-    shown = " ".join(str(x) for x in rampup)
     if global_batch_size is None:
-        fail("--rampup-batch-size", shown, "It ramps up to --global-batch-size: give that too")
+        fail("--rampup-batch-size", _shown(rampup),
+             "It ramps up to --global-batch-size: give that too")
     if not (0 < start <= global_batch_size and increment > 0 and samples >= 0
             and (global_batch_size - start) % increment == 0):
-        fail("--rampup-batch-size", shown,
-             f"Give START INCREMENT SAMPLES with 0 < START <= --global-batch-size "
-             f"({global_batch_size}), INCREMENT > 0 dividing {global_batch_size} - START")
+        fail("--rampup-batch-size", _shown(rampup), "Give START INCREMENT SAMPLES with 0 < "
+             f"START <= --global-batch-size ({global_batch_size}), INCREMENT > 0 dividing "
+             f"{global_batch_size} - START")
     steps = (global_batch_size - start) // increment
     per_step = samples / steps if steps else 0
     # Fewer ramp-up samples than steps: several increments land at one threshold, and the
@@ -157,9 +149,8 @@ def rampup_schedule(rampup, global_batch_size, seq_length: int) -> str:
 
 
 def validate_packed_args(args, model: str) -> argparse.Namespace:
-    """The fork's rules, after Megatron-LM's ``validate_args``. Fills derived values in place
-    (``packed_graph_impl``, ``packed_cuda_graph_modules`` as names, ``num_microbatches``,
-    ``te_rng_tracker``, ``packed_notes``: start-up log lines). Returns args."""
+    """The fork's rules, after ``validate_args``. Fills ``packed_graph_impl``, ``num_microbatches``,
+    ``packed_cuda_graph_modules`` (names), ``te_rng_tracker``, ``packed_notes`` (start-up log)."""
     hand_graph_flags_to_the_runtime(args)
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size
                                                        * args.data_parallel_size)
@@ -175,11 +166,9 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     # --profile without --use-pytorch-profiler is the fork's nsys range (profiling.py), not
     # Megatron-LM's, which would hold torch's autograd profiler (emit_nvtx) at the same time.
     args.packed_profile = bool(args.profile and not args.use_pytorch_profiler)
-    if args.packed_profile:
-        args.profile = False
+    args.profile = args.profile and not args.packed_profile
     if not uses_te_attention(args):  # the TE-free path: RoPE by gather, torch norms
-        args.apply_rope_fusion = False
-        args.no_persist_layer_norm = True
+        args.apply_rope_fusion, args.no_persist_layer_norm = False, True
     check_attention(args)
     check_mamba(args, model)
     check_tokenizer(args)
@@ -209,8 +198,7 @@ def check_attention(args) -> None:
             "install TE and use auto, flash or fused"),
            (name in TE_ATTENTION and not is_importable("transformer_engine"),
             "--attention-backend", name, "It is a Transformer Engine backend and TE is not "
-            "importable: install it (`pip install .[te]`), or use local (PyTorch varlen "
-            "attention)"))
+            "importable: install it (`pip install .[te]`), or use local (PyTorch varlen)"))
 
 
 def check_mamba(args, model: str) -> None:
@@ -230,18 +218,15 @@ def check_tokenizer(args) -> None:
     from megatron.packed_training.datasets.chat import chat_line
     from megatron.packed_training.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
-    if args.tokenizer_type in TOKENIZER_TYPES:
-        if args.tokenizer_model is None:
-            fail("--tokenizer-type", args.tokenizer_type,
-                 "It needs --tokenizer-model <local tokenizer folder or tokenizer.json>")
+    if args.tokenizer_type in TOKENIZER_TYPES:  # load_tokenizer refuses a missing/bad model
         size = load_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
         if args.vocab_size is not None and args.vocab_size != size:
             fail("--vocab-size", args.vocab_size,
                  f"--tokenizer-model {args.tokenizer_model} has {size} tokens and sets the "
                  f"vocabulary size; drop --vocab-size or set it to {size}")
         args.vocab_size = size
-    for flag in ("--data-path", "--valid-data-path"):
-        path = getattr(args, _dest(flag))
+    for flag, dest in DATA_PATHS:
+        path = getattr(args, dest)
         line = chat_line(path) if path else None
         if line is not None and not args.sft:
             fail(flag, path, f"Line {line} is a chat conversation, whose loss is on assistant "
@@ -263,49 +248,50 @@ def check_dynamic_cp(args) -> None:
         return
     impl, modules = args.packed_graph_impl, _module_names(args)
     uneven = "Ranks run different numbers of micro-batches under dynamic CP"
+    one_size = "Dynamic CP places whole global batches of one size; drop it"
     ramp = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
-    for refused, flag, value, todo in (
-            (args.context_parallel_size > 1, "--context-parallel-size", args.context_parallel_size,
-             "Dynamic CP picks each micro-batch's CP group from the data-parallel ranks; use 1"),
-            (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
-             args.pipeline_model_parallel_size, f"{uneven}, which pipeline stages cannot; use 1"),
-            (args.expert_model_parallel_size > 1, "--expert-model-parallel-size",
-             args.expert_model_parallel_size, "Ranks hold different token counts under dynamic "
-             "CP, so expert capacities would differ within one expert-parallel all-to-all; use 1"),
-            (args.micro_batch_size != 1, "--micro-batch-size", args.micro_batch_size,
-             "Under dynamic CP a micro-batch is one packed stream; use 1"),
-            (bool(args.rampup_batch_size or args.step_batch_size_schedule), ramp,
-             _shown(getattr(args, _dest(ramp))),
-             "Dynamic CP places whole global batches of one size; drop it"),
-            (args.decrease_batch_size_if_needed, "--decrease-batch-size-if-needed", True,
-             "Dynamic CP places whole global batches of one size; drop it"),
-            (not args.calculate_per_token_loss, "--calculate-per-token-loss", "not given",
-             f"{uneven}, so only the per-token loss weighs them right; add it"),
-            (impl in ("local", "full_iteration"), "--cuda-graph-impl", impl,
-             "Dynamic CP graphs are banks of TE layer graphs, one per CP size; use "
-             "transformer_engine, or none"),
-            (args.cuda_graph_check_interval > 0, "--cuda-graph-check-interval",
-             args.cuda_graph_check_interval, "Each rank checks its first graphed micro-batch, "
-             "and the ranks of a dynamic CP group need not pick the same one; drop it"),
-            ("moe_preprocess" in modules, "--cuda-graph-modules", _shown(modules),
-             "Under dynamic CP each graph bank holds another token count, and the eager part "
-             "of an MoE layer reads shapes its preprocess graph set at capture (the last "
-             "bank's); drop moe_preprocess")):
-        if refused:
-            fail(flag, value, f"{todo}, or drop --dynamic-cp-sizes")
-    ranks = args.data_parallel_size
+    ramped = args.rampup_batch_size or args.step_batch_size_schedule
+    refuse(
+        (args.context_parallel_size > 1, "--context-parallel-size", args.context_parallel_size,
+         "Dynamic CP picks each micro-batch's CP group from the data-parallel ranks; use 1"),
+        (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
+         args.pipeline_model_parallel_size, f"{uneven}, which pipeline stages cannot; use 1"),
+        (args.expert_model_parallel_size > 1, "--expert-model-parallel-size",
+         args.expert_model_parallel_size, "Ranks hold different token counts under dynamic "
+         "CP, so expert capacities would differ within one expert-parallel all-to-all; use 1"),
+        (args.micro_batch_size != 1, "--micro-batch-size", args.micro_batch_size,
+         "Under dynamic CP a micro-batch is one packed stream; use 1"),
+        (bool(ramped), ramp, _shown(ramped), one_size),
+        (args.decrease_batch_size_if_needed, "--decrease-batch-size-if-needed", True, one_size),
+        (not args.calculate_per_token_loss, "--calculate-per-token-loss", "not given",
+         f"{uneven}, so only the per-token loss weighs them right; add it"),
+        (impl in ("local", "full_iteration"), "--cuda-graph-impl", impl, "Dynamic CP graphs are "
+         "banks of TE layer graphs, one per CP size; use transformer_engine, or none"),
+        (args.cuda_graph_check_interval > 0, "--cuda-graph-check-interval",
+         args.cuda_graph_check_interval, "Each rank checks its first graphed micro-batch, "
+         "and the ranks of a dynamic CP group need not pick the same one; drop it"),
+        ("moe_preprocess" in modules, "--cuda-graph-modules", _shown(modules),
+         "Graph banks hold different token counts, but an MoE layer's eager part reads the last "
+         "bank's preprocess shapes; drop moe_preprocess"), suffix=", or drop --dynamic-cp-sizes")
+    ranks, backend = args.data_parallel_size, args.attention_backend.name
     sizes = list(check_cp_sizes(sizes, ranks, what="--dynamic-cp-sizes"))
     shown, largest = _shown(sizes), sizes[-1]
     refuse((ranks & (ranks - 1), "--dynamic-cp-sizes", shown,
             f"Dynamic CP places micro-batches on power-of-two blocks of the {ranks} "
             "data-parallel ranks; use a power-of-two rank count"),
-           (largest > 1 and not uses_te_attention(args), "--attention-backend",
-            args.attention_backend.name, f"CP sizes above 1 (--dynamic-cp-sizes {shown}) run "
-            "Transformer Engine's context-parallel attention; install TE and use auto, flash, "
-            "fused or unfused"))
+           (largest > 1 and not uses_te_attention(args), "--attention-backend", backend,
+            f"CP sizes above 1 (--dynamic-cp-sizes {shown}) run Transformer Engine's "
+            "context-parallel attention; install TE and use auto, flash, fused or unfused"))
     if args.model == "hybrid":
-        for size in (size for size in sizes if size > 1):
-            _check_mamba_cp(args, size)
+        # What megatron-core's MambaContextParallel asserts: whole heads per CP rank, and the
+        # CP size and the B/C groups per TP rank dividing one another.
+        tp = args.tensor_model_parallel_size
+        heads, groups = _mamba_heads(args) // tp, max(args.mamba_num_groups // tp, 1)
+        for size in sizes:
+            if heads % size or max(size, groups) % min(size, groups):
+                fail("--dynamic-cp-sizes", shown, f"Mamba CP needs each size to divide the "
+                     f"{heads} Mamba heads per TP rank and to divide or be divided by the "
+                     f"{groups} groups per TP rank (--mamba-num-groups / TP); {size} does not")
     refuse((args.seq_length % (2 * largest * largest), "--seq-length", args.seq_length,
             f"With --dynamic-cp-sizes up to {largest} every rank holds --seq-length / {largest} "
             f"positions, a multiple of 2 x {largest}: use a multiple of {2 * largest ** 2}"),
@@ -314,31 +300,14 @@ def check_dynamic_cp(args) -> None:
            (capacities and (len(capacities) != len(sizes) or min(capacities) < 1),
             "--dynamic-cp-max-packed-seqs", _shown(capacities),
             f"Give one positive capacity per --dynamic-cp-sizes entry ({len(sizes)})"))
-    args.dynamic_cp_sizes = sizes
+    args.dynamic_cp_sizes, args.dynamic_cp_groups = sizes, largest > 1
     args.dynamic_cp_max_packed_seqs = list(capacities or [args.cuda_graph_max_packed_seqs]
                                            * len(sizes))
     args.dynamic_cp_tokens_per_rank = args.seq_length // largest
-    args.dynamic_cp_groups = largest > 1
-
-
-def _check_mamba_cp(args, size: int) -> None:
-    """What megatron-core's MambaContextParallel asserts for a CP group of ``size``: whole
-    heads per CP rank, and the CP size and the B/C groups per TP rank dividing one another."""
-    tp = args.tensor_model_parallel_size
-    heads, groups = _mamba_heads(args) // tp, max(args.mamba_num_groups // tp, 1)
-    if heads % size or max(size, groups) % min(size, groups):
-        fail("--dynamic-cp-sizes", _shown(args.dynamic_cp_sizes),
-             f"Mamba context parallelism needs each CP size to divide the {heads} Mamba heads "
-             f"per TP rank, and to divide or be divided by the {groups} groups per TP rank "
-             f"(--mamba-num-groups / TP); {size} does not")
 
 
 def _mamba_heads(args) -> int:
     return args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
-
-
-def _dest(flag: str) -> str:
-    return flag[2:].replace("-", "_")
 
 
 def _shown(values) -> str:
@@ -366,19 +335,16 @@ def check_graphs(args, model: str) -> None:
         return
     chunk, pp = args.cuda_graph_granularity == "chunk", args.pipeline_model_parallel_size
     refuse(
-        (capacity == 0, "--cuda-graph-max-packed-seqs", 0,
-         f"--cuda-graph-impl {impl} on packed data needs a document capacity per micro-batch, "
-         "e.g. --cuda-graph-max-packed-seqs 64; tools/capacity_advisor.py picks one from your "
-         "data"),
+        (capacity == 0, "--cuda-graph-max-packed-seqs", 0, f"--cuda-graph-impl {impl} needs a "
+         "document capacity per micro-batch, e.g. --cuda-graph-max-packed-seqs 64 "
+         "(tools/capacity_advisor.py picks one from your data)"),
         (ladder and (min(ladder) < 1 or ladder != sorted(set(ladder)) or ladder[-1] >= capacity),
          "--cuda-graph-capacity-ladder", _shown(ladder), "Give positive capacities in ascending "
          f"order, all below --cuda-graph-max-packed-seqs ({capacity})"),
         (ladder and (impl != "local" or pp > 1), "--cuda-graph-capacity-ladder", _shown(ladder),
-         "A ladder needs --cuda-graph-impl local at pipeline-parallel size 1 (other "
-         "implementations capture one capacity)"),
+         "A ladder needs --cuda-graph-impl local at pipeline-parallel size 1 (others capture one)"),
         (chunk and impl not in ("local", "full_iteration"), "--cuda-graph-granularity", "chunk",
-         f"Chunk graphs are built by the local implementation, not {impl}; add "
-         "--cuda-graph-impl local"),
+         f"Chunk graphs are the local implementation's, not {impl}; add --cuda-graph-impl local"),
         (chunk and modules, "--cuda-graph-modules", _shown(modules),
          "Chunk graphs capture whole chunks; drop --cuda-graph-modules"),
         (model == "gpt" and "mamba" in modules, "--cuda-graph-modules", "mamba",
@@ -387,54 +353,44 @@ def check_graphs(args, model: str) -> None:
          "--cuda-graph-impl", impl, "Transformer Engine is not importable; install it or use "
          "--cuda-graph-impl local"),
         (impl == "transformer_engine" and pp > 1, "--pipeline-model-parallel-size", pp,
-         "TE graphs of packed layers are captured for PP = 1; use --cuda-graph-impl local "
-         "(layer or chunk graphs) with pipeline parallelism"))
+         "TE graphs are captured for PP = 1; use --cuda-graph-impl local (layer or chunk graphs)"))
     args.cuda_graph_capacity_ladder = ladder
     if impl == "full_iteration":
-        _check_full_iteration(args)
+        refuse(
+            (args.cuda_graph_warmup_steps < 1, "--cuda-graph-warmup-steps",
+             args.cuda_graph_warmup_steps, "Full-iteration graphs need an eager iteration first "
+             "(NCCL, cuBLAS and kernel autotuning set up on first use); use 1 or more"),
+            (pp > 1, "--pipeline-model-parallel-size", pp, "Full-iteration graphs are for PP = "
+             "1: megatron-core's pipeline send/receive synchronises the device after every "
+             "exchange; use --cuda-graph-impl local"),
+            (args.context_parallel_size > 1, "--context-parallel-size",
+             args.context_parallel_size, "Context parallelism inside full-iteration graphs is "
+             "not verified; use --cuda-graph-impl local or transformer_engine"),
+            (args.num_experts is not None, "--num-experts", args.num_experts, "MoE inside "
+             "full-iteration graphs is not supported (host state per micro-batch); use "
+             "--cuda-graph-impl local"),
+            (args.cuda_graph_check_interval, "--cuda-graph-check-interval",
+             args.cuda_graph_check_interval, "The health check replays one micro-batch's "
+             "graph, not a whole iteration's; drop it or use --cuda-graph-impl local"),
+            (modules, "--cuda-graph-modules", _shown(modules), "Full-iteration graphs capture "
+             "whole iterations, and whole layers or chunks for the iterations they miss; drop "
+             "--cuda-graph-modules"),
+            (args.check_for_nan_in_loss_and_grad, "--no-check-for-nan-in-loss-and-grad",
+             "not given", "DDP's NaN check (on by default) reads each gradient bucket's norm on "
+             "the host, which the graph cannot capture; add --no-check-for-nan-in-loss-and-grad"))
     if impl in ("transformer_engine", "full_iteration") or uses_te_attention(args):
         args.te_rng_tracker = True  # TE attention and TE graphs assert TE's RNG tracker
 
 
-def _check_full_iteration(args) -> None:
-    refuse(
-        (args.cuda_graph_warmup_steps < 1, "--cuda-graph-warmup-steps",
-         args.cuda_graph_warmup_steps, "Full-iteration graphs need an eager iteration first "
-         "(NCCL, cuBLAS and kernel autotuning set up on first use); use 1 or more"),
-        (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
-         args.pipeline_model_parallel_size, "Full-iteration graphs are for PP = 1: "
-         "megatron-core's pipeline send/receive synchronises the device after every exchange; "
-         "use --cuda-graph-impl local"),
-        (args.context_parallel_size > 1, "--context-parallel-size", args.context_parallel_size,
-         "Context parallelism inside full-iteration graphs is not verified; use "
-         "--cuda-graph-impl local or transformer_engine"),
-        (args.num_experts is not None, "--num-experts", args.num_experts, "MoE inside "
-         "full-iteration graphs is not supported (host state per micro-batch); use "
-         "--cuda-graph-impl local"),
-        (args.cuda_graph_check_interval, "--cuda-graph-check-interval",
-         args.cuda_graph_check_interval, "The health check replays one micro-batch's graph and "
-         "a full-iteration run has one graph per iteration; drop it or use --cuda-graph-impl "
-         "local"),
-        (args.packed_cuda_graph_modules, "--cuda-graph-modules",
-         _shown(args.packed_cuda_graph_modules), "Full-iteration graphs capture whole "
-         "iterations, and whole layers or chunks for the iterations they miss; drop "
-         "--cuda-graph-modules"),
-        (args.check_for_nan_in_loss_and_grad, "--no-check-for-nan-in-loss-and-grad", "not given",
-         "DDP's NaN check (on by default) reads every gradient bucket's norm on the host, which "
-         "a full-iteration graph cannot capture; add --no-check-for-nan-in-loss-and-grad (as "
-         "Megatron-LM requires too)"))
-
-
 def check_health_check(args) -> None:
-    interval = args.cuda_graph_check_interval
+    interval, flag = args.cuda_graph_check_interval, "--cuda-graph-check-interval"
     refuse(
-        (interval < 0, "--cuda-graph-check-interval", interval, "Use 0 (off) or N > 0"),
-        (interval and args.packed_graph_impl == "none", "--cuda-graph-check-interval", interval,
+        (interval < 0, flag, interval, "Use 0 (off) or N > 0"),
+        (interval and args.packed_graph_impl == "none", flag, interval,
          "The health check compares graphs with eager; add --cuda-graph-impl local"),
-        (interval and args.pipeline_model_parallel_size > 1, "--cuda-graph-check-interval",
-         interval, "The check runs one micro-batch outside the pipeline schedule, which would "
-         "take a graph runner's turn on every stage; use --pipeline-model-parallel-size 1 or "
-         "drop the flag"),
+        (interval and args.pipeline_model_parallel_size > 1, flag, interval, "The check runs "
+         "one micro-batch outside the pipeline schedule, which would take a graph runner's "
+         "turn on every stage; use --pipeline-model-parallel-size 1 or drop the flag"),
         (not 0 < args.cuda_graph_check_tolerance < 1, "--cuda-graph-check-tolerance",
          args.cuda_graph_check_tolerance, "Use a relative difference in (0, 1), e.g. 0.01"))
 
@@ -445,43 +401,36 @@ def check_optimizer_graph(args) -> None:
         refuse(
             (args.fp16, "--optimizer-cuda-graph", True,
              "fp16's loss scaler reads its found-inf flag on the host; use --bf16"),
-            (args.log_num_zeros_in_grad, "--log-num-zeros-in-grad", True, "Counting zero "
-             "gradients reads the count on the host each step; drop it with "
-             "--optimizer-cuda-graph"),
+            (args.log_num_zeros_in_grad, "--log-num-zeros-in-grad", True,
+             "The zero count is read on the host each step; drop it with --optimizer-cuda-graph"),
             (args.num_experts is not None and not args.use_distributed_optimizer,
-             "--optimizer-cuda-graph", True, "MoE models have two chained optimizers, whose "
-             "norms megatron-core merges on the host without --use-distributed-optimizer; add "
-             "it"))
+             "--optimizer-cuda-graph", True, "MoE models have two chained optimizers, whose norms "
+             "megatron-core merges on the host without --use-distributed-optimizer; add it"))
 
 
 def check_moe_graphs(args) -> None:
-    """MoE under graphs: whole-layer graphs need drop-and-pad on the alltoall dispatcher, or
-    dropless MoE graphs; overflow reruns need graphed drop-and-pad layers; partial graphs have
-    limits of their own."""
+    """MoE under graphs: whole layers need drop-and-pad on the alltoall dispatcher, or dropless
+    MoE graphs; overflow reruns need graphed drop-and-pad layers; partial graphs have limits."""
     check_moe_router_skew(args)
     dropless_graphs = check_moe_dropless_graphs(args)
     rerun, load_file = args.moe_capacity_overflow == "rerun", args.moe_router_load_file
     if args.num_experts is None:
-        moe_only = "It configures MoE layers; add --num-experts or drop the flag"
         refuse((args.moe_capacity_overflow != "drop", "--moe-capacity-overflow",
-                args.moe_capacity_overflow, moe_only),
-               (load_file, "--moe-router-load-file", load_file, moe_only))
+                args.moe_capacity_overflow, MOE_ONLY),
+               (load_file, "--moe-router-load-file", load_file, MOE_ONLY))
         return
     factor, topk = args.moe_expert_capacity_factor, args.moe_router_topk
     drop_and_pad = bool(factor and args.moe_pad_expert_input_to_capacity)
     if drop_and_pad and factor * topk > args.num_experts:
-        fail("--moe-expert-capacity-factor", factor,
-             f"With --moe-pad-expert-input-to-capacity, capacity factor x top-k ({factor} x "
-             f"{topk}) above --num-experts ({args.num_experts}) gives each expert a capacity "
-             f"above the micro-batch's token count, which megatron-core's drop-and-pad "
+        fail("--moe-expert-capacity-factor", factor, f"Padded to capacity, factor x top-k "
+             f"({factor} x {topk}) above --num-experts ({args.num_experts}) gives each expert a "
+             "capacity above the micro-batch's token count, which megatron-core's drop-and-pad "
              f"permutation does not size for; use a factor <= {args.num_experts / topk:g}")
-    modules = args.packed_cuda_graph_modules
+    modules, graphs = args.packed_cuda_graph_modules, args.packed_graph_impl != "none"
     partial = [m for m in modules if m in PARTIAL_MOE_MODULES]
-    graphs = args.packed_graph_impl != "none"
     refuse(
         (rerun and not graphs, "--moe-capacity-overflow", "rerun", "Without CUDA graphs MoE "
-         "layers run dropless directly: drop it and --moe-expert-capacity-factor, or add "
-         "--cuda-graph-impl"),
+         "layers run dropless: drop it and --moe-expert-capacity-factor, or add --cuda-graph-impl"),
         (rerun and partial, "--moe-capacity-overflow", "rerun", "Partial MoE graphs "
          "(--cuda-graph-modules moe_router) run dispatch and experts eager, dropless already: "
          "drop it and --moe-expert-capacity-factor"),
@@ -495,21 +444,19 @@ def check_moe_graphs(args) -> None:
     whole_layers = not modules and args.cuda_graph_granularity == "layer"
     refuse(
         (args.moe_token_dispatcher_type != "alltoall", "--moe-token-dispatcher-type",
-         args.moe_token_dispatcher_type, "Graphed MoE layers use the alltoall dispatcher: "
-         "allgather reads token counts back to the host in every MoE layer, and flex needs "
-         "DeepEP, which does too; use alltoall"),
+         args.moe_token_dispatcher_type, "Graphed MoE layers need alltoall: allgather reads "
+         "token counts on the host in every MoE layer, and flex needs DeepEP, which does too; use "
+         "alltoall"),
         ("mlp" in modules, "--cuda-graph-modules", "mlp", "With --num-experts the MLPs are MoE "
          "layers, which mlp graphs do not capture; drop mlp, or capture whole layers"),
         ("moe_preprocess" in partial and factor and not drop_and_pad,
-         "--moe-expert-capacity-factor", factor, "With moe_preprocess graphed, a capacity "
-         "without --moe-pad-expert-input-to-capacity sizes the permuted tokens from a host "
-         "read inside the graph; add --moe-pad-expert-input-to-capacity, or drop the factor"),
+         "--moe-expert-capacity-factor", factor, "A moe_preprocess graph would size an unpadded "
+         "capacity from a host read; add --moe-pad-expert-input-to-capacity, or drop the factor"),
         (whole_layers and not drop_and_pad and not dropless_graphs,
-         "--moe-expert-capacity-factor", factor, "Dropless MoE reads per-expert token counts "
-         "on the host, which a whole-layer graph cannot capture; add "
-         "--moe-expert-capacity-factor <f> --moe-pad-expert-input-to-capacity, or "
-         "--moe-dropless-graphs, or graph MoE layers in part (--cuda-graph-modules "
-         "moe_router)"))
+         "--moe-expert-capacity-factor", factor, "Dropless MoE reads per-expert token counts on "
+         "the host, which a whole-layer graph cannot capture; add --moe-expert-capacity-factor "
+         "<f> --moe-pad-expert-input-to-capacity, or --moe-dropless-graphs, or graph MoE layers "
+         "in part (--cuda-graph-modules moe_router)"))
 
 
 def check_moe_dropless_graphs(args) -> bool:
@@ -519,28 +466,23 @@ def check_moe_dropless_graphs(args) -> bool:
 
     if not getattr(args, "moe_dropless_graphs", False):
         return False
-    if args.num_experts is None:
-        fail("--moe-dropless-graphs", True,
-             "It configures MoE layers; add --num-experts or drop the flag")
     modules, recompute = args.packed_cuda_graph_modules, args.recompute_modules or ()
     fp8, fp4 = args.fp8, getattr(args, "fp4", None)
     refuse(
+        (args.num_experts is None, "--moe-dropless-graphs", True, MOE_ONLY),
         *dropless_refusals(args),
         (args.moe_capacity_overflow != "drop", "--moe-capacity-overflow",
          args.moe_capacity_overflow, "Nothing overflows without a capacity, so nothing is "
          "rerun: drop it with --moe-dropless-graphs"),
         (args.moe_router_load_file, "--moe-router-load-file", args.moe_router_load_file,
-         "The loads are measured by --moe-capacity-overflow rerun, which dropless MoE graphs "
-         "do not need: drop it"),
+         "It is written by --moe-capacity-overflow rerun, which dropless graphs lack: drop it"),
         (any(m in (*PARTIAL_MOE_MODULES, CudaGraphModule.moe.name) for m in modules),
-         "--cuda-graph-modules", " ".join(modules), "Dropless MoE graphs capture whole MoE "
-         "layers; drop moe, moe_router and moe_preprocess (they graph megatron-core's "
-         "dispatcher in part)"),
+         "--cuda-graph-modules", _shown(modules), "Dropless MoE graphs capture whole MoE "
+         "layers; drop moe, moe_router and moe_preprocess (they graph the dispatcher in part)"),
         (not args.bf16, "--bf16", False,
          "The grouped experts run torch._grouped_mm, which takes bf16: add --bf16"),
         (fp8 is not None or fp4 is not None, "--fp8-format", fp8 or fp4,
-         "The grouped experts run in bf16: drop FP8/FP4 (drop-and-pad with TE's grouped GEMM "
-         "takes them)"),
+         "The grouped experts run in bf16: drop FP8/FP4 (drop-and-pad MoE takes them)"),
         (args.add_bias_linear, "--disable-bias-linear", False,
          "The grouped experts have no biases: add --disable-bias-linear"),
         (args.use_te_activation_func, "--use-te-activation-func", True,
@@ -570,13 +512,11 @@ def check_moe_router_skew(args) -> None:
 
 
 def check_mla(args, model: str) -> None:
-    """Multi-latent attention on packed data: TE attention (check_attention), the fused yarn
-    RoPE, and the flags that only mean something with it."""
+    """MLA on packed data (TE attention: check_attention): the fused yarn RoPE, MLA-only flags."""
     pattern = args.hybrid_layer_pattern or ""
     if not args.multi_latent_attention:
         refuse((model == "hybrid" and "+" in pattern, "--hybrid-layer-pattern", repr(pattern),
-                "Its '+' layers are multi-latent attention layers; add "
-                "--multi-latent-attention"),
+                "Its '+' layers are multi-latent attention layers; add --multi-latent-attention"),
                (args.mla_pad_v != "always", "--mla-pad-v", args.mla_pad_v,
                 "It configures multi-latent attention; add --multi-latent-attention or drop it"))
         return
@@ -588,16 +528,13 @@ def check_mla(args, model: str) -> None:
         (args.qk_pos_emb_head_dim % 4, "--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim,
          "The fused MLA RoPE rotates channel pairs in two halves; use a multiple of 4"),
         (args.mla_pad_v == "never" and query_head == args.v_head_dim, "--mla-pad-v", "never",
-         f"V already has the query head size ({query_head}), so nothing is padded; drop the "
-         "flag"))
+         f"V already has the query head size ({query_head}), so nothing is padded; drop the flag"))
 
 
 def check_long_documents(args) -> None:
-    fraction = args.max_truncated_token_fraction
+    fraction, flag = args.max_truncated_token_fraction, "--max-truncated-token-fraction"
     if fraction is not None:
-        refuse((not 0.0 <= fraction <= 1.0, "--max-truncated-token-fraction", fraction,
-                "Use a fraction in [0, 1], e.g. 0.05"),
-               (args.long_document_policy != "truncate", "--max-truncated-token-fraction",
-                fraction, "It limits what truncation drops and --long-document-policy "
-                f"{args.long_document_policy} drops nothing; add --long-document-policy "
-                "truncate"))
+        refuse((not 0.0 <= fraction <= 1.0, flag, fraction, "Use a fraction in [0, 1], e.g. 0.05"),
+               (args.long_document_policy != "truncate", flag, fraction, "It limits what "
+                f"truncation drops and --long-document-policy {args.long_document_policy} drops "
+                "nothing; add --long-document-policy truncate"))

@@ -1,7 +1,6 @@
 """The parse-time rules of --moe-dropless-graphs and --moe-router-skew
 (megatron/packed_training/extra_args.py), on copies of one parsed MoE launch line, and
-the flags themselves on a parser of their own (the training parser adds them with the fork's
-other flags)."""
+the flags themselves on a parser of the fork's flags alone (add_packed_args)."""
 
 import argparse
 import copy
@@ -11,7 +10,7 @@ import pytest
 from megatron.packed_training import extra_args
 from megatron.packed_training.arguments import parse_args
 from megatron.packed_training.extra_args import (
-    add_moe_dropless_args,
+    add_packed_args,
     check_moe_dropless_graphs,
     check_moe_router_skew,
 )
@@ -39,9 +38,9 @@ def args(parsed):
 
 
 def test_the_flags_and_their_defaults():
-    parser = argparse.ArgumentParser()
-    add_moe_dropless_args(parser.add_argument_group("packed data"))
-    assert vars(parser.parse_args([])) == {"moe_dropless_graphs": False, "moe_router_skew": 0.0}
+    parser = add_packed_args(argparse.ArgumentParser())
+    defaults = parser.parse_args([])
+    assert (defaults.moe_dropless_graphs, defaults.moe_router_skew) == (False, 0.0)
     given = parser.parse_args(["--moe-dropless-graphs", "--moe-router-skew", "0.5"])
     assert given.moe_dropless_graphs and given.moe_router_skew == 0.5
 
