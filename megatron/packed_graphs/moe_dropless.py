@@ -57,6 +57,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron.packed_graphs.grouped_gemm import group_alignment
+from megatron.packed_graphs.moe_experts import check_refusals, grouped_expert_refusals
 
 
 @dataclass
@@ -391,14 +392,13 @@ def dropless_refusals(settings) -> list:
         (s.overlap_dispatch_backward_with_experts_wgrad,
          "--overlap-dispatch-backward-with-experts-wgrad", True, "The grouped experts compute "
          "weight gradients in their backward: drop it"),
+        *grouped_expert_refusals(s),
     ]
 
 
 def check_dropless_config(config) -> None:
     """Refuse a TransformerConfig that dropless MoE graphs do not run (`dropless_refusals`)."""
-    for refused, flag, value, todo in dropless_refusals(config):
-        if refused:
-            raise ValueError(f"{flag} is wrong: {value}. {todo}.")
+    check_refusals(dropless_refusals(config))
 
 
 class DroplessMoELayer(MoELayer):

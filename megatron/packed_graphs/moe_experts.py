@@ -77,6 +77,32 @@ _EXTRA_STATE_KEY = re.compile(r"linear_fc[12]\._extra_state\d+")
 _EXPERT = "{expert}"  # the global expert index in a per-expert checkpoint key
 
 
+def grouped_expert_refusals(settings) -> list:
+    """What these experts do not run, as ``(refused, flag, value, what to do)`` rules on
+    ``settings``: a TransformerConfig, or the parsed arguments at parse time (which name these
+    settings alike). Part of moe_dropless.dropless_refusals."""
+    s, recompute = settings, settings.recompute_modules or ()
+    low_precision = s.fp8 or getattr(s, "fp4", None)
+    return [
+        (bool(low_precision), "--fp8-format", low_precision,
+         "The grouped experts run in bf16: drop FP8/FP4 (drop-and-pad MoE takes them)"),
+        (s.add_bias_linear, "--disable-bias-linear", False,
+         "The grouped experts have no biases: add --disable-bias-linear"),
+        (s.use_te_activation_func, "--use-te-activation-func", True,
+         "The grouped experts use megatron-core's activations: drop it"),
+        (s.recompute_granularity == "selective" and "moe_act" in recompute,
+         "--recompute-modules", " ".join(recompute),
+         "The grouped experts do not recompute their activation: drop moe_act"),
+    ]
+
+
+def check_refusals(rules) -> None:
+    """Raise ValueError on the first rule ``(refused, flag, value, todo)`` that holds."""
+    for refused, flag, value, todo in rules:
+        if refused:
+            raise ValueError(f"{flag} is wrong: {value}. {todo}.")
+
+
 class TorchGroupedMLP(MegatronModule):
     """The local experts of one MoE layer (module doc). megatron-core's ExpertsInterface:
     ``forward(rows, tokens_per_expert, probs) -> (output, None)``.
@@ -96,17 +122,7 @@ class TorchGroupedMLP(MegatronModule):
         self.expert_dp_group = pg_collection.expt_dp if pg_collection is not None else None
         if init_order not in INIT_ORDERS:
             raise ValueError(f"init_order is wrong: {init_order!r}. Use one of {INIT_ORDERS}.")
-        unsupported = [name for name, on in (
-            ("add_bias_linear (expert biases)", config.add_bias_linear),
-            ("use_te_activation_func", config.use_te_activation_func),
-            ("moe_act recompute", config.recompute_granularity == "selective"
-             and "moe_act" in (config.recompute_modules or ())),
-            ("fp8", bool(config.fp8)), ("fp4", bool(config.fp4))) if on]
-        if unsupported:
-            raise ValueError(f"TorchGroupedMLP config is wrong: {', '.join(unsupported)} set. "
-                             "The grouped experts of dropless MoE graphs take bf16 weights "
-                             "without biases and megatron-core's plain activations: add "
-                             "--disable-bias-linear and drop FP8/FP4 and moe_act recompute.")
+        check_refusals(grouped_expert_refusals(config))
         self.num_local_experts = num_local_experts
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn

@@ -466,8 +466,7 @@ def check_moe_dropless_graphs(args) -> bool:
 
     if not getattr(args, "moe_dropless_graphs", False):
         return False
-    modules, recompute = args.packed_cuda_graph_modules, args.recompute_modules or ()
-    fp8, fp4 = args.fp8, getattr(args, "fp4", None)
+    modules = args.packed_cuda_graph_modules
     refuse(
         (args.num_experts is None, "--moe-dropless-graphs", True, MOE_ONLY),
         *dropless_refusals(args),
@@ -480,16 +479,7 @@ def check_moe_dropless_graphs(args) -> bool:
          "--cuda-graph-modules", _shown(modules), "Dropless MoE graphs capture whole MoE "
          "layers; drop moe, moe_router and moe_preprocess (they graph the dispatcher in part)"),
         (not args.bf16, "--bf16", False,
-         "The grouped experts run torch._grouped_mm, which takes bf16: add --bf16"),
-        (fp8 is not None or fp4 is not None, "--fp8-format", fp8 or fp4,
-         "The grouped experts run in bf16: drop FP8/FP4 (drop-and-pad MoE takes them)"),
-        (args.add_bias_linear, "--disable-bias-linear", False,
-         "The grouped experts have no biases: add --disable-bias-linear"),
-        (args.use_te_activation_func, "--use-te-activation-func", True,
-         "The grouped experts use megatron-core's activations: drop it"),
-        ("moe_act" in recompute and args.recompute_granularity == "selective",
-         "--recompute-modules", " ".join(recompute),
-         "The grouped experts do not recompute their activation: drop moe_act"))
+         "The grouped experts run torch._grouped_mm, which takes bf16: add --bf16"))
     for flag, size in (("--hidden-size", args.hidden_size),
                        ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size)):
         if size % ROW_ALIGNMENT:

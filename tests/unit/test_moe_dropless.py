@@ -495,9 +495,13 @@ def test_the_layer_refuses_what_it_does_not_run(field, value, fix):
         check_dropless_config(cfg)
 
 
-def test_the_experts_refuse_biases_and_fp8():
-    with pytest.raises(ValueError, match="add_bias_linear .* add --disable-bias-linear"):
-        TorchGroupedMLP(2, config(add_bias_linear=True))
+@pytest.mark.parametrize("overrides, message", [
+    ({"add_bias_linear": True}, "--disable-bias-linear is wrong: False.*no biases"),
+    ({"use_te_activation_func": True}, "--use-te-activation-func is wrong: True"),
+])
+def test_the_experts_refuse_what_they_do_not_run(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TorchGroupedMLP(2, config(**overrides))
 
 
 # --------------------------------------------------------- the log's count; skewed routers
