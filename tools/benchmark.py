@@ -41,9 +41,10 @@ does after its eager reference and graphed runs.
 label ``preset cp1,2``), with ``--seq-length`` = tokens per rank x the set's largest size, so
 every set holds the same positions per rank: a single-size set measures one graph bank.
 
---profile profiles the last two iterations of every run (excluded from the step-time median)
-and reports the GPU-busy time of a step (union of its kernel intervals) and the ratio
-step time / GPU-busy time: 1.0 is the physical limit, a launch-bound step is far above it.
+--profile profiles the last two iterations of every run (excluded from the step-time median;
+with --mode logprobs, the last two calls run once more) and reports the GPU-busy time of a
+step (union of its kernel intervals) and the ratio step time / GPU-busy time: 1.0 is the
+physical limit, a launch-bound step is far above it.
 --keep-traces DIR (with --profile) also records host activity in those iterations and keeps
 their Chrome traces in ``DIR/<preset>/<variant>/trace_iter<N>_rank<R>.json`` (spaces of a
 row label become ``_``): tools/kernel_time_diff.py compares two variants' GPU time per
@@ -469,7 +470,7 @@ def logprobs_command(preset: str, variant: str, args, row_file: str,
     return [*train[:at], os.path.join(REPO, "tools", "logprobs_benchmark.py"), "--model", model,
             "--calls", str(args.steps), "--warmup", str(args.warmup),
             "--micro-batches", str(args.global_batch_size // args.nproc), "--json", row_file,
-            "--", *flags]
+            *(["--profile"] if args.profile else []), "--", *flags]
 
 
 def logprobs_row(preset: str, variant: str, args, row_file: str, log: str = "",
@@ -484,7 +485,8 @@ def logprobs_row(preset: str, variant: str, args, row_file: str, log: str = "",
                "tokens_per_sec": measured["tokens_per_sec"],
                "peak_mem_gib": measured["peak_mem_gib"],
                "fallback_rate": measured["fallback_rate"], "capture_s": measured["capture_s"],
-               "graph_mem_mib": measured["graph_mem_mib"], "gpu_busy_ms": None,
+               "graph_mem_mib": measured["graph_mem_mib"],
+               "gpu_busy_ms": measured.get("gpu_busy_ms"),
                "stats": measured.get("stats", {})}
     except FileNotFoundError:
         raise RunFailed(f"no row file {row_file}", log) from None
@@ -726,7 +728,8 @@ def main(argv=None) -> int:
     parser.add_argument("--capacities", nargs="*", type=int, default=[],
                         help="add a layer-graphs variant per capacity (capacity sweep)")
     parser.add_argument("--profile", action="store_true",
-                        help="report GPU-busy time and step/busy from the last two iterations")
+                        help="report GPU-busy time and step/busy from the last two iterations "
+                             "(log-prob calls)")
     parser.add_argument("--keep-traces", default=None, metavar="DIR",
                         help="with --profile: keep the profiled iterations' Chrome traces (host "
                              "activity included) in DIR/<preset>/<variant>/, for "
@@ -904,12 +907,12 @@ def check_moe_options(parser, args, presets: list) -> None:
 
 
 def check_logprobs_mode(parser, args) -> None:
-    """--mode logprobs runs the library API: PP and CP 1, no profile, nothing tabulated from
-    metrics files; its micro-batches are --global-batch-size / --nproc per call."""
+    """--mode logprobs runs the library API: PP and CP 1, nothing tabulated from metrics files,
+    no kept traces; its micro-batches are --global-batch-size / --nproc per call."""
     if args.mode != "logprobs":
         return
     refused = [(args.from_metrics, "--from-metrics", "it tabulates training runs"),
-               (args.profile, "--profile", "it profiles training iterations"),
+               (args.keep_traces, "--keep-traces", "it keeps traces of training iterations"),
                (args.dynamic_cp_sets, "--dynamic-cp-sets", "the library API runs CP size 1"),
                (args.pipeline_model_parallel_size != 1, "--pipeline-model-parallel-size",
                 "the library API runs one pipeline stage")]

@@ -11,11 +11,14 @@ forward-only graphs, without one they run eager. Each call hands over ``--micro-
 micro-batches of synthetic documents (mock data's length law, ``--mock-doc-length-median``
 and ``--mock-doc-length-sigma``), packed whole into rows of micro_batch_size x seq_length
 positions, other documents each call; the first ``--warmup`` calls (captures, autotuning)
-are left out. Rank 0 writes one JSON object: ``call_ms`` (median) and ``call_iqr_ms``,
+are left out. ``--profile``: the last two calls run once more under torch.profiler, for the
+GPU-busy time of a call (the union of its kernels, megatron/packed_training/profiling.py),
+left out of the timing. Rank 0 writes one JSON object: ``call_ms`` (median) and ``call_iqr_ms``,
 ``tokens_per_sec`` (row positions per second, as training's benchmark counts them),
 ``peak_mem_gib``, ``capture_s`` and ``graph_mem_mib`` (the forward-only graphs'),
-``fallback_rate`` (micro-batches run eager for overflow, per micro-batch) and ``stats`` (the
-graph runtime's counters of the last call).
+``fallback_rate`` (micro-batches run eager for overflow, per micro-batch), ``gpu_busy_ms``
+(median of the profiled calls; null without ``--profile``) and ``stats`` (the graph runtime's
+counters of the last call).
 """
 
 import argparse
@@ -48,9 +51,11 @@ def synthetic_calls(calls: int, micro_batches: int, row_positions: int, vocab_si
     return out
 
 
-def measure(policy, calls: List[list], warmup: int) -> dict:
+def measure(policy, calls: List[list], warmup: int, profile: bool = False) -> dict:
     """Time ``policy.logprobs`` over ``calls``; the row's values (module doc)."""
     import torch
+
+    from megatron.packed_training.profiling import StepProfiler
 
     times, overflow, first = [], 0, {}
     for index, micro_batches in enumerate(calls):
@@ -63,6 +68,13 @@ def measure(policy, calls: List[list], warmup: int) -> dict:
         if index >= warmup:
             times.append(time.perf_counter() - start)
             overflow += policy.last_stats.get("eager overflow", 0)
+    busy = []
+    if profile:  # the last two calls again, each under the profiler, outside the timing
+        profiler = StepProfiler(True, 1, 3)
+        for index, micro_batches in enumerate(calls[-2:], 1):
+            profiler.begin(index)
+            policy.logprobs(micro_batches)
+            busy.append(profiler.finish(index)["gpu busy (ms)"])
     timed = len(calls) - warmup
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     positions = len(calls[0]) * policy.row_positions
@@ -73,6 +85,7 @@ def measure(policy, calls: List[list], warmup: int) -> dict:
             "capture_s": first.get("forward graph capture (s)", 0.0),
             "graph_mem_mib": first.get("forward graph memory (MiB)", 0.0),
             "fallback_rate": overflow / (timed * len(calls[0])),
+            "gpu_busy_ms": statistics.median(busy) if busy else None,
             "stats": dict(policy.last_stats)}
 
 
@@ -83,6 +96,8 @@ def parse(argv=None):
     parser.add_argument("--warmup", type=int, default=5, help="leading calls left out")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per call")
     parser.add_argument("--json", required=True, help="where rank 0 writes the row")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU-busy time of the last two calls, run again under the profiler")
     parser.add_argument("flags", nargs=argparse.REMAINDER,
                         help="-- then the training flags (Megatron-LM's command line)")
     options = parser.parse_args(argv)
@@ -107,7 +122,7 @@ def main(argv=None) -> int:
     calls = synthetic_calls(options.calls, options.micro_batches, policy.row_positions,
                             args.padded_vocab_size, args.mock_doc_length_median,
                             args.mock_doc_length_sigma, seed=args.seed)
-    row = measure(policy, calls, options.warmup)
+    row = measure(policy, calls, options.warmup, options.profile)
     if torch.distributed.get_rank() == 0:
         with open(options.json, "w") as f:
             json.dump(row, f)

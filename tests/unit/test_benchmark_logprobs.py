@@ -104,7 +104,8 @@ def test_an_moe_row_and_a_run_without_its_row_file(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--profile"], "--profile is wrong with --mode logprobs"),
+    (["--profile", "--keep-traces", "/nonexistent/traces"],
+     "--keep-traces is wrong with --mode logprobs"),
     (["--pipeline-model-parallel-size", "2", "--nproc", "2"],
      "--pipeline-model-parallel-size is wrong with --mode logprobs"),
     (["--dynamic-cp-sets", "1,2"], "--dynamic-cp-sets is wrong with --mode logprobs"),
@@ -149,6 +150,53 @@ def test_the_worker_times_the_calls_after_its_warm_up(monkeypatch):
     assert row["capture_s"] == 2.0 and row["graph_mem_mib"] == 32.0
     assert row["fallback_rate"] == 0.25 and row["peak_mem_gib"] == 3.0
     assert row["tokens_per_sec"] == pytest.approx(4 * 256 / (row["call_ms"] / 1000))
+
+
+def test_profiled_calls_run_after_the_timed_ones_and_give_the_gpu_busy_time(monkeypatch):
+    from megatron.packed_training import profiling
+
+    class Profiler:  # the torch.profiler part stood in for: busy 5 ms, then 7 ms
+        def __init__(self, enabled, start, end):
+            assert (enabled, start, end) == (True, 1, 3)
+
+        def begin(self, index):
+            self.index = index
+
+        def finish(self, index):
+            return {"gpu busy (ms)": 3.0 + 2 * index}
+
+    class Policy:
+        row_positions, last_stats = 256, {}
+
+        def __init__(self):
+            self.seen = []
+
+        def logprobs(self, micro_batches):
+            self.seen.append(micro_batches[0])
+
+    monkeypatch.setattr(profiling, "StepProfiler", Profiler)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    policy = Policy()
+    calls = [[call] * 4 for call in range(5)]
+    row = logprobs_benchmark.measure(policy, calls, warmup=1, profile=True)
+    assert policy.seen == [0, 1, 2, 3, 4, 3, 4]  # the last two calls once more
+    assert row["gpu_busy_ms"] == 6.0
+    assert logprobs_benchmark.measure(Policy(), calls, warmup=1)["gpu_busy_ms"] is None
+
+
+def test_profile_reaches_the_worker_and_its_row(tmp_path):
+    cmd = benchmark.logprobs_command("gpt-8x512x2048", "eager", _args(profile=True), "/tmp/r")
+    worker = next(i for i, word in enumerate(cmd) if word.endswith("logprobs_benchmark.py"))
+    options, _ = logprobs_benchmark.parse(cmd[worker + 1:])
+    assert options.profile
+    row_file = tmp_path / "row.json"
+    row_file.write_text(json.dumps({"call_ms": 10.0, "call_iqr_ms": 1.0, "tokens_per_sec": 1.0,
+                                    "peak_mem_gib": 1.0, "fallback_rate": 0.0,
+                                    "capture_s": 0.1, "graph_mem_mib": 8.0,
+                                    "gpu_busy_ms": 8.0}))
+    row = benchmark.logprobs_row("gpt-8x512x2048", "eager", _args(), str(row_file))
+    assert row["gpu_busy_ms"] == 8.0
 
 
 def test_the_worker_refuses_fewer_calls_than_its_warm_up(capsys):
