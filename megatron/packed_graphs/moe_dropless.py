@@ -243,8 +243,9 @@ class _SumSlots(torch.autograd.Function):
     """Combine, ``tokens = _sum_slots(rows, ...)``, the transpose of `_GatherTokens`.
     Backward: each row's gradient is its token's (`_gather_tokens`; zero for a row that holds
     no slot), a gather. Autograd's own backward of the row gather is an ``index_add_`` with
-    atomics, in which every unrouted slot adds to the one spare row: 4x the time of the
-    whole combine at Qwen3-30B-A3B's shapes (H200). The gradients are the same bits."""
+    atomics, in which every unrouted slot adds into the one spare row: 40.7 ms per step at
+    Qwen3-30B-A3B's layer shapes on an H200, where drop-and-pad's unpermutation took 10.6 ms.
+    The gradients are the same bits."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, row_tokens: Tensor, slot_rows: Tensor,
