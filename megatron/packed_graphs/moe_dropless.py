@@ -201,11 +201,12 @@ def receive_groups(counts: Tensor, capacity: int, alignment: int) -> ReceivedGro
     return ReceivedGroups(expert_rows, received.view(-1), source_rows, sizes)
 
 
-def _gather_tokens(tokens: Tensor, row_tokens: Tensor) -> Tensor:
-    """``[R, H]``: ``tokens[row_tokens[r]]`` for each row, a zero row where ``row_tokens[r]``
-    is ``T`` (the row holds no slot)."""
-    padded = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
-    return padded.index_select(0, row_tokens)
+def _gather_or_zero(values: Tensor, index: Tensor) -> Tensor:
+    """``values[index[r]]`` for each ``r`` (along dim 0), zero where ``index[r]`` is
+    ``len(values)``: how rows are filled from tokens, slots or received rows, a row that holds
+    none staying zero."""
+    padded = torch.cat([values, values.new_zeros(1, *values.shape[1:])])
+    return padded.index_select(0, index)
 
 
 def _sum_slots(rows: Tensor, slot_rows: Tensor, slot_valid: Tensor) -> Tensor:
@@ -223,7 +224,7 @@ def _sum_slots(rows: Tensor, slot_rows: Tensor, slot_valid: Tensor) -> Tensor:
 
 
 class _GatherTokens(torch.autograd.Function):
-    """Dispatch, ``rows = _gather_tokens(hidden, row_tokens)``. Backward: each token's
+    """Dispatch, ``rows = _gather_or_zero(hidden, row_tokens)``. Backward: each token's
     gradient is the sum of its routed rows' gradients (`_sum_slots`), never with atomics: the
     same bits on every run."""
 
@@ -231,7 +232,7 @@ class _GatherTokens(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, row_tokens: Tensor, slot_rows: Tensor,
                 slot_valid: Tensor) -> Tensor:
         ctx.save_for_backward(slot_rows, slot_valid)
-        return _gather_tokens(hidden, row_tokens)
+        return _gather_or_zero(hidden, row_tokens)
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
@@ -241,7 +242,7 @@ class _GatherTokens(torch.autograd.Function):
 
 class _SumSlots(torch.autograd.Function):
     """Combine, ``tokens = _sum_slots(rows, ...)``, the transpose of `_GatherTokens`.
-    Backward: each row's gradient is its token's (`_gather_tokens`; zero for a row that holds
+    Backward: each row's gradient is its token's (`_gather_or_zero`; zero for a row that holds
     no slot), a gather. Autograd's own backward of the row gather is an ``index_add_`` with
     atomics, in which every unrouted slot adds into the one spare row: 40.7 ms per step at
     Qwen3-30B-A3B's layer shapes on an H200, where drop-and-pad's unpermutation took 10.6 ms.
@@ -256,7 +257,7 @@ class _SumSlots(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_tokens: Tensor):
         (row_tokens,) = ctx.saved_tensors
-        return _gather_tokens(grad_tokens, row_tokens), None, None, None
+        return _gather_or_zero(grad_tokens, row_tokens), None, None, None
 
 
 def _row_tokens(layout: "DroplessLayout") -> Tensor:
@@ -270,8 +271,7 @@ def dispatch_rows(hidden: Tensor, probs: Tensor, layout: DroplessLayout):
     probabilities where a row holds no slot. Differentiable in both."""
     rows = _GatherTokens.apply(hidden, _row_tokens(layout), layout.slot_rows, layout.slot_valid)
     slot_probs = torch.where(layout.slot_valid, probs.gather(1, layout.slot_experts), 0)
-    padded = torch.cat([slot_probs.view(-1), slot_probs.new_zeros(1)])
-    return rows, padded.index_select(0, layout.row_slots)
+    return rows, _gather_or_zero(slot_probs.view(-1), layout.row_slots)
 
 
 def combine_rows(rows: Tensor, layout: DroplessLayout) -> Tensor:
@@ -337,8 +337,7 @@ class StaticDroplessDispatcher(MoETokenDispatcher):
         if self.ep_size == 1:
             return rows, self.layout.group_sizes, row_probs
         source = self.groups.source_rows  # a row past the received ones is zero
-        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, source)
-        row_probs = torch.cat([row_probs, row_probs.new_zeros(1)]).index_select(0, source)
+        rows, row_probs = _gather_or_zero(rows, source), _gather_or_zero(row_probs, source)
         return rows, self.groups.group_sizes, row_probs
 
     def combine_preprocess(self, rows: Tensor) -> Tensor:
