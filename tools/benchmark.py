@@ -44,7 +44,8 @@ every set holds the same positions per rank: a single-size set measures one grap
 --profile profiles the last two iterations of every run (excluded from the step-time median;
 with --mode logprobs, the last two calls run once more) and reports the GPU-busy time of a
 step (union of its kernel intervals) and the ratio step time / GPU-busy time: 1.0 is the
-physical limit, a launch-bound step is far above it.
+physical limit, a launch-bound step is far above it. With --mode logprobs it also prints,
+below the table, each row's top host functions of one more call (cProfile, by own time).
 --keep-traces DIR (with --profile) also records host activity in those iterations and keeps
 their Chrome traces in ``DIR/<preset>/<variant>/trace_iter<N>_rank<R>.json`` (spaces of a
 row label become ``_``): tools/kernel_time_diff.py compares two variants' GPU time per
@@ -487,6 +488,7 @@ def logprobs_row(preset: str, variant: str, args, row_file: str, log: str = "",
                "fallback_rate": measured["fallback_rate"], "capture_s": measured["capture_s"],
                "graph_mem_mib": measured["graph_mem_mib"],
                "gpu_busy_ms": measured.get("gpu_busy_ms"),
+               "host_top": measured.get("host_top", []),
                "stats": measured.get("stats", {})}
     except FileNotFoundError:
         raise RunFailed(f"no row file {row_file}", log) from None
@@ -705,6 +707,18 @@ def format_table(rows: list) -> str:
                      + (f" {_percent(r.get('dropped_token_fraction'), '.2%')} | "
                         f"{_percent(r.get('rerun_rate'), '.1%')} |" if moe else ""))
     return "\n".join(lines)
+
+
+def format_host_profiles(rows: list) -> str:
+    """--mode logprobs --profile: each row's top host functions of one call (cProfile, by own
+    time), below the table; "" when no row has them."""
+    blocks = []
+    for r in rows:
+        if r.get("host_top"):
+            blocks.append(f"\nHost time of one call, {r['preset']} / {r['variant']} (cProfile, "
+                          f"top functions by own time):\n\n```\n  own ms    cum ms   calls  "
+                          f"function\n" + "\n".join(r["host_top"]) + "\n```")
+    return "\n".join(blocks)
 
 
 def _percent(value, spec: str) -> str:
@@ -971,6 +985,9 @@ def write_json(rows: list, path) -> None:
 def report(rows: list, args) -> int:
     """Print the table (and write --json); 1 when a row failed."""
     print(format_table(rows))
+    host = format_host_profiles(rows)
+    if host:
+        print(host)
     write_json(rows, args.json)
     failed = [f"{r['preset']}/{r['variant']}" for r in rows if r.get("error")]
     if failed:

@@ -13,20 +13,24 @@ and ``--mock-doc-length-sigma``), packed whole into rows of micro_batch_size x s
 positions, other documents each call; the first ``--warmup`` calls (captures, autotuning)
 are left out. ``--profile``: the last two calls run once more under torch.profiler, for the
 GPU-busy time of a call (the union of its kernels, megatron/packed_training/profiling.py),
-left out of the timing. Rank 0 writes one JSON object: ``call_ms`` (median) and ``call_iqr_ms``,
+and one more under cProfile for its top host functions, all left out of the timing. Rank 0 writes one JSON object: ``call_ms`` (median) and ``call_iqr_ms``,
 ``tokens_per_sec`` (row positions per second, as training's benchmark counts them),
 ``peak_mem_gib``, ``capture_s`` and ``graph_mem_mib`` (the forward-only graphs'),
 ``fallback_rate`` (micro-batches run eager for overflow, per micro-batch), ``gpu_busy_ms``
-(median of the profiled calls; null without ``--profile``) and ``stats`` (the graph runtime's
+(median of the profiled calls; null without ``--profile``), ``host_top`` (the cProfile
+lines; empty without it) and ``stats`` (the graph runtime's
 counters of the last call).
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from typing import List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def synthetic_calls(calls: int, micro_batches: int, row_positions: int, vocab_size: int,
@@ -68,13 +72,14 @@ def measure(policy, calls: List[list], warmup: int, profile: bool = False) -> di
         if index >= warmup:
             times.append(time.perf_counter() - start)
             overflow += policy.last_stats.get("eager overflow", 0)
-    busy = []
+    busy, host_top = [], []
     if profile:  # the last two calls again, each under the profiler, outside the timing
         profiler = StepProfiler(True, 1, 3)
         for index, micro_batches in enumerate(calls[-2:], 1):
             profiler.begin(index)
             policy.logprobs(micro_batches)
             busy.append(profiler.finish(index)["gpu busy (ms)"])
+        host_top = host_profile(policy, calls[-1])
     timed = len(calls) - warmup
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     positions = len(calls[0]) * policy.row_positions
@@ -86,7 +91,32 @@ def measure(policy, calls: List[list], warmup: int, profile: bool = False) -> di
             "graph_mem_mib": first.get("forward graph memory (MiB)", 0.0),
             "fallback_rate": overflow / (timed * len(calls[0])),
             "gpu_busy_ms": statistics.median(busy) if busy else None,
+            "host_top": host_top,
             "stats": dict(policy.last_stats)}
+
+
+def host_profile(policy, micro_batches: list, top: int = 15) -> List[str]:
+    """One more call under cProfile: its ``top`` Python functions by own time, one line each
+    (own ms, cumulative ms, calls, where). Tells which host code a host-bound call waits on;
+    the call ends with a device synchronize, so a host read inside it shows as that read."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    policy.logprobs(micro_batches)
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    lines = []
+    for (path, line, name), (_, calls, own, cumulative, _) in sorted(
+            stats.stats.items(), key=lambda item: -item[1][2])[:top]:
+        where = f"{os.path.relpath(path, REPO) if path.startswith('/') else path}:{line}({name})"
+        lines.append(f"{1000 * own:8.2f} {1000 * cumulative:9.2f} {calls:7d}  {where}")
+    return lines
 
 
 def parse(argv=None):

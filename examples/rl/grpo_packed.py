@@ -201,15 +201,27 @@ def weight_difference(a: dict, b: dict) -> float:
     return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
 
 
+def worst_rounding_step(a: dict, b: dict) -> tuple:
+    """``(steps, name, x, y)``: the largest difference of two weight sets in rounding steps of
+    their dtype at each element's magnitude (a bf16 element of 0.1 moves in steps of 2^-11),
+    with the tensor and the two values where it is (near 0 the steps are small, so an element
+    that a few updates bring close to 0 gives the most steps for the least difference)."""
+    worst = (0.0, "", 0.0, 0.0)
+    for name in a:
+        x, y = a[name].float(), b[name].float()
+        _, exponent = torch.frexp(x.abs())  # |x| = m * 2^e, m in [0.5, 1)
+        spacing = torch.finfo(a[name].dtype).eps * torch.exp2(exponent.float() - 1)
+        steps = (x - y).abs() / spacing.clamp_min(torch.finfo(a[name].dtype).tiny)
+        at = int(steps.argmax())
+        if steps.numel() and steps.view(-1)[at].item() > worst[0]:
+            worst = (steps.view(-1)[at].item(), name, x.view(-1)[at].item(),
+                     y.view(-1)[at].item())
+    return worst
+
+
 def rounding_steps(a: dict, b: dict) -> float:
-    """The largest difference of two weight sets in rounding steps of their dtype at each
-    element's magnitude (a bf16 element of 0.1 moves in steps of 2^-11)."""
-    def steps(x: torch.Tensor, y: torch.Tensor) -> float:
-        _, exponent = torch.frexp(x.float().abs())  # |x| = m * 2^e, m in [0.5, 1)
-        spacing = torch.finfo(x.dtype).eps * torch.exp2(exponent.float() - 1)
-        return ((x.float() - y.float()).abs() / spacing.clamp_min(
-            torch.finfo(x.dtype).tiny)).max().item()
-    return max(steps(a[name], b[name]) for name in a)
+    """The largest difference of two weight sets in rounding steps (`worst_rounding_step`)."""
+    return worst_rounding_step(a, b)[0]
 
 
 def report(results: Dict[str, dict], model: str = "gpt") -> tuple:
@@ -227,13 +239,15 @@ def report(results: Dict[str, dict], model: str = "gpt") -> tuple:
     lp, lp_noise = graphs["logprob_difference"], graphs["logprob_noise"]
     weights, noise = (weight_difference(run["weights"], eager["weights"])
                       for run in (graphs, results["eager again"]))
-    steps, allowed = rounding_steps(graphs["weights"], eager["weights"]), ROUNDING_STEPS[model]
+    steps, name, ours, theirs = worst_rounding_step(graphs["weights"], eager["weights"])
+    allowed = ROUNDING_STEPS[model]
+    at = f" at {name}: {ours:.4g} against eager's {theirs:.4g}" if steps else ""
     checks = [  # (name, difference, noise, passed, note)
         ("log-probs, graphs against eager on the same weights", lp, lp_noise,
          within_noise(lp, lp_noise), ""),
         ("weights after the last step, graphs against eager", weights, noise,
          within_noise(weights, noise) or steps <= allowed,
-         f" ({steps:.3g} rounding steps; {allowed} allowed for {model})")]
+         f" ({steps:.3g} rounding steps{at}; {allowed} allowed for {model})")]
     for name, difference, noise, ok, note in checks:
         lines.append(f"{'ok  ' if ok else 'FAIL'} {name}: max |difference| {difference:.3g}"
                      f"{note}, eager against eager {noise:.3g}")

@@ -57,7 +57,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron.packed_graphs.grouped_gemm import group_alignment
-from megatron.packed_graphs.moe_experts import check_refusals, grouped_expert_refusals
+from megatron.packed_graphs.moe_experts import grouped_expert_refusals
+from megatron.packed_graphs.refusals import refuse
 
 
 @dataclass
@@ -73,6 +74,7 @@ class DroplessLayout:
     slot_valid: Tensor  # [T, k] bool: whether that slot is routed (padding tokens: none)
     slot_experts: Tensor  # [T, k] int64: the expert of each slot (0 where not routed)
     row_slots: Tensor  # [R] int64: the slot t * k + j each row holds; T * k for no slot
+    row_tokens: Tensor  # [R] int64: the token t of each row's slot; T for no slot
     group_sizes: Tensor  # [E]: rows of each expert's group (aligned experts' rows, or counts)
 
     @property
@@ -157,7 +159,9 @@ def _place_slots(routing_map: Tensor, topk: int, starts: Tensor, rows: int,
     # Unrouted slots all write "no slot" into the spare row: one value, whichever write wins.
     row_slots = torch.full((rows,), no_slot, dtype=torch.int64, device=device).scatter_(
         0, slot_rows.view(-1), torch.where(valid, slot_ids, no_slot).view(-1))
-    return DroplessLayout(slot_rows, valid, experts, row_slots, group_sizes)
+    # Once per layer: the dispatch gathers with it, the combine's backward too.
+    row_tokens = torch.div(row_slots, topk, rounding_mode="floor")
+    return DroplessLayout(slot_rows, valid, experts, row_slots, row_tokens, group_sizes)
 
 
 @dataclass
@@ -260,16 +264,11 @@ class _SumSlots(torch.autograd.Function):
         return _gather_or_zero(grad_tokens, row_tokens), None, None, None
 
 
-def _row_tokens(layout: "DroplessLayout") -> Tensor:
-    """``[R]`` int64: the token of each row's slot; ``T`` for a row that holds none."""
-    return torch.div(layout.row_slots, layout.slot_rows.shape[1], rounding_mode="floor")
-
-
 def dispatch_rows(hidden: Tensor, probs: Tensor, layout: DroplessLayout):
     """``(rows [R, H], row_probs [R])``: the tokens of ``hidden`` (``[T, H]``) and their
     routing probabilities (``probs`` ``[T, E]``) in the layout's rows; zero rows and zero
     probabilities where a row holds no slot. Differentiable in both."""
-    rows = _GatherTokens.apply(hidden, _row_tokens(layout), layout.slot_rows, layout.slot_valid)
+    rows = _GatherTokens.apply(hidden, layout.row_tokens, layout.slot_rows, layout.slot_valid)
     slot_probs = torch.where(layout.slot_valid, probs.gather(1, layout.slot_experts), 0)
     return rows, _gather_or_zero(slot_probs.view(-1), layout.row_slots)
 
@@ -278,7 +277,7 @@ def combine_rows(rows: Tensor, layout: DroplessLayout) -> Tensor:
     """``[T, H]``: each token's expert outputs (``rows``, already scaled by their
     probabilities) added in expert order; zero for a token routed nowhere. Differentiable in
     ``rows`` (`_SumSlots`)."""
-    return _SumSlots.apply(rows, _row_tokens(layout), layout.slot_rows, layout.slot_valid)
+    return _SumSlots.apply(rows, layout.row_tokens, layout.slot_rows, layout.slot_valid)
 
 
 class StaticDroplessDispatcher(MoETokenDispatcher):
@@ -398,7 +397,7 @@ def dropless_refusals(settings) -> list:
 
 def check_dropless_config(config) -> None:
     """Refuse a TransformerConfig that dropless MoE graphs do not run (`dropless_refusals`)."""
-    check_refusals(dropless_refusals(config))
+    refuse(*dropless_refusals(config))
 
 
 class DroplessMoELayer(MoELayer):

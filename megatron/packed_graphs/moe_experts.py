@@ -68,6 +68,7 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 
 from megatron.packed_graphs.grouped_gemm import grouped_linear
+from megatron.packed_graphs.refusals import refuse
 
 INIT_ORDERS = ("per_expert", "per_linear")
 # megatron-core's expert linears (SequentialMLP's names) of this module's two parameters.
@@ -96,13 +97,6 @@ def grouped_expert_refusals(settings) -> list:
     ]
 
 
-def check_refusals(rules) -> None:
-    """Raise ValueError on the first rule ``(refused, flag, value, todo)`` that holds."""
-    for refused, flag, value, todo in rules:
-        if refused:
-            raise ValueError(f"{flag} is wrong: {value}. {todo}.")
-
-
 class TorchGroupedMLP(MegatronModule):
     """The local experts of one MoE layer (module doc). megatron-core's ExpertsInterface:
     ``forward(rows, tokens_per_expert, probs) -> (output, None)``.
@@ -122,7 +116,7 @@ class TorchGroupedMLP(MegatronModule):
         self.expert_dp_group = pg_collection.expt_dp if pg_collection is not None else None
         if init_order not in INIT_ORDERS:
             raise ValueError(f"init_order is wrong: {init_order!r}. Use one of {INIT_ORDERS}.")
-        check_refusals(grouped_expert_refusals(config))
+        refuse(*grouped_expert_refusals(config))
         self.num_local_experts = num_local_experts
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn

@@ -1,6 +1,7 @@
 """The fork's flags (`add_packed_args`, the scripts' ``extra_args_provider``) and its rules for a
 whole run (`validate_packed_args`, after Megatron-LM's ``validate_args``): one check per feature,
-each raising ``ValueError("<what> is wrong: <value>. <what to do>.")`` (`fail`). The graph flags
+each raising ``ValueError("<what> is wrong: <value>. <what to do>.")`` (`fail`, `refuse`:
+packed_graphs/refusals.py, which the graph modules' config checks share). The graph flags
 go to the fork's graph runtime (`hand_graph_flags_to_the_runtime`). Every flag: docs/flags.md.
 """
 
@@ -10,24 +11,14 @@ import math
 
 from megatron.core.transformer.enums import CudaGraphModule
 
+from megatron.packed_graphs.refusals import fail, refuse
+
 GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 TE_ATTENTION = ("flash", "fused", "unfused")  # Megatron's TE attention backends
 PARTIAL_MOE_MODULES = (CudaGraphModule.moe_router.name, CudaGraphModule.moe_preprocess.name)
 ROW_ALIGNMENT = 8  # torch._grouped_mm (dropless MoE graphs): rows of 16 bytes, 8 bf16 values
 MOE_ONLY = "It configures MoE layers; add --num-experts or drop the flag"
 DATA_PATHS = (("--data-path", "data_path"), ("--valid-data-path", "valid_data_path"))
-
-
-def fail(what: str, value, todo: str):
-    """Raise the one error shape every rule uses."""
-    raise ValueError(f"{what} is wrong: {value}. {todo}.")
-
-
-def refuse(*rules, suffix: str = "") -> None:
-    """`fail` on the first rule ``(refused, flag, value, todo)`` that holds (todo + suffix)."""
-    for refused, flag, value, todo in rules:
-        if refused:
-            fail(flag, value, todo + suffix)
 
 
 def is_importable(package: str) -> bool:

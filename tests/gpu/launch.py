@@ -116,8 +116,10 @@ def torchrun_command(path: str, args: list, *, nproc: int) -> list:
 
 
 def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
-             timeout: int = 900) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node nproc REPO/path args`` on a free port, its output captured.
+             timeout: int = 900, log: str | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc REPO/path args`` on a free port, its output captured
+    (``log``: written to that file as it comes, so that a run cut short leaves it, and read
+    back as ``stdout``; ``stderr`` is then "").
 
     ``CUDA_DEVICE_MAX_CONNECTIONS`` is 1 unless the environment sets it: Megatron-LM requires
     it for tensor and context parallelism (before Blackwell), as the launchers in examples/
@@ -129,8 +131,16 @@ def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
                  if name not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", **inherited, **(env or {})}
     for _ in range(3):
-        proc = subprocess.run(torchrun_command(path, args, nproc=nproc), cwd=REPO,
-                              capture_output=True, text=True, env=env, timeout=timeout)
+        command = torchrun_command(path, args, nproc=nproc)
+        if log is None:
+            proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env,
+                                  timeout=timeout)
+        else:
+            with open(log, "w") as out:
+                proc = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                      text=True, env=env, timeout=timeout)
+            with open(log) as out:
+                proc.stdout, proc.stderr = out.read(), ""
         if proc.returncode == 0 or not _lost_port_race(proc.stdout + proc.stderr):
             break
     return proc
@@ -143,13 +153,13 @@ def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str
     (`megatron_log_values`: ``learning_rate``, ``grad_norm``, ``global_batch_size``, MoE
     losses), which the metrics file does not hold.
 
-    The output is kept in ``tmp_path/<name>.log``. Raises with the run's output if it fails.
+    The output is kept in ``tmp_path/<name>.log``, written as it comes (a run cut by a test
+    timeout leaves it). Raises with the run's output if it fails.
     """
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    proc = torchrun(script, [*map(str, args), "--metrics-file", metrics], nproc=nproc, env=env)
-    output = proc.stdout + proc.stderr
-    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as f:
-        f.write(output)
+    proc = torchrun(script, [*map(str, args), "--metrics-file", metrics], nproc=nproc, env=env,
+                    log=os.path.join(str(tmp_path), f"{name}.log"))
+    output = proc.stdout
     if proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{output[-6000:]}")
     logged = megatron_log_values(output)

@@ -252,22 +252,24 @@ LAYOUTS = {
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("family", sorted(LAYOUTS))
-def test_parallel_layouts_load_the_converted_checkpoint(converted, tmp_path, family):
-    """One checkpoint loads at TP = 2, PP = 2 and EP = 2 and trains from the same loss as on
+@pytest.mark.parametrize("family, layout", [(family, name) for family in sorted(LAYOUTS)
+                                            for name in LAYOUTS[family]])
+def test_parallel_layouts_load_the_converted_checkpoint(converted, tmp_path, family, layout):
+    """One checkpoint loads at TP = 2, PP = 2 or EP = 2 and trains from the same loss as on
     one GPU (same micro-batches). It is converted for TP 2 (--tensor-parallel-size 2): its
     vocabulary divisor pads TP 1 and TP 2 alike, with trained rows only; zero rows would
-    add exp(0) to every softmax denominator at one of them (docs/hf-checkpoints.md)."""
+    add exp(0) to every softmax denominator at one of them (docs/hf-checkpoints.md). One
+    layout per test, so that a family's layouts run side by side under xdist."""
     needs(family, "te" if family in MLA else "local")
     _, megatron = converted(family, tensor_parallel_size=2)
     script = SCRIPT[FAMILIES[family][1]]
     common = _launch(megatron, family) + TRAINING + ["--train-iters", "6"]
     reference = losses(run_training(script, common, tmp_path, name="one_gpu"))
-    for name, layout in LAYOUTS[family].items():
-        curve = losses(run_training(script, common + layout, tmp_path, nproc=2, name=name))
-        print(f"{family} {name}: first loss {curve[0]:.4f} (one GPU {reference[0]:.4f})")
-        assert abs(curve[0] - reference[0]) < 5e-3, (name, curve, reference)
-        assert max(abs(a - b) for a, b in zip(curve, reference)) < 0.05, name
+    curve = losses(run_training(script, common + LAYOUTS[family][layout], tmp_path, nproc=2,
+                                name=layout))
+    print(f"{family} {layout}: first loss {curve[0]:.4f} (one GPU {reference[0]:.4f})")
+    assert abs(curve[0] - reference[0]) < 5e-3, (layout, curve, reference)
+    assert max(abs(a - b) for a, b in zip(curve, reference)) < 0.05, layout
 
 
 @pytest.mark.gpus(2)

@@ -1,5 +1,25 @@
 import pytest
 import torch
+import torch.nn.functional as F
+
+# The small model of the CPU model tests: a layer's settings, and an MoE layer's on top.
+TINY_LAYER = dict(
+    num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+    normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+    add_bias_linear=False, bias_dropout_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
+TINY_MOE = dict(
+    num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+    moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+
+
+def tiny_moe_config(config_class=None, **overrides):
+    """A config of the small MoE model (`TINY_LAYER` and `TINY_MOE`; ``overrides`` replace or
+    add fields): megatron-core's TransformerConfig, or ``config_class``."""
+    if config_class is None:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        config_class = TransformerConfig
+    return config_class(**(TINY_LAYER | TINY_MOE | overrides))
 
 
 @pytest.fixture(scope="session")

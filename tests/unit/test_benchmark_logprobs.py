@@ -152,7 +152,8 @@ def test_the_worker_times_the_calls_after_its_warm_up(monkeypatch):
     assert row["tokens_per_sec"] == pytest.approx(4 * 256 / (row["call_ms"] / 1000))
 
 
-def test_profiled_calls_run_after_the_timed_ones_and_give_the_gpu_busy_time(monkeypatch):
+def test_profiled_calls_run_after_the_timed_ones_and_give_the_gpu_busy_and_host_time(
+        monkeypatch):
     from megatron.packed_training import profiling
 
     class Profiler:  # the torch.profiler part stood in for: busy 5 ms, then 7 ms
@@ -173,6 +174,7 @@ def test_profiled_calls_run_after_the_timed_ones_and_give_the_gpu_busy_time(monk
 
         def logprobs(self, micro_batches):
             self.seen.append(micro_batches[0])
+            sum(i * i for i in range(20000))  # host work for cProfile to find
 
     monkeypatch.setattr(profiling, "StepProfiler", Profiler)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -180,9 +182,13 @@ def test_profiled_calls_run_after_the_timed_ones_and_give_the_gpu_busy_time(monk
     policy = Policy()
     calls = [[call] * 4 for call in range(5)]
     row = logprobs_benchmark.measure(policy, calls, warmup=1, profile=True)
-    assert policy.seen == [0, 1, 2, 3, 4, 3, 4]  # the last two calls once more
+    # the last two calls once more under torch.profiler, the last once more under cProfile
+    assert policy.seen == [0, 1, 2, 3, 4, 3, 4, 4]
     assert row["gpu_busy_ms"] == 6.0
-    assert logprobs_benchmark.measure(Policy(), calls, warmup=1)["gpu_busy_ms"] is None
+    assert any("(logprobs)" in line for line in row["host_top"])
+    assert any("<genexpr>" in line for line in row["host_top"])
+    plain = logprobs_benchmark.measure(Policy(), calls, warmup=1)
+    assert plain["gpu_busy_ms"] is None and plain["host_top"] == []
 
 
 def test_profile_reaches_the_worker_and_its_row(tmp_path):
@@ -196,7 +202,14 @@ def test_profile_reaches_the_worker_and_its_row(tmp_path):
                                     "capture_s": 0.1, "graph_mem_mib": 8.0,
                                     "gpu_busy_ms": 8.0}))
     row = benchmark.logprobs_row("gpt-8x512x2048", "eager", _args(), str(row_file))
-    assert row["gpu_busy_ms"] == 8.0
+    assert row["gpu_busy_ms"] == 8.0 and row["host_top"] == []
+    row_file.write_text(json.dumps(json.loads(row_file.read_text())
+                                   | {"host_top": ["   12.00     40.00       4  a.py:3(f)"]}))
+    row = benchmark.logprobs_row("gpt-8x512x2048", "eager", _args(), str(row_file))
+    printed = benchmark.format_host_profiles([row, {"preset": "p", "variant": "v"}])
+    assert "gpt-8x512x2048 / eager" in printed and "a.py:3(f)" in printed
+    assert printed.count("Host time of one call") == 1
+    assert benchmark.format_host_profiles([{"preset": "p", "variant": "v"}]) == ""
 
 
 def test_the_worker_refuses_fewer_calls_than_its_warm_up(capsys):

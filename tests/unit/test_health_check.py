@@ -14,7 +14,6 @@ from functools import partial
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -41,6 +40,7 @@ from megatron.packed_training.config import load_training_config
 from megatron.packed_training.datasets.mock import MockPackedDataset
 from megatron.packed_training.datasets.packing import collate_packed_rows
 from megatron.packed_training.packed_step import PackedForwardStep, to_device_micro_batch
+from tests.unit.conftest import TINY_LAYER, TINY_MOE
 
 TOKENS, VOCAB, HIDDEN = 64, 128, 32
 # Warm-up 1: iteration 2 is the capture iteration, later ones replay (capacity 8 fits all).
@@ -142,11 +142,8 @@ def build_gpt(**moe):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     torch.manual_seed(0)
-    config = TransformerConfig(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, bias_dropout_fusion=False, hidden_dropout=0.1,
-        attention_dropout=0.0, **moe)
+    config = TransformerConfig(**(TINY_LAYER | dict(num_layers=2, hidden_size=HIDDEN,
+                                                   hidden_dropout=0.1) | moe))
     spec = gpt_layer_spec("torch", num_experts=moe.get("num_moe_experts"))
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=TOKENS, position_embedding_type="none")
@@ -269,10 +266,7 @@ def test_without_a_graphed_micro_batch_nothing_is_compared(cpu_dist):
     assert runtime.health_check.divergences == 0
 
 
-MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
-           moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.01,
-           moe_z_loss_coeff=0.001, moe_expert_capacity_factor=1.0,
-           moe_pad_expert_input_to_capacity=True)
+MOE = TINY_MOE | dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 
 
 

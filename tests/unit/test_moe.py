@@ -14,7 +14,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -29,20 +28,16 @@ from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
 from megatron.packed_training.datasets.packing import Document, collate_packed_rows, pack_documents
 from megatron.packed_training.packed_step import dummy_micro_batch, to_device_micro_batch
+from tests.unit.conftest import tiny_moe_config
 
 HIDDEN, EXPERTS, TOPK = 32, 4, 2
 DROP_AND_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 
 
 def moe_config(**overrides):
-    settings = dict(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, bias_dropout_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-        moe_ffn_hidden_size=16, moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    return TransformerConfig(**(settings | overrides))
+    return tiny_moe_config(TransformerConfig, **(dict(
+        num_layers=2, hidden_size=HIDDEN, num_moe_experts=EXPERTS, moe_router_topk=TOPK)
+        | overrides))
 
 
 

@@ -18,9 +18,7 @@ megatron-core's dropless dispatcher moves token counts to the host on a CUDA sid
 ``cpu_moe`` fixture makes that move the identity, so its dropless path runs on CPU.
 """
 
-import argparse
 import copy
-import types
 
 import pytest
 import torch
@@ -45,19 +43,15 @@ from megatron.packed_graphs.moe_experts import TorchGroupedMLP
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
 from megatron.packed_training.config import PackedTransformerConfig
+from tests.unit.conftest import tiny_moe_config
 
 HIDDEN, EXPERTS, TOPK = 32, 4, 2
 
 
 def config(**overrides):
-    settings = dict(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, bias_dropout_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-        moe_ffn_hidden_size=16, moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    return PackedTransformerConfig(**(settings | overrides))
+    return tiny_moe_config(PackedTransformerConfig, **(dict(
+        num_layers=1, hidden_size=HIDDEN, num_moe_experts=EXPERTS, moe_router_topk=TOPK)
+        | overrides))
 
 
 def random_map(tokens, experts, topk, padding=0, seed=0, hot=None):

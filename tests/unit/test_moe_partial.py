@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.enums import CudaGraphModule
@@ -36,6 +35,7 @@ from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.plan import Reason, run_eager
 from megatron.packed_graphs.specs import backend_provider, gpt_layer_spec, moe_layer_spec
 from megatron.packed_graphs.te_graphs import PackedGraphInputs, graph_tensors
+from tests.unit.conftest import tiny_moe_config
 
 HIDDEN, EXPERTS, TOKENS, DOCS = 32, 4, 16, 12
 DROP_AND_PAD = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
@@ -44,14 +44,9 @@ ROUTER, PREPROCESS, ATTN = (CudaGraphModule.moe_router, CudaGraphModule.moe_prep
 
 
 def _config(**overrides):
-    settings = dict(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, bias_dropout_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, num_moe_experts=EXPERTS, moe_router_topk=2,
-        moe_ffn_hidden_size=16, moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, **DROP_AND_PAD)
-    return TransformerConfig(**(settings | overrides))
+    return tiny_moe_config(TransformerConfig, **(dict(
+        num_layers=1, hidden_size=HIDDEN, num_moe_experts=EXPERTS, moe_router_topk=2,
+        **DROP_AND_PAD) | overrides))
 
 
 def _layer(kind: str, config, seed=0):
