@@ -407,6 +407,7 @@ def warm_up_graphs_on_recorded_layouts() -> None:
 
 
 _capture_guards: list = []  # set only inside `guard_local_capture`
+_side_stream = None  # the process's stream once `use_side_stream` switched to it
 
 
 @contextlib.contextmanager
@@ -506,6 +507,7 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
     * with ``capturable_optimizer`` the optimizer is built capturable
       (``OptimizerConfig.optimizer_cuda_graph``, for the fork's optimizer graph) while upstream's
       own ``--optimizer-cuda-graph`` wrapper stays off;
+    * DDP is built on the stream the process runs on (`ddp_on_the_process_stream`);
     * the end of each iteration reads nothing back from the GPU where nothing needs reading
       (`all_model_parallel_ranks_updated`, `max_stat_across_model_parallel_ranks`,
       `keep_loss_scale_on_host`, `training_log_summing_losses_on_device`,
@@ -547,12 +549,38 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
     loop.setup_model_and_optimizer = setup_model_and_optimizer
     loop.get_forward_backward_func = get_forward_backward_func
     loop.get_megatron_optimizer_config = get_megatron_optimizer_config
+    if not getattr(loop.wrap_model_chunks_with_ddp, "on_process_stream", False):
+        loop.wrap_model_chunks_with_ddp = ddp_on_the_process_stream(
+            loop.wrap_model_chunks_with_ddp)
     loop.logical_and_across_model_parallel_group = all_model_parallel_ranks_updated
     loop.reduce_max_stat_across_model_parallel_group = max_stat_across_model_parallel_ranks
     if not getattr(loop.training_log, "sums_losses_on_device", False):
         loop.training_log = training_log_summing_losses_on_device(loop.training_log)
     reduce_rerun_flags_on_host()
     check_exit_signal_on_host()
+
+
+def ddp_on_the_process_stream(upstream: Callable) -> Callable:
+    """Upstream's ``wrap_model_chunks_with_ddp`` run on the stream the process runs on.
+
+    megatron-training 0.19.2's ``get_model`` wraps the model in DDP on a fresh stream unless
+    ``cuda_graph_impl`` is "full_iteration" (which the fork's entry keeps at "local"). DDP
+    keeps each parameter's AccumulateGrad node, and autograd runs a node on the stream it was
+    created on: every weight gradient of every backward then crosses streams
+    (``record_stream`` and an event wait per parameter, torch's "AccumulateGrad node's stream
+    does not match" warning). That costs host time per parameter (many with MoE experts), and
+    inside a whole-iteration capture no crossed gradient is freed before the capture ends, so
+    the graph's pool holds every micro-batch's weight gradients. On the process's own stream
+    (the default one, or `use_side_stream`'s) backward and accumulation share a stream, as
+    the fork's graphs expect.
+    """
+    def wrap_model_chunks_with_ddp(*args, **kwargs):
+        stream = _side_stream if _side_stream is not None else torch.cuda.default_stream()
+        with torch.cuda.stream(stream):
+            return upstream(*args, **kwargs)
+
+    wrap_model_chunks_with_ddp.on_process_stream = True
+    return wrap_model_chunks_with_ddp
 
 
 # Megatron-LM's train_step and training_log end every iteration with three host reads: whether
@@ -837,7 +865,9 @@ def use_side_stream() -> None:
     backward capture fail ("operation would make the legacy stream depend on a capturing
     blocking stream"). megatron-core's local graphs switch streams likewise for capture.
     """
-    torch.cuda.set_stream(torch.cuda.Stream())
+    global _side_stream
+    _side_stream = torch.cuda.Stream()
+    torch.cuda.set_stream(_side_stream)
 
 
 def forget_layer_graph_grad_events(model) -> int:

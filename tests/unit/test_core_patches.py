@@ -542,6 +542,10 @@ def test_upstream_loop_reaches_the_seam_through_module_names():
     source = inspect.getsource(loop.train)
     assert 'args.cuda_graph_impl == "full_iteration"' in source
     assert "if args.optimizer_cuda_graph:" in source
+    # get_model wraps DDP by name, on a stream of its own (ddp_on_the_process_stream)
+    source = inspect.getsource(loop.get_model)
+    assert "ddp_stream = torch.cuda.Stream()" in source
+    assert "model = wrap_model_chunks_with_ddp(" in source
 
 
 def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
@@ -561,7 +565,8 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
     monkeypatch.setattr(loop, "get_forward_backward_func", lambda **k: "schedule")
     monkeypatch.setattr(loop, "get_megatron_optimizer_config", optimizer_config)
     for name in ("logical_and_across_model_parallel_group",
-                 "reduce_max_stat_across_model_parallel_group", "training_log"):
+                 "reduce_max_stat_across_model_parallel_group", "training_log",
+                 "wrap_model_chunks_with_ddp"):
         monkeypatch.setattr(loop, name, getattr(loop, name))  # restored after the test
     monkeypatch.setattr(RerunStateMachine, "_reduce_any", RerunStateMachine._reduce_any)
     from megatron.training.dist_signal_handler import DistributedSignalHandler
@@ -590,6 +595,46 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
     args = SimpleNamespace(optimizer_cuda_graph=False)
     assert loop.get_megatron_optimizer_config(args) == (config, "overrides")
     assert args_seen == [True] and args.optimizer_cuda_graph is False  # shown False again
+    assert loop.wrap_model_chunks_with_ddp.on_process_stream
+
+
+def test_ddp_is_built_on_the_process_stream(monkeypatch):
+    """Upstream's DDP wrapping runs on the default stream, or on the side stream once the
+    process runs on one, whatever stream get_model made current around it; route_training_loop
+    wraps it once however often it is called."""
+    import megatron.training.training as loop
+
+    entered = []
+
+    @contextlib.contextmanager
+    def stream(which):
+        entered.append(which)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda: "default")
+    monkeypatch.setattr(loop, "wrap_model_chunks_with_ddp", lambda model, *a, **k: f"ddp {model}")
+    wrap = core_patches.ddp_on_the_process_stream(loop.wrap_model_chunks_with_ddp)
+    monkeypatch.setattr(core_patches, "_side_stream", None)
+    assert wrap("m", "config") == "ddp m" and entered == ["default"]
+    monkeypatch.setattr(core_patches, "_side_stream", "side")
+    assert wrap("m") == "ddp m" and entered == ["default", "side"]
+
+    for name in ("setup_model_and_optimizer", "get_forward_backward_func",
+                 "get_megatron_optimizer_config", "logical_and_across_model_parallel_group",
+                 "reduce_max_stat_across_model_parallel_group", "training_log"):
+        monkeypatch.setattr(loop, name, getattr(loop, name))  # restored after the test
+    from megatron.core.rerun_state_machine import RerunStateMachine
+    from megatron.training.dist_signal_handler import DistributedSignalHandler
+
+    monkeypatch.setattr(RerunStateMachine, "_reduce_any", RerunStateMachine._reduce_any)
+    monkeypatch.setattr(DistributedSignalHandler, "signals_received",
+                        DistributedSignalHandler.signals_received)
+    core_patches.route_training_loop(lambda *built: None)
+    once = loop.wrap_model_chunks_with_ddp
+    core_patches.route_training_loop(lambda *built: None)
+    assert loop.wrap_model_chunks_with_ddp is once and once.on_process_stream
+    assert once("m") == "ddp m" and entered[-1] == "side"
 
 
 def test_upstream_loop_reads_its_step_statistics_through_module_names():
