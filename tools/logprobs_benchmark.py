@@ -13,13 +13,13 @@ and ``--mock-doc-length-sigma``), packed whole into rows of micro_batch_size x s
 positions, other documents each call; the first ``--warmup`` calls (captures, autotuning)
 are left out. ``--profile``: the last two calls run once more under torch.profiler, for the
 GPU-busy time of a call (the union of its kernels, megatron/packed_training/profiling.py),
-and one more under cProfile for its top host functions, all left out of the timing. Rank 0 writes one JSON object: ``call_ms`` (median) and ``call_iqr_ms``,
-``tokens_per_sec`` (row positions per second, as training's benchmark counts them),
-``peak_mem_gib``, ``capture_s`` and ``graph_mem_mib`` (the forward-only graphs'),
-``fallback_rate`` (micro-batches run eager for overflow, per micro-batch), ``gpu_busy_ms``
-(median of the profiled calls; null without ``--profile``), ``host_top`` (the cProfile
-lines; empty without it) and ``stats`` (the graph runtime's
-counters of the last call).
+and one more under cProfile for its top host functions, all left out of the timing. Rank 0
+writes one JSON object: ``call_ms`` (median) and ``call_iqr_ms``, ``tokens_per_sec`` (row
+positions per second, as training's benchmark counts them), ``peak_mem_gib``, ``capture_s``
+and ``graph_mem_mib`` (the forward-only graphs'), ``fallback_rate`` (micro-batches run eager
+for overflow, per micro-batch), ``gpu_busy_ms`` (median of the profiled calls; null without
+``--profile``), ``host_top`` (the cProfile lines; empty without it) and ``stats`` (the graph
+runtime's counters of the last call).
 """
 
 import argparse
@@ -97,8 +97,9 @@ def measure(policy, calls: List[list], warmup: int, profile: bool = False) -> di
 
 def host_profile(policy, micro_batches: list, top: int = 15) -> List[str]:
     """One more call under cProfile: its ``top`` Python functions by own time, one line each
-    (own ms, cumulative ms, calls, where). Tells which host code a host-bound call waits on;
-    the call ends with a device synchronize, so a host read inside it shows as that read."""
+    (own ms, cumulative ms, calls, where). Tells which host code a host-bound call spends its
+    time in; time spent waiting for the GPU shows as the synchronize that ends the call (or as
+    a host read inside it)."""
     import cProfile
     import pstats
 
