@@ -575,6 +575,8 @@ def ddp_on_the_process_stream(upstream: Callable) -> Callable:
     the fork's graphs expect.
     """
     def wrap_model_chunks_with_ddp(*args, **kwargs):
+        if not torch.cuda.is_available():  # a CPU run: no streams to line up
+            return upstream(*args, **kwargs)
         stream = _side_stream if _side_stream is not None else torch.cuda.default_stream()
         with torch.cuda.stream(stream):
             return upstream(*args, **kwargs)

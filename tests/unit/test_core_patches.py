@@ -613,6 +613,10 @@ def test_ddp_is_built_on_the_process_stream(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "default_stream", lambda: "default")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    wrap = core_patches.ddp_on_the_process_stream(lambda model: f"ddp {model}")
+    assert wrap("m") == "ddp m" and entered == []  # a CPU run: upstream's call as it is
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(loop, "wrap_model_chunks_with_ddp", lambda model, *a, **k: f"ddp {model}")
     wrap = core_patches.ddp_on_the_process_stream(loop.wrap_model_chunks_with_ddp)
     monkeypatch.setattr(core_patches, "_side_stream", None)
