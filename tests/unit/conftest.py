@@ -92,3 +92,22 @@ def replaying_capture(body, *, pool, stream=None, generators=()):
     graph = ReplayingGraph(body)
     graph.result = body()
     return graph, graph.result, 0.0, 0
+
+
+@pytest.fixture
+def restored_training_loop(monkeypatch):
+    """Megatron-LM's loop module as it was, after a test that installs the seam
+    (core_patches.route_training_loop): every name the seam replaces is put back."""
+    import megatron.training.training as loop
+    from megatron.core.rerun_state_machine import RerunStateMachine
+    from megatron.training.dist_signal_handler import DistributedSignalHandler
+
+    for name in ("setup_model_and_optimizer", "get_forward_backward_func",
+                 "get_megatron_optimizer_config", "wrap_model_chunks_with_ddp",
+                 "logical_and_across_model_parallel_group",
+                 "reduce_max_stat_across_model_parallel_group", "training_log"):
+        monkeypatch.setattr(loop, name, getattr(loop, name))
+    monkeypatch.setattr(RerunStateMachine, "_reduce_any", RerunStateMachine._reduce_any)
+    monkeypatch.setattr(DistributedSignalHandler, "signals_received",
+                        DistributedSignalHandler.signals_received)
+    return loop

@@ -548,8 +548,8 @@ def test_upstream_loop_reaches_the_seam_through_module_names():
     assert "model = wrap_model_chunks_with_ddp(" in source
 
 
-def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
-    import megatron.training.training as loop
+def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch, restored_training_loop):
+    loop = restored_training_loop
     from megatron.core.rerun_state_machine import RerunStateMachine
 
     config = SimpleNamespace(optimizer_cuda_graph=False)
@@ -564,15 +564,8 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
                         lambda *a, **k: ("m", optimizer, "s"))
     monkeypatch.setattr(loop, "get_forward_backward_func", lambda **k: "schedule")
     monkeypatch.setattr(loop, "get_megatron_optimizer_config", optimizer_config)
-    for name in ("logical_and_across_model_parallel_group",
-                 "reduce_max_stat_across_model_parallel_group", "training_log",
-                 "wrap_model_chunks_with_ddp"):
-        monkeypatch.setattr(loop, name, getattr(loop, name))  # restored after the test
-    monkeypatch.setattr(RerunStateMachine, "_reduce_any", RerunStateMachine._reduce_any)
     from megatron.training.dist_signal_handler import DistributedSignalHandler
 
-    monkeypatch.setattr(DistributedSignalHandler, "signals_received",
-                        DistributedSignalHandler.signals_received)
     built = []
 
     def on_setup(model, optimizer, scheduler):
@@ -598,11 +591,11 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch):
     assert loop.wrap_model_chunks_with_ddp.on_process_stream
 
 
-def test_ddp_is_built_on_the_process_stream(monkeypatch):
+def test_ddp_is_built_on_the_process_stream(monkeypatch, restored_training_loop):
     """Upstream's DDP wrapping runs on the default stream, or on the side stream once the
     process runs on one, whatever stream get_model made current around it; route_training_loop
     wraps it once however often it is called."""
-    import megatron.training.training as loop
+    loop = restored_training_loop
 
     entered = []
 
@@ -624,16 +617,6 @@ def test_ddp_is_built_on_the_process_stream(monkeypatch):
     monkeypatch.setattr(core_patches, "_side_stream", "side")
     assert wrap("m") == "ddp m" and entered == ["default", "side"]
 
-    for name in ("setup_model_and_optimizer", "get_forward_backward_func",
-                 "get_megatron_optimizer_config", "logical_and_across_model_parallel_group",
-                 "reduce_max_stat_across_model_parallel_group", "training_log"):
-        monkeypatch.setattr(loop, name, getattr(loop, name))  # restored after the test
-    from megatron.core.rerun_state_machine import RerunStateMachine
-    from megatron.training.dist_signal_handler import DistributedSignalHandler
-
-    monkeypatch.setattr(RerunStateMachine, "_reduce_any", RerunStateMachine._reduce_any)
-    monkeypatch.setattr(DistributedSignalHandler, "signals_received",
-                        DistributedSignalHandler.signals_received)
     core_patches.route_training_loop(lambda *built: None)
     once = loop.wrap_model_chunks_with_ddp
     core_patches.route_training_loop(lambda *built: None)

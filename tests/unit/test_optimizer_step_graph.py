@@ -71,9 +71,9 @@ def step(optimizer, seed: int) -> None:
 
 # -- the flag ----------------------------------------------------------------------------------
 
-def test_flag_is_off_by_default_and_asks_megatron_core_for_capturable_kernels(monkeypatch,
-                                                                             with_graph):
-    import megatron.training.training as loop
+def test_flag_is_off_by_default_and_asks_megatron_core_for_capturable_kernels(
+        with_graph, restored_training_loop):
+    loop = restored_training_loop
 
     from megatron.packed_graphs.core_patches import route_training_loop
 
@@ -84,9 +84,6 @@ def test_flag_is_off_by_default_and_asks_megatron_core_for_capturable_kernels(mo
     assert args.packed_optimizer_graph is True and args.optimizer_cuda_graph is False
     assert not loop.get_megatron_optimizer_config(args)[0].optimizer_cuda_graph
     # The seam asks megatron-core for capturable kernels (lr and step count on the device).
-    for name in ("setup_model_and_optimizer", "get_forward_backward_func",
-                 "get_megatron_optimizer_config"):
-        monkeypatch.setattr(loop, name, getattr(loop, name))  # undone after the test
     route_training_loop(lambda model, optimizer, scheduler: None,
                         capturable_optimizer=args.packed_optimizer_graph)
     assert loop.get_megatron_optimizer_config(args)[0].optimizer_cuda_graph
