@@ -208,14 +208,13 @@ def worst_rounding_step(a: dict, b: dict) -> tuple:
     that a few updates bring close to 0 gives the most steps for the least difference)."""
     worst = (0.0, "", 0.0, 0.0)
     for name in a:
-        x, y = a[name].float(), b[name].float()
+        x, y = a[name].float().view(-1), b[name].float().view(-1)
         _, exponent = torch.frexp(x.abs())  # |x| = m * 2^e, m in [0.5, 1)
         spacing = torch.finfo(a[name].dtype).eps * torch.exp2(exponent.float() - 1)
         steps = (x - y).abs() / spacing.clamp_min(torch.finfo(a[name].dtype).tiny)
-        at = int(steps.argmax())
-        if steps.numel() and steps.view(-1)[at].item() > worst[0]:
-            worst = (steps.view(-1)[at].item(), name, x.view(-1)[at].item(),
-                     y.view(-1)[at].item())
+        most, at = steps.max(0)
+        if most.item() > worst[0]:
+            worst = (most.item(), name, x[at].item(), y[at].item())
     return worst
 
 
@@ -239,9 +238,9 @@ def report(results: Dict[str, dict], model: str = "gpt") -> tuple:
     lp, lp_noise = graphs["logprob_difference"], graphs["logprob_noise"]
     weights, noise = (weight_difference(run["weights"], eager["weights"])
                       for run in (graphs, results["eager again"]))
-    steps, name, ours, theirs = worst_rounding_step(graphs["weights"], eager["weights"])
+    steps, tensor, ours, theirs = worst_rounding_step(graphs["weights"], eager["weights"])
     allowed = ROUNDING_STEPS[model]
-    at = f" at {name}: {ours:.4g} against eager's {theirs:.4g}" if steps else ""
+    at = f" at {tensor}: {ours:.4g} against eager's {theirs:.4g}" if steps else ""
     checks = [  # (name, difference, noise, passed, note)
         ("log-probs, graphs against eager on the same weights", lp, lp_noise,
          within_noise(lp, lp_noise), ""),

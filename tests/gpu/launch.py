@@ -109,6 +109,11 @@ def _lost_port_race(output: str) -> bool:
     return "EADDRINUSE" in output and "TCPStore" in output
 
 
+# torch's one-time warning when a weight gradient crosses streams into DDP's accumulation
+# (core_patches.ddp_on_the_process_stream keeps them on one stream).
+STREAM_MISMATCH_WARNING = "AccumulateGrad node's stream does not match"
+
+
 def torchrun_command(path: str, args: list, *, nproc: int) -> list:
     """The command line of ``torchrun --nproc-per-node nproc REPO/path args`` on a free port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
