@@ -99,6 +99,7 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     from megatron.packed_graphs.core_patches import (
         apply_core_patches,
         forward_inputs_reused_as_grad_buffers,
+        use_side_stream,
     )
     from megatron.packed_graphs.plan import Reason, StepGraphPlan
     from megatron.packed_graphs.runtime import GraphRuntime
@@ -115,7 +116,7 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
         "--cuda-graph-impl", impl, "--cuda-graph-granularity", granularity,
         "--cuda-graph-max-packed-seqs", str(capacity), "--cuda-graph-warmup-steps", "1"],
         model=kind)
-    GraphRuntime.prepare(args)  # before DDP, as training does
+    use_side_stream()  # before DDP, as training does
     module = pretrain_gpt if kind == "gpt" else pretrain_mamba
     config = transformer_config_from_args(args)
     model = DistributedDataParallel(

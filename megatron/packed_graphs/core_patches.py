@@ -561,24 +561,23 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
 
 
 def ddp_on_the_process_stream(upstream: Callable) -> Callable:
-    """Upstream's ``wrap_model_chunks_with_ddp`` run on the stream the process runs on.
+    """Upstream's ``wrap_model_chunks_with_ddp`` run on the process's side stream
+    (`use_side_stream`, which the fork's model providers call); upstream's call as it is
+    where the process is not on one.
 
     megatron-training 0.19.2's ``get_model`` wraps the model in DDP on a fresh stream unless
     ``cuda_graph_impl`` is "full_iteration" (which the fork's entry keeps at "local"). DDP
     keeps each parameter's AccumulateGrad node, and autograd runs a node on the stream it was
     created on: every weight gradient of every backward then crosses streams
     (``record_stream`` and an event wait per parameter, torch's "AccumulateGrad node's stream
-    does not match" warning). That costs host time per parameter (many with MoE experts), and
-    inside a whole-iteration capture no crossed gradient is freed before the capture ends, so
-    the graph's pool holds every micro-batch's weight gradients. On the process's own stream
-    (the default one, or `use_side_stream`'s) backward and accumulation share a stream, as
-    the fork's graphs expect.
+    does not match" warning). That costs host time per parameter (many with MoE experts). Not the default stream
+    either: nodes on the legacy default stream make a layer graph's backward capture fail
+    (a capturing stream may not make the legacy stream wait), which is why upstream avoids it.
     """
     def wrap_model_chunks_with_ddp(*args, **kwargs):
-        if not torch.cuda.is_available():  # a CPU run: no streams to line up
+        if _side_stream is None:  # no CUDA, or a model provider that did not switch
             return upstream(*args, **kwargs)
-        stream = _side_stream if _side_stream is not None else torch.cuda.default_stream()
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(_side_stream):
             return upstream(*args, **kwargs)
 
     wrap_model_chunks_with_ddp.on_process_stream = True
@@ -860,15 +859,24 @@ def te_cp_stream() -> torch.cuda.Stream:
 
 
 def use_side_stream() -> None:
-    """Run the rest of the process on a new CUDA stream (before the model is wrapped in DDP).
+    """Run the rest of the process on a side CUDA stream, graphs on or off; once per process
+    (later calls keep the stream), and nothing without CUDA.
 
-    Autograd runs a parameter's AccumulateGrad node on the stream it was created on, and DDP
-    keeps those nodes from its construction: on the legacy default stream they make TE's
-    backward capture fail ("operation would make the legacy stream depend on a capturing
-    blocking stream"). megatron-core's local graphs switch streams likewise for capture.
+    Call it before the model is wrapped in DDP and outside any ``torch.cuda.stream`` scope,
+    whose exit would switch the process back: Megatron-LM's ``get_model`` wraps DDP inside
+    one, so the fork's model providers call this. Autograd runs a parameter's AccumulateGrad
+    node on the stream it was created on, and DDP keeps those nodes from its construction
+    (`ddp_on_the_process_stream` builds it on this stream): backward and gradient
+    accumulation then share one stream, and it is not the legacy default stream, on which
+    such nodes make graph capture fail ("operation would make the legacy stream depend on a
+    capturing blocking stream").
     """
     global _side_stream
+    if _side_stream is not None or not torch.cuda.is_available():
+        return
     _side_stream = torch.cuda.Stream()
+    # The model was built on the current stream; the side stream does not wait for it by itself.
+    _side_stream.wait_stream(torch.cuda.current_stream())
     torch.cuda.set_stream(_side_stream)
 
 

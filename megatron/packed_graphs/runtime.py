@@ -197,13 +197,6 @@ class GraphRuntime:
         and capture time (optimizer_graph.py)."""
         self.statistics_sources.append(source)
 
-    @staticmethod
-    def prepare(args) -> None:
-        """Process set-up graphs need before the model is wrapped in DDP: TE graph capture
-        needs the process on a side stream (core_patches.use_side_stream)."""
-        if args.packed_graph_impl in ("transformer_engine", "full_iteration"):
-            core_patches.use_side_stream()
-
     @classmethod
     def from_args(cls, args, model: Sequence[torch.nn.Module], model_config,
                   check_guards: Sequence[Callable] = ()) -> "GraphRuntime":

@@ -24,11 +24,12 @@ def model_provider(build: Callable, pre_process=True, post_process=True, vp_stag
     pre_process, post_process, vp_stage)``."""
     from megatron.training import get_args
 
-    from megatron.packed_graphs.runtime import GraphRuntime
+    from megatron.packed_graphs import core_patches
     from megatron.packed_training.config import transformer_config_from_args
 
     args = get_args()
-    GraphRuntime.prepare(args)  # TE graph capture: the process on a side stream
+    # Here, not around DDP: get_model wraps DDP in a stream scope whose exit would undo it.
+    core_patches.use_side_stream()
     return build(args, config or transformer_config_from_args(args), pre_process=pre_process,
                  post_process=post_process, vp_stage=vp_stage)
 

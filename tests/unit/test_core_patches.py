@@ -592,9 +592,10 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch, restored
 
 
 def test_ddp_is_built_on_the_process_stream(monkeypatch, restored_training_loop):
-    """Upstream's DDP wrapping runs on the default stream, or on the side stream once the
-    process runs on one, whatever stream get_model made current around it; route_training_loop
-    wraps it once however often it is called."""
+    """Upstream's DDP wrapping runs on the process's side stream, whatever stream get_model
+    made current around it, and as upstream has it where the process is on none (no CUDA);
+    route_training_loop wraps it once however often it is called. use_side_stream does
+    nothing without CUDA."""
     loop = restored_training_loop
 
     entered = []
@@ -605,17 +606,15 @@ def test_ddp_is_built_on_the_process_stream(monkeypatch, restored_training_loop)
         yield
 
     monkeypatch.setattr(torch.cuda, "stream", stream)
-    monkeypatch.setattr(torch.cuda, "default_stream", lambda: "default")
+    monkeypatch.setattr(core_patches, "_side_stream", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    wrap = core_patches.ddp_on_the_process_stream(lambda model: f"ddp {model}")
-    assert wrap("m") == "ddp m" and entered == []  # a CPU run: upstream's call as it is
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    core_patches.use_side_stream()
+    assert core_patches._side_stream is None
     monkeypatch.setattr(loop, "wrap_model_chunks_with_ddp", lambda model, *a, **k: f"ddp {model}")
     wrap = core_patches.ddp_on_the_process_stream(loop.wrap_model_chunks_with_ddp)
-    monkeypatch.setattr(core_patches, "_side_stream", None)
-    assert wrap("m", "config") == "ddp m" and entered == ["default"]
+    assert wrap("m", "config") == "ddp m" and entered == []  # upstream's call as it is
     monkeypatch.setattr(core_patches, "_side_stream", "side")
-    assert wrap("m") == "ddp m" and entered == ["default", "side"]
+    assert wrap("m") == "ddp m" and entered == ["side"]
 
     core_patches.route_training_loop(lambda *built: None)
     once = loop.wrap_model_chunks_with_ddp
