@@ -860,23 +860,29 @@ def te_cp_stream() -> torch.cuda.Stream:
 
 def use_side_stream() -> None:
     """Run the rest of the process on a side CUDA stream, graphs on or off; once per process
-    (later calls keep the stream), and nothing without CUDA.
+    (later calls keep the stream), and nothing without CUDA. A process already off the
+    default stream keeps its stream: megatron-core's first ``CudaGraphManager`` (built with
+    a model that has local graphs) switches to one of its own.
 
-    Call it before the model is wrapped in DDP and outside any ``torch.cuda.stream`` scope,
-    whose exit would switch the process back: Megatron-LM's ``get_model`` wraps DDP inside
-    one, so the fork's model providers call this. Autograd runs a parameter's AccumulateGrad
-    node on the stream it was created on, and DDP keeps those nodes from its construction
-    (`ddp_on_the_process_stream` builds it on this stream): backward and gradient
-    accumulation then share one stream, and it is not the legacy default stream, on which
-    such nodes make graph capture fail ("operation would make the legacy stream depend on a
-    capturing blocking stream").
+    Call it after the model is built, before it is wrapped in DDP, and outside any
+    ``torch.cuda.stream`` scope, whose exit would switch the process back: Megatron-LM's
+    ``get_model`` wraps DDP inside one, so the fork's model provider calls this. Autograd
+    runs a parameter's AccumulateGrad node on the stream it was created on, and DDP keeps
+    those nodes from its construction (`ddp_on_the_process_stream` builds it on this stream):
+    backward and gradient accumulation then share one stream, and it is not the legacy
+    default stream, on which such nodes make graph capture fail ("operation would make the
+    legacy stream depend on a capturing blocking stream").
     """
     global _side_stream
     if _side_stream is not None or not torch.cuda.is_available():
         return
+    current = torch.cuda.current_stream()
+    if current != torch.cuda.default_stream():
+        _side_stream = current
+        return
     _side_stream = torch.cuda.Stream()
     # The model was built on the current stream; the side stream does not wait for it by itself.
-    _side_stream.wait_stream(torch.cuda.current_stream())
+    _side_stream.wait_stream(current)
     torch.cuda.set_stream(_side_stream)
 
 

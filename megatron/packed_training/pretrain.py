@@ -28,10 +28,12 @@ def model_provider(build: Callable, pre_process=True, post_process=True, vp_stag
     from megatron.packed_training.config import transformer_config_from_args
 
     args = get_args()
-    # Here, not around DDP: get_model wraps DDP in a stream scope whose exit would undo it.
+    model = build(args, config or transformer_config_from_args(args), pre_process=pre_process,
+                  post_process=post_process, vp_stage=vp_stage)
+    # After the build (megatron-core's graph manager may switch streams in it), and here, not
+    # around DDP: get_model wraps DDP in a stream scope whose exit would undo the switch.
     core_patches.use_side_stream()
-    return build(args, config or transformer_config_from_args(args), pre_process=pre_process,
-                 post_process=post_process, vp_stage=vp_stage)
+    return model
 
 
 def packed_data_provider(packed_rows: dict | None):
