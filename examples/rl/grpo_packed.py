@@ -24,7 +24,9 @@ graphs for log-probs), then prints each phase's time and tokens/s, eager against
 checks that (a) the graphs run's log-probs equal its eager log-probs on the same weights
 (computed in the same process each step) and (b) the weights after the last step equal the
 eager run's, each within the eager-against-eager difference (bitwise where that is 0).
-Exit status 1 when a check fails.
+Exit status 1 when a check fails. The three runs use mamba-ssm's deterministic kernels
+(``MAMBA_DETERMINISTIC=1``) unless the environment sets the variable: its default kernels
+are not bitwise from one process to the next, so the hybrid's weights would part.
 """
 
 import argparse
@@ -45,10 +47,6 @@ import torch
 # A difference this many times the eager-against-eager noise still passes (the noise is one
 # sample of a nondeterministic kernel's spread); 0 noise asks for bitwise equality.
 NOISE_SLACK = 4.0
-# Rounding steps (of the weights' dtype) by which the trained weights under graphs may differ
-# from eager's beyond the run-to-run noise: the hybrid's Mamba kernels are not bitwise under
-# graphs (docs/cuda-graphs.md; measured on an H200: one bf16 step after 6 steps, losses equal).
-ROUNDING_STEPS = {"gpt": 0, "hybrid": 1}
 TIMED_FROM = 2  # steps before this one are left out of the timings (warm-up, captures)
 PHASES = ("reference log-probs", "policy log-probs", "train step")
 
@@ -218,14 +216,10 @@ def worst_rounding_step(a: dict, b: dict) -> tuple:
     return worst
 
 
-def rounding_steps(a: dict, b: dict) -> float:
-    """The largest difference of two weight sets in rounding steps (`worst_rounding_step`)."""
-    return worst_rounding_step(a, b)[0]
-
-
-def report(results: Dict[str, dict], model: str = "gpt") -> tuple:
+def report(results: Dict[str, dict]) -> tuple:
     """The table and the checks of a comparison: ``(text, passed)``. Each check passes within
-    the run-to-run noise; the weights also within `ROUNDING_STEPS` of ``model``."""
+    the run-to-run noise (bitwise where that is 0); a weights difference names its worst
+    element (`worst_rounding_step`)."""
     eager, graphs = results["eager"], results["graphs"]
     lines = ["| phase | eager (ms/step) | graphs (ms/step) | eager tokens/s | graphs tokens/s "
              "| speedup |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -239,14 +233,13 @@ def report(results: Dict[str, dict], model: str = "gpt") -> tuple:
     weights, noise = (weight_difference(run["weights"], eager["weights"])
                       for run in (graphs, results["eager again"]))
     steps, tensor, ours, theirs = worst_rounding_step(graphs["weights"], eager["weights"])
-    allowed = ROUNDING_STEPS[model]
-    at = f" at {tensor}: {ours:.4g} against eager's {theirs:.4g}" if steps else ""
+    at = (f" ({steps:.3g} rounding steps at {tensor}: {ours:.4g} against eager's {theirs:.4g})"
+          if steps else "")
     checks = [  # (name, difference, noise, passed, note)
         ("log-probs, graphs against eager on the same weights", lp, lp_noise,
          within_noise(lp, lp_noise), ""),
         ("weights after the last step, graphs against eager", weights, noise,
-         within_noise(weights, noise) or steps <= allowed,
-         f" ({steps:.3g} rounding steps{at}; {allowed} allowed for {model})")]
+         within_noise(weights, noise), at)]
     for name, difference, noise, ok, note in checks:
         lines.append(f"{'ok  ' if ok else 'FAIL'} {name}: max |difference| {difference:.3g}"
                      f"{note}, eager against eager {noise:.3g}")
@@ -266,7 +259,11 @@ def compare(options, argv: List[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, mode in (("eager", "eager"), ("eager again", "eager"), ("graphs", "graphs")):
             out = os.path.join(tmp, f"{name.replace(' ', '_')}.pt")
+            # Mamba's default kernels reduce with atomics and pick their configs by timing:
+            # two processes' weights part after a few Adam steps, graphs or not. Its
+            # deterministic kernels make the comparison bitwise (MAMBA_DETERMINISTIC=0: off).
             env = dict(os.environ, MASTER_PORT=free_port())
+            env.setdefault("MAMBA_DETERMINISTIC", "1")
             print(f"== {name} run", flush=True)
             code = subprocess.call([sys.executable, os.path.abspath(__file__), *argv,
                                     "--run", mode, "--out", out], env=env)
@@ -275,7 +272,7 @@ def compare(options, argv: List[str]) -> int:
                 return code
             results[name] = torch.load(out, weights_only=False)
             results[name]["timed_steps"] = options.steps - TIMED_FROM
-    text, passed = report(results, options.model)
+    text, passed = report(results)
     print(f"\n{options.model}, {options.steps} steps ({options.steps - TIMED_FROM} timed), "
           f"{options.prompts} prompts x {options.group_size} responses per step\n{text}")
     return 0 if passed else 1

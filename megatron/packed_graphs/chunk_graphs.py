@@ -29,10 +29,7 @@ What is ours (docs/cuda-graphs.md, "Chunk granularity"):
 
 from typing import List, Optional
 
-import torch
-
 from megatron.core import parallel_state
-from megatron.core.transformer.cuda_graphs import CudaGraphManager
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import MakeViewlessTensor
 
@@ -110,7 +107,8 @@ class ChunkGraphDispatch:
         slots = getattr(self, "chunk_slots", None)
         if slots is None:
             if not hasattr(self, "cudagraph_manager"):  # HybridStack is no GraphableMegatronModule
-                self.cudagraph_manager = CudaGraphManager(self.config)
+                self.cudagraph_manager = core_patches.graph_manager_on_the_process_stream(
+                    self.config)
             slots = self.chunk_slots = ChunkSlots()
         return slots
 

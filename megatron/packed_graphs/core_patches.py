@@ -41,8 +41,9 @@ decoder class switch (`switch_block_class`), the TE capture flag
 (`te_graph_capture`), which layers TE graphs for a module list (`layer_graphed_for_modules`),
 the order of a manager's runners
 (`replay_runner_first`, `rotate_runners`, `sort_runners`), upstream's private "graphs
-created" flag (`local_graphs_created`), TE's class-level CP stream (`te_cp_stream`) and the
-process-wide stream switch (`use_side_stream`), the buffers and pool of a runner
+created" flag (`local_graphs_created`), TE's class-level CP stream (`te_cp_stream`), the
+process-wide stream switch (`use_side_stream`) and a graph manager that keeps it
+(`graph_manager_on_the_process_stream`), the buffers and pool of a runner
 (`keep_runner_buffers`), a layer's graphed partial function (`route_graphed_function`), the MoE
 dispatcher's graph state and dropless mode (`set_dispatcher_graph_state`,
 `dispatch_dropless`), the optimizer's step and state_dict (`install_optimizer_step`,
@@ -884,6 +885,21 @@ def use_side_stream() -> None:
     # The model was built on the current stream; the side stream does not wait for it by itself.
     _side_stream.wait_stream(current)
     torch.cuda.set_stream(_side_stream)
+
+
+def graph_manager_on_the_process_stream(config) -> "cuda_graphs.CudaGraphManager":
+    """A megatron-core ``CudaGraphManager`` built without moving the process off its stream.
+
+    The first manager of a process switches it to a new stream, which does not wait for the
+    current one. Managers built with the model are fine (`use_side_stream` adopts that stream
+    before DDP is built), but a chunk's manager is built at its first forward, after DDP: the
+    switch would leave backward on a stream apart from DDP's, and the new stream could read
+    the chunk's input before the old one wrote it.
+    """
+    stream = torch.cuda.current_stream()
+    manager = cuda_graphs.CudaGraphManager(config)
+    torch.cuda.set_stream(stream)
+    return manager
 
 
 def forget_layer_graph_grad_events(model) -> int:

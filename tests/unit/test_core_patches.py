@@ -623,6 +623,27 @@ def test_ddp_is_built_on_the_process_stream(monkeypatch, restored_training_loop)
     assert once("m") == "ddp m" and entered[-1] == "side"
 
 
+def test_a_graph_manager_built_after_ddp_leaves_the_process_on_its_stream(monkeypatch):
+    """megatron-core's first CudaGraphManager switches the process to a new stream (pinned
+    here); a chunk's manager, built at its first forward, is switched back."""
+    source = inspect.getsource(cuda_graphs.CudaGraphManager.__init__)
+    assert "torch.cuda.set_stream(torch.cuda.Stream())" in source
+
+    current = ["process"]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream))
+
+    class Manager:
+        def __init__(self, config):
+            self.config = config
+            torch.cuda.set_stream("new")  # as upstream's first manager does
+
+    monkeypatch.setattr(cuda_graphs, "CudaGraphManager", Manager)
+    manager = core_patches.graph_manager_on_the_process_stream("config")
+    assert isinstance(manager, Manager) and manager.config == "config"
+    assert current == ["process"]
+
+
 def test_upstream_loop_reads_its_step_statistics_through_module_names():
     """The per-iteration reads route_training_loop takes out: train_step reduces the update flag
     and the gradient norm, training_log the learning rate, by their names in the loop module;

@@ -89,23 +89,16 @@ def test_the_report_tabulates_each_phase_and_checks_against_the_noise(example):
     assert not passed and "FAIL weights after the last step" in text
 
 
-def test_the_hybrids_weights_may_differ_by_one_rounding_step(example):
-    def weights_results(graphs_a):
-        base = {"a": torch.tensor([0.1, -0.1, 0.0], dtype=torch.bfloat16)}
-        out = results(example)
-        out["eager"]["weights"] = out["eager again"]["weights"] = base
-        out["graphs"]["weights"] = {"a": graphs_a.to(torch.bfloat16)}
-        return out
-
-    one_step = weights_results(torch.tensor([0.1 + 2 ** -11, -0.1, 0.0]))  # 0.1: steps of 2^-11
-    assert example.rounding_steps(one_step["graphs"]["weights"],
-                                  one_step["eager"]["weights"]) == 1.0
-    text, passed = example.report(one_step, "hybrid")
-    assert passed and "(1 rounding steps at a: 0.1006 against eager's 0.1001; 1 allowed " \
-                      "for hybrid)" in text
-    assert not example.report(one_step, "gpt")[1]  # GPT: bitwise, as its noise
-    two_steps = weights_results(torch.tensor([0.1 + 2 ** -10, -0.1, 0.0]))
-    assert not example.report(two_steps, "hybrid")[1]
+def test_a_weights_difference_names_its_worst_element(example):
+    base = {"a": torch.tensor([0.1, -0.1, 0.0], dtype=torch.bfloat16)}
+    out = results(example)
+    out["eager"]["weights"] = out["eager again"]["weights"] = base
+    # 0.1 moves in bf16 steps of 2^-11: one step apart, beyond a noise of 0
+    out["graphs"]["weights"] = {"a": torch.tensor([0.1 + 2 ** -11, -0.1, 0.0]).to(torch.bfloat16)}
+    assert example.worst_rounding_step(out["graphs"]["weights"], base)[:2] == (1.0, "a")
+    text, passed = example.report(out)
+    assert not passed and "FAIL weights after the last step, graphs against eager: max " \
+        "|difference| 0.000488 (1 rounding steps at a: 0.1006 against eager's 0.1001)" in text
 
 
 def test_the_comparison_runs_eager_twice_then_graphs_and_fails_with_a_check(example,
@@ -114,16 +107,23 @@ def test_the_comparison_runs_eager_twice_then_graphs_and_fails_with_a_check(exam
 
     def call(cmd, env):
         mode, out = cmd[cmd.index("--run") + 1], cmd[cmd.index("--out") + 1]
-        launched.append((mode, env["MASTER_PORT"]))
+        launched.append((mode, env["MASTER_PORT"], env["MAMBA_DETERMINISTIC"]))
         which = {"eager": "eager" if len(launched) == 1 else "eager again"}.get(mode, mode)
         torch.save(results(example, graphs_weight=1.0)[which], out)
         return 0
 
     monkeypatch.setattr(subprocess, "call", call)
+    monkeypatch.delenv("MAMBA_DETERMINISTIC", raising=False)
     assert example.main(["--steps", "6"]) == 1  # the weights differ: a failed check
-    assert [mode for mode, _ in launched] == ["eager", "eager", "graphs"]
+    assert [mode for mode, *_ in launched] == ["eager", "eager", "graphs"]
+    # every run with Mamba's deterministic kernels, unless the environment says otherwise
+    assert {deterministic for *_, deterministic in launched} == {"1"}
     out = capsys.readouterr().out
     assert "gpt, 6 steps (4 timed)" in out and "FAIL weights after the last step" in out
+    launched.clear()
+    monkeypatch.setenv("MAMBA_DETERMINISTIC", "0")
+    example.main(["--steps", "6"])
+    assert {deterministic for *_, deterministic in launched} == {"0"}
 
 
 def test_a_failed_run_stops_the_comparison(example, monkeypatch, capsys):
