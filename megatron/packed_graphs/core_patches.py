@@ -32,7 +32,9 @@ loop's per-iteration host syncs out: its statistics where they are identities
 (`all_model_parallel_ranks_updated`, `max_stat_across_model_parallel_ranks`,
 `keep_loss_scale_on_host`), the log's loss sums (`training_log_summing_losses_on_device`) and
 the rerun machine's flags (`reduce_rerun_flags_on_host`) and the exit-signal check
-(`check_exit_signal_on_host`). With dynamic context parallelism,
+(`check_exit_signal_on_host`). It also builds DDP on the process's stream
+(`ddp_on_the_process_stream`) and sizes the MoE metrics alike on every pipeline stage
+(`size_moe_metrics_as_the_routers_do`). With dynamic context parallelism,
 `build_hybrid_cp_groups_at_start_up` has Megatron-LM's start-up build megatron-core's hybrid
 DP x CP groups without turning on Megatron-LM's own hybrid CP.
 
@@ -509,6 +511,8 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
       (``OptimizerConfig.optimizer_cuda_graph``, for the fork's optimizer graph) while upstream's
       own ``--optimizer-cuda-graph`` wrapper stays off;
     * DDP is built on the stream the process runs on (`ddp_on_the_process_stream`);
+    * every pipeline stage holds the MoE metrics at the routers' size
+      (`size_moe_metrics_as_the_routers_do`);
     * the end of each iteration reads nothing back from the GPU where nothing needs reading
       (`all_model_parallel_ranks_updated`, `max_stat_across_model_parallel_ranks`,
       `keep_loss_scale_on_host`, `training_log_summing_losses_on_device`,
@@ -519,6 +523,8 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
     the fork's entry keeps at "local"/"none" and False: every graph decision is the runtime's.
     """
     import megatron.training.training as loop
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args
 
     upstream_setup = loop.setup_model_and_optimizer
     upstream_schedule = loop.get_forward_backward_func
@@ -529,6 +535,7 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
         nonlocal wrap
         model, optimizer, scheduler = upstream_setup(*args, **kwargs)
         keep_loss_scale_on_host(optimizer)
+        size_moe_metrics_as_the_routers_do(get_args(), get_model_config(model[0]))
         wrap = on_setup(model, optimizer, scheduler)
         return model, optimizer, scheduler
 
@@ -559,6 +566,35 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
         loop.training_log = training_log_summing_losses_on_device(loop.training_log)
     reduce_rerun_flags_on_host()
     check_exit_signal_on_host()
+
+
+def moe_metric_names(args) -> list:
+    """The MoE metrics Megatron-LM's ``training_log`` reports and reduces, in its order."""
+    balancing = args.moe_router_load_balancing_type  # a name or a list of names
+    names = [name for name in ("load_balancing_loss", "seq_load_balancing_loss",
+                               "global_load_balancing_loss")
+             if name.replace("load_balancing_loss", "aux_loss") in balancing]
+    return names + (["z_loss"] if args.moe_z_loss_coeff is not None else [])
+
+
+def size_moe_metrics_as_the_routers_do(args, config) -> None:
+    """Create Megatron-LM's MoE metrics on this rank at the size its routers record them.
+
+    megatron-training 0.19.2's ``training_log`` reduces each MoE metric over the pipeline
+    group, having created it where no router did at the size it passes: for a hybrid model,
+    the number of MoE layers. The routers create it with one slot per layer
+    (``config.num_layers`` plus MTP layers). A hybrid pipeline stage without an MoE layer
+    (Nemotron-H at PP = 2: ``M*-`` | ``EM*``) then reduces a tensor of another size than
+    its peer, and the run hangs at its first log line. Created here first, at the routers'
+    size, every stage reduces the same shape; a router's own record sets its groups.
+    """
+    if args.num_experts is None:
+        return
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    for name in moe_metric_names(args):
+        tracker.ensure_initialized(name, config.num_layers + (config.mtp_num_layers or 0))
 
 
 def ddp_on_the_process_stream(upstream: Callable) -> Callable:

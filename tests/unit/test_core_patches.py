@@ -560,8 +560,12 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch, restored
         return config, "overrides"
 
     optimizer = SimpleNamespace(grad_scaler=None)
+    model = [SimpleNamespace(config=SimpleNamespace(num_layers=2, mtp_num_layers=None))]
     monkeypatch.setattr(loop, "setup_model_and_optimizer",
-                        lambda *a, **k: ("m", optimizer, "s"))
+                        lambda *a, **k: (model, optimizer, "s"))
+    from megatron.training import global_vars
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(num_experts=None))
     monkeypatch.setattr(loop, "get_forward_backward_func", lambda **k: "schedule")
     monkeypatch.setattr(loop, "get_megatron_optimizer_config", optimizer_config)
     from megatron.training.dist_signal_handler import DistributedSignalHandler
@@ -574,8 +578,8 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch, restored
 
     core_patches.route_training_loop(on_setup, capturable_optimizer=True)
     assert loop.get_forward_backward_func(schedule_pg_collection=None) == "schedule"
-    assert loop.setup_model_and_optimizer("model_type") == ("m", optimizer, "s")
-    assert built == [("m", optimizer, "s")]
+    assert loop.setup_model_and_optimizer("model_type") == (model, optimizer, "s")
+    assert built == [(model, optimizer, "s")]
     assert optimizer.get_loss_scale() is core_patches.LOSS_SCALE_ONE
     assert (loop.logical_and_across_model_parallel_group
             is core_patches.all_model_parallel_ranks_updated)
@@ -642,6 +646,52 @@ def test_a_graph_manager_built_after_ddp_leaves_the_process_on_its_stream(monkey
     manager = core_patches.graph_manager_on_the_process_stream("config")
     assert isinstance(manager, Manager) and manager.config == "config"
     assert current == ["process"]
+
+
+def test_moe_metrics_take_the_routers_size_on_every_pipeline_stage(monkeypatch):
+    """A hybrid stage without MoE layers would create Megatron-LM's MoE metrics at the number
+    of MoE layers, its peer's routers at one slot per layer: the pipeline all-reduce of two
+    sizes hangs. Pins the upstream code, then checks the patch sizes them alike."""
+    import types
+
+    import megatron.training.training as loop
+    from megatron.core.transformer.moe import moe_logging, router
+
+    log_source = inspect.getsource(loop.training_log)
+    assert "layers = itemgetter(Symbols.MOE)(get_hybrid_layer_counts(" in log_source
+    assert "force_initialize=True" in log_source
+    assert "num_layers = self.config.num_layers" in inspect.getsource(router)
+
+    tracker = moe_logging.MoEMetricsTracker()
+    monkeypatch.setattr(moe_logging, "get_moe_metrics_tracker", lambda: tracker)
+    args = types.SimpleNamespace(num_experts=4, moe_router_load_balancing_type="seq_aux_loss",
+                                 moe_z_loss_coeff=1e-3)
+    assert core_patches.moe_metric_names(args) == [
+        "load_balancing_loss", "seq_load_balancing_loss", "z_loss"]  # upstream's substring test
+    assert core_patches.moe_metric_names(types.SimpleNamespace(
+        moe_router_load_balancing_type=["global_aux_loss"], moe_z_loss_coeff=None)) == [
+        "global_load_balancing_loss"]
+
+    # Upstream alone: the stage without routers gets the MoE-layer count (1 for "M*-EM*").
+    tracker.ensure_initialized("z_loss", 1)
+    assert tracker.metrics["z_loss"].values.numel() == 1
+    tracker.metrics.clear()
+
+    config = types.SimpleNamespace(num_layers=6, mtp_num_layers=None)
+    core_patches.size_moe_metrics_as_the_routers_do(args, config)
+    tracker.ensure_initialized("z_loss", 1)  # training_log's force_initialize keeps it
+    assert {name: entry.values.numel() for name, entry in tracker.metrics.items()} == {
+        "load_balancing_loss": 6, "seq_load_balancing_loss": 6, "z_loss": 6}
+    # A router's record on a stage with MoE layers writes its slot and sets its groups.
+    tracker.record("z_loss", torch.tensor(2.0), layer_number=4, num_layers=6,
+                   reduce_group="tp_cp")
+    assert tracker.metrics["z_loss"].values.tolist() == [0, 0, 0, 2.0, 0, 0]
+    assert tracker.metrics["z_loss"].reduce_group == "tp_cp"
+
+    tracker.metrics.clear()
+    core_patches.size_moe_metrics_as_the_routers_do(
+        types.SimpleNamespace(num_experts=None), config)  # a dense model: nothing to size
+    assert not tracker.metrics
 
 
 def test_upstream_loop_reads_its_step_statistics_through_module_names():
