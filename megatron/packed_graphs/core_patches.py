@@ -426,6 +426,25 @@ def guard_local_capture(guard: Callable[[], ContextManager]) -> Iterator[None]:
         _capture_guards.remove(guard)
 
 
+@contextlib.contextmanager
+def stream_crossings_unreported() -> Iterator[None]:
+    """torch's AccumulateGrad stream-mismatch warning off within (graph capture), as before
+    outside.
+
+    megatron-core and TE capture a layer's backward on a capture stream of their own, so each
+    captured weight gradient meets DDP's accumulation node (built on the process's stream)
+    from another stream: once per graph, at capture. Replays run on the process's stream and
+    cross nothing. Outside captures the warning, printed once per process, then means a
+    crossing on every iteration (`ddp_on_the_process_stream`).
+    """
+    enabled = torch._C._warn_on_accumulate_grad_stream_mismatch()
+    torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+    try:
+        yield
+    finally:
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(enabled)
+
+
 def record_capture_statistics() -> None:
     """Keep the capture time and measure graph memory at the end-of-iteration capture.
 
@@ -450,6 +469,7 @@ def record_capture_statistics() -> None:
         before = reserved_without_cache()
         stream = torch.cuda.current_stream()
         with contextlib.ExitStack() as guards:
+            guards.enter_context(stream_crossings_unreported())
             for guard in _capture_guards:
                 guards.enter_context(guard())
             try:

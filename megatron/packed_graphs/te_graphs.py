@@ -287,7 +287,7 @@ class TELayerGraphs:
             for _ in layers)
         earlier_banks = [layer.open_graph_bank(inputs, cp_size) for layer in layers]
         reserved = reserved_without_cache()
-        with core_patches.te_graph_capture():
+        with core_patches.te_graph_capture(), core_patches.stream_crossings_unreported():
             graphed = make_graphed_callables(
                 tuple(layers), sample_args, sample_kwargs=tuple(kwargs for _ in layers),
                 num_warmup_iters=self.warmup_iters, allow_unused_input=True,

@@ -343,7 +343,10 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
 
     def upstream_capture():  # stands in for megatron-core's capture of the recorded graphs
         seen.append(list(entered))
+        warned.append(torch._C._warn_on_accumulate_grad_stream_mismatch())
         return {"time": 0.5}
+
+    warned = []
 
     entered = []
 
@@ -375,12 +378,29 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
         schedules.create_cudagraphs()
     schedules.create_cudagraphs()
     assert seen == [["moe", "other"], ["moe"], []]
+    # torch's stream-mismatch warning is off while capturing, on again afterwards
+    assert warned == [False] * 3 and torch._C._warn_on_accumulate_grad_stream_mismatch()
     assert entered == [] and core_patches._capture_guards == []
     assert list(core_patches.capture_log)[-1] == {"time": 0.5, "graphs": 2,
                                                   "graph_reserved_bytes": 0}
     assert streams == ["side stream"] * 3  # back on the stream the capture began on
     # ... before the guards restore anything (they write on the stream that reads next).
     assert events[:3] == ["stream side stream", "exit other", "exit moe"]
+
+
+def test_stream_crossings_are_unreported_within_only():
+    with pytest.raises(RuntimeError):
+        with core_patches.stream_crossings_unreported():
+            assert not torch._C._warn_on_accumulate_grad_stream_mismatch()
+            raise RuntimeError("capture failed")
+    assert torch._C._warn_on_accumulate_grad_stream_mismatch()  # as before, also on errors
+    torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+    try:
+        with core_patches.stream_crossings_unreported():
+            pass
+        assert not torch._C._warn_on_accumulate_grad_stream_mismatch()  # a user's choice kept
+    finally:
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(True)
 
 
 def test_upstream_capture_ends_on_the_default_stream():
