@@ -627,9 +627,10 @@ def ddp_on_the_process_stream(upstream: Callable) -> Callable:
     keeps each parameter's AccumulateGrad node, and autograd runs a node on the stream it was
     created on: every weight gradient of every backward then crosses streams
     (``record_stream`` and an event wait per parameter, torch's "AccumulateGrad node's stream
-    does not match" warning). That costs host time per parameter (many with MoE experts). Not the default stream
-    either: nodes on the legacy default stream make a layer graph's backward capture fail
-    (a capturing stream may not make the legacy stream wait), which is why upstream avoids it.
+    does not match" warning). That costs host time per parameter (many with MoE experts).
+    Not the default stream either: nodes on the legacy default stream make a layer graph's
+    backward capture fail (a capturing stream may not make the legacy stream wait), which is
+    why upstream avoids it.
     """
     def wrap_model_chunks_with_ddp(*args, **kwargs):
         if _side_stream is None:  # no CUDA, or a model provider that did not switch
@@ -933,14 +934,15 @@ def use_side_stream() -> None:
     global _side_stream
     if _side_stream is not None or not torch.cuda.is_available():
         return
-    current = torch.cuda.current_stream()
-    if current != torch.cuda.default_stream():
-        _side_stream = current
-        return
-    _side_stream = torch.cuda.Stream()
-    # The model was built on the current stream; the side stream does not wait for it by itself.
-    _side_stream.wait_stream(current)
-    torch.cuda.set_stream(_side_stream)
+    default = torch.cuda.default_stream()
+    stream = torch.cuda.current_stream()
+    if stream == default:
+        stream = torch.cuda.Stream()
+        torch.cuda.set_stream(stream)
+    # The model was built (at least in part) on the default stream, which a side stream does
+    # not wait for by itself.
+    stream.wait_stream(default)
+    _side_stream = stream
 
 
 def graph_manager_on_the_process_stream(config) -> "cuda_graphs.CudaGraphManager":

@@ -615,6 +615,34 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch, restored
     assert loop.wrap_model_chunks_with_ddp.on_process_stream
 
 
+def test_the_process_moves_to_a_side_stream_once(monkeypatch):
+    """On the default stream: a new stream, made current. On a stream megatron-core's graph
+    manager switched to: that one, kept. Either waits for the default stream (the model was
+    built there); a second call changes nothing."""
+    class FakeStream:
+        def __init__(self, name="new"):
+            self.name, self.waited_for = name, []
+
+        def wait_stream(self, other):
+            self.waited_for.append(other.name)
+
+    default = FakeStream("default")
+    for start, expected in ((default, "new"), (FakeStream("manager's"), "manager's")):
+        current = [start]
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "default_stream", lambda: default)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
+        monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream))
+        monkeypatch.setattr(core_patches, "_side_stream", None)
+        core_patches.use_side_stream()
+        side = core_patches._side_stream
+        assert side.name == expected and current[0] is side and side.waited_for == ["default"]
+        current[0] = default  # e.g. a stream scope's exit
+        core_patches.use_side_stream()
+        assert core_patches._side_stream is side and current[0] is default  # once per process
+
+
 def test_ddp_is_built_on_the_process_stream(monkeypatch, restored_training_loop):
     """Upstream's DDP wrapping runs on the process's side stream, whatever stream get_model
     made current around it, and as upstream has it where the process is on none (no CUDA);
