@@ -244,8 +244,9 @@ class IterationGraph:
         """Capture ``body`` on the current stream, into a pool of its own. Syncs the device.
 
         The current stream: autograd runs parameters' gradient accumulation on the stream
-        DDP built its hooks on (the process's side stream, core_patches.use_side_stream and
-        ddp_on_the_process_stream), and torch 2.11 cannot redirect those nodes to another capture stream.
+        DDP built its hooks on (the process's side stream: core_patches.use_side_stream,
+        ddp_on_the_process_stream), and torch 2.11 cannot redirect those nodes to another
+        capture stream.
         """
         torch.cuda.synchronize()
         self._before_capture()
