@@ -116,12 +116,11 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
         "--cuda-graph-impl", impl, "--cuda-graph-granularity", granularity,
         "--cuda-graph-max-packed-seqs", str(capacity), "--cuda-graph-warmup-steps", "1"],
         model=kind)
-    use_side_stream()  # before DDP, as training does
     module = pretrain_gpt if kind == "gpt" else pretrain_mamba
     config = transformer_config_from_args(args)
-    model = DistributedDataParallel(
-        config, ddp_config(args),
-        Float16Module(config, module.model_provider(args, config).cuda()))
+    built = Float16Module(config, module.model_provider(args, config).cuda())
+    use_side_stream()  # after the build, before DDP, as training's model provider does
+    model = DistributedDataParallel(config, ddp_config(args), built)
     config.no_sync_func = model.no_sync
     with_seq_idx = kind == "hybrid"
     step = PackedForwardStep.from_args(args, with_seq_idx=with_seq_idx)
