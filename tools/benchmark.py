@@ -810,6 +810,13 @@ def main(argv=None) -> int:
     if args.log_interval < 1 or args.warmup % args.log_interval or args.steps % args.log_interval:
         parser.error(f"--log-interval is wrong: {args.log_interval}. It must divide --warmup "
                      f"({args.warmup}) and --steps ({args.steps}).")
+    if (args.profile and args.mode == "train"
+            and args.steps < args.warmup + 2 * args.log_interval):
+        # The profiled iterations' GPU-busy time goes into the last interval's record, which
+        # the step-time median leaves out: it needs one more interval past --warmup.
+        parser.error(f"--steps is wrong: {args.steps}. With --profile the last log interval "
+                     f"is profiled and not timed, so --steps must be at least --warmup + 2 x "
+                     f"--log-interval ({args.warmup + 2 * args.log_interval}).")
     if args.nproc % args.pipeline_model_parallel_size:
         parser.error(f"--pipeline-model-parallel-size is wrong: {args.pipeline_model_parallel_size}. "
                      f"It must divide --nproc ({args.nproc}).")

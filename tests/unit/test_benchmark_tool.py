@@ -67,6 +67,13 @@ def test_log_interval_must_divide_warmup_and_steps(argv, capsys):
     assert "--log-interval is wrong" in capsys.readouterr().err
 
 
+def test_profile_needs_a_timed_interval_past_the_warmup(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.main(["--profile", "--steps", "20", "--warmup", "10", "--log-interval", "10"])
+    err = capsys.readouterr().err
+    assert "--steps is wrong: 20" in err and "--log-interval (30)" in err
+
+
 def test_dynamic_cp_sets_keep_the_positions_per_rank():
     assert benchmark.dynamic_cp_flags("2", 2048) == ["--dynamic-cp-sizes", "2", "--seq-length",
                                                      "4096"]
