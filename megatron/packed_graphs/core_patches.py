@@ -65,11 +65,14 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 from typing import Callable, ContextManager, Iterator
 
 import torch
 
 import megatron.core
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import clip_grads
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.rerun_state_machine import RerunStateMachine
@@ -89,6 +92,9 @@ UPSTREAM_ARG_METADATA_ZEROS_LIKE = cuda_graphs.ArgMetadata.zeros_like
 UPSTREAM_GET_GRAD_NORM = clip_grads.get_grad_norm_fp32
 UPSTREAM_CLIP_BY_TOTAL_NORM = clip_grads.clip_grad_by_total_norm_fp32
 UPSTREAM_REDUCE_ANY = RerunStateMachine._reduce_any
+UPSTREAM_COLUMN_PARALLEL_INIT = tensor_parallel.ColumnParallelLinear.__init__
+UPSTREAM_ROW_PARALLEL_INIT = tensor_parallel.RowParallelLinear.__init__
+UPSTREAM_ZERO_GRAD_BUFFER = DistributedDataParallel.zero_grad_buffer
 
 # Filled by the capture-statistics patch, one entry per graph capture; the graph runtime
 # empties it after each capture iteration, and it keeps the last few at most.
@@ -505,7 +511,8 @@ def apply_core_patches() -> dict:
                   te_cross_entropy_capturable,
                   check_arg_types_without_reimporting,
                   record_capture_statistics,
-                  skip_dataset_helper_build):
+                  skip_dataset_helper_build,
+                  megatron_core_linears_unfused_without_apex):
         applied_patches[patch.__name__] = patch() or "applied"
     _applied = True
     return applied_patches
@@ -809,6 +816,64 @@ def skip_dataset_helper_build() -> str:
         return "not needed: megatron-core has no compile_helpers"
     dataset_utils.compile_helpers = lambda: None
     return "applied"
+
+
+def megatron_core_linears_unfused_without_apex() -> str:
+    """megatron-core's own linears (``ColumnParallelLinear``, ``RowParallelLinear``: the output
+    layer, and every linear of a TE-free spec) accumulate their weight gradient unfused where
+    apex's ``fused_weight_gradient_mlp_cuda`` is missing, so ``--gradient-accumulation-fusion``
+    can stay on for TE's linears, which fuse with TE's own GEMM. Upstream reads the flag from
+    the shared config at build: ``ColumnParallelLinear`` raises without apex and
+    ``RowParallelLinear`` would fail at its first backward. The flag is off only while such a
+    linear is built; it keeps its own copy (``self.gradient_accumulation_fusion``)."""
+    from megatron.core.tensor_parallel import layers
+
+    if layers._grad_accum_fusion_available:
+        return "not needed: apex's fused_weight_gradient_mlp_cuda is importable"
+
+    def unfused(upstream_init):
+        @functools.wraps(upstream_init)
+        def __init__(self, *args, config, **kwargs):
+            fused, config.gradient_accumulation_fusion = config.gradient_accumulation_fusion, False
+            try:
+                upstream_init(self, *args, config=config, **kwargs)
+            finally:
+                config.gradient_accumulation_fusion = fused
+
+        __init__.unfused_without_apex = True
+        return __init__
+
+    for linear in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        if not getattr(linear.__init__, "unfused_without_apex", False):
+            linear.__init__ = unfused(linear.__init__)
+    return "applied"
+
+
+def ddp_keeps_fused_wgrad_flags() -> None:
+    """DDP's ``zero_grad_buffer`` leaves ``grad_added_to_main_grad`` set on the weights whose
+    gradient TE accumulates into ``main_grad`` itself (``--gradient-accumulation-fusion``),
+    for TE layer graphs (`te_graphs.TELayerGraphs`).
+
+    TE's backward sets the flag and returns a placeholder gradient (uninitialised memory), and
+    DDP's hook adds a returned gradient into ``main_grad`` only while the flag is clear.
+    megatron-core 0.19.2 clears every flag at each ``zero_grad_buffer`` unless
+    ``cuda_graph_impl`` is "transformer_engine", which the fork's entry keeps at "local"; a
+    replayed TE graph runs no Python to set it again, so DDP would add the placeholder. No
+    other path sets the flag, so a weight that had it set keeps it.
+    """
+    upstream = DistributedDataParallel.zero_grad_buffer
+    if getattr(upstream, "keeps_fused_wgrad_flags", False):
+        return
+
+    @functools.wraps(upstream)
+    def zero_grad_buffer(self):
+        fused = [p for p in self.params_with_grad if getattr(p, "grad_added_to_main_grad", False)]
+        upstream(self)
+        for param in fused:
+            param.grad_added_to_main_grad = True
+
+    zero_grad_buffer.keeps_fused_wgrad_flags = True
+    DistributedDataParallel.zero_grad_buffer = zero_grad_buffer
 
 
 # --------------------------------------------------------------------------------------------

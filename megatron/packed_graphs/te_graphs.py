@@ -238,6 +238,9 @@ class TELayerGraphs:
         self.tokens_per_rank = tokens_per_rank
         self.warmup_iters = warmup_iters
         self.banks: Dict[int, PackedGraphInputs] = {}  # by CP size (GraphKey.cp_size)
+        if config.gradient_accumulation_fusion:
+            # A replay runs no Python: DDP must not clear the flag TE's fused wgrad sets.
+            core_patches.ddp_keeps_fused_wgrad_flags()
 
     @property
     def captured(self) -> bool:
@@ -294,5 +297,10 @@ class TELayerGraphs:
                 **core_patches.te_layer_capture_keywords(make_graphed_callables, len(layers)))
         for layer, callable_, earlier in zip(layers, graphed, earlier_banks):
             layer.close_graph_bank(earlier, callable_)
+        if self.config.gradient_accumulation_fusion:
+            # TE's eager warm-up passes accumulated their fused weight gradients into main_grad,
+            # which DDP had zeroed for this iteration (captures run before its schedule).
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
         torch.cuda.synchronize()
         return reserved_without_cache() - reserved

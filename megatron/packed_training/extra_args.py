@@ -146,11 +146,7 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size
                                                        * args.data_parallel_size)
     args.packed_notes = []
-    if args.gradient_accumulation_fusion and not is_importable("fused_weight_gradient_mlp_cuda"):
-        # megatron-core fuses it with apex's kernel only; Megatron-LM would stop at model build.
-        args.gradient_accumulation_fusion = False
-        args.packed_notes.append("gradient accumulation fusion off: apex's "
-                                 "fused_weight_gradient_mlp_cuda is not importable")
+    check_gradient_accumulation_fusion(args)
     if not (is_importable("transformer_engine") or is_importable("apex")):
         args.packed_notes.append("neither Transformer Engine nor apex is importable: "
                                  "megatron-core uses torch's Adam, norms and multi-tensor ops")
@@ -174,6 +170,34 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     check_mla(args, model)
     check_long_documents(args)
     return args
+
+
+def check_gradient_accumulation_fusion(args) -> None:
+    """``--gradient-accumulation-fusion`` (Megatron-LM's default) without apex's kernel.
+
+    TE's linears fuse with TE's own GEMM; megatron-core's own linears (the output layer, every
+    linear of the TE-free specs) only with apex's ``fused_weight_gradient_mlp_cuda``, and
+    Megatron-LM would stop at the model build without it. So, without apex: on for a TE
+    model, whose megatron-core linears accumulate unfused
+    (`core_patches.megatron_core_linears_unfused_without_apex`); off for a TE-free one, which
+    has no linear that could fuse.
+    """
+    if not args.gradient_accumulation_fusion or is_importable("fused_weight_gradient_mlp_cuda"):
+        return
+    if args.defer_embedding_wgrad_compute:
+        fail("--defer-embedding-wgrad-compute", "on",
+             "The deferred output-layer gradient is accumulated with apex's "
+             "fused_weight_gradient_mlp_cuda, which is not importable; install apex with its "
+             "CUDA extensions or drop the flag")
+    if uses_te_attention(args):
+        args.packed_notes.append("gradient accumulation fusion: on in Transformer Engine's "
+                                 "linears; the output layer accumulates unfused (apex's "
+                                 "fused_weight_gradient_mlp_cuda is not importable)")
+        return
+    args.gradient_accumulation_fusion = False
+    args.packed_notes.append("gradient accumulation fusion off: the TE-free model's linears "
+                             "fuse only with apex's fused_weight_gradient_mlp_cuda, which is "
+                             "not importable")
 
 
 def uses_te_attention(args) -> bool:

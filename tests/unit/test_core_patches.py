@@ -40,7 +40,8 @@ def test_apply_reports_every_patch():
         "keep_saved_tensor_observer_armed_until_capture", "sync_free_multi_tensor_fallbacks",
         "clip_gradients_without_host_sync", "warm_up_graphs_on_recorded_layouts",
         "te_cross_entropy_capturable", "check_arg_types_without_reimporting",
-        "record_capture_statistics", "skip_dataset_helper_build"}
+        "record_capture_statistics", "skip_dataset_helper_build",
+        "megatron_core_linears_unfused_without_apex"}
     assert all(state == "applied" or state.startswith(("not needed", "l2 norm", "scale"))
                for state in report.values())
     assert core_patches.apply_core_patches() is report  # once
@@ -1082,3 +1083,98 @@ def test_upstream_local_graphs_share_one_pool_forward_only_graphs_can_join(monke
     pool = object()
     monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", pool)
     assert core_patches.local_graph_pool() is pool
+
+
+# -- gradient accumulation fusion without apex ---------------------------------------------
+
+def _linear_config(**fields):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                             use_cpu_initialization=True, **fields)
+
+
+def test_upstream_linears_need_apex_for_fused_accumulation():
+    from megatron.core.tensor_parallel import layers
+
+    column = source(core_patches.UPSTREAM_COLUMN_PARALLEL_INIT)
+    assert "config.gradient_accumulation_fusion and not _grad_accum_fusion_available" in column
+    for init in (core_patches.UPSTREAM_COLUMN_PARALLEL_INIT, core_patches.UPSTREAM_ROW_PARALLEL_INIT):
+        assert "self.gradient_accumulation_fusion = config.gradient_accumulation_fusion" in source(init)
+    # The forward reads the linear's own copy, not the config.
+    for linear in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        assert "gradient_accumulation_fusion=self.gradient_accumulation_fusion" in source(linear.forward)
+    # TE's linears take the config's flag as their own fused accumulation.
+    from megatron.core.extensions import transformer_engine as te_extension
+
+    assert "fuse_wgrad_accumulation=self.config.gradient_accumulation_fusion" in source(te_extension)
+
+
+@pytest.fixture
+def upstream_linears(monkeypatch):
+    """Each test patches megatron-core's linears afresh and leaves them as they were."""
+    from megatron.core.tensor_parallel import layers
+
+    monkeypatch.setattr(layers.ColumnParallelLinear, "__init__",
+                        core_patches.UPSTREAM_COLUMN_PARALLEL_INIT)
+    monkeypatch.setattr(layers.RowParallelLinear, "__init__", core_patches.UPSTREAM_ROW_PARALLEL_INIT)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
+    return layers
+
+
+def test_without_apex_megatron_core_linears_build_unfused_and_the_config_keeps_fusion(
+        cpu_dist, upstream_linears):
+    layers = upstream_linears
+    config = _linear_config(gradient_accumulation_fusion=True)
+    init = torch.nn.init.zeros_
+    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):  # upstream alone
+        layers.ColumnParallelLinear(8, 8, config=config, init_method=init)
+    assert core_patches.megatron_core_linears_unfused_without_apex() == "applied"
+    column = layers.ColumnParallelLinear(8, 8, config=config, init_method=init, bias=False)
+    row = layers.RowParallelLinear(8, 8, config=config, init_method=init, bias=False,
+                                   input_is_parallel=True, skip_bias_add=False)
+    assert column.gradient_accumulation_fusion is False and row.gradient_accumulation_fusion is False
+    assert config.gradient_accumulation_fusion is True  # TE's linears still read it
+    # Their weight gradient is the ordinary one, returned to autograd.
+    x = torch.randn(3, 1, 8, requires_grad=True)
+    out, _ = row(column(x)[0])
+    out.sum().backward()
+    assert column.weight.grad is not None and row.weight.grad is not None
+    # Applied once, whatever the number of calls.
+    core_patches.megatron_core_linears_unfused_without_apex()
+    assert layers.ColumnParallelLinear.__init__.__wrapped__ is core_patches.UPSTREAM_COLUMN_PARALLEL_INIT
+
+
+def test_linears_are_left_alone_with_apex(upstream_linears, monkeypatch):
+    monkeypatch.setattr(upstream_linears, "_grad_accum_fusion_available", True)
+    assert core_patches.megatron_core_linears_unfused_without_apex().startswith("not needed")
+    assert upstream_linears.ColumnParallelLinear.__init__ is core_patches.UPSTREAM_COLUMN_PARALLEL_INIT
+
+
+def _ddp_shell(impl: str, params: list):
+    """What megatron-core's ``zero_grad_buffer`` reads of a DDP, with no gradient buckets."""
+    return SimpleNamespace(config=SimpleNamespace(cuda_graph_impl=impl), params_with_grad=params,
+                           buffers=[], expert_parallel_buffers=[], bucket_groups=[],
+                           expert_parallel_bucket_groups=[])
+
+
+def test_ddp_keeps_the_flag_te_fused_accumulation_set(monkeypatch):
+    from megatron.core.distributed import DistributedDataParallel
+
+    monkeypatch.setattr(DistributedDataParallel, "zero_grad_buffer",
+                        core_patches.UPSTREAM_ZERO_GRAD_BUFFER)
+    fused, unfused = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    fused.grad_added_to_main_grad, unfused.grad_added_to_main_grad = True, False
+    # Upstream clears every flag unless its own TE graphs run.
+    core_patches.UPSTREAM_ZERO_GRAD_BUFFER(_ddp_shell("local", [fused, unfused]))
+    assert fused.grad_added_to_main_grad is False
+    core_patches.UPSTREAM_ZERO_GRAD_BUFFER(_ddp_shell("transformer_engine", [fused]))
+    fused.grad_added_to_main_grad = True
+    core_patches.ddp_keeps_fused_wgrad_flags()
+    core_patches.ddp_keeps_fused_wgrad_flags()  # once
+    assert DistributedDataParallel.zero_grad_buffer.__wrapped__ is core_patches.UPSTREAM_ZERO_GRAD_BUFFER
+    DistributedDataParallel.zero_grad_buffer(_ddp_shell("local", [fused, unfused]))
+    assert fused.grad_added_to_main_grad is True and unfused.grad_added_to_main_grad is False
+    # DDP's hook adds a returned gradient only while the flag is clear.
+    hook = source(DistributedDataParallel._make_backward_post_hook)
+    assert "not param.grad_added_to_main_grad" in hook

@@ -412,12 +412,32 @@ def test_te_rng_tracker(args, monkeypatch, values, backend, present, expected):
     assert args.te_rng_tracker is expected
 
 
-@pytest.mark.parametrize("apex", [False, True])
-def test_gradient_accumulation_fusion_needs_apex(args, monkeypatch, apex):
-    pin_importable(monkeypatch, *(["fused_weight_gradient_mlp_cuda"] if apex else []))
-    extra_args.validate_packed_args(tweak(args, gradient_accumulation_fusion=True), "gpt")
-    assert args.gradient_accumulation_fusion is apex
-    assert any("gradient accumulation fusion off" in n for n in args.packed_notes) is not apex
+@pytest.mark.parametrize("present,backend,fused,note", [
+    (("fused_weight_gradient_mlp_cuda", "transformer_engine"), "auto", True, None),
+    (("fused_weight_gradient_mlp_cuda",), "local", True, None),
+    # Without apex: TE's linears fuse, megatron-core's own (the output layer) do not.
+    (("transformer_engine",), "auto", True, "on in Transformer Engine's linears"),
+    (("transformer_engine",), "flash", True, "on in Transformer Engine's linears"),
+    # A TE-free model has no linear that fuses without apex.
+    (("transformer_engine",), "local", False, "gradient accumulation fusion off"),
+    ((), "auto", False, "gradient accumulation fusion off"),
+])
+def test_gradient_accumulation_fusion_stays_on_where_a_kernel_fuses(
+        args, monkeypatch, present, backend, fused, note):
+    pin_importable(monkeypatch, *present)
+    tweak(args, gradient_accumulation_fusion=True, attention_backend=AttnBackend[backend],
+          packed_notes=[])
+    extra_args.check_gradient_accumulation_fusion(args)
+    assert args.gradient_accumulation_fusion is fused
+    notes = [n for n in args.packed_notes if "gradient accumulation fusion" in n]
+    assert (notes == []) if note is None else (note in notes[0]), notes
+
+
+def test_deferred_embedding_wgrad_needs_apex(args):
+    tweak(args, gradient_accumulation_fusion=True, defer_embedding_wgrad_compute=True)
+    with pytest.raises(ValueError, match="--defer-embedding-wgrad-compute is wrong: on. .*"
+                                         "install apex"):
+        extra_args.check_gradient_accumulation_fusion(args)
 
 
 @pytest.mark.parametrize("present", [(), ("apex",), ("transformer_engine",)])
