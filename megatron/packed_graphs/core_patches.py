@@ -49,7 +49,10 @@ process-wide stream switch (`use_side_stream`) and a graph manager that keeps it
 (`keep_runner_buffers`), a layer's graphed partial function (`route_graphed_function`), the MoE
 dispatcher's graph state and dropless mode (`set_dispatcher_graph_state`,
 `dispatch_dropless`), the optimizer's step and state_dict (`install_optimizer_step`,
-`run_state_dict_within`) and TE's private capture keywords (`te_layer_capture_keywords`).
+`run_state_dict_within`), TE's private capture keywords (`te_layer_capture_keywords`),
+and, for fused gradient accumulation without apex, megatron-core's own linears built unfused
+(`megatron_core_linears_unfused_without_apex`) and DDP keeping TE's fused-gradient flags
+under TE graphs (`ddp_keeps_fused_wgrad_flags`).
 No other module reaches into upstream internals (tests/unit/test_upstream_reaches.py).
 
 Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
@@ -511,8 +514,7 @@ def apply_core_patches() -> dict:
                   te_cross_entropy_capturable,
                   check_arg_types_without_reimporting,
                   record_capture_statistics,
-                  skip_dataset_helper_build,
-                  megatron_core_linears_unfused_without_apex):
+                  skip_dataset_helper_build):
         applied_patches[patch.__name__] = patch() or "applied"
     _applied = True
     return applied_patches
@@ -818,6 +820,10 @@ def skip_dataset_helper_build() -> str:
     return "applied"
 
 
+# --------------------------------------------------------------------------------------------
+# Reaches: what the fork's modules call where no subclass or spec can do the job
+# --------------------------------------------------------------------------------------------
+
 def megatron_core_linears_unfused_without_apex() -> str:
     """megatron-core's own linears (``ColumnParallelLinear``, ``RowParallelLinear``: the output
     layer, and every linear of a TE-free spec) accumulate their weight gradient unfused where
@@ -825,7 +831,10 @@ def megatron_core_linears_unfused_without_apex() -> str:
     can stay on for TE's linears, which fuse with TE's own GEMM. Upstream reads the flag from
     the shared config at build: ``ColumnParallelLinear`` raises without apex and
     ``RowParallelLinear`` would fail at its first backward. The flag is off only while such a
-    linear is built; it keeps its own copy (``self.gradient_accumulation_fusion``)."""
+    linear is built; it keeps its own copy (``self.gradient_accumulation_fusion``). Applied
+    (once) by the fork's model builders (packed_training/models.py), so every path that builds
+    a model from arguments that kept the flag on (`extra_args.check_gradient_accumulation_fusion`)
+    has it."""
     from megatron.core.tensor_parallel import layers
 
     if layers._grad_accum_fusion_available:
@@ -875,10 +884,6 @@ def ddp_keeps_fused_wgrad_flags() -> None:
     zero_grad_buffer.keeps_fused_wgrad_flags = True
     DistributedDataParallel.zero_grad_buffer = zero_grad_buffer
 
-
-# --------------------------------------------------------------------------------------------
-# Reaches: what the fork's modules call where no subclass or spec can do the job
-# --------------------------------------------------------------------------------------------
 
 def local_graphs_created() -> bool:
     """Whether megatron-core's local graphs have been captured (upstream's private flag)."""

@@ -40,8 +40,7 @@ def test_apply_reports_every_patch():
         "keep_saved_tensor_observer_armed_until_capture", "sync_free_multi_tensor_fallbacks",
         "clip_gradients_without_host_sync", "warm_up_graphs_on_recorded_layouts",
         "te_cross_entropy_capturable", "check_arg_types_without_reimporting",
-        "record_capture_statistics", "skip_dataset_helper_build",
-        "megatron_core_linears_unfused_without_apex"}
+        "record_capture_statistics", "skip_dataset_helper_build"}
     assert all(state == "applied" or state.startswith(("not needed", "l2 norm", "scale"))
                for state in report.values())
     assert core_patches.apply_core_patches() is report  # once
@@ -1178,3 +1177,31 @@ def test_ddp_keeps_the_flag_te_fused_accumulation_set(monkeypatch):
     # DDP's hook adds a returned gradient only while the flag is clear.
     hook = source(DistributedDataParallel._make_backward_post_hook)
     assert "not param.grad_added_to_main_grad" in hook
+
+
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_the_fork_model_builders_build_megatron_core_linears_unfused(
+        cpu_dist, upstream_linears, model):
+    from megatron.packed_training import models
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.config import transformer_config_from_args
+
+    layers = (["--hybrid-layer-pattern", "*-", "--mamba-num-groups", "1"] if model == "hybrid"
+              else ["--num-layers", "2"])
+    args = parse_args([*layers, "--hidden-size", "64", "--num-attention-heads", "4",
+                       "--seq-length", "128", "--max-position-embeddings", "128",
+                       "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                       "--lr", "1e-3", "--mock-data", "--sft", "--vocab-size", "128",
+                       "--position-embedding-type", "none", "--no-bias-dropout-fusion",
+                       "--no-bias-swiglu-fusion", "--attention-dropout", "0"], model,
+                      raise_on_error=True)
+    args.padded_vocab_size = 128
+    config = transformer_config_from_args(args)
+    config.use_cpu_initialization = True
+    config.gradient_accumulation_fusion = True  # as kept on for a TE model without apex
+    built = (models.gpt_model if model == "gpt" else models.hybrid_model)(args, config)
+    own = [m for m in built.modules() if isinstance(
+        m, (upstream_linears.ColumnParallelLinear, upstream_linears.RowParallelLinear))]
+    assert built.output_layer in own
+    assert not any(m.gradient_accumulation_fusion for m in own)
+    assert config.gradient_accumulation_fusion is True
