@@ -238,7 +238,9 @@ class TELayerGraphs:
         self.tokens_per_rank = tokens_per_rank
         self.warmup_iters = warmup_iters
         self.banks: Dict[int, PackedGraphInputs] = {}  # by CP size (GraphKey.cp_size)
-        if config.gradient_accumulation_fusion:
+        # --gradient-accumulation-fusion: TE's linears add weight gradients into main_grad.
+        self.fused_wgrad = bool(getattr(config, "gradient_accumulation_fusion", False))
+        if self.fused_wgrad:
             # A replay runs no Python: DDP must not clear the flag TE's fused wgrad sets.
             core_patches.ddp_keeps_fused_wgrad_flags()
 
@@ -263,6 +265,8 @@ class TELayerGraphs:
         measurement empties the allocator cache). Every rank must call this with the same
         banks in the same order (captures run the banks' collectives). Returns the log-line
         statistics: capture time, graph memory (per bank under dynamic CP), graph count.
+        With fused gradient accumulation it zeroes DDP's gradient buffers afterwards (TE's
+        warm-up accumulated into them): call it before the iteration's first backward.
         """
         layers = graphable_layers(self.model[0])
         stats = {"graphs captured": 2 * len(layers) * len(bank_params)}
@@ -297,7 +301,7 @@ class TELayerGraphs:
                 **core_patches.te_layer_capture_keywords(make_graphed_callables, len(layers)))
         for layer, callable_, earlier in zip(layers, graphed, earlier_banks):
             layer.close_graph_bank(earlier, callable_)
-        if self.config.gradient_accumulation_fusion:
+        if self.fused_wgrad:
             # TE's eager warm-up passes accumulated their fused weight gradients into main_grad,
             # which DDP had zeroed for this iteration (captures run before its schedule).
             for chunk in self.model:
