@@ -80,11 +80,9 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def hand_graph_flags_to_the_runtime(args) -> None:
-    """Move ``--cuda-graph-impl`` / ``--optimizer-cuda-graph`` to ``args.packed_graph_impl`` /
-    ``packed_optimizer_graph`` (the runtime's): Megatron-LM's loop, which would build its own
-    graphs, sees ``local`` (graph-safe RNG, local graph managers) or ``none``, and False. Runs
-    before and after ``validate_args`` (then taking what upstream derived from a deprecated
-    spelling: --enable-cuda-graph, --external-cuda-graph, --cuda-graph-modules full_iteration)."""
+    """Move ``--cuda-graph-impl`` / ``--optimizer-cuda-graph`` to the runtime's fields
+    ``packed_graph_impl`` / ``packed_optimizer_graph``; Megatron-LM's loop sees ``local`` or
+    ``none``, and False. Runs before and after ``validate_args`` (deprecated graph flags)."""
     def shown(impl: str) -> str:
         return "none" if impl == "none" else "local"
 
@@ -161,9 +159,8 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     check_tokenizer(args)
     check_dynamic_cp(args)
     check_graphs(args, model)
-    if not is_importable("transformer_engine"):
-        # Megatron-LM asks for TE's RNG tracker for any graphs; megatron-core's is graph-safe.
-        args.te_rng_tracker = False
+    # Megatron-LM asks for TE's RNG tracker for any graphs; megatron-core's is graph-safe too.
+    args.te_rng_tracker = args.te_rng_tracker and is_importable("transformer_engine")
     check_health_check(args)
     check_optimizer_graph(args)
     check_moe_graphs(args)
@@ -173,31 +170,16 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
 
 
 def check_gradient_accumulation_fusion(args) -> None:
-    """``--gradient-accumulation-fusion`` (Megatron-LM's default) without apex's kernel.
-
-    TE's linears fuse with TE's own GEMM; megatron-core's own linears (the output layer, every
-    linear of the TE-free specs) only with apex's ``fused_weight_gradient_mlp_cuda``, and
-    Megatron-LM would stop at the model build without it. So, without apex: on for a TE
-    model, whose megatron-core linears accumulate unfused
-    (`core_patches.megatron_core_linears_unfused_without_apex`); off for a TE-free one, which
-    has no linear that could fuse.
-    """
+    """Without apex's kernel: on for TE's linears, which fuse in TE's GEMM (megatron-core's own
+    build unfused: core_patches.megatron_core_linears_unfused_without_apex); off if TE-free."""
     if not args.gradient_accumulation_fusion or is_importable("fused_weight_gradient_mlp_cuda"):
         return
-    if args.defer_embedding_wgrad_compute:
-        fail("--defer-embedding-wgrad-compute", "on",
-             "The deferred output-layer gradient is accumulated with apex's "
-             "fused_weight_gradient_mlp_cuda, which is not importable; install apex with its "
-             "CUDA extensions or drop the flag")
-    if uses_te_attention(args):
-        args.packed_notes.append("gradient accumulation fusion: on in Transformer Engine's "
-                                 "linears; the output layer accumulates unfused (apex's "
-                                 "fused_weight_gradient_mlp_cuda is not importable)")
-        return
-    args.gradient_accumulation_fusion = False
-    args.packed_notes.append("gradient accumulation fusion off: the TE-free model's linears "
-                             "fuse only with apex's fused_weight_gradient_mlp_cuda, which is "
-                             "not importable")
+    refuse((args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute", "on",
+            "It needs apex's fused_weight_gradient_mlp_cuda; install apex or drop the flag"))
+    args.gradient_accumulation_fusion = uses_te_attention(args)
+    args.packed_notes.append("gradient accumulation fusion " + (
+        "on in Transformer Engine's linears, unfused in the output layer (no apex)"
+        if args.gradient_accumulation_fusion else "off: no apex for the TE-free model's linears"))
 
 
 def uses_te_attention(args) -> bool:
@@ -506,14 +488,12 @@ def check_moe_dropless_graphs(args) -> bool:
 def check_moe_router_skew(args) -> None:
     """``--moe-router-skew``: a share of an MoE model's routed slots the router can reach."""
     skew = getattr(args, "moe_router_skew", 0.0)
-    if not skew:
-        return
-    if args.num_experts is None:
-        fail("--moe-router-skew", skew, "It biases MoE routers; add --num-experts or drop it")
-    from megatron.packed_graphs.moe import skew_error, skew_limit
-
-    if not 0.0 < skew < skew_limit(args.num_experts, args.moe_router_topk):
-        raise ValueError(skew_error(skew, args.num_experts, args.moe_router_topk) + ".")
+    refuse((skew and args.num_experts is None, "--moe-router-skew", skew,
+            "It biases MoE routers; add --num-experts or drop it"))
+    if skew:  # the MoE module only where a skew is asked for
+        from megatron.packed_graphs.moe import skew_error, skew_limit
+        if not 0.0 < skew < skew_limit(args.num_experts, args.moe_router_topk):
+            raise ValueError(skew_error(skew, args.num_experts, args.moe_router_topk) + ".")
 
 
 def check_mla(args, model: str) -> None:

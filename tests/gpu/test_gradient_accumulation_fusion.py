@@ -81,7 +81,7 @@ def test_fused_training_matches_unfused_eager(tmp_path, kind):
                            name="unfused")
     runs = {"eager": run_training(script, common, tmp_path, name="fused_eager")}
     log = (tmp_path / "fused_eager.log").read_text()
-    assert "gradient accumulation fusion: on in Transformer Engine's linears" in log
+    assert "gradient accumulation fusion on in Transformer Engine's linears" in log
     for name, flags in GRAPH_RUNS.items():
         runs[name] = run_training(script, common + flags, tmp_path, name=f"fused_{name}")
     # Same seed and data. Fused accumulation adds the bf16 weight gradient in fp32 inside

@@ -609,3 +609,18 @@ def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path,
             args.ffn_hidden_size) == (3, 96, 6, 256, 384)
     with pytest.raises(ValueError, match="--use-checkpoint-args is given without a checkpoint"):
         parse_args(shapeless + ["--use-checkpoint-args"])
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(moe_router_skew=0.3), "--moe-router-skew is wrong: 0.3. It biases MoE routers"),
+    (dict(moe_router_skew=0.9, num_experts=8, moe_router_topk=2), "--moe-router-skew is wrong: 0.9"),
+    (dict(moe_router_skew=0.3, num_experts=8, moe_router_topk=2), None),
+    (dict(moe_router_skew=0.0), None),
+])
+def test_router_skew_needs_experts_and_a_reachable_share(args, values, message):
+    tweak(args, **values)
+    if message is None:
+        extra_args.check_moe_router_skew(args)
+        return
+    with pytest.raises(ValueError, match=message):
+        extra_args.check_moe_router_skew(args)
