@@ -57,7 +57,9 @@ def main(out_path: str) -> None:
         "--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--train-iters", "1",
         "--micro-batch-size", "1",
         "--global-batch-size", "2", "--eval-iters", "0", "--attention-backend", "auto",
-        "--te-rng-tracker", "--dynamic-cp-sizes", "1", "2"], model="gpt")
+        "--te-rng-tracker", "--dynamic-cp-sizes", "1", "2",
+        # No DDP here: gradients land in param.grad, not in DDP's main_grad buffers.
+        "--no-gradient-accumulation-fusion"], model="gpt")
     assert args.dynamic_cp_groups
     initialize_distributed(args)
     set_seeds(args.seed, te_rng_tracker=True)

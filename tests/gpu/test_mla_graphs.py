@@ -59,7 +59,10 @@ def _model(extra=()):
     from megatron.packed_training.arguments import parse_args
     from megatron.packed_training.config import transformer_config_from_args
 
-    args = parse_args(TINY_MLA_GPT + TRAIN + ["--train-iters", "1", *extra], model="gpt")
+    # A bare model (no DDP, so no main_grad buffers): TE's linears must not fuse accumulation.
+    args = parse_args(TINY_MLA_GPT + TRAIN + ["--train-iters", "1",
+                                              "--no-gradient-accumulation-fusion", *extra],
+                      model="gpt")
     config = transformer_config_from_args(args)
     torch.manual_seed(0)
     return pretrain_gpt.model_provider(args, config).cuda(), config
