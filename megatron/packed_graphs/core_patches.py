@@ -52,7 +52,8 @@ dispatcher's graph state and dropless mode (`set_dispatcher_graph_state`,
 `run_state_dict_within`), TE's private capture keywords (`te_layer_capture_keywords`),
 and, for fused gradient accumulation without apex, megatron-core's own linears built unfused
 (`megatron_core_linears_unfused_without_apex`) and DDP keeping TE's fused-gradient flags
-under TE graphs (`ddp_keeps_fused_wgrad_flags`).
+under TE graphs (`ddp_keeps_fused_wgrad_flags`); with ``--overlap-param-gather``, DDP's
+parameter-gather pre-hooks run before each TE graph replay (`ddp_param_gather_before_te_replays`).
 No other module reaches into upstream internals (tests/unit/test_upstream_reaches.py).
 
 Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
@@ -883,6 +884,25 @@ def ddp_keeps_fused_wgrad_flags() -> None:
 
     zero_grad_buffer.keeps_fused_wgrad_flags = True
     DistributedDataParallel.zero_grad_buffer = zero_grad_buffer
+
+
+def ddp_param_gather_before_te_replays(ddp_chunk, layers) -> None:
+    """With ``--overlap-param-gather``, a replayed TE layer graph first runs DDP's parameter
+    all-gather pre-hook for each module inside it that holds parameters (the layer's
+    ``cuda_graph_manual_hooks``, which `te_graphs.TEGraphDispatch` runs before each replay).
+
+    DDP waits for a module's gathered parameters, and dispatches the next bucket's gather, in
+    that module's forward pre-hook; a replay runs no submodule's forward, so without these the
+    parameter shards other ranks updated would never arrive. Upstream's own TE graph helper
+    does the same after capture, with DDP's private hook factory. No-op without the overlap.
+    """
+    if not getattr(ddp_chunk, "use_forward_hook", False):
+        return
+    hook = ddp_chunk._make_forward_pre_hook()  # one closure; it takes the module as argument
+    for layer in layers:
+        layer.cuda_graph_manual_hooks = [
+            (hook, (module,)) for module in layer.modules()
+            if next(module.parameters(recurse=False), None) is not None]
 
 
 def local_graphs_created() -> bool:

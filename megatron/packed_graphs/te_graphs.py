@@ -301,6 +301,7 @@ class TELayerGraphs:
                 **core_patches.te_layer_capture_keywords(make_graphed_callables, len(layers)))
         for layer, callable_, earlier in zip(layers, graphed, earlier_banks):
             layer.close_graph_bank(earlier, callable_)
+        core_patches.ddp_param_gather_before_te_replays(self.model[0], layers)
         if self.fused_wgrad:
             # TE's eager warm-up passes accumulated their fused weight gradients into main_grad,
             # which DDP had zeroed for this iteration (captures run before its schedule).

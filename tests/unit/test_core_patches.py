@@ -1205,3 +1205,44 @@ def test_the_fork_model_builders_build_megatron_core_linears_unfused(
     assert built.output_layer in own
     assert not any(m.gradient_accumulation_fusion for m in own)
     assert config.gradient_accumulation_fusion is True
+
+
+def _overlapping_ddp(use_forward_hook: bool, params: list, finished: list):
+    """What megatron-core's DDP forward pre-hook reads: each parameter's bucket group, whose
+    ``finish_param_sync`` (wait for the gather, dispatch the next) is recorded."""
+    group = SimpleNamespace(finish_param_sync=lambda **_: finished.append(group))
+    return SimpleNamespace(
+        use_forward_hook=use_forward_hook, param_to_bucket_group={p: group for p in params},
+        ddp_config=SimpleNamespace(align_param_gather=False),
+        overlap_param_gather_with_optimizer_step=False)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_te_replays_run_ddps_param_gather_hooks_of_every_module_inside(overlap):
+    from megatron.core.distributed import DistributedDataParallel
+
+    layer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    layer.cuda_graph_manual_hooks = []
+    finished = []
+    ddp = _overlapping_ddp(overlap, list(layer.parameters()), finished)
+    # DDP's own hook factory (the reach), bound to the stand-in: upstream's hook body runs.
+    ddp._make_forward_pre_hook = lambda: DistributedDataParallel._make_forward_pre_hook(ddp)
+    core_patches.ddp_param_gather_before_te_replays(ddp, [layer])
+    modules = [module for _, (module,) in layer.cuda_graph_manual_hooks]
+    assert modules == ([layer[0], layer[1][0]] if overlap else [])  # the ones holding weights
+    for hook, hook_args in layer.cuda_graph_manual_hooks:  # as TEGraphDispatch._replay_graph
+        hook(*hook_args)
+    assert len(finished) == (4 if overlap else 0)  # weight and bias of both linears
+
+
+def test_upstream_ddp_gathers_parameters_in_forward_pre_hooks_of_their_own_module():
+    """The sentinel: DDP's pre-hook finishes the gather of the module's direct parameters
+    only, and the TE replay path runs a layer's manual hooks before its graph."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import GraphableMegatronModule
+
+    hook = source(DistributedDataParallel._make_forward_pre_hook)
+    assert "module.parameters(recurse=False)" in hook and "finish_param_sync" in hook
+    assert "self.use_forward_hook = self.ddp_config.overlap_param_gather" in source(
+        DistributedDataParallel.__init__)
+    assert "self.cuda_graph_manual_hooks" in source(GraphableMegatronModule._te_cuda_graph_replay)
