@@ -534,9 +534,17 @@ def test_a_bad_flag_is_one_line_from_rank_zero_only(capsys, monkeypatch):
         assert capsys.readouterr().err.splitlines() == lines
 
 
-GRAPH_MODES = {"graphs_off": ([], "none"),
+# (flags, the fork's graph implementation, Megatron-LM's cuda_graph_impl): the fork keeps
+# Megatron-LM's field at "local" for full-iteration graphs, so upstream builds no graphs.
+GRAPH_MODES = {"graphs_off": ([], "none", "none"),
                "local_graphs": (["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
-                                 "32"], "local")}
+                                 "32"], "local", "local"),
+               "chunk_graphs": (["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs",
+                                 "32", "--cuda-graph-granularity", "chunk"], "local", "local"),
+               "full_iteration": (["--cuda-graph-impl", "full_iteration",
+                                   "--cuda-graph-max-packed-seqs", "32",
+                                   "--no-check-for-nan-in-loss-and-grad"], "full_iteration",
+                                  "local")}
 LAUNCH_LINES = {
     "recompute_overlap_distopt": (
         "--recompute-granularity selective --overlap-grad-reduce --overlap-param-gather "
@@ -558,10 +566,14 @@ LAUNCH_LINES = {
 @pytest.mark.parametrize("line", LAUNCH_LINES)
 def test_megatron_launch_lines_parse(line, mode):
     flags, expected = LAUNCH_LINES[line]
-    graph_flags, impl = GRAPH_MODES[mode]
+    graph_flags, impl, megatron_impl = GRAPH_MODES[mode]
+    if mode == "full_iteration" and "--num-experts" in flags:
+        with pytest.raises(ValueError, match="MoE inside full-iteration graphs"):
+            parse_args(BASE + flags.split() + graph_flags)
+        return
     args = parse_args(BASE + flags.split() + graph_flags)
     assert {name: getattr(args, name) for name in expected} == expected
-    assert args.packed_graph_impl == impl and args.cuda_graph_impl == impl
+    assert args.packed_graph_impl == impl and args.cuda_graph_impl == megatron_impl
     assert args.cuda_graph_max_packed_seqs == (32 if graph_flags else 0)
 
 
