@@ -266,7 +266,9 @@ class TELayerGraphs:
         banks in the same order (captures run the banks' collectives). Returns the log-line
         statistics: capture time, graph memory (per bank under dynamic CP), graph count.
         With fused gradient accumulation it zeroes DDP's gradient buffers afterwards (TE's
-        warm-up accumulated into them): call it before the iteration's first backward.
+        warm-up accumulated into them): call it before the iteration's first backward. With
+        ``--overlap-param-gather`` each layer then runs DDP's parameter-gather hooks before
+        its replays.
         """
         layers = graphable_layers(self.model[0])
         stats = {"graphs captured": 2 * len(layers) * len(bank_params)}
@@ -276,6 +278,7 @@ class TELayerGraphs:
             name = ("graph memory (MiB)" if params.local_cp_size is None
                     else f"graph memory cp{params.local_cp_size} (MiB)")
             stats[name] = round(memory / 2**20, 1)
+        core_patches.ddp_param_gather_before_te_replays(self.model[0], layers)
         stats["graph capture (s)"] = round(time.perf_counter() - start, 2)
         return stats
 
@@ -301,7 +304,6 @@ class TELayerGraphs:
                 **core_patches.te_layer_capture_keywords(make_graphed_callables, len(layers)))
         for layer, callable_, earlier in zip(layers, graphed, earlier_banks):
             layer.close_graph_bank(earlier, callable_)
-        core_patches.ddp_param_gather_before_te_replays(self.model[0], layers)
         if self.fused_wgrad:
             # TE's eager warm-up passes accumulated their fused weight gradients into main_grad,
             # which DDP had zeroed for this iteration (captures run before its schedule).

@@ -50,6 +50,11 @@ TINY_HYBRID_MOE = ["--hybrid-layer-pattern", "M*EM*E", *HYBRID_LAYERS, *MOE]
 # Local layer graphs at capacity 16 after two eager iterations (the graph tests' default).
 LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
                 "--cuda-graph-warmup-steps", "2"]
+CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]
+# Transformer Engine's attention, and its layer graphs at the same capacity (need TE).
+TE = ["--attention-backend", "auto", "--te-rng-tracker"]
+TE_GRAPHS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "16",
+             "--cuda-graph-warmup-steps", "2"]
 # Mock data, no evaluation (--eval-iters 0: mock data has a validation split of its own).
 TRAIN = [
     "--sft", "--mock-data", "--mock-doc-length-median", "128", "--bf16",

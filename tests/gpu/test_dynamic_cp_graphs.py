@@ -15,6 +15,7 @@ pytest.importorskip("transformer_engine.pytorch",
                     reason="needs Transformer Engine (pip install -e '.[te]')")
 
 from tests.gpu.launch import (  # noqa: E402
+    TE,
     TINY_GPT,
     TINY_HYBRID,
     TRAIN,
@@ -23,7 +24,6 @@ from tests.gpu.launch import (  # noqa: E402
     torchrun,
 )
 
-TE = ["--attention-backend", "auto", "--te-rng-tracker"]
 TE_GRAPH_BANKS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "8",
                   "--cuda-graph-warmup-steps", "2"]
 SCRIPT = {"gpt": ("pretrain_gpt.py", TINY_GPT), "hybrid": ("pretrain_mamba.py", TINY_HYBRID)}

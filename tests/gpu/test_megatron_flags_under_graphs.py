@@ -18,8 +18,11 @@ same seed on the same packed rows, and compares the loss curves:
 import pytest
 
 from tests.gpu.launch import (
+    CHUNK_GRAPHS,
     DROP_AND_PAD,
     LAYER_GRAPHS,
+    TE,
+    TE_GRAPHS,
     TINY_GPT,
     TINY_GPT_MOE,
     TRAIN,
@@ -30,10 +33,6 @@ from tests.gpu.launch import (
 
 STEPS = 12
 COMMON = TRAIN + ["--train-iters", str(STEPS), "--global-batch-size", "4"]
-TE = ["--attention-backend", "auto", "--te-rng-tracker"]
-CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]
-TE_GRAPHS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "16",
-             "--cuda-graph-warmup-steps", "2"]
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration", "--cuda-graph-max-packed-seqs", "16",
                   "--cuda-graph-warmup-steps", "2", "--no-check-for-nan-in-loss-and-grad"]
 # Graph replay against eager with the same flags; bf16 noise of a different kernel order.

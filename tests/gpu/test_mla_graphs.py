@@ -19,13 +19,15 @@ pytest.importorskip("transformer_engine.pytorch",
 
 from tests.gpu.capture import capture_without_host_sync  # noqa: E402
 from tests.gpu.launch import (  # noqa: E402
+    CHUNK_GRAPHS,
     LAYER_GRAPHS,
+    TE,
+    TE_GRAPHS,
     TRAIN,
     losses,
     run_training,
 )
 
-TE = ["--attention-backend", "auto", "--te-rng-tracker"]
 # Query head 32 + 32 = 64, value head 32: upstream pads V on THD (pad_value=True).
 MLA = ["--multi-latent-attention", "--kv-lora-rank", "64", "--q-lora-rank", "96",
        "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "32", "--v-head-dim", "32",
@@ -44,9 +46,6 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--moe-shared-expert-intermediate-size", "256", "--moe-router-score-function", "sigmoid",
        "--moe-aux-loss-coeff", "0.01", "--moe-expert-capacity-factor", "1.0",
        "--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm"]
-TE_GRAPHS = ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-max-packed-seqs", "16",
-             "--cuda-graph-warmup-steps", "2"]
-CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]
 SCRIPT = {"gpt": ("pretrain_gpt.py", TINY_MLA_GPT),
           "hybrid": ("pretrain_mamba.py", TINY_MLA_HYBRID),
           "moe": ("pretrain_gpt.py", TINY_MLA_GPT + MOE)}

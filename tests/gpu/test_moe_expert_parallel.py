@@ -16,6 +16,7 @@ import pytest
 from megatron.packed_training.extra_args import is_importable
 from tests.gpu import launch
 from tests.gpu.launch import (
+    CHUNK_GRAPHS,
     DROP_AND_PAD,
     LAYER_GRAPHS,
     TRAIN,
@@ -24,7 +25,6 @@ from tests.gpu.launch import (
 )
 
 TINY_GPT_MOE = launch.TINY_GPT_MOE + DROP_AND_PAD
-CHUNK_GRAPHS = LAYER_GRAPHS + ["--cuda-graph-granularity", "chunk"]
 STEPS = 30
 # Graphs on TE attention switch TE's RNG tracker on: the eager reference takes it too.
 COMMON = TRAIN + (["--te-rng-tracker"] if is_importable("transformer_engine") else [])
