@@ -53,7 +53,8 @@ dispatcher's graph state and dropless mode (`set_dispatcher_graph_state`,
 and, for fused gradient accumulation without apex, megatron-core's own linears built unfused
 (`megatron_core_linears_unfused_without_apex`) and DDP keeping TE's fused-gradient flags
 under TE graphs (`ddp_keeps_fused_wgrad_flags`); with ``--overlap-param-gather``, DDP's
-parameter-gather pre-hooks run before each TE graph replay (`ddp_param_gather_before_te_replays`).
+parameter-gather pre-hooks come off for the TE capture (`ddp_gather_hooks_removed`) and run
+before each TE graph replay (`ddp_param_gather_before_te_replays`).
 No other module reaches into upstream internals (tests/unit/test_upstream_reaches.py).
 
 Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
@@ -884,6 +885,27 @@ def ddp_keeps_fused_wgrad_flags() -> None:
 
     zero_grad_buffer.keeps_fused_wgrad_flags = True
     DistributedDataParallel.zero_grad_buffer = zero_grad_buffer
+
+
+@contextlib.contextmanager
+def ddp_gather_hooks_removed(ddp_chunks):
+    """While TE captures layer graphs, remove DDP's parameter-gather forward pre-hooks (TE's
+    ``make_graphed_callables`` refuses modules with hooks) after one synchronous gather of
+    every parameter, so the capture reads current weights; register them again after.
+
+    A collective: every rank must enter it at the same capture. Upstream's loop does the same
+    around its own TE capture. No-op without ``--overlap-param-gather`` and while Megatron-LM's
+    first iteration runs with the hooks off.
+    """
+    hooked = [chunk for chunk in ddp_chunks if getattr(chunk, "use_forward_hook", False)
+              and chunk.remove_forward_pre_hook_handles]
+    for chunk in hooked:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in hooked:
+            chunk.enable_forward_pre_hook()
 
 
 def ddp_param_gather_before_te_replays(ddp_chunk, layers) -> None:

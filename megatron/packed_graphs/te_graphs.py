@@ -267,17 +267,18 @@ class TELayerGraphs:
         statistics: capture time, graph memory (per bank under dynamic CP), graph count.
         With fused gradient accumulation it zeroes DDP's gradient buffers afterwards (TE's
         warm-up accumulated into them): call it before the iteration's first backward. With
-        ``--overlap-param-gather`` each layer then runs DDP's parameter-gather hooks before
-        its replays.
+        ``--overlap-param-gather`` it gathers all parameters first (a collective), captures
+        with DDP's hooks removed, and each layer then runs those hooks before its replays.
         """
         layers = graphable_layers(self.model[0])
         stats = {"graphs captured": 2 * len(layers) * len(bank_params)}
         start = time.perf_counter()
-        for cp_size, params in bank_params:
-            memory = self._capture_bank(cp_size, params, layers)
-            name = ("graph memory (MiB)" if params.local_cp_size is None
-                    else f"graph memory cp{params.local_cp_size} (MiB)")
-            stats[name] = round(memory / 2**20, 1)
+        with core_patches.ddp_gather_hooks_removed(self.model):
+            for cp_size, params in bank_params:
+                memory = self._capture_bank(cp_size, params, layers)
+                name = ("graph memory (MiB)" if params.local_cp_size is None
+                        else f"graph memory cp{params.local_cp_size} (MiB)")
+                stats[name] = round(memory / 2**20, 1)
         core_patches.ddp_param_gather_before_te_replays(self.model[0], layers)
         stats["graph capture (s)"] = round(time.perf_counter() - start, 2)
         return stats

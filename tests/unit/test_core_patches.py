@@ -1235,6 +1235,28 @@ def test_te_replays_run_ddps_param_gather_hooks_of_every_module_inside(overlap):
     assert len(finished) == (4 if overlap else 0)  # weight and bias of both linears
 
 
+@pytest.mark.parametrize("hooks_on", [True, False])
+def test_te_capture_runs_with_ddps_gather_hooks_removed_after_one_gather(hooks_on):
+    """TE refuses to capture modules with hooks: they come off (parameters gathered first)
+    and go back on after the capture, through DDP's own methods."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    gathers = []
+    ddp = SimpleNamespace(module=model, use_forward_hook=True, remove_forward_pre_hook_handles={},
+                          start_param_sync=lambda force_sync: gathers.append(force_sync),
+                          param_to_bucket_group={}, ddp_config=SimpleNamespace())
+    for name in ("enable_forward_pre_hook", "disable_forward_pre_hook", "_make_forward_pre_hook"):
+        setattr(ddp, name, getattr(DistributedDataParallel, name).__get__(ddp))
+    if hooks_on:  # off in Megatron-LM's first iteration
+        ddp.enable_forward_pre_hook()
+    with core_patches.ddp_gather_hooks_removed([ddp]):
+        assert not model._forward_pre_hooks and not model[0]._forward_pre_hooks
+        assert gathers == ([True] if hooks_on else [])
+    assert bool(model[0]._forward_pre_hooks) == hooks_on
+    assert len(ddp.remove_forward_pre_hook_handles) == (2 if hooks_on else 0)
+
+
 def test_upstream_ddp_gathers_parameters_in_forward_pre_hooks_of_their_own_module():
     """The sentinel: DDP's pre-hook finishes the gather of the module's direct parameters
     only, and the TE replay path runs a layer's manual hooks before its graph."""
@@ -1246,3 +1268,5 @@ def test_upstream_ddp_gathers_parameters_in_forward_pre_hooks_of_their_own_modul
     assert "self.use_forward_hook = self.ddp_config.overlap_param_gather" in source(
         DistributedDataParallel.__init__)
     assert "self.cuda_graph_manual_hooks" in source(GraphableMegatronModule._te_cuda_graph_replay)
+    assert "self.start_param_sync(force_sync=True)" in source(
+        DistributedDataParallel.disable_forward_pre_hook)
