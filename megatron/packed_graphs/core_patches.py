@@ -71,7 +71,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, ContextManager, Iterator, Tuple
 
 import torch
 
@@ -1151,6 +1151,24 @@ def dispatch_dropless(dispatcher) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(dispatcher, name, value)
+
+
+def yarn_channel_mask_and_scale(rope, device) -> Tuple[torch.Tensor, float]:
+    """megatron-core's yarn pieces for the settings of ``rope`` (a ``YarnRotaryEmbedding``):
+    per frequency channel 1.0 where it keeps its original frequency and 0.0 where it is
+    interpolated (``[dim // 2]`` fp32 on ``device``), and the concentration factor.
+
+    Upstream keeps them as private helpers of its yarn module; the packed MLA tables reuse
+    them so that they stay upstream's tables bit for bit.
+    """
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    low, high = yarn._yarn_find_correction_range(
+        rope.beta_fast, rope.beta_slow, rope.dim, rope.rotary_base,
+        rope.original_max_position_embeddings, rope.correction_range_round_to_int)
+    kept = 1.0 - yarn._yarn_linear_ramp_mask(low, high, rope.dim // 2, device=device)
+    return kept, yarn._yarn_get_concentration_factor(rope.scaling_factor, rope.mscale,
+                                                     rope.mscale_all_dim)
 
 
 def install_optimizer_step(optimizer, step: Callable) -> None:

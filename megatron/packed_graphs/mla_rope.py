@@ -31,12 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-    YarnRotaryEmbedding,
-    _yarn_find_correction_range,
-    _yarn_get_concentration_factor,
-    _yarn_linear_ramp_mask,
-)
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+from megatron.packed_graphs import core_patches
 
 
 def fused_rope_table_rows(cu_seqlens: Tensor, rows: int, cp_size: int = 1,
@@ -101,16 +97,11 @@ def yarn_cos_sin(rope: YarnRotaryEmbedding, rows: int, dtype: torch.dtype,
     the yarn concentration factor: upstream's ``cos_cached``/``sin_cached``, bit for bit, for
     the same constructor arguments on the same device (row ``r`` does not depend on
     ``rows``). Computed in fp32, cast to ``dtype``."""
-    low, high = _yarn_find_correction_range(
-        rope.beta_fast, rope.beta_slow, rope.dim, rope.rotary_base,
-        rope.original_max_position_embeddings, rope.correction_range_round_to_int)
-    # 1 where a channel keeps its original frequency, 0 where it is interpolated.
-    extrapolated = 1.0 - _yarn_linear_ramp_mask(low, high, rope.dim // 2, device=device)
+    extrapolated, scale = core_patches.yarn_channel_mask_and_scale(rope, device)
     extra, inter = inverse_frequencies(rope, device)
     inv_freq = inter * (1.0 - extrapolated) + extra * extrapolated
     angles = torch.outer(torch.arange(rows, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
-    scale = _yarn_get_concentration_factor(rope.scaling_factor, rope.mscale, rope.mscale_all_dim)
     return ((angles.cos() * scale).to(dtype).contiguous(),
             (angles.sin() * scale).to(dtype).contiguous())
 

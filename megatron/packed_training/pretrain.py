@@ -108,6 +108,7 @@ class PackedGraphRun:
         The first one is train()'s: its iterations close after ``optimizer.step``. Megatron-LM
         asks for a schedule once per ``train()`` and once per ``evaluate()`` pass, so any
         evaluation the log holds has ended: it is reported before the next one adds to it."""
+        from megatron.packed_graphs import core_patches
         from megatron.packed_graphs.schedule import GraphRuntimeSchedule
 
         if self.log is not None:
@@ -118,7 +119,8 @@ class PackedGraphRun:
                                     moe_rerun=self.moe_rerun, optimizer=self.optimizer,
                                     rank_iterations=bool(self.args.dynamic_cp_sizes))
         if not self.step_wrapped:
-            self.optimizer.step = seam.wrap_optimizer_step(self.optimizer.step)
+            core_patches.install_optimizer_step(
+                self.optimizer, seam.wrap_optimizer_step(self.optimizer.step))
             self.step_wrapped = True
         if self.log is not None:
             seam.before_iteration.append(self.log.begin_iteration)

@@ -4,8 +4,9 @@ The rest of the fork extends megatron-core through specs, subclasses and its pub
 This test reads the fork's source and fails on a new reach anywhere else: a private
 keyword argument (TE's ``_order``), ``setattr``/``delattr`` on an upstream object, a write
 to a field or method of an upstream object (an optimizer, a graph runner or manager, a
-dispatcher, a layer or model that is not ``self``), a write to an upstream module or class,
-or any private attribute of an object other than ``self``. Move such code into
+dispatcher, a layer or model that is not ``self``, also one held by ``self``), a write to an
+upstream module or class, a private name imported from upstream, or any private attribute
+of an object other than ``self`` (``getattr`` with a private name too). Move such code into
 core_patches.py as a named function (its docstring says why; tests/unit/test_core_patches.py
 pins the upstream code it relies on) and call that.
 """
@@ -69,10 +70,23 @@ def reaches(path: pathlib.Path) -> list:
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             targets = [node.target]
         for target in targets:
-            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
-                holder = target.value.id
-                if holder in UPSTREAM_HOLDERS or holder in upstream:
-                    found.append((node.lineno, f"write {ast.unparse(target)}"))
+            if not isinstance(target, ast.Attribute):
+                continue
+            holder = target.value  # `optimizer.step = ...`, also `self.optimizer.step = ...`
+            name = (holder.id if isinstance(holder, ast.Name)
+                    else holder.attr if isinstance(holder, ast.Attribute) else None)
+            if name in UPSTREAM_HOLDERS or (isinstance(holder, ast.Name) and name in upstream):
+                found.append((node.lineno, f"write {ast.unparse(target)}"))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                ("megatron.core", "megatron.training", "transformer_engine")):
+            found.extend((node.lineno, f"private import {alias.name}") for alias in node.names
+                         if alias.name.startswith("_"))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr") and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                and node.args[1].value.startswith("_") and not node.args[1].value.startswith("__")
+                and node.args[1].value not in PROTOCOL_PRIVATE):
+            found.append((node.lineno, ast.unparse(node)))
         if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
                 and not node.attr.startswith("__") and node.attr not in PROTOCOL_PRIVATE):
             root = _root(node.value)
@@ -93,8 +107,12 @@ def test_the_scan_sees_each_kind_of_reach(tmp_path):
         "    cuda_graphs.flag = True\n"
         "    setattr(x, 'y', 1)\n"
         "    make(_order=[1])\n"
-        "    return x._private, super()._method, args, setattr(args, 'a', 1)\n")
-    assert [line for line, _ in reaches(source)] == [3, 4, 5, 6, 7, 8]
+        "    return x._private, super()._method, args, setattr(args, 'a', 1)\n"
+        "from megatron.core.models import _helper, public\n"
+        "def g(self, x):\n"
+        "    self.optimizer.step = None\n"
+        "    self.count = getattr(x, '_private', 0) + getattr(x, 'public', 0)\n")
+    assert sorted(line for line, _ in reaches(source)) == [3, 4, 5, 6, 7, 8, 9, 11, 12]
 
 
 @pytest.mark.parametrize("path", [p for p in SOURCES if p != REACHES_LIVE_IN],
@@ -104,3 +122,19 @@ def test_no_reach_outside_core_patches(path):
     assert not found, (f"{path.relative_to(REPO)} reaches into upstream internals; move it "
                        "into megatron/packed_graphs/core_patches.py: "
                        + "; ".join(f"line {line}: {what}" for line, what in found))
+
+
+# core_patches.py's own helpers, called only by its patches: not patches themselves.
+CORE_PATCHES_HELPERS = {"require_patched_version", "forward_inputs_reused_as_grad_buffers",
+                        "foreach_l2_norm", "foreach_scale", "grad_norm_on_device",
+                        "clip_by_device_norm", "apply_core_patches", "moe_metric_names",
+                        "any_rank_requested", "signals_received_on_host"}
+
+
+def test_docs_list_every_patch():
+    """docs/architecture.md names each public function of core_patches.py."""
+    tree = ast.parse(REACHES_LIVE_IN.read_text())
+    patches = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+               and not node.name.startswith("_")} - CORE_PATCHES_HELPERS
+    docs = (REPO / "docs" / "architecture.md").read_text()
+    assert sorted(name for name in patches if f"`{name}`" not in docs) == []
