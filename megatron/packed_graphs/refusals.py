@@ -1,7 +1,6 @@
 """The one shape of the fork's refusals, ``ValueError("<what> is wrong: <value>. <what to
-do>.")``: `fail` raises it, `refuse` raises it for the first of a list of rules that holds.
-Here, below both users: the graph modules' config checks (moe_experts.py, moe_dropless.py)
-and the parse-time rules of packed_training/extra_args.py."""
+do>.")``, for the graph modules' config checks (moe_experts.py, moe_dropless.py) and the
+parse-time rules (packed_training/extra_args.py): `fail` raises it, `refuse` for a rule list."""
 
 
 def fail(what: str, value, todo: str):

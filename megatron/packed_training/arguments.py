@@ -33,30 +33,40 @@ def _without_import_notices():
     cuda_home = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found"
     level = cuda_home.level
     cuda_home.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_IMPORT_NOTICES)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_IMPORT_NOTICES)
+        try:
             yield
-    finally:
-        cuda_home.setLevel(level)
+        finally:
+            cuda_home.setLevel(level)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Megatron-LM's parser with the fork's flags; parses without validating."""
     with _without_import_notices():
         from megatron.training.arguments import add_megatron_arguments
-
-        from megatron.packed_training.extra_args import add_packed_args
-
     parser = argparse.ArgumentParser(description="Megatron-LM arguments (packed CUDA graphs)",
                                      allow_abbrev=False)
-    parser = add_packed_args(add_megatron_arguments(parser))
+    return extra_args_provider(add_megatron_arguments(parser))
+
+
+def extra_args_provider(parser, raise_on_error: bool = False) -> argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider``: the fork's flags on its parser. With
+    ``raise_on_error`` argparse's every error raises ``ValueError`` instead of exiting."""
+    from megatron.packed_training.extra_args import add_packed_args
+
+    parser = add_packed_args(parser)
     for action in parser._actions:  # some of Megatron-LM's help texts hold a bare '%'
         if action.help and action.help is not argparse.SUPPRESS:
             action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(),
                                        action.help)
         if callable(action.type) and not isinstance(action.type, type):
             action.type = _unknown_name_is_a_bad_value(action.type, action.choices)
+    if raise_on_error:  # a library caller gets a ValueError, not an exit
+        def error(message):  # an ArgumentError's message included
+            raise ValueError(f"arguments are wrong: {message}.") from None
+
+        parser.error = error
     return parser
 
 
@@ -76,29 +86,25 @@ def _unknown_name_is_a_bad_value(convert, choices):
 
 def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> argparse.Namespace:
     """Parse and validate ``argv`` (default ``sys.argv[1:]``) for ``model`` ('gpt' | 'hybrid'):
-    Megatron-LM's ``validate_args`` and the fork's rules; no global state. Raises ``ValueError``
-    with the value and the fix; argparse's own errors (an unknown flag, a bad choice) exit with
-    status 2, or raise ``ValueError`` with ``raise_on_error``."""
+    Megatron-LM's ``parse_args`` (with `extra_args_provider`) and ``validate_args``, then the
+    fork's rules. Raises ``ValueError`` with the value and the fix; argparse's own errors (an
+    unknown flag, a bad choice) exit 2, or raise ``ValueError`` with ``raise_on_error``."""
     with _without_import_notices():
-        from megatron.training.arguments import validate_args
+        from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+        from megatron.training.arguments import parse_args as megatron_parse_args, validate_args
 
         from megatron.packed_training import extra_args
 
     if model not in MODELS:
         raise ValueError(f"model is wrong: {model!r}. Use one of {', '.join(MODELS)}.")
-    parser = build_parser()
-    if raise_on_error:  # a library caller gets a ValueError, not an exit
-        def error(message):  # argparse's every error, an ArgumentError's message included
-            raise ValueError(f"arguments are wrong: {message}.") from None
-
-        parser.error = error
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
-    # What Megatron-LM's own parse_args adds after parsing.
-    args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
-    args.rank = int(os.getenv("RANK", "0"))
-    args.world_size = int(os.getenv("WORLD_SIZE", "1"))
-    # --use-checkpoint-args as in Megatron-LM: what the line leaves unset comes from
-    # --pretrained-checkpoint, then --load (rank 0's files, no process group needed).
+    saved_argv = sys.argv  # Megatron-LM's parse_args reads the command line from sys.argv
+    sys.argv = saved_argv if argv is None else [saved_argv[0] if saved_argv else "", *argv]
+    try:
+        args = megatron_parse_args(functools.partial(extra_args_provider,
+                                                     raise_on_error=raise_on_error))
+    finally:
+        sys.argv = saved_argv
+    # What the line leaves unset comes from --pretrained-checkpoint, then --load (rank 0's files).
     if args.use_checkpoint_args:
         if args.load is None and args.pretrained_checkpoint is None:
             raise ValueError("--use-checkpoint-args is given without a checkpoint. Add --load "
@@ -124,10 +130,7 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
                          f"({os.path.basename(frame.filename)}:{frame.lineno})") from None
     args.split, args.valid_data_path = split, valid_data_path
     extra_args.validate_packed_args(args, model)
-    if args.tokenizer_type == "NullTokenizer":
-        # Megatron-LM sets it at start-up; here the parsed arguments build a model as they are.
-        from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
-
+    if args.tokenizer_type == "NullTokenizer":  # Megatron-LM pads it later, at start-up
         args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args,
                                                          logging_enabled=False)
     if args.eval_iters and not _has_validation_data(args):
@@ -139,12 +142,11 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
 
 def _has_validation_data(args) -> bool:
     from megatron.packed_training.datasets.builder import split_shares
-
     try:
         return bool(args.mock_data or args.valid_data_path
                     or (args.split is not None and split_shares(args.split)[1] > 0))
-    except ValueError:
-        return True  # the data check reports the bad --split
+    except ValueError:  # the data check reports the bad --split
+        return True
 
 
 def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace:

@@ -298,8 +298,7 @@ def check_dynamic_cp(args) -> None:
             "--dynamic-cp-max-packed-seqs", _shown(capacities),
             f"Give one positive capacity per --dynamic-cp-sizes entry ({len(sizes)})"))
     args.dynamic_cp_sizes, args.dynamic_cp_groups = sizes, largest > 1
-    args.dynamic_cp_max_packed_seqs = list(capacities or [args.cuda_graph_max_packed_seqs]
-                                           * len(sizes))
+    args.dynamic_cp_max_packed_seqs = capacities or [args.cuda_graph_max_packed_seqs] * len(sizes)
     args.dynamic_cp_tokens_per_rank = args.seq_length // largest
 
 
