@@ -34,7 +34,7 @@ in bf16 and fp32: without a loss scaler it never skips an update. A NaN or inf g
 stopped before the step by DDP's gradient check (``--check-for-nan-in-loss-and-grad``, on by
 default); without that check it reaches the weights, eager or graphed alike.
 
-What cannot be captured (refused at parse time, argument_checks.check_optimizer_graph, and
+What cannot be captured (refused at parse time, extra_args.check_optimizer_graph, and
 again here with the optimizer at hand): a loss scaler (fp16: its found-inf flag is read on
 the host), counting zero gradients (read on the host), more than one chained optimizer (MoE:
 megatron-core merges their gradient norms on the host without the distributed optimizer and

@@ -92,6 +92,7 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
     with _without_import_notices():
         from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
         from megatron.training.arguments import parse_args as megatron_parse_args, validate_args
+        from megatron.training.checkpointing import load_args_from_checkpoint
 
         from megatron.packed_training import extra_args
 
@@ -109,8 +110,6 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
         if args.load is None and args.pretrained_checkpoint is None:
             raise ValueError("--use-checkpoint-args is given without a checkpoint. Add --load "
                              "or --pretrained-checkpoint, or drop --use-checkpoint-args.")
-        from megatron.training.checkpointing import load_args_from_checkpoint
-
         load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
         load_args_from_checkpoint(args)
     extra_args.prepare_upstream_args(args, model)
@@ -121,7 +120,8 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
     args.dataloader_type = "external"  # the fork's data provider returns the iterators
     # No --split trains on the whole file (Megatron-LM would default to 969,30,1), and
     # --valid-data-path beside --data-path is the fork's (Megatron-LM takes one or the other).
-    split, valid_data_path, args.valid_data_path = args.split, args.valid_data_path, None
+    split, valid_data_path = args.split, args.valid_data_path
+    args.split, args.valid_data_path = split or "1,0,0", None  # not its --split warning either
     try:
         validate_args(args, UPSTREAM_DEFAULTS)
     except AssertionError as err:  # Megatron-LM's checks are asserts; a bare one: its line

@@ -1,9 +1,8 @@
-"""The fork's flags (`add_packed_args`, the scripts' ``extra_args_provider``) and its rules for a
-whole run (`validate_packed_args`, after Megatron-LM's ``validate_args``): one check per feature,
-each raising ``ValueError("<what> is wrong: <value>. <what to do>.")`` (`fail`, `refuse`:
-packed_graphs/refusals.py, which the graph modules' config checks share). The graph flags
-go to the fork's graph runtime (`hand_graph_flags_to_the_runtime`). Every flag: docs/flags.md.
-"""
+"""The fork's flags (`add_packed_args`, added by arguments.extra_args_provider) and its rules
+for a whole run (`validate_packed_args`, after Megatron-LM's ``validate_args``): one check per
+feature, each raising ``ValueError("<what> is wrong: <value>. <what to do>.")`` (`fail`,
+`refuse`: packed_graphs/refusals.py). The graph flags go to the fork's graph runtime
+(`hand_graph_flags_to_the_runtime`). Every flag: docs/flags.md."""
 
 import argparse
 import importlib.util
@@ -26,8 +25,8 @@ def is_importable(package: str) -> bool:
 
 
 def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's ``extra_args_provider``: the fork's flags. Returns ``parser``."""
-    g = parser.add_argument_group("packed cuda graphs", "docs/flags.md, 'Graph flags'")
+    """The fork's flags on Megatron-LM's ``parser`` (arguments.extra_args_provider); returns it."""
+    g = parser.add_argument_group("packed cuda graphs", "docs/flags.md, 'Packed CUDA graphs'")
     g.add_argument("--cuda-graph-max-packed-seqs", type=int, nargs="?", const=50, default=0,
                    help="Graph capacity: packed documents per micro-batch (bare flag: 50; 0: "
                         "off). Choose it with tools/capacity_advisor.py.")
@@ -148,8 +147,7 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     if not (is_importable("transformer_engine") or is_importable("apex")):
         args.packed_notes.append("neither Transformer Engine nor apex is importable: "
                                  "megatron-core uses torch's Adam, norms and multi-tensor ops")
-    # --profile without --use-pytorch-profiler is the fork's nsys range (profiling.py), not
-    # Megatron-LM's, which would hold torch's autograd profiler (emit_nvtx) at the same time.
+    # --profile alone: the fork's nsys range (profiling.py), not Megatron-LM's emit_nvtx as well.
     args.packed_profile = bool(args.profile and not args.use_pytorch_profiler)
     args.profile = args.profile and not args.packed_profile
     if not uses_te_attention(args):  # the TE-free path: RoPE by gather, torch norms
@@ -319,9 +317,8 @@ def _module_names(args) -> list:
 def check_graphs(args, model: str) -> None:
     """Graph implementation, capacity, ladder, granularity and modules."""
     impl, capacity = args.packed_graph_impl, args.cuda_graph_max_packed_seqs
-    if capacity < 0:
-        fail("--cuda-graph-max-packed-seqs", capacity,
-             "Use 0 (graphs off) or a positive document capacity")
+    refuse((capacity < 0, "--cuda-graph-max-packed-seqs", capacity,
+            "Use 0 (graphs off) or a positive document capacity"))
     modules = args.packed_cuda_graph_modules = _module_names(args)
     ladder = list(args.cuda_graph_capacity_ladder or [])
     if impl == "none":
@@ -349,7 +346,10 @@ def check_graphs(args, model: str) -> None:
          "--cuda-graph-impl", impl, "Transformer Engine is not importable; install it or use "
          "--cuda-graph-impl local"),
         (impl == "transformer_engine" and pp > 1, "--pipeline-model-parallel-size", pp,
-         "TE graphs are captured for PP = 1; use --cuda-graph-impl local (layer or chunk graphs)"))
+         "TE graphs are captured for PP = 1; use --cuda-graph-impl local (layer or chunk graphs)"),
+        (impl == "transformer_engine" and model == "hybrid" and args.position_embedding_type
+         == "rope", "--position-embedding-type", "rope", "TE graphs of a hybrid model do not "
+         "replay its RoPE table; use --cuda-graph-impl local, or --position-embedding-type none"))
     args.cuda_graph_capacity_ladder = ladder
     if impl == "full_iteration":
         refuse(
@@ -437,7 +437,7 @@ def check_moe_graphs(args) -> None:
          "The loads are measured by --moe-capacity-overflow rerun; add it"))
     if not graphs:
         return
-    whole_layers = not modules and args.cuda_graph_granularity == "layer"
+    whole_layers = not modules  # whole layers, or the chunks holding them
     refuse(
         (args.moe_token_dispatcher_type != "alltoall", "--moe-token-dispatcher-type",
          args.moe_token_dispatcher_type, "Graphed MoE layers need alltoall: allgather reads "

@@ -325,13 +325,20 @@ def test_on_the_fly_chat_data_through_the_builder(tmp_path, folder):
     assert row.cu_seqlens[1] == n
 
 
-def test_a_role_in_the_wrong_case_is_refused_naming_the_fix(tmp_path):
+@pytest.mark.parametrize("user, assistant, wrong, meant", [
+    ("user", "Assistant", "Assistant", "assistant"),  # another case
+    ("human", "gpt", "human", "user"),  # ShareGPT's names
+    ("user", "bot", "bot", "assistant"),
+])
+def test_a_role_under_another_name_is_refused_naming_the_fix(user, assistant, wrong, meant):
     from megatron.packed_training.datasets.chat import encode_line
 
-    line = json.dumps({"messages": [{"role": "user", "content": "Hi"},
-                                    {"role": "Assistant", "content": "Hello"}]})
-    with pytest.raises(ValueError, match=r'f.jsonl:3: messages\[1\].role is wrong: "Assistant"\. '
-                                         r'Roles are lower case: write "assistant"'):
+    line = json.dumps({"messages": [{"role": user, "content": "Hi"},
+                                    {"role": assistant, "content": "Hello"}]})
+    index = 0 if wrong == user else 1
+    with pytest.raises(ValueError, match=rf'f.jsonl:3: messages\[{index}\].role is wrong: '
+                                         rf'"{wrong}"\. Roles are lower case, as in OpenAI\'s '
+                                         rf'chat format: write "{meant}"'):
         encode_line(line, "f.jsonl:3", tokenizer=None)
 
 
@@ -353,3 +360,14 @@ def test_on_the_fly_packing_counts_conversations_without_an_assistant_turn(folde
         talk, [{"role": "user", "content": "only a question"}], talk)) + "\n")
     rows, stats = pack_data(data_args(data_path=str(data), sft=True, **hf(folder)))["train"]
     assert stats.skipped_no_target == 1 and stats.documents == 2
+
+
+def test_a_file_of_conversations_without_an_assistant_turn_says_so(folder, tmp_path):
+    from megatron.packed_training.datasets.builder import pack_data
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}]})
+                              for q in ("one question", "another")) + "\n")
+    with pytest.raises(ValueError, match=r"\(0 shorter, 2 conversations without an assistant "
+                                         r"turn\)\. .*role is \"assistant\""):
+        pack_data(data_args(data_path=str(data), sft=True, **hf(folder)))

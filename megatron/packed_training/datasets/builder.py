@@ -97,7 +97,9 @@ def _pack_checked(documents, args: Namespace, stats: PackingStats, source: str) 
     if not rows:
         raise ValueError(
             f"JSONL data is wrong: {source} holds no document with at least 2 tokens "
-            f"({stats.skipped_empty} skipped). Point the data path at real data."
+            f"({stats.skipped_empty} shorter, {stats.skipped_no_target} conversations without "
+            "an assistant turn). Point the data path at real data; a conversation trains on "
+            'the turns whose role is "assistant".'
         )
     return rows
 

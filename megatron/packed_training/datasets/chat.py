@@ -39,6 +39,9 @@ CHAT = "chat"
 TOKENIZED = "tokenized"
 LOSS_ROLE = "assistant"
 STANDARD_ROLES = ("system", "user", "assistant", "tool", "developer")
+# Other formats' names for the standard roles (ShareGPT: human / gpt): a conversation written
+# with them would have no assistant turn, and be skipped as one with nothing to train on.
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant"}
 _MARKER = "MegatronChatTurnMarker"
 
 
@@ -121,11 +124,12 @@ def _check_messages(record, where: str) -> tuple[list[dict], list | None]:
             raise ValueError(
                 f"{where}: messages[{index}].role is wrong: {json.dumps(role)}. Write the "
                 f'speaker as a string: "system", "user", "assistant", "tool", ...')
-        if role != role.strip().lower() and role.strip().lower() in STANDARD_ROLES:
+        meant = ROLE_ALIASES.get(role.strip().lower(), role.strip().lower())
+        if role != meant and meant in STANDARD_ROLES:
             # "Assistant" would render as another speaker, and its turn would carry no loss.
             raise ValueError(
                 f"{where}: messages[{index}].role is wrong: {json.dumps(role)}. Roles are "
-                f"lower case: write {json.dumps(role.strip().lower())}.")
+                f"lower case, as in OpenAI's chat format: write {json.dumps(meant)}.")
         if not isinstance(message.get("content"), str):
             raise ValueError(
                 f"{where}: messages[{index}].content is wrong: "
