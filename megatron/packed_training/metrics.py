@@ -176,6 +176,7 @@ class RuntimeLog:
         shown = "".join(f" {k}: {v} |" for k, v in stats.items())
         print(f" packed graphs | validation at iteration {self.iteration} |{shown}", flush=True)
         self._write({"split": "valid", "iteration": self.iteration, "lm_loss": value} | stats)
+        self._scalars({f"validation {name}": count for name, count in stats.items()})
 
     def close(self) -> None:
         """After training: report a final evaluation, close the metrics file."""
@@ -185,7 +186,8 @@ class RuntimeLog:
             self._file = None
 
     def _scalars(self, stats: dict) -> None:
-        """The numeric counters under ``packed-graphs/<name>`` in Megatron-LM's writers."""
+        """The numeric counters under ``packed-graphs/<name>`` in Megatron-LM's writers
+        (an evaluation's as ``packed-graphs/validation <name>``)."""
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         numbers = {f"packed-graphs/{k}": v for k, v in stats.items()

@@ -52,10 +52,16 @@ def test_repo_does_not_shadow_the_wheel():
 
 def test_installed_packages_import_from_outside_the_repo(tmp_path):
     """What a framework's own process sees: run from another folder, with no PYTHONPATH,
-    the fork's packages come from this repo and megatron.training from the wheel."""
+    the fork's packages come from this repo and megatron.training from the wheel, and the
+    documented entry point (docs/config-api.md) validates a run's settings."""
     probe = (
         "import json, megatron.packed_training.config as c, megatron.packed_graphs.runtime as r, "
         "megatron.training as t, megatron.core as core\n"
+        "args = c.load_training_config(dict(num_layers=2, hidden_size=64, num_attention_heads=4, "
+        "seq_length=128, max_position_embeddings=128, micro_batch_size=1, global_batch_size=2, "
+        "train_iters=2, mock_data=True, sft=True, cuda_graph_impl='local', "
+        "cuda_graph_max_packed_seqs=8), model='gpt')\n"
+        "assert (args.packed_graph_impl, args.num_layers) == ('local', 2), args\n"
         "print(json.dumps([c.__file__, r.__file__, t.__file__, core.__file__]))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env,

@@ -77,3 +77,22 @@ def test_dynamic_cp_throughput_counts_the_samples_own_positions(cpu_dist, calcul
     records = read_metrics(args(tmp_path).metrics_file)
     assert [r["tokens_per_sec"] for r in records] == [20 + 4 * 8, 12]  # else 4 samples x 8
     assert records[1]["cp turns"] == 1 and ITERATION_POSITIONS not in records[1]
+
+
+def test_training_and_evaluation_counters_reach_tensorboard(cpu_dist, calculator, tmp_path,
+                                                            monkeypatch):
+    from megatron.training import global_vars
+
+    scalars = []
+
+    class Writer:  # what the log calls of Megatron-LM's TensorBoard writer
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, value, step))
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", Writer())
+    log = RuntimeLog(args(tmp_path))
+    log("train", {"graph fallbacks": 1}, losses((1.0, 1.0)))
+    log("valid", {"eager eval": 4}, losses((3.0, 1.0)))
+    log("train", {"graph fallbacks": 0}, losses((1.0, 1.0)))
+    assert ("packed-graphs/validation eager eval", 4, 1) in scalars
+    assert ("packed-graphs/graph fallbacks", 1, 2) in scalars
