@@ -29,13 +29,13 @@ def require_cuda(script: str) -> None:
 def require_mamba_kernels() -> None:
     """pretrain_mamba.py: mamba-ssm and causal-conv1d importable (checked before any GPU work,
     not at parse time, so hybrid launch lines parse anywhere)."""
-    from megatron.packed_training.extra_args import fail, is_importable
+    from megatron.packed_training.extra_args import is_importable
 
     for package in ("mamba_ssm", "causal_conv1d"):
         if not is_importable(package):
-            fail("pretrain_mamba.py", f"{package} is not importable",
-                 "The Mamba layers need mamba-ssm and causal-conv1d: pip install "
-                 "--no-build-isolation -e \".[mamba]\" (docs/quickstart.md)")
+            raise ValueError(f"{package} is not importable, and the Mamba layers need "
+                             "mamba-ssm and causal-conv1d. Install them: pip install "
+                             "--no-build-isolation -e \".[mamba]\" (docs/quickstart.md).")
 
 
 def initialize_distributed(args) -> None:
