@@ -51,7 +51,7 @@ def test_hybrid_training_without_its_kernels_or_cuda_exits_1_and_says_why(capsys
     if is_importable("mamba_ssm") and is_importable("causal_conv1d"):
         assert "pretrain_mamba.py: no CUDA device is visible" in err
     else:
-        assert "pretrain_mamba.py is wrong: " in err and "is not importable" in err
+        assert "pretrain_mamba.py: error: " in err and "is not importable, and the Mamba" in err
         assert 'pip install --no-build-isolation -e ".[mamba]"' in err
 
 
