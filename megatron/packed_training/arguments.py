@@ -1,9 +1,8 @@
 """The command line of pretrain_gpt.py / pretrain_mamba.py: Megatron-LM's parser and checks
 (the wheel's ``megatron.training.arguments``) plus the fork's flags and rules (extra_args.py).
 
-``parse_args(argv, model)`` returns the validated ``args``; a bad value raises ``ValueError``
-(Megatron-LM's asserts keep their message). ``parse_args_or_exit`` is the scripts' form: one
-line, ``<script>: error: <message>``, exit status 2. Every flag: docs/flags.md.
+``parse_args(argv, model)``: the validated ``args``, or ``ValueError`` (docs/flags.md); the
+scripts' ``parse_args_or_exit`` prints it as ``<script>: error: <message>`` and exits 2.
 """
 
 import argparse
@@ -11,6 +10,7 @@ import contextlib
 import functools
 import logging
 import os
+import pathlib
 import re
 import sys
 import traceback
@@ -21,6 +21,8 @@ MODELS = ("gpt", "hybrid")
 # validate_args fills these where still None: evaluation every 1000 iterations, as upstream.
 UPSTREAM_DEFAULTS = {"eval_interval": 1000}
 DEFAULT_VOCAB_SIZE = 32000  # pre-tokenized data without --vocab-size (NullTokenizer)
+# Every long option of `build_parser` (tests/unit/test_extra_args.py keeps it so).
+MEGATRON_FLAGS = pathlib.Path(__file__).with_name("megatron_flags.txt")
 # A '%' in a help text: an escaped '%%', an argparse field such as '%(default)s', or bare.
 _PERCENT = re.compile(r"%(?:%|\([a-z_]+\)[a-z])?")
 # What megatron-core and torch print while Megatron-LM's parser is imported without Apex, TE
@@ -151,8 +153,14 @@ def _has_validation_data(args) -> bool:
 
 def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace:
     """`parse_args` for an entry script: a bad flag or value prints ``<script>: error:
-    <message>`` from rank 0 only (every torchrun rank parses the line) and exits 2."""
+    <message>`` from rank 0 only (every torchrun rank parses the line) and exits 2. An unknown
+    flag stops before the ~10 s import of Megatron-LM's parser (MEGATRON_FLAGS: its names)."""
+    names = set(MEGATRON_FLAGS.read_text().split())
+    unknown = [t for t in (sys.argv[1:] if argv is None else argv)
+               if t.startswith("--") and t != "--" and t.split("=", 1)[0] not in names]
     try:
+        if unknown:  # argparse's own message
+            raise ValueError(f"arguments are wrong: unrecognized arguments: {' '.join(unknown)}.")
         return parse_args(argv, model, raise_on_error=True)
     except ValueError as err:
         if int(os.getenv("RANK", "0")) == 0:

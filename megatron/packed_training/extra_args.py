@@ -28,14 +28,11 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The fork's flags on Megatron-LM's ``parser`` (arguments.extra_args_provider); returns it."""
     g = parser.add_argument_group("packed cuda graphs", "docs/flags.md, 'Packed CUDA graphs'")
     g.add_argument("--cuda-graph-max-packed-seqs", type=int, nargs="?", const=50, default=0,
-                   help="Graph capacity: packed documents per micro-batch (bare flag: 50; 0: "
-                        "off). Choose it with tools/capacity_advisor.py.")
+                   help="Graph capacity: documents per micro-batch (bare flag: 50; 0: off).")
     g.add_argument("--cuda-graph-capacity-ladder", type=int, nargs="+", metavar="N",
-                   help="Smaller capacities below --cuda-graph-max-packed-seqs, ascending; "
-                        "each micro-batch takes the smallest that fits.")
+                   help="Smaller capacities, ascending: a micro-batch takes the smallest fit.")
     g.add_argument("--cuda-graph-granularity", choices=["layer", "chunk"], default="layer",
-                   help="layer: graphs per layer; chunk: one graph pair per pipeline model "
-                        "chunk and in-flight micro-batch (local impl).")
+                   help="Graphs per layer, or per model chunk and in-flight micro-batch.")
     g.add_argument("--cuda-graph-check-interval", type=int, default=0, metavar="N",
                    help="Every N iterations compare one graphed micro-batch with eager (0: off).")
     g.add_argument("--cuda-graph-check-tolerance", type=float, default=0.01,
@@ -48,27 +45,22 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Graph capacity per dynamic CP size.")
     g = parser.add_argument_group("packed data", "docs/data-format.md")
     g.add_argument("--long-document-policy", choices=["truncate", "split", "reject"],
-                   default="split",
-                   help="A document longer than a row: split into row-sized pieces (default), "
-                        "truncate to --seq-length + 1 tokens, or reject naming file:line.")
+                   default="split", help="A document longer than a row: split into "
+                   "row-sized pieces, truncate to --seq-length + 1 tokens, or reject it.")
     g.add_argument("--max-truncated-token-fraction", type=float,
-                   help="With truncate: stop before training when truncation drops more than "
-                        "this fraction of a file's tokens (default 0.05).")
+                   help="With truncate: the largest share of a file's tokens it may drop.")
     g.add_argument("--mock-doc-length-median", type=float, default=512,
                    help="--mock-data: median document length in tokens.")
     g.add_argument("--mock-doc-length-sigma", type=float, default=1.0,
                    help="--mock-data: log-normal sigma of document lengths.")
     g.add_argument("--moe-capacity-overflow", choices=["drop", "rerun"], default="drop",
-                   help="A micro-batch that overflows the expert capacity: drop tokens "
-                        "(Megatron's behaviour) or rerun it eager and dropless.")
+                   help="Overflowing expert capacity: drop tokens, or rerun eager, dropless.")
     g.add_argument("--moe-router-load-file",
                    help="With rerun: write the router loads here (tools/capacity_advisor.py).")
     g.add_argument("--moe-dropless-graphs", action="store_true",
-                   help="Dropless MoE layers with static shapes, captured by whole-layer CUDA "
-                        "graphs whatever the routing (no capacity, drop or rerun; bf16).")
+                   help="Dropless MoE layers of static shapes, graphed whatever the routing.")
     g.add_argument("--moe-router-skew", type=float, default=0.0, metavar="FRACTION",
-                   help="Benchmarks: a fixed router logit bias that sends about FRACTION of "
-                        "the routed slots to the first eighth of the experts (0: off).")
+                   help="Benchmarks: route about FRACTION of slots to an eighth of the experts.")
     g.add_argument("--mla-pad-v", choices=["always", "never"], default="always",
                    help="Packed MLA: pad V to the query head size (always) or not (never).")
     g.add_argument("--metrics-file",

@@ -10,12 +10,14 @@ import argparse
 import copy
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
 from megatron.core.transformer.enums import AttnBackend, CudaGraphModule
-from megatron.packed_training import extra_args, initialize, models
-from megatron.packed_training.arguments import parse_args, parse_args_or_exit
+from megatron.packed_training import arguments, extra_args, initialize, models
+from megatron.packed_training.arguments import build_parser, parse_args, parse_args_or_exit
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
         "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 4 "
@@ -651,3 +653,27 @@ def test_the_forks_argument_code_stays_small():
     files = ["megatron/packed_training/arguments.py", "megatron/packed_training/extra_args.py",
              "megatron/packed_graphs/refusals.py"]
     assert sum(len((repo / f).read_text().splitlines()) for f in files) < 700
+
+
+def test_the_stored_flag_names_are_the_parsers():
+    """The scripts stop on an unknown flag before importing the parser, from this list."""
+    names = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    stored = set(arguments.MEGATRON_FLAGS.read_text().split())
+    assert stored == names, (
+        "regenerate megatron/packed_training/megatron_flags.txt: one long option of "
+        "arguments.build_parser() per line, sorted; missing: "
+        f"{sorted(names - stored)}, extra: {sorted(stored - names)}")
+
+
+def test_an_unknown_flag_stops_the_script_before_megatron_is_imported(tmp_path):
+    probe = ("import sys\n"
+             "from megatron.packed_training.arguments import parse_args_or_exit\n"
+             "try:\n"
+             "    parse_args_or_exit('gpt', 'pretrain_gpt.py', ['--num-layers', '2', '--bogus=1'])\n"
+             "except SystemExit as exit:\n"
+             "    print(exit.code, 'megatron.core' in sys.modules, 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
+    assert done.stderr == ("pretrain_gpt.py: error: arguments are wrong: unrecognized "
+                           "arguments: --bogus=1.\n")
