@@ -124,7 +124,8 @@ def _check_messages(record, where: str) -> tuple[list[dict], list | None]:
             raise ValueError(
                 f"{where}: messages[{index}].role is wrong: {json.dumps(role)}. Write the "
                 f'speaker as a string: "system", "user", "assistant", "tool", ...')
-        meant = ROLE_ALIASES.get(role.strip().lower(), role.strip().lower())
+        lower = role.strip().lower()
+        meant = ROLE_ALIASES.get(lower, lower)
         if role != meant and meant in STANDARD_ROLES:
             # "Assistant" would render as another speaker, and its turn would carry no loss.
             raise ValueError(
