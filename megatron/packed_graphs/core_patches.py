@@ -54,7 +54,9 @@ and, for fused gradient accumulation without apex, megatron-core's own linears b
 (`megatron_core_linears_unfused_without_apex`) and DDP keeping TE's fused-gradient flags
 under TE graphs (`ddp_keeps_fused_wgrad_flags`); with ``--overlap-param-gather``, DDP's
 parameter-gather pre-hooks come off for the TE capture (`ddp_gather_hooks_removed`) and run
-before each TE graph replay (`ddp_param_gather_before_te_replays`).
+before each TE graph replay (`ddp_param_gather_before_te_replays`). Megatron-LM's parser gets
+its bare-'%' help texts escaped and its enum typos reported as usage errors
+(`megatron_parser_flaws_fixed`).
 No other module reaches into upstream internals (tests/unit/test_upstream_reaches.py).
 
 Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
@@ -66,11 +68,13 @@ Dropped with the move from 0.16.1 to 0.19.2, because upstream fixed the bug:
   count on the device since 0.18.0 (#4663); the fork uses upstream's.
 """
 
+import argparse
 import collections
 import contextlib
 import copy
 import dataclasses
 import functools
+import re
 from typing import Callable, ContextManager, Iterator, Tuple
 
 import torch
@@ -496,6 +500,39 @@ def record_capture_statistics() -> None:
         return stats
 
     schedules.create_cudagraphs = create_cudagraphs
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-LM's parser (megatron.training.arguments)
+# --------------------------------------------------------------------------------------------
+
+# A '%' in a help text: an escaped '%%', an argparse field such as '%(default)s', or bare.
+_PERCENT = re.compile(r"%(?:%|\([a-z_]+\)[a-z])?")
+
+
+def megatron_parser_flaws_fixed(parser: argparse.ArgumentParser) -> None:
+    """Two flaws of Megatron-LM's parser, fixed on ``parser`` in place: some help texts hold a
+    bare '%', on which argparse's ``--help`` fails; enum flags (``--attention-backend``,
+    ``--exit-signal``) convert by name lookup, whose KeyError argparse does not catch, so a typo
+    ended in a traceback instead of a usage error naming the choices."""
+    for action in parser._actions:
+        if action.help and action.help is not argparse.SUPPRESS:
+            action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(),
+                                       action.help)
+        if callable(action.type) and not isinstance(action.type, type):
+            action.type = _unknown_name_is_a_bad_value(action.type, action.choices)
+
+
+def _unknown_name_is_a_bad_value(convert, choices):
+    @functools.wraps(convert)  # argparse names the type in its other errors
+    def convert_or_refuse(value):
+        try:
+            return convert(value)
+        except KeyError:
+            names = ", ".join(getattr(c, "name", str(c)) for c in choices or [])
+            raise argparse.ArgumentTypeError(
+                f"invalid value {value!r}" + (f" (use one of {names})" if names else ""))
+    return convert_or_refuse
 
 
 def apply_core_patches() -> dict:

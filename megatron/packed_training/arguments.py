@@ -8,23 +8,25 @@ scripts' ``parse_args_or_exit`` prints it as ``<script>: error: <message>`` and 
 import argparse
 import contextlib
 import functools
+import io
 import logging
 import os
 import pathlib
-import re
 import sys
 import traceback
 import warnings
+
+from megatron.packed_training.data_paths import check_data_path
 
 MODELS = ("gpt", "hybrid")
 
 # validate_args fills these where still None: evaluation every 1000 iterations, as upstream.
 UPSTREAM_DEFAULTS = {"eval_interval": 1000}
 DEFAULT_VOCAB_SIZE = 32000  # pre-tokenized data without --vocab-size (NullTokenizer)
-# Every long option of `build_parser` (tests/unit/test_extra_args.py keeps it so).
+# Every long option of `build_parser`, and `--help`'s text for prog PROG at 100 columns
+# (tests/unit/test_extra_args.py keeps both so): the scripts answer from them in 0.1 s.
 MEGATRON_FLAGS = pathlib.Path(__file__).with_name("megatron_flags.txt")
-# A '%' in a help text: an escaped '%%', an argparse field such as '%(default)s', or bare.
-_PERCENT = re.compile(r"%(?:%|\([a-z_]+\)[a-z])?")
+MEGATRON_HELP = pathlib.Path(__file__).with_name("megatron_help.txt")
 # What megatron-core and torch print while Megatron-LM's parser is imported without Apex, TE
 # or a CUDA toolkit, ten lines before every message (the start-up notes say the fallbacks).
 _IMPORT_NOTICES = ".*(Apex is not installed|Apex are not installed|supports MoE experts)"
@@ -55,35 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
 def extra_args_provider(parser, raise_on_error: bool = False) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the fork's flags on its parser. With
     ``raise_on_error`` argparse's every error raises ``ValueError`` instead of exiting."""
+    from megatron.packed_graphs.core_patches import megatron_parser_flaws_fixed
     from megatron.packed_training.extra_args import add_packed_args
 
     parser = add_packed_args(parser)
-    for action in parser._actions:  # some of Megatron-LM's help texts hold a bare '%'
-        if action.help and action.help is not argparse.SUPPRESS:
-            action.help = _PERCENT.sub(lambda m: "%%" if m.group() == "%" else m.group(),
-                                       action.help)
-        if callable(action.type) and not isinstance(action.type, type):
-            action.type = _unknown_name_is_a_bad_value(action.type, action.choices)
+    megatron_parser_flaws_fixed(parser)
     if raise_on_error:  # a library caller gets a ValueError, not an exit
         def error(message):  # an ArgumentError's message included
             raise ValueError(f"arguments are wrong: {message}.") from None
 
         parser.error = error
     return parser
-
-
-def _unknown_name_is_a_bad_value(convert, choices):
-    """Megatron-LM converts enum flags (``--attention-backend``, ``--exit-signal``) by name
-    lookup, whose KeyError argparse does not catch: a typo would end in a traceback."""
-    @functools.wraps(convert)  # argparse names the type in its other errors
-    def convert_or_refuse(value):
-        try:
-            return convert(value)
-        except KeyError:
-            names = ", ".join(getattr(c, "name", str(c)) for c in choices or [])
-            raise argparse.ArgumentTypeError(
-                f"invalid value {value!r}" + (f" (use one of {names})" if names else ""))
-    return convert_or_refuse
 
 
 def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> argparse.Namespace:
@@ -97,6 +81,7 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
         from megatron.training.checkpointing import load_args_from_checkpoint
 
         from megatron.packed_training import extra_args
+        from megatron.packed_training.datasets.builder import has_validation_data
 
     if model not in MODELS:
         raise ValueError(f"model is wrong: {model!r}. Use one of {', '.join(MODELS)}.")
@@ -124,8 +109,10 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
     # --valid-data-path beside --data-path is the fork's (Megatron-LM takes one or the other).
     split, valid_data_path = args.split, args.valid_data_path
     args.split, args.valid_data_path = split or "1,0,0", None  # not its --split warning either
+    dump = io.StringIO()  # its argument dump, printed once the fork's rules have passed too
     try:
-        validate_args(args, UPSTREAM_DEFAULTS)
+        with contextlib.redirect_stdout(dump):
+            validate_args(args, UPSTREAM_DEFAULTS)
     except AssertionError as err:  # Megatron-LM's checks are asserts; a bare one: its line
         frame = traceback.extract_tb(err.__traceback__)[-1]
         raise ValueError(str(err) or f"Megatron-LM's argument check `{frame.line}` failed "
@@ -135,34 +122,38 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
     if args.tokenizer_type == "NullTokenizer":  # Megatron-LM pads it later, at start-up
         args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args,
                                                          logging_enabled=False)
-    if args.eval_iters and not _has_validation_data(args):
+    if args.eval_iters and not has_validation_data(args):
         args.eval_iters = 0  # Megatron-LM would evaluate an empty iterator
         args.packed_notes.append("no validation data (--valid-data-path, a --split with a "
                                  "validation share, or --mock-data): evaluation off")
+    print(dump.getvalue(), end="", flush=True)
     return args
-
-
-def _has_validation_data(args) -> bool:
-    from megatron.packed_training.datasets.builder import split_shares
-    try:
-        return bool(args.mock_data or args.valid_data_path
-                    or (args.split is not None and split_shares(args.split)[1] > 0))
-    except ValueError:  # the data check reports the bad --split
-        return True
 
 
 def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace:
     """`parse_args` for an entry script: a bad flag or value prints ``<script>: error:
-    <message>`` from rank 0 only (every torchrun rank parses the line) and exits 2. An unknown
-    flag stops before the ~10 s import of Megatron-LM's parser (MEGATRON_FLAGS: its names)."""
-    names = set(MEGATRON_FLAGS.read_text().split())
-    unknown = [t for t in (sys.argv[1:] if argv is None else argv)
+    <message>`` from rank 0 only (every torchrun rank parses the line) and exits 2. ``--help``,
+    an unknown flag or a missing data file answer before the ~10 s import of Megatron-LM's
+    parser (MEGATRON_HELP, MEGATRON_FLAGS)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(MEGATRON_HELP.read_text().replace("usage: PROG", f"usage: {script}", 1), end="")
+        raise SystemExit(0)
+    names, rank0 = set(MEGATRON_FLAGS.read_text().split()), int(os.getenv("RANK", "0")) == 0
+    unknown = [t for t in argv
                if t.startswith("--") and t != "--" and t.split("=", 1)[0] not in names]
     try:
         if unknown:  # argparse's own message
             raise ValueError(f"arguments are wrong: unrecognized arguments: {' '.join(unknown)}.")
+        typed = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        for flag in ("--data-path", "--valid-data-path"):
+            typed.add_argument(flag, nargs="*")
+        for flag, paths in zip(("--data-path", "--valid-data-path"),
+                               vars(typed.parse_known_args(argv)[0]).values()):
+            if rank0 and paths and len(paths) == 1:  # rank 0 reads the data; several: a blend
+                check_data_path(paths[0], flag)
         return parse_args(argv, model, raise_on_error=True)
     except ValueError as err:
-        if int(os.getenv("RANK", "0")) == 0:
+        if rank0:
             print(f"{script}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

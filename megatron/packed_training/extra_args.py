@@ -136,6 +136,8 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
                                                        * args.data_parallel_size)
     args.packed_notes = []
     check_gradient_accumulation_fusion(args)
+    refuse((args.lr is None, "--lr", "not given", "Megatron-LM's learning-rate schedule needs "
+            "the peak rate (without it the run fails once the model is built); add --lr 1e-4"))
     if not (is_importable("transformer_engine") or is_importable("apex")):
         args.packed_notes.append("neither Transformer Engine nor apex is importable: "
                                  "megatron-core uses torch's Adam, norms and multi-tensor ops")

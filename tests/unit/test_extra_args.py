@@ -518,9 +518,24 @@ def test_parse_args_or_exit_prints_one_line_and_exits_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args_or_exit("gpt", "pretrain_gpt.py", BASE + ["--cuda-graph-max-packed-seqs", "32"])
     assert exit_.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if "error:" in line]
     assert errors == ["pretrain_gpt.py: error: --cuda-graph-max-packed-seqs is wrong: 32. It "
                       "would be ignored without graphs; add --cuda-graph-impl local."]
+    assert "arguments" not in out  # Megatron-LM's argument dump only once every rule passed
+
+
+def test_a_run_without_a_learning_rate_is_refused_at_parse_time():
+    """Megatron-LM's --lr has no default and its schedule fails on None at start-up."""
+    argv = list(BASE)
+    del argv[argv.index("--lr"):argv.index("--lr") + 2]
+    with pytest.raises(ValueError, match=r"^--lr is wrong: not given\. .*add --lr 1e-4\.$"):
+        parse_args(argv)
+
+
+def test_the_argument_dump_follows_a_valid_line(capsys):
+    parse_args(BASE)
+    assert "end of arguments" in capsys.readouterr().out
 
 
 def test_an_unknown_enum_name_is_a_bad_value_not_a_traceback():
@@ -665,15 +680,41 @@ def test_the_stored_flag_names_are_the_parsers():
         f"{sorted(names - stored)}, extra: {sorted(stored - names)}")
 
 
-def test_an_unknown_flag_stops_the_script_before_megatron_is_imported(tmp_path):
+def test_the_stored_help_is_the_parsers(capsys, monkeypatch):
+    """The scripts print --help from this file, written by the real parser for prog PROG at
+    100 columns (megatron/packed_training/megatron_help.txt)."""
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(sys, "argv", ["PROG"])
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == arguments.MEGATRON_HELP.read_text(), (
+        "regenerate megatron/packed_training/megatron_help.txt: COLUMNS=100 python -c "
+        "\"import sys; sys.argv = ['PROG']; from megatron.packed_training.arguments import "
+        "parse_args; parse_args(['--help'])\" > megatron/packed_training/megatron_help.txt")
+
+
+@pytest.mark.parametrize("argv, code, out, err", [
+    (["--num-layers", "2", "--bogus=1"], 2, "",
+     "pretrain_gpt.py: error: arguments are wrong: unrecognized arguments: --bogus=1.\n"),
+    (["--num-layers", "2", "--help"], 0, "usage: pretrain_gpt.py [-h] [--tensor-model", ""),
+    (["--sft", "--data-path", "missing.jsonl", "--lr", "-1"], 2, "",
+     "pretrain_gpt.py: error: --data-path is wrong: 'missing.jsonl' does not exist. Pass an "
+     "existing pre-tokenized .jsonl file.\n"),
+    (["--valid-data-path=missing.jsonl"], 2, "",
+     "pretrain_gpt.py: error: --valid-data-path is wrong: 'missing.jsonl' does not exist. "
+     "Pass an existing pre-tokenized .jsonl file.\n"),
+])
+def test_help_typos_and_missing_data_answer_before_megatron_is_imported(tmp_path, argv, code,
+                                                                         out, err):
     probe = ("import sys\n"
              "from megatron.packed_training.arguments import parse_args_or_exit\n"
              "try:\n"
-             "    parse_args_or_exit('gpt', 'pretrain_gpt.py', ['--num-layers', '2', '--bogus=1'])\n"
+             f"    parse_args_or_exit('gpt', 'pretrain_gpt.py', {argv!r})\n"
              "except SystemExit as exit:\n"
-             "    print(exit.code, 'megatron.core' in sys.modules, 'torch' in sys.modules)\n")
+             "    print(exit.code, 'megatron.core' in sys.modules, 'torch' in sys.modules,\n"
+             "          file=sys.stderr)\n")
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
-    assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
-    assert done.stderr == ("pretrain_gpt.py: error: arguments are wrong: unrecognized "
-                           "arguments: --bogus=1.\n")
+    assert done.stderr == err + f"{code} False False\n", done.stdout + done.stderr
+    assert done.stdout.startswith(out) and (out or not done.stdout)

@@ -59,7 +59,7 @@ def test_installed_packages_import_from_outside_the_repo(tmp_path):
         "megatron.training as t, megatron.core as core\n"
         "args = c.load_training_config(dict(num_layers=2, hidden_size=64, num_attention_heads=4, "
         "seq_length=128, max_position_embeddings=128, micro_batch_size=1, global_batch_size=2, "
-        "train_iters=2, mock_data=True, sft=True, cuda_graph_impl='local', "
+        "train_iters=2, lr=1e-4, mock_data=True, sft=True, cuda_graph_impl='local', "
         "cuda_graph_max_packed_seqs=8), model='gpt')\n"
         "assert (args.packed_graph_impl, args.num_layers) == ('local', 2), args\n"
         "print(json.dumps([c.__file__, r.__file__, t.__file__, core.__file__]))")

@@ -119,6 +119,16 @@ def split_shares(split: str) -> tuple[float, float, float]:
     return tuple(share / total for share in shares + [0.0] * (3 - len(shares)))
 
 
+def has_validation_data(args: Namespace) -> bool:
+    """Whether the run has validation rows: --mock-data, --valid-data-path or a --split with a
+    validation share (a bad --split counts: the data check reports it)."""
+    try:
+        return bool(args.mock_data or args.valid_data_path
+                    or (args.split is not None and split_shares(args.split)[1] > 0))
+    except ValueError:
+        return True
+
+
 def split_boundaries(shares: tuple, count: int) -> list[int]:
     """Where each split of ``count`` documents ends, in file order: the cumulative shares
     rounded, the last at ``count``."""

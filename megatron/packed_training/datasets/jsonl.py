@@ -17,21 +17,8 @@ from typing import Iterator
 
 import numpy as np
 
+from megatron.packed_training.data_paths import check_data_path
 from megatron.packed_training.datasets.packing import Document
-
-
-def check_data_path(path: str, flag: str = "--data-path / --valid-data-path") -> None:
-    """ValueError naming ``flag`` and ``path`` unless ``path`` is an existing file."""
-    if not os.path.exists(path):
-        raise ValueError(
-            f"{flag} is wrong: {path!r} does not exist. "
-            f"Pass an existing pre-tokenized .jsonl file."
-        )
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"{flag} is wrong: {path!r} is not a file. "
-            f"Pass a single pre-tokenized .jsonl file, not a directory."
-        )
 
 
 EXCERPT_WIDTH = 30

@@ -23,7 +23,7 @@ from megatron.packed_training.datasets.builder import (
     pack_data,
     split_source,
 )
-from megatron.packed_training.datasets.jsonl import check_data_path
+from megatron.packed_training.data_paths import check_data_path
 from megatron.packed_training.datasets.mock import MockPackedDataset
 from megatron.packed_training.datasets.packing import PackingStats
 
