@@ -136,20 +136,23 @@ def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace
     an unknown flag or a missing data file answer before the ~10 s import of Megatron-LM's
     parser (MEGATRON_HELP, MEGATRON_FLAGS)."""
     argv = sys.argv[1:] if argv is None else argv
+    rank0 = int(os.getenv("RANK", "0")) == 0  # every torchrun rank parses the line
     if "-h" in argv or "--help" in argv:
-        print(MEGATRON_HELP.read_text().replace("usage: PROG", f"usage: {script}", 1), end="")
+        if rank0:
+            print(MEGATRON_HELP.read_text().replace("usage: PROG", f"usage: {script}", 1), end="")
         raise SystemExit(0)
-    names, rank0 = set(MEGATRON_FLAGS.read_text().split()), int(os.getenv("RANK", "0")) == 0
+    names = set(MEGATRON_FLAGS.read_text().split())
     unknown = [t for t in argv
                if t.startswith("--") and t != "--" and t.split("=", 1)[0] not in names]
     try:
         if unknown:  # argparse's own message
             raise ValueError(f"arguments are wrong: unrecognized arguments: {' '.join(unknown)}.")
         typed = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-        for flag in ("--data-path", "--valid-data-path"):
-            typed.add_argument(flag, nargs="*")
-        for flag, paths in zip(("--data-path", "--valid-data-path"),
-                               vars(typed.parse_known_args(argv)[0]).values()):
+        typed.add_argument("--data-path", nargs="*")
+        typed.add_argument("--valid-data-path", nargs="*")
+        typed = typed.parse_known_args(argv)[0]
+        for flag, paths in (("--data-path", typed.data_path),
+                            ("--valid-data-path", typed.valid_data_path)):
             if rank0 and paths and len(paths) == 1:  # rank 0 reads the data; several: a blend
                 check_data_path(paths[0], flag)
         return parse_args(argv, model, raise_on_error=True)

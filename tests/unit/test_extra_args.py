@@ -547,7 +547,7 @@ def test_an_unknown_enum_name_is_a_bad_value_not_a_traceback():
         parse_args(BASE + ["--window-size", "x,y"], raise_on_error=True)
 
 
-def test_a_bad_flag_is_one_line_from_rank_zero_only(capsys, monkeypatch):
+def test_a_bad_flag_and_help_come_from_rank_zero_only(capsys, monkeypatch):
     for rank, lines in (("0", ["pretrain_gpt.py: error: arguments are wrong: unrecognized "
                                "arguments: --bogus-flag."]), ("3", [])):
         monkeypatch.setenv("RANK", rank)
@@ -555,6 +555,10 @@ def test_a_bad_flag_is_one_line_from_rank_zero_only(capsys, monkeypatch):
             parse_args_or_exit("gpt", "pretrain_gpt.py", BASE + ["--bogus-flag"])
         assert exit_.value.code == 2
         assert capsys.readouterr().err.splitlines() == lines
+        with pytest.raises(SystemExit) as exit_:
+            parse_args_or_exit("gpt", "pretrain_gpt.py", ["--help"])
+        assert exit_.value.code == 0
+        assert capsys.readouterr().out.startswith("usage: pretrain_gpt.py") == (rank == "0")
 
 
 # (flags, the fork's graph implementation, Megatron-LM's cuda_graph_impl): the fork keeps
