@@ -16,7 +16,7 @@ import sys
 import traceback
 import warnings
 
-from megatron.packed_training.data_paths import check_data_path
+from megatron.packed_training.data_paths import DATA_PATHS, check_data_path
 
 MODELS = ("gpt", "hybrid")
 
@@ -148,11 +148,11 @@ def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace
         if unknown:  # argparse's own message
             raise ValueError(f"arguments are wrong: unrecognized arguments: {' '.join(unknown)}.")
         typed = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-        typed.add_argument("--data-path", nargs="*")
-        typed.add_argument("--valid-data-path", nargs="*")
+        for flag, _ in DATA_PATHS:
+            typed.add_argument(flag, nargs="*")
         typed = typed.parse_known_args(argv)[0]
-        for flag, paths in (("--data-path", typed.data_path),
-                            ("--valid-data-path", typed.valid_data_path)):
+        for flag, dest in DATA_PATHS:
+            paths = getattr(typed, dest)
             if rank0 and paths and len(paths) == 1:  # rank 0 reads the data; several: a blend
                 check_data_path(paths[0], flag)
         return parse_args(argv, model, raise_on_error=True)

@@ -3,6 +3,9 @@ again where the files are read (datasets/preflight.py, datasets/jsonl.py)."""
 
 import os
 
+# The data flags and their argparse destinations: one JSONL file each.
+DATA_PATHS = (("--data-path", "data_path"), ("--valid-data-path", "valid_data_path"))
+
 
 def check_data_path(path: str, flag: str = "--data-path / --valid-data-path") -> None:
     """ValueError naming ``flag`` and ``path`` unless ``path`` is an existing file."""

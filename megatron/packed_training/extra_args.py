@@ -11,13 +11,13 @@ import math
 from megatron.core.transformer.enums import CudaGraphModule
 
 from megatron.packed_graphs.refusals import fail, refuse
+from megatron.packed_training.data_paths import DATA_PATHS
 
 GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 TE_ATTENTION = ("flash", "fused", "unfused")  # Megatron's TE attention backends
 PARTIAL_MOE_MODULES = (CudaGraphModule.moe_router.name, CudaGraphModule.moe_preprocess.name)
 ROW_ALIGNMENT = 8  # torch._grouped_mm (dropless MoE graphs): rows of 16 bytes, 8 bf16 values
 MOE_ONLY = "It configures MoE layers; add --num-experts or drop the flag"
-DATA_PATHS = (("--data-path", "data_path"), ("--valid-data-path", "valid_data_path"))
 
 
 def is_importable(package: str) -> bool:
