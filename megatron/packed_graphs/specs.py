@@ -31,12 +31,14 @@ models it is the '+' layer.
 
 import functools
 
+import torch
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     LayerNormImpl,
     TransformerBlockSubmodules,
@@ -99,15 +101,52 @@ def te_checkpoint_keys(provider: BackendSpecProvider, *norms: str) -> dict:
     return {norm: TE_FUSED_NORM_KEYS[norm] for norm in norms}
 
 
-def _norm(provider: BackendSpecProvider, normalization: str):
-    return provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False)
+class _EmptyTEState:
+    """``_extra_state`` saved and read as megatron-core's local linears do theirs (None)."""
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state):
+        pass
+
+
+class _RMSNormWithTEState(_EmptyTEState, torch.nn.RMSNorm):
+    pass
+
+
+class _LayerNormWithTEState(_EmptyTEState, torch.nn.LayerNorm):
+    pass
+
+
+class TELayoutNorm:
+    """megatron-core's torch norm (`WrappedTorchNorm`: same checks, same module, same
+    numerics) that also saves the empty ``_extra_state`` entry Transformer Engine's norm
+    saves. The TE-free spec builds it where TE's spec has a norm module of its own (the
+    hybrid final norm, the MoE pre-MLP norm, q/k norms): Megatron-LM's TE spec asks for that
+    entry when it loads, and fails on a checkpoint without it."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        norm = WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
+        # The same module with two methods more: its state_dict gains `_extra_state`.
+        norm.__class__ = {torch.nn.RMSNorm: _RMSNormWithTEState,
+                          torch.nn.LayerNorm: _LayerNormWithTEState}[type(norm)]
+        return norm
+
+
+def _norm(provider: BackendSpecProvider, normalization: str, for_qk: bool = False):
+    """A norm module of its own (TE's spec has one too: see `TELayoutNorm`)."""
+    norm = provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=for_qk)
+    return TELayoutNorm if norm is WrappedTorchNorm else norm
 
 
 def _norm_and_linear(provider: BackendSpecProvider, normalization: str):
-    """(norm in front, column-parallel linear) — the norm is Identity when the linear fuses it."""
+    """(norm in front, column-parallel linear) — the norm is Identity when the linear fuses it.
+    A TE-free norm here saves no ``_extra_state``: its keys map onto the fused linear's."""
     if provider.fuse_layernorm_and_linear():
         return IdentityOp, provider.column_parallel_layer_norm_linear()
-    return _norm(provider, normalization), provider.column_parallel_linear()
+    norm = provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False)
+    return norm, provider.column_parallel_linear()
 
 
 def attention_layer_spec(provider: BackendSpecProvider, normalization: str,
@@ -117,8 +156,7 @@ def attention_layer_spec(provider: BackendSpecProvider, normalization: str,
     ``normalization`` kind. It must match the config's ``qk_layernorm``: megatron-core's
     SelfAttention refuses a spec norm the config turned off."""
     norm, linear_qkv = _norm_and_linear(provider, normalization)
-    qk_norm = (provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=True)
-               if qk_layernorm else None)
+    qk_norm = _norm(provider, normalization, for_qk=True) if qk_layernorm else None
     return ModuleSpec(
         module=GraphSafeTransformerLayer,
         submodules=TransformerLayerSubmodules(

@@ -244,3 +244,34 @@ def test_cp_graphs_match_cp_eager(tmp_path, kind, cp):
         print(f"{kind} CP{cp} {name} graphs vs eager: max |dloss| {dloss:.2e}, fallbacks {fallbacks}")
         assert dloss < 5e-3, (name, losses(eager), losses(run))
         assert 0 < fallbacks < 28 * 4 // 2, (name, fallbacks)
+
+
+@pytest.mark.parametrize("kind, flags", [
+    ("gpt", ["--qk-layernorm"]),
+    ("gpt-moe", ["--qk-layernorm"]),
+    ("hybrid", []),
+    ("hybrid-moe", []),
+])
+def test_te_and_te_free_models_save_the_same_checkpoint(dist, kind, flags):
+    """The TE and the TE-free model of one launch line shard the same tensors (same keys and
+    shapes) and the same ``_extra_state`` objects, so each backend loads the other's
+    checkpoint and Megatron-LM's TE spec loads the TE-free one (it asks for every norm's
+    ``_extra_state``: specs.TELayoutNorm)."""
+    from tests.gpu.launch import TINY_GPT, TINY_GPT_MOE, TINY_HYBRID, TINY_HYBRID_MOE, TRAIN
+    from tests.unit.hf_tiny import build_fork_model, parse_fork_args
+    from tests.unit.test_hf_convert import _model_layout
+
+    if kind.startswith("hybrid"):
+        pytest.importorskip("mamba_ssm", reason="needs mamba-ssm for the hybrid model")
+    model_flags = {"gpt": TINY_GPT, "gpt-moe": TINY_GPT_MOE, "hybrid": TINY_HYBRID,
+                   "hybrid-moe": TINY_HYBRID_MOE}[kind] + flags
+    script = kind.partition("-")[0]
+    layouts = {}
+    for backend in ("auto", "local"):
+        args = parse_fork_args(model_flags + ["--attention-backend", backend], script,
+                               training=TRAIN + ["--train-iters", "1"])
+        layouts[backend] = _model_layout(build_fork_model(args, script))
+    (te_tensors, te_objects), (free_tensors, free_objects) = layouts["auto"], layouts["local"]
+    assert free_tensors == te_tensors
+    assert free_objects == te_objects, (sorted(te_objects - free_objects),
+                                        sorted(free_objects - te_objects))

@@ -260,7 +260,6 @@ def cpu_mla_model(args):
     them); the MLPs and MoE layers are the fork's (specs.py). tests/gpu/test_hf_checkpoints.py
     runs the fork's own TE model.
     """
-    import functools
 
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -275,18 +274,21 @@ def cpu_mla_model(args):
     )
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+    from megatron.packed_graphs import core_patches
     from megatron.packed_graphs.layers import GraphSafeMoELayer, GraphSafeTransformerLayer
     from megatron.packed_graphs.mla import DeepSeekMLASelfAttention
     from megatron.packed_graphs.specs import VarlenSpecProvider, _mlp_spec, _moe_spec, _norm
     from megatron.packed_graphs.specs import moe_layer_pattern
     from megatron.packed_training.config import transformer_config_from_args
 
+    core_patches.megatron_core_linears_unfused_without_apex()  # as the fork's builders
     config = transformer_config_from_args(args)
     config.apply_rope_fusion = False  # megatron-core's unfused MLA RoPE (reads cu_seqlens)
     config.persist_layer_norm = False  # the TE parse's default; torch norms refuse it
     provider = VarlenSpecProvider("torch")
     _MLACoreAttention = _mla_core_attention()
-    norm = functools.partial(_norm(provider, "RMSNorm"))
+    # the latent norms are fused into TE's up projections: plain norms under TE's names
+    latent_norm = provider.layer_norm(rms_norm=True)
     attention = ModuleSpec(
         module=DeepSeekMLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
@@ -297,8 +299,8 @@ def cpu_mla_model(args):
             linear_proj=RowParallelLinear,
             # without q-LoRA there is no query latent to normalise (megatron-core refuses a
             # q_layernorm then)
-            q_layernorm=norm if args.q_lora_rank is not None else IdentityOp,
-            kv_layernorm=norm))
+            q_layernorm=latent_norm if args.q_lora_rank is not None else IdentityOp,
+            kv_layernorm=latent_norm))
     te_names = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
                 "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
 
