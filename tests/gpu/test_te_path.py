@@ -3,6 +3,8 @@
 Skipped where Transformer Engine is not importable (`pip install -e ".[te]"`).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -268,6 +270,8 @@ def test_te_and_te_free_models_save_the_same_checkpoint(dist, kind, flags):
     script = kind.partition("-")[0]
     layouts = {}
     for backend in ("auto", "local"):
+        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            os.environ.pop(name, None)  # the first model wrote its backend's (conftest.py)
         args = parse_fork_args(model_flags + ["--attention-backend", backend], script,
                                training=TRAIN + ["--train-iters", "1"])
         layouts[backend] = _model_layout(build_fork_model(args, script))

@@ -9,9 +9,9 @@ A family (families/*.py) describes its model declaratively:
   layer (``mlp.experts.experts.linear_fc1.weight``, ``...experts.{expert}.gate_proj...``).
 * `LayerKind`: the rules of one kind of layer, and the linear modules whose
   ``_extra_state`` entry megatron-core's checkpoint holds (empty for bf16 / fp32 training,
-  but a loader asks for every one). Norms get one too (`norm_module`): they are Transformer
-  Engine's where it is installed (megatron-core builds the final norm with TE whatever the
-  layer spec) and torch's without; a loader ignores the entries its model lacks.
+  but a loader asks for every one). Norms get one too (`norm_module`), as Transformer
+  Engine's norms and the TE-free spec's (specs.TELayoutNorm) save it; not Mamba's gated
+  norm inside the mixer, mamba-ssm's module on every backend.
 * `ModelMapping`: the model's rules, one `LayerKind` per layer, the number of routed experts
   and whether the checkpoint stacks layers.
 
@@ -174,11 +174,16 @@ def _instances(mapping: ModelMapping):
                 yield EXPERT, layer, expert, kind
 
 
+MAMBA_GATED_NORM = "mixer.norm"  # mamba-ssm's RMSNormGated: no ``_extra_state``
+
+
 def norm_module(rule: Rule) -> str | None:
     """The norm module whose ``weight`` ``rule`` makes (``input_layernorm``,
     ``decoder.final_layernorm``, ``self_attention.q_layernorm``), else None. Norm weights
     fused into a TE linear (``linear_qkv.layer_norm_weight``) belong to the linear."""
     module, _, leaf = rule.megatron.rpartition(".")
+    if module == MAMBA_GATED_NORM:
+        return None
     return module if leaf == "weight" and "norm" in module.rpartition(".")[2] else None
 
 
