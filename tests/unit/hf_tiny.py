@@ -260,7 +260,6 @@ def cpu_mla_model(args):
     them); the MLPs and MoE layers are the fork's (specs.py). tests/gpu/test_hf_checkpoints.py
     runs the fork's own TE model.
     """
-
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
