@@ -13,6 +13,9 @@ import sys
 from megatron.packed_training.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# What megatron-core writes into the process environment for --attention-backend, refusing
+# another backend's values later (tests/conftest.py puts them back after every test).
+NVTE_ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 # What the old fork's parser defaulted to and the suite's numbers were measured with, as
 # Megatron-LM's flags (upstream's defaults differ: docs/flags.md). Part of TRAIN.
@@ -138,7 +141,7 @@ def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
     # A model built in this process leaves its attention backend's NVTE_*_ATTN variables
     # behind, and megatron-core refuses another backend's values: runs start without them.
     inherited = {name: value for name, value in os.environ.items()
-                 if name not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
+                 if name not in NVTE_ATTENTION_VARIABLES}
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", **inherited, **(env or {})}
     for _ in range(3):
         command = torchrun_command(path, args, nproc=nproc)

@@ -259,7 +259,14 @@ def test_te_and_te_free_models_save_the_same_checkpoint(dist, kind, flags):
     shapes) and the same ``_extra_state`` objects, so each backend loads the other's
     checkpoint and Megatron-LM's TE spec loads the TE-free one (it asks for every norm's
     ``_extra_state``: specs.TELayoutNorm)."""
-    from tests.gpu.launch import TINY_GPT, TINY_GPT_MOE, TINY_HYBRID, TINY_HYBRID_MOE, TRAIN
+    from tests.gpu.launch import (
+        NVTE_ATTENTION_VARIABLES,
+        TINY_GPT,
+        TINY_GPT_MOE,
+        TINY_HYBRID,
+        TINY_HYBRID_MOE,
+        TRAIN,
+    )
     from tests.unit.hf_tiny import build_fork_model, parse_fork_args
     from tests.unit.test_hf_convert import _model_layout
 
@@ -270,7 +277,7 @@ def test_te_and_te_free_models_save_the_same_checkpoint(dist, kind, flags):
     script = kind.partition("-")[0]
     layouts = {}
     for backend in ("auto", "local"):
-        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        for name in NVTE_ATTENTION_VARIABLES:
             os.environ.pop(name, None)  # the first model wrote its backend's (conftest.py)
         args = parse_fork_args(model_flags + ["--attention-backend", backend], script,
                                training=TRAIN + ["--train-iters", "1"])
