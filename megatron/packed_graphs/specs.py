@@ -134,9 +134,13 @@ class TELayoutNorm:
         return norm
 
 
+def _provider_norm(provider: BackendSpecProvider, normalization: str, for_qk: bool = False):
+    return provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=for_qk)
+
+
 def _norm(provider: BackendSpecProvider, normalization: str, for_qk: bool = False):
     """A norm module of its own (TE's spec has one too: see `TELayoutNorm`)."""
-    norm = provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=for_qk)
+    norm = _provider_norm(provider, normalization, for_qk)
     return TELayoutNorm if norm is WrappedTorchNorm else norm
 
 
@@ -145,8 +149,7 @@ def _norm_and_linear(provider: BackendSpecProvider, normalization: str):
     A TE-free norm here saves no ``_extra_state``: its keys map onto the fused linear's."""
     if provider.fuse_layernorm_and_linear():
         return IdentityOp, provider.column_parallel_layer_norm_linear()
-    norm = provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=False)
-    return norm, provider.column_parallel_linear()
+    return _provider_norm(provider, normalization), provider.column_parallel_linear()
 
 
 def attention_layer_spec(provider: BackendSpecProvider, normalization: str,
