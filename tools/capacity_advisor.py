@@ -290,7 +290,7 @@ def dropless_graph_rows(loads: RouterLoads, expert_parallel: int = 1) -> tuple[i
     expert parallel size 1 the buffer holds every slot of the rank's tokens
     (moe_dropless.static_rows); above, each rank receives a fixed block of room for the worst
     case from every rank (moe_dropless.send_capacity) and regroups it."""
-    from megatron.packed_graphs.moe_dropless import buffer_rows, send_capacity
+    from megatron.packed_model.moe_dropless import buffer_rows, send_capacity
 
     local = loads.num_experts // expert_parallel
     slots = loads.tokens_per_rank * loads.topk
@@ -324,7 +324,7 @@ def format_dropless_comparison(loads: RouterLoads, factor: float, expert_paralle
     lines.append(f"dropless graphs hold {smaller} rows than drop-and-pad at this factor, "
                  f"whatever the routing; padding tokens take none")
     if expert_parallel > 1:
-        from megatron.packed_graphs.moe_dropless import send_capacity
+        from megatron.packed_model.moe_dropless import send_capacity
 
         exchanged = expert_parallel * send_capacity(
             loads.tokens_per_rank, loads.topk, loads.num_experts // expert_parallel)

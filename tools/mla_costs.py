@@ -92,7 +92,7 @@ def measure(args) -> list:
         fused_apply_mla_rope_for_q,
     )
     from megatron.packed_graphs.capacity import pad_cu_seqlens
-    from megatron.packed_graphs.mla_rope import cover_all_rows
+    from megatron.packed_model.mla_rope import cover_all_rows
     from megatron.packed_graphs.packed_seq import build_packed_batch_params
     from megatron.packed_training.arguments import parse_args
     from megatron.packed_training.config import transformer_config_from_args

@@ -41,7 +41,7 @@ from typing import Callable, ContextManager, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron.packed_graphs.moe import moe_accumulators_kept
+from megatron.packed_model.moe import moe_accumulators_kept
 from megatron.packed_graphs.plan import Granularity, GraphKey, Mode, Reason, StepGraphPlan
 
 ACTIONS = ("warn", "disable")

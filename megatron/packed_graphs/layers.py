@@ -22,8 +22,9 @@ from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 from megatron.packed_graphs import core_patches
-from megatron.packed_graphs.chunk_graphs import chunk_granularity
-from megatron.packed_graphs.moe import PackedMoEMaskMixin
+from megatron.packed_graphs.chunk_graphs import ChunkGraphDispatch, chunk_granularity
+from megatron.packed_model.hybrid_stack import PackedHybridStack
+from megatron.packed_model.moe import PackedMoEMaskMixin
 from megatron.packed_graphs.moe_partial import PartialMoEGraphs
 from megatron.packed_graphs.plan import graphs_bypassed, in_iteration_graph
 from megatron.packed_graphs.te_graphs import TEGraphDispatch
@@ -109,3 +110,7 @@ class GraphSafeMLPLayer(LocalGraphDispatch, TEGraphDispatch, MLPLayer):
 
 class GraphSafeMambaLayer(LocalGraphDispatch, TEGraphDispatch, MambaLayer):
     """MambaLayer with the per-micro-batch eager fallback (local and TE graphs)."""
+
+
+class GraphSafeHybridStack(ChunkGraphDispatch, PackedHybridStack):
+    """The hybrid model's stack (spec-provided final norm) as one chunk for chunk graphs."""

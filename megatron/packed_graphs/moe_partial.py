@@ -61,7 +61,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.packed_graphs import core_patches
-from megatron.packed_graphs.moe import layer_padding_mask
+from megatron.packed_model.moe import layer_padding_mask
 from megatron.packed_graphs.plan import graphs_bypassed, in_iteration_graph
 
 PARTIAL_MODULES = (CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess)

@@ -35,7 +35,7 @@ from typing import Callable, Dict, FrozenSet, Iterator, List, Sequence
 
 import torch
 
-from megatron.packed_graphs.moe import MoEAccumulators, dropless_moe, packed_routers
+from megatron.packed_model.moe import MoEAccumulators, dropless_moe, packed_routers
 
 RERUN_REASON = "moe_overflow_rerun"
 """Why a rerun micro-batch ran eager: the counts' key (the graph plan's reason value)."""

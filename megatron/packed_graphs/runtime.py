@@ -66,7 +66,7 @@ from megatron.packed_graphs.full_iteration import (
 from megatron.packed_graphs.forward_graphs import ForwardGraphs, eval_mode, forward_graph_pool
 from megatron.packed_graphs.graph_memory import capture_graph
 from megatron.packed_graphs.health_check import GraphHealthCheck, HealthCheckConfig
-from megatron.packed_graphs.moe import moe_accumulators_kept
+from megatron.packed_model.moe import moe_accumulators_kept
 from megatron.packed_graphs.dispatch import (
     assign_chunk_slots,
     micro_batch_reasons,

@@ -1,17 +1,9 @@
 """Layer specs for packed-sequence GPT and hybrid Mamba-Transformer models.
 
-A spec is composed from a megatron-core backend provider (which linear / norm / attention
-classes to use) instead of boolean switches:
-
-* ``te``: `PackedTESpecProvider` (te_attention.py) = megatron-core's `TESpecProvider`
-  (fused norm+linear) with `PackedTEDotProductAttention` (TE THD attention, no host syncs)
-  and `PackedTESelfAttention` (the sync-free RoPE by gather, rotated by TE's fused kernel);
-* ``torch`` / ``flash``: `VarlenSpecProvider` = megatron-core's `LocalSpecProvider`
-  (torch norms, Megatron column/row-parallel linears) with `VarlenAttention` as the core
-  attention and `PackedSelfAttention` (sync-free RoPE by gather). This is the path that runs
-  where Transformer Engine is missing.
-
-Each provider names its self-attention class (``provider.self_attention``).
+A spec places the graph-safe layers (layers.py) around the packed model's modules
+(packed_model/), composed from a backend provider (packed_model/providers.py: which linear /
+norm / attention classes to use) instead of boolean switches. Each provider names its
+self-attention class (``provider.self_attention``).
 
 Where the provider does not fuse the norm into the following linear, the spec places a
 separate norm module in front (``input_layernorm`` / ``pre_mlp_layernorm`` / Mamba ``norm``).
@@ -31,14 +23,12 @@ models it is the '+' layer.
 
 import functools
 
-import torch
-from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     LayerNormImpl,
     TransformerBlockSubmodules,
@@ -50,106 +40,22 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 
-from megatron.packed_graphs.attention import PackedSelfAttention, VarlenAttention
 from megatron.packed_graphs.layers import (
+    GraphSafeHybridStack,
     GraphSafeMambaLayer,
     GraphSafeMLPLayer,
     GraphSafeMoELayer,
     GraphSafeTransformerLayer,
 )
-from megatron.packed_graphs.mla import mla_attention_submodules
-from megatron.packed_graphs.moe import moe_mlp_spec
-
-
-class VarlenSpecProvider(LocalSpecProvider):
-    """LocalSpecProvider whose core attention is the TE-free `VarlenAttention`."""
-
-    self_attention = PackedSelfAttention
-
-    def __init__(self, attention_backend: str = "torch"):
-        self.attention_backend = attention_backend
-
-    def core_attention(self):
-        return ModuleSpec(module=VarlenAttention, params={"backend": self.attention_backend})
-
-
-def backend_provider(attention_backend: str) -> BackendSpecProvider:
-    """Provider for a resolved attention backend ('te', 'flash' or 'torch')."""
-    if attention_backend == "te":
-        from megatron.packed_graphs.te_attention import PackedTESpecProvider  # imports TE
-
-        return PackedTESpecProvider()
-    return VarlenSpecProvider(attention_backend)
-
-
-# Where Transformer Engine fuses a norm into the linear after it, the norm's weights are saved
-# under that linear (``self_attention.linear_qkv.layer_norm_weight``). The TE-free spec's
-# separate norms are saved under the same names, so Megatron-LM, the TE path and the TE-free
-# path read each other's checkpoints (megatron-core's own local GPT spec maps them alike).
-TE_FUSED_NORM_KEYS = {
-    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-    "norm.": "mixer.in_proj.layer_norm_",  # Mamba
-}
-
-
-def te_checkpoint_keys(provider: BackendSpecProvider, *norms: str) -> dict:
-    """A layer's ``sharded_state_dict_keys_map`` for its separate ``norms`` (keys of
-    `TE_FUSED_NORM_KEYS`) that TE's spec fuses; {} for a provider that fuses them itself."""
-    if provider.fuse_layernorm_and_linear():
-        return {}
-    return {norm: TE_FUSED_NORM_KEYS[norm] for norm in norms}
-
-
-class _EmptyTEState:
-    """``_extra_state`` saved and read as megatron-core's local linears do theirs (None)."""
-
-    def get_extra_state(self):
-        return None
-
-    def set_extra_state(self, state):
-        pass
-
-
-class _RMSNormWithTEState(_EmptyTEState, torch.nn.RMSNorm):
-    pass
-
-
-class _LayerNormWithTEState(_EmptyTEState, torch.nn.LayerNorm):
-    pass
-
-
-class TELayoutNorm:
-    """megatron-core's torch norm (`WrappedTorchNorm`: same checks, same module, same
-    numerics) that also saves the empty ``_extra_state`` entry Transformer Engine's norm
-    saves. The TE-free spec builds it where TE's spec has a norm module of its own (the
-    hybrid final norm, the MoE pre-MLP norm, q/k norms): Megatron-LM's TE spec asks for that
-    entry when it loads, and fails on a checkpoint without it."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        norm = WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
-        # The same module with two methods more: its state_dict gains `_extra_state`.
-        norm.__class__ = {torch.nn.RMSNorm: _RMSNormWithTEState,
-                          torch.nn.LayerNorm: _LayerNormWithTEState}[type(norm)]
-        return norm
-
-
-def _provider_norm(provider: BackendSpecProvider, normalization: str, for_qk: bool = False):
-    return provider.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=for_qk)
-
-
-def _norm(provider: BackendSpecProvider, normalization: str, for_qk: bool = False):
-    """A norm module of its own (TE's spec has one too: see `TELayoutNorm`)."""
-    norm = _provider_norm(provider, normalization, for_qk)
-    return TELayoutNorm if norm is WrappedTorchNorm else norm
-
-
-def _norm_and_linear(provider: BackendSpecProvider, normalization: str):
-    """(norm in front, column-parallel linear) — the norm is Identity when the linear fuses it.
-    A TE-free norm here saves no ``_extra_state``: its keys map onto the fused linear's."""
-    if provider.fuse_layernorm_and_linear():
-        return IdentityOp, provider.column_parallel_layer_norm_linear()
-    return _provider_norm(provider, normalization), provider.column_parallel_linear()
+from megatron.packed_model.hybrid_stack import PackedHybridStackSubmodules
+from megatron.packed_model.mla import mla_attention_submodules
+from megatron.packed_model.providers import (
+    own_norm,
+    norm_and_linear,
+    backend_provider,
+    te_checkpoint_keys,
+)
+from megatron.packed_model.moe import moe_mlp_spec
 
 
 def attention_layer_spec(provider: BackendSpecProvider, normalization: str,
@@ -158,8 +64,8 @@ def attention_layer_spec(provider: BackendSpecProvider, normalization: str,
     ``qk_layernorm``: a norm on each head's query and key (Qwen3, OLMo 2), of the model's
     ``normalization`` kind. It must match the config's ``qk_layernorm``: megatron-core's
     SelfAttention refuses a spec norm the config turned off."""
-    norm, linear_qkv = _norm_and_linear(provider, normalization)
-    qk_norm = _norm(provider, normalization, for_qk=True) if qk_layernorm else None
+    norm, linear_qkv = norm_and_linear(provider, normalization)
+    qk_norm = own_norm(provider, normalization, for_qk=True) if qk_layernorm else None
     return ModuleSpec(
         module=GraphSafeTransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -185,7 +91,7 @@ def _mlp_spec(provider: BackendSpecProvider, normalization: str):
     """(norm in front, MLP builder). The MLP enters as megatron-core's ``as_mlp_submodule``
     builder, the form TransformerLayer calls directly (a ``ModuleSpec(MLP)`` is rewrapped
     in place, with a warning per layer)."""
-    norm, linear_fc1 = _norm_and_linear(provider, normalization)
+    norm, linear_fc1 = norm_and_linear(provider, normalization)
     mlp = functools.partial(
         MLP.as_mlp_submodule,
         submodules=MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=provider.row_parallel_linear()),
@@ -196,7 +102,7 @@ def _mlp_spec(provider: BackendSpecProvider, normalization: str):
 def _moe_spec(provider: BackendSpecProvider, normalization: str, num_experts: int,
               grouped_gemm: bool):
     """(norm in front, MoE builder)."""
-    return _norm(provider, normalization), moe_mlp_spec(provider, num_experts, grouped_gemm)
+    return own_norm(provider, normalization), moe_mlp_spec(provider, num_experts, grouped_gemm)
 
 
 def moe_layer_spec(provider: BackendSpecProvider, normalization: str, num_experts: int,
@@ -279,7 +185,7 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
                       num_experts: int | None = None, moe_grouped_gemm: bool = False,
                       multi_latent_attention: bool = False,
                       qk_layernorm: bool = False) -> ModuleSpec:
-    """`PackedHybridStack` spec: Mamba ('M'), attention ('*'), MLP ('-'), with
+    """`GraphSafeHybridStack` spec: Mamba ('M'), attention ('*'), MLP ('-'), with
     ``num_experts`` MoE ('E') and with ``multi_latent_attention`` MLA ('+') layers;
     ``qk_layernorm`` as in `gpt_layer_spec`.
 
@@ -288,17 +194,13 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
     from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
 
-    from megatron.packed_graphs.mamba import (
-        PackedHybridStack,
-        PackedHybridStackSubmodules,
-        PackedMambaMixer,
-    )
+    from megatron.packed_model.mamba import PackedMambaMixer
 
     provider = backend_provider(attention_backend)
-    mamba_norm, in_proj = _norm_and_linear(provider, normalization)
+    mamba_norm, in_proj = norm_and_linear(provider, normalization)
     pre_mlp_norm, mlp = _mlp_spec(provider, normalization)
     return ModuleSpec(
-        module=PackedHybridStack,
+        module=GraphSafeHybridStack,
         submodules=PackedHybridStackSubmodules(
             mamba_layer=ModuleSpec(
                 module=GraphSafeMambaLayer,
@@ -327,6 +229,6 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
             mla_layer=(ModuleSpec(module=GraphSafeTransformerLayer,
                                   submodules=mla_attention_submodules(provider, normalization))
                        if multi_latent_attention else IdentityOp),
-            final_norm=_norm(provider, normalization),
+            final_norm=own_norm(provider, normalization),
         ),
     )

@@ -10,7 +10,7 @@ import math
 
 from megatron.core.transformer.enums import CudaGraphModule
 
-from megatron.packed_graphs.refusals import fail, refuse
+from megatron.packed_model.refusals import fail, refuse
 from megatron.packed_training.data_paths import DATA_PATHS
 
 GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
@@ -226,7 +226,7 @@ def check_dynamic_cp(args) -> None:
     """--dynamic-cp-sizes / --dynamic-cp-max-packed-seqs (docs/context-parallel.md). Fills
     ``dynamic_cp_tokens_per_rank`` (0: off), ``dynamic_cp_max_packed_seqs`` (a capacity per
     size) and ``dynamic_cp_groups`` (a size above 1: hybrid DP x CP groups at start-up)."""
-    from megatron.packed_graphs.dynamic_cp import check_cp_sizes
+    from megatron.packed_model.dynamic_cp import check_cp_sizes
 
     sizes, capacities = args.dynamic_cp_sizes, args.dynamic_cp_max_packed_seqs
     args.dynamic_cp_tokens_per_rank, args.dynamic_cp_groups = 0, False
@@ -452,7 +452,7 @@ def check_moe_graphs(args) -> None:
 def check_moe_dropless_graphs(args) -> bool:
     """``--moe-dropless-graphs``; returns whether it is on (whole-layer MoE graphs then need no
     drop-and-pad). The rules a TransformerConfig answers too: moe_dropless.dropless_refusals."""
-    from megatron.packed_graphs.moe_dropless import dropless_refusals
+    from megatron.packed_model.moe_dropless import dropless_refusals
 
     if not getattr(args, "moe_dropless_graphs", False):
         return False
@@ -484,7 +484,7 @@ def check_moe_router_skew(args) -> None:
     refuse((skew and args.num_experts is None, "--moe-router-skew", skew,
             "It biases MoE routers; add --num-experts or drop it"))
     if skew:  # the MoE module only where a skew is asked for
-        from megatron.packed_graphs.moe import skew_error, skew_limit
+        from megatron.packed_model.moe import skew_error, skew_limit
         if not 0.0 < skew < skew_limit(args.num_experts, args.moe_router_topk):
             raise ValueError(skew_error(skew, args.num_experts, args.moe_router_topk) + ".")
 

@@ -142,7 +142,7 @@ class RuntimeLog:
             return
         loss = reduced_lm_loss(losses)
         if self.count_drops:  # a collective: every rank reads
-            from megatron.packed_graphs.moe import read_dropped_token_fraction
+            from megatron.packed_model.moe import read_dropped_token_fraction
 
             self.interval.stats["moe_dropped_token_fraction"] = round(
                 read_dropped_token_fraction(self.model), 6)

@@ -16,7 +16,7 @@ def gpt_model(args, config, pre_process=True, post_process=True, vp_stage=None):
     """GPTModel with the packed-sequence layer spec of ``--attention-backend``."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron.packed_graphs.attention import resolve_attention_backend
+    from megatron.packed_model.attention import resolve_attention_backend
     from megatron.packed_graphs.chunk_graphs import use_chunk_graph_block
     from megatron.packed_graphs.specs import gpt_decoder_spec
 
@@ -51,7 +51,7 @@ def hybrid_model(args, config, pre_process=True, post_process=True, vp_stage=Non
     """HybridModel built from the packed hybrid stack spec of ``--attention-backend``."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from megatron.packed_graphs.attention import resolve_attention_backend
+    from megatron.packed_model.attention import resolve_attention_backend
     from megatron.packed_graphs.specs import hybrid_stack_spec
 
     core_patches.megatron_core_linears_unfused_without_apex()

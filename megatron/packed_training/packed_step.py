@@ -16,8 +16,8 @@ from torch import Tensor
 from megatron.core import parallel_state
 
 from megatron.packed_graphs.capacity import pad_cu_seqlens
-from megatron.packed_graphs.context_parallel import select_cp_tokens, thd_partition_index
-from megatron.packed_graphs.dynamic_cp import CPTurn, dynamic_cp_group
+from megatron.packed_model.context_parallel import select_cp_tokens, thd_partition_index
+from megatron.packed_model.dynamic_cp import CPTurn, dynamic_cp_group
 from megatron.packed_graphs.packed_seq import (
     PackedBatchParams,
     build_packed_batch_params,

@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 import pretrain_gpt  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
-from megatron.packed_graphs.dynamic_cp import dynamic_cp_group  # noqa: E402
+from megatron.packed_model.dynamic_cp import dynamic_cp_group  # noqa: E402
 from megatron.packed_training.arguments import parse_args  # noqa: E402
 from megatron.packed_training.config import transformer_config_from_args  # noqa: E402
 from megatron.packed_training.datasets.mock import MockPackedDataset  # noqa: E402

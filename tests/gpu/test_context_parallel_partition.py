@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron.packed_graphs.context_parallel import thd_partition_index
+from megatron.packed_model.context_parallel import thd_partition_index
 from tests.unit.test_context_parallel import cu, reference_index
 
 CP = 4

@@ -91,7 +91,7 @@ def test_graph_safe_tables_hold_upstream_yarn_values(dist, cpu_init):
     whose fp32 power rounds unlike the CPU's) and use_cpu_initialization=True."""
     from megatron.core.models.common.embeddings import YarnRotaryEmbedding
 
-    from megatron.packed_graphs.mla_rope import GraphSafeYarnRotaryEmbedding
+    from megatron.packed_model.mla_rope import GraphSafeYarnRotaryEmbedding
 
     yarn = dict(rotary_base=10000, scaling_factor=40.0, original_max_position_embeddings=4096,
                 beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
@@ -107,9 +107,9 @@ def test_graph_safe_tables_hold_upstream_yarn_values(dist, cpu_init):
 
 
 def test_te_spec_builds_packed_mla(dist):
-    from megatron.packed_graphs.mla import PackedMLASelfAttention
-    from megatron.packed_graphs.mla_rope import GraphSafeYarnRotaryEmbedding
-    from megatron.packed_graphs.te_attention import PackedTEDotProductAttention
+    from megatron.packed_model.mla import PackedMLASelfAttention
+    from megatron.packed_model.mla_rope import GraphSafeYarnRotaryEmbedding
+    from megatron.packed_model.te_attention import PackedTEDotProductAttention
 
     model, config = _model()
     assert config.multi_latent_attention and config.apply_rope_fusion
@@ -153,7 +153,7 @@ def test_fused_rope_writes_valid_rows_past_the_last_boundary(dist):
     tail segment appended: every row is rotated by its table row (torch reference)."""
     from megatron.core.fusions.fused_mla_yarn_rope_apply import fused_apply_mla_rope_for_q
 
-    from megatron.packed_graphs.mla_rope import (
+    from megatron.packed_model.mla_rope import (
         GraphSafeYarnRotaryEmbedding,
         cover_all_rows,
         fused_rope_table_rows,
@@ -217,7 +217,7 @@ def test_graph_reads_valid_tables_after_a_longer_eager_micro_batch(dist):
 
 
 def test_capture_refuses_a_missing_table(dist):
-    from megatron.packed_graphs.mla_rope import GraphSafeYarnRotaryEmbedding
+    from megatron.packed_model.mla_rope import GraphSafeYarnRotaryEmbedding
 
     rope = GraphSafeYarnRotaryEmbedding(32, rotary_base=777)  # no table built yet
     graph = torch.cuda.CUDAGraph()

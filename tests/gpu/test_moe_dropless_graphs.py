@@ -64,7 +64,7 @@ def _grouped_operands(offsets):
 
 
 def test_grouped_gemm_equals_a_matmul_per_group(dist):
-    from megatron.packed_graphs.grouped_gemm import grouped_linear
+    from megatron.packed_model.grouped_gemm import grouped_linear
 
     x, weight, offsets = _grouped_operands([8, 40, 48, 88])  # rows 88-95: the unused tail
     out = grouped_linear(x, weight, offsets)
@@ -85,7 +85,7 @@ def test_grouped_gemm_equals_a_matmul_per_group(dist):
 def test_an_expert_of_zero_rows_gets_a_zero_weight_gradient(dist):
     """The layout gives an expert without tokens one alignment unit of zero rows: its weight
     gradient is exactly zero (a group of no rows gets garbage on Blackwell, pytorch#172439)."""
-    from megatron.packed_graphs.grouped_gemm import grouped_linear
+    from megatron.packed_model.grouped_gemm import grouped_linear
 
     x, weight, offsets = _grouped_operands([32, 40, 72, 96])
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_an_expert_of_zero_rows_gets_a_zero_weight_gradient(dist):
 
 
 def test_a_captured_grouped_gemm_replays_new_offsets_bit_for_bit(dist):
-    from megatron.packed_graphs.grouped_gemm import grouped_linear
+    from megatron.packed_model.grouped_gemm import grouped_linear
 
     x, weight, offsets = _grouped_operands([24, 48, 72, 96])
     grad = torch.randn(96, 48, device="cuda").bfloat16()
@@ -156,7 +156,7 @@ def _inputs(uniform: bool = False, seed: int = 1):
 
 
 def test_the_layer_needs_no_host_sync_and_computes_megatrons_dropless_results(dist):
-    from megatron.packed_graphs.moe_dropless import DroplessMoELayer
+    from megatron.packed_model.moe_dropless import DroplessMoELayer
 
     upstream, ours = _layer(False), _layer(True)
     assert isinstance(ours.mlp, DroplessMoELayer)

@@ -95,7 +95,8 @@ def _moe_layer(graphs: bool, factor: float):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.packed_graphs.specs import backend_provider, moe_layer_spec
+    from megatron.packed_graphs.specs import moe_layer_spec
+    from megatron.packed_model.providers import backend_provider
 
     graph_settings = dict(cuda_graph_impl="local", cuda_graph_modules=[
         CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess]) if graphs else {}

@@ -95,7 +95,7 @@ def test_captured_layer_counts_overflow_on_replay_without_host_sync(dist):
 
 
 def test_dropless_scope_computes_what_a_dropless_layer_computes(dist):
-    from megatron.packed_graphs.moe import dropless_moe
+    from megatron.packed_model.moe import dropless_moe
 
     layer, dropless = _moe_layer(**FACTOR_2), _moe_layer()
     dropless.load_state_dict(layer.state_dict())

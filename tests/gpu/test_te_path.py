@@ -13,10 +13,10 @@ te = pytest.importorskip("transformer_engine.pytorch",
 
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron.packed_graphs.attention import VarlenAttention  # noqa: E402
+from megatron.packed_model.attention import VarlenAttention  # noqa: E402
 from megatron.packed_graphs.capacity import pad_cu_seqlens  # noqa: E402
 from megatron.packed_graphs.packed_seq import PackedBatchParams  # noqa: E402
-from megatron.packed_graphs.te_attention import PackedTEDotProductAttention  # noqa: E402
+from megatron.packed_model.te_attention import PackedTEDotProductAttention  # noqa: E402
 from tests.gpu.capture import capture_without_host_sync  # noqa: E402
 
 HEADS, GROUPS, DIM = 8, 4, 64
@@ -79,7 +79,7 @@ def test_te_spec_uses_packed_attention_and_fused_rope(dist):
     """The TE spec wires the sync-free core attention and the packed RoPE rotated by TE's
     fused kernel (PackedTESelfAttention)."""
     import pretrain_gpt
-    from megatron.packed_graphs.te_attention import PackedTESelfAttention
+    from megatron.packed_model.te_attention import PackedTESelfAttention
     from megatron.packed_training.arguments import parse_args
     from megatron.packed_training.config import transformer_config_from_args
     from tests.gpu.launch import TINY_GPT, TRAIN
@@ -258,7 +258,7 @@ def test_te_and_te_free_models_save_the_same_checkpoint(dist, kind, flags):
     """The TE and the TE-free model of one launch line shard the same tensors (same keys and
     shapes) and the same ``_extra_state`` objects, so each backend loads the other's
     checkpoint and Megatron-LM's TE spec loads the TE-free one (it asks for every norm's
-    ``_extra_state``: specs.TELayoutNorm)."""
+    ``_extra_state``: providers.TELayoutNorm)."""
     from tests.gpu.launch import (
         NVTE_ATTENTION_VARIABLES,
         TINY_GPT,

@@ -237,7 +237,7 @@ def tiny_moonlight(folder, seed: int = 0, **overrides) -> str:
 
 
 def _mla_core_attention():
-    from megatron.packed_graphs.attention import VarlenAttention
+    from megatron.packed_model.attention import VarlenAttention
 
     class MLACoreAttention(VarlenAttention):
         """The TE-free core attention with MLA's head sizes (its softmax scale comes from MLA,
@@ -275,8 +275,9 @@ def cpu_mla_model(args):
 
     from megatron.packed_graphs import core_patches
     from megatron.packed_graphs.layers import GraphSafeMoELayer, GraphSafeTransformerLayer
-    from megatron.packed_graphs.mla import DeepSeekMLASelfAttention
-    from megatron.packed_graphs.specs import VarlenSpecProvider, _mlp_spec, _moe_spec, _norm
+    from megatron.packed_model.mla import DeepSeekMLASelfAttention
+    from megatron.packed_graphs.specs import _mlp_spec, _moe_spec
+    from megatron.packed_model.providers import VarlenSpecProvider, own_norm
     from megatron.packed_graphs.specs import moe_layer_pattern
     from megatron.packed_training.config import transformer_config_from_args
 
@@ -313,7 +314,7 @@ def cpu_mla_model(args):
         return ModuleSpec(
             module=GraphSafeMoELayer if is_moe else GraphSafeTransformerLayer,
             submodules=TransformerLayerSubmodules(
-                input_layernorm=_norm(provider, "RMSNorm"), self_attention=attention,
+                input_layernorm=own_norm(provider, "RMSNorm"), self_attention=attention,
                 self_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=pre_mlp, mlp=mlp,
                 mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map=keys))
 

@@ -15,7 +15,7 @@ def run(rank: int, store: str, inputs: str, outputs: str) -> None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.packed_graphs import moe_dropless
+    from megatron.packed_model import moe_dropless
     from megatron.packed_graphs.specs import gpt_layer_spec
     from tests.unit.test_moe_dropless import config
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.packed_graphs import attention
-from megatron.packed_graphs.attention import (
+from megatron.packed_model import attention
+from megatron.packed_model.attention import (
     PackedSelfAttention,
     VarlenAttention,
     apply_rotary_per_token,
@@ -16,7 +16,8 @@ from megatron.packed_graphs.attention import (
     resolve_attention_backend,
 )
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
-from megatron.packed_graphs.specs import VarlenSpecProvider, backend_provider, gpt_layer_spec
+from megatron.packed_graphs.specs import gpt_layer_spec
+from megatron.packed_model.providers import VarlenSpecProvider, backend_provider
 
 
 def _installed(monkeypatch, te=False, flash=False):
@@ -102,7 +103,7 @@ def test_per_token_rope_on_a_cp_rank_equals_megatron_thd_rope_with_cp(cpu_dist, 
     from types import SimpleNamespace
 
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
-    from megatron.packed_graphs.context_parallel import thd_partition_index
+    from megatron.packed_model.context_parallel import thd_partition_index
 
     torch.manual_seed(0)
     cp, lengths = 2, [8, 4, 12, 0]  # segments padded to multiples of 2 * cp; a capacity slot

@@ -341,7 +341,7 @@ def te_importable(monkeypatch):
     (it ships with the CUDA builds TE runs on; MLA's fused RoPE needs it). TE-free runs must
     need neither. Megatron-LM's check of --moe-grouped-gemm asks the GPU for its compute
     capability: an H100's here."""
-    from megatron.packed_graphs import attention
+    from megatron.packed_model import attention
     from megatron.packed_training import extra_args
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -653,7 +653,7 @@ def test_moe_presets_build_and_train_on_cpu_at_a_reduced_size(te_importable, cpu
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron.packed_graphs.moe import PackedTopKRouter
+    from megatron.packed_model.moe import PackedTopKRouter
     from megatron.packed_graphs.packed_seq import build_packed_batch_params
     from megatron.packed_training.config import transformer_config_from_args
 

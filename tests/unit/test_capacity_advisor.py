@@ -245,8 +245,8 @@ def test_the_two_spellings_of_reject_cannot_disagree(capsys):
 # ------------------------------------------------------------ against dropless MoE graphs
 
 def test_dropless_graph_rows_are_the_layers_static_buffer():
-    from megatron.packed_graphs.grouped_gemm import group_alignment
-    from megatron.packed_graphs.moe_dropless import static_rows
+    from megatron.packed_model.grouped_gemm import group_alignment
+    from megatron.packed_model.moe_dropless import static_rows
 
     import torch
 

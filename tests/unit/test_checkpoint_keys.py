@@ -2,15 +2,16 @@
 
 TE fuses each norm into the linear after it and saves its weight as that linear's
 ``layer_norm_weight``; the TE-free spec keeps separate norms and maps their keys
-(specs.te_checkpoint_keys). Where TE's spec has a norm module of its own, the TE-free norm
-saves the empty ``_extra_state`` TE's does (specs.TELayoutNorm): Megatron-LM's loader asks
+(providers.te_checkpoint_keys). Where TE's spec has a norm module of its own, the TE-free norm
+saves the empty ``_extra_state`` TE's does (providers.TELayoutNorm): Megatron-LM's loader asks
 for it. Checked on a real GPTModel's sharded state dict, on CPU; tests/gpu/test_te_path.py
 compares the TE and TE-free models' keys whole."""
 
 import torch
 import torch.nn.functional as F
 
-from megatron.packed_graphs.specs import TE_FUSED_NORM_KEYS, gpt_layer_spec
+from megatron.packed_graphs.specs import gpt_layer_spec
+from megatron.packed_model.providers import TE_FUSED_NORM_KEYS
 
 
 def _keys(num_experts=None, qk_layernorm=False):
@@ -59,7 +60,7 @@ def test_qk_norms_save_the_extra_state_te_norms_have(cpu_dist):
 def test_a_te_layout_norm_is_megatron_cores_torch_norm(cpu_dist):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.packed_graphs.specs import TELayoutNorm
+    from megatron.packed_model.providers import TELayoutNorm
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
                                normalization="RMSNorm")
@@ -71,7 +72,7 @@ def test_a_te_layout_norm_is_megatron_cores_torch_norm(cpu_dist):
 
 
 def test_the_te_spec_fuses_and_needs_no_map():
-    from megatron.packed_graphs.specs import te_checkpoint_keys
+    from megatron.packed_model.providers import te_checkpoint_keys
 
     class Fusing:
         def fuse_layernorm_and_linear(self):

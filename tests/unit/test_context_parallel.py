@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron.packed_graphs.context_parallel import select_cp_tokens, thd_partition_index
+from megatron.packed_model.context_parallel import select_cp_tokens, thd_partition_index
 
 
 def reference_index(segment_lengths, cp, rank):

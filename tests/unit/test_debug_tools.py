@@ -47,7 +47,7 @@ def test_the_moe_reruns_per_iteration_read_is_reported_apart_from_model_syncs():
                           "after_forward_backward"),
                    RERUN_READ, ("/x/site-packages/torch/_tensor.py", 3, "tolist"))
     module_call = ("/x/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
-    router = _framed(LOOP, module_call, ("/x/megatron/packed_graphs/moe.py", 90, "routing"))
+    router = _framed(LOOP, module_call, ("/x/megatron/packed_model/moe.py", 90, "routing"))
     sites = fhs.group_syncs([read, router])
     assert [e["in_model"] for e in sites.values()] == [False, True]
     assert sites["/x/megatron/packed_graphs/moe_rerun.py:155"]["deliberate"].startswith(
@@ -105,7 +105,7 @@ def test_the_loops_seam_is_loop_code_and_the_model_under_it_is_the_model():
                         ("/x/site-packages/torch/_tensor.py", 3, "item"))
     module_call = ("/x/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
     forward = _framed(LOOP, SEAM_CALL, ("/x/megatron/packed_graphs/runtime.py", 460, "run"),
-                      module_call, ("/x/megatron/packed_graphs/attention.py", 200, "forward"))
+                      module_call, ("/x/megatron/packed_model/attention.py", 200, "forward"))
     # a logging iteration's loss read, under the loop's patched training_log (core_patches)
     log_read = _framed(LOOP, ("/x/megatron/packed_graphs/core_patches.py", 636, "training_log"),
                        ("/x/site-packages/megatron/training/training.py", 2878, "training_log"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.packed_graphs.dynamic_cp import (
+from megatron.packed_model.dynamic_cp import (
     check_cp_sizes,
     cp_padded_length,
     fits,
@@ -101,7 +101,7 @@ def test_rounds_refuse_bad_sizes(sizes, num_ranks, message):
 def test_micro_batch_cp_group_reads_the_params(cpu_dist):
     import torch
 
-    from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
+    from megatron.packed_model.dynamic_cp import micro_batch_cp_group
     from megatron.packed_graphs.packed_seq import PackedBatchParams
 
     group = torch.distributed.new_group([0])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.packed_graphs.dynamic_cp import cp_padded_length
+from megatron.packed_model.dynamic_cp import cp_padded_length
 from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
 from megatron.packed_training.datasets.mock import mock_documents
 from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset

@@ -62,7 +62,7 @@ def fake_te_for(case, monkeypatch):
     """Transformer Engine (and triton, which ships with the CUDA builds TE runs on) counted
     as importable for a case that pins TE attention (the MLA cases: packed MLA runs only on
     TE); every other case validates without them."""
-    from megatron.packed_graphs import attention
+    from megatron.packed_model import attention
 
     if pins_te(case):
         monkeypatch.setattr(extra_args, "is_importable",

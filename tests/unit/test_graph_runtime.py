@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron.packed_graphs import core_patches
-from megatron.packed_graphs.dynamic_cp import CPTurn
+from megatron.packed_model.dynamic_cp import CPTurn
 from megatron.packed_graphs.plan import (
     Granularity,
     GraphRuntimeConfig,

@@ -273,7 +273,7 @@ MOE = TINY_MOE | dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_ca
 
 @pytest.mark.parametrize("guarded", [True, False])
 def test_check_leaves_moe_losses_drop_counts_and_the_rerun_monitor_alone(cpu_moe, guarded):
-    from megatron.packed_graphs.moe import packed_routers
+    from megatron.packed_model.moe import packed_routers
     from megatron.packed_graphs.moe_rerun import MoEOverflowRerun
 
     model = build_gpt(**MOE)

@@ -8,7 +8,7 @@ import torch
 from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
 from megatron.core.ssm.mamba_mixer import MambaMixer
 
-from megatron.packed_graphs.mamba import PackedMambaMixer
+from megatron.packed_model.mamba import PackedMambaMixer
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 
 

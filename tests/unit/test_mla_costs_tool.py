@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron.packed_graphs import attention
+from megatron.packed_model import attention
 from megatron.packed_training import extra_args
 from megatron.packed_training.arguments import parse_args
 

@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.packed_graphs.capacity import pad_cu_seqlens
-from megatron.packed_graphs.mla import rope_params
-from megatron.packed_graphs.mla_rope import (
+from megatron.packed_model.mla import rope_params
+from megatron.packed_model.mla_rope import (
     GraphSafeYarnRotaryEmbedding,
     cover_all_rows,
     fused_rope_table_rows,

@@ -15,7 +15,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron.packed_graphs.layers import GraphSafeTransformerLayer
-from megatron.packed_graphs.mla import (
+from megatron.packed_model.mla import (
     PackedMLASelfAttention,
     mla_attention_submodules,
     mla_self_attention_spec,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from megatron.packed_graphs.mla import PackedMLASelfAttention, mla_self_attention_spec
+from megatron.packed_model.mla import PackedMLASelfAttention, mla_self_attention_spec
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_training import extra_args
 from megatron.packed_training.arguments import parse_args
@@ -66,7 +66,7 @@ def _config(*extra):
 
 @pytest.fixture
 def te_importable(monkeypatch):
-    from megatron.packed_graphs import attention
+    from megatron.packed_model import attention
 
     monkeypatch.setattr(extra_args, "is_importable",
                         lambda package: package in ("transformer_engine", "triton"))

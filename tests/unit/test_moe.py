@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.packed_graphs.layers import GraphSafeMoELayer
-from megatron.packed_graphs.moe import PackedTopKRouter, layer_padding_mask
+from megatron.packed_model.moe import PackedTopKRouter, layer_padding_mask
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
 from megatron.packed_training.datasets.packing import Document, collate_packed_rows, pack_documents
@@ -254,7 +254,7 @@ def test_passes_that_are_not_trainings_leave_the_expert_bias_and_its_counts(cpu_
                                                                             expert_bias_on_cpu):
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
 
-    from megatron.packed_graphs.moe import moe_accumulators_kept
+    from megatron.packed_model.moe import moe_accumulators_kept
 
     config = moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     layer = build_module(gpt_layer_spec("torch", num_experts=EXPERTS), config=config,
@@ -421,7 +421,7 @@ def test_hybrid_moe_model_forward_backward_on_cpu(cpu_moe):
 def test_dropped_token_slots_are_counted_on_the_device(cpu_moe):
     """With a capacity, each router adds up its routed (padding excluded) and dropped token
     slots on the device; the logged value is their ratio, and reading zeroes the counts."""
-    from megatron.packed_graphs.moe import read_dropped_token_fraction
+    from megatron.packed_model.moe import read_dropped_token_fraction
 
     router = seeded(PackedTopKRouter, moe_config(moe_expert_capacity_factor=0.25,
                                                  moe_pad_expert_input_to_capacity=True))
@@ -439,7 +439,7 @@ def test_dropped_token_slots_are_counted_on_the_device(cpu_moe):
 
 
 def test_without_a_capacity_nothing_is_counted(cpu_moe):
-    from megatron.packed_graphs.moe import read_dropped_token_fraction
+    from megatron.packed_model.moe import read_dropped_token_fraction
 
     router = seeded(PackedTopKRouter, moe_config())
     hidden, mask = _documents_and_padding()

@@ -29,8 +29,8 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron.core.transformer.spec_utils import build_module
 
-from megatron.packed_graphs.grouped_gemm import group_alignment, grouped_linear
-from megatron.packed_graphs.moe_dropless import (
+from megatron.packed_model.grouped_gemm import group_alignment, grouped_linear
+from megatron.packed_model.moe_dropless import (
     DroplessMoELayer,
     StaticDroplessDispatcher,
     check_dropless_config,
@@ -39,7 +39,7 @@ from megatron.packed_graphs.moe_dropless import (
     dropless_layout,
     static_rows,
 )
-from megatron.packed_graphs.moe_experts import TorchGroupedMLP
+from megatron.packed_model.moe_experts import TorchGroupedMLP
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
 from megatron.packed_training.config import PackedTransformerConfig
@@ -301,7 +301,7 @@ def _run(layer, hidden, grad, mask=None):
 def unaligned_groups(monkeypatch):
     """Groups of exactly their tokens (alignment 1): each expert's matmul then has the shape of
     SequentialMLP's, and a CPU matmul's last bits can depend on its row count."""
-    from megatron.packed_graphs import moe_dropless
+    from megatron.packed_model import moe_dropless
 
     monkeypatch.setattr(moe_dropless, "group_alignment", lambda dtype: 1)
 
@@ -377,7 +377,7 @@ def test_padding_takes_no_rows_and_no_compute(cpu_moe):
 def test_the_tail_rows_of_the_grouped_gemm_never_reach_a_result(cpu_moe, monkeypatch):
     """torch's grouped GEMM leaves the rows past the last group unwritten (on the GPU they
     hold whatever the memory held): here they are NaN, and output and gradients stay exact."""
-    from megatron.packed_graphs import moe_experts
+    from megatron.packed_model import moe_experts
 
     def with_nan_tail(x, weight, offsets):
         out = grouped_linear(x, weight, offsets)
@@ -501,7 +501,7 @@ def test_the_experts_refuse_what_they_do_not_run(overrides, message):
 # --------------------------------------------------------- the log's count; skewed routers
 
 def test_dropless_graph_routers_count_routed_slots_and_drop_none(cpu_moe):
-    from megatron.packed_graphs.moe import read_dropped_token_fraction
+    from megatron.packed_model.moe import read_dropped_token_fraction
 
     _, ours = _layers()
     hidden = torch.randn(24, 1, HIDDEN)
@@ -515,7 +515,7 @@ def test_dropless_graph_routers_count_routed_slots_and_drop_none(cpu_moe):
 def test_a_skewed_router_sends_about_the_fraction_to_the_first_eighth(cpu_moe, experts, topk):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    from megatron.packed_graphs.moe import PackedTopKRouter, hot_experts
+    from megatron.packed_model.moe import PackedTopKRouter, hot_experts
 
     torch.manual_seed(0)
     cfg = config(hidden_size=256, num_moe_experts=experts, moe_router_topk=topk,
@@ -535,7 +535,7 @@ def test_a_skewed_router_sends_about_the_fraction_to_the_first_eighth(cpu_moe, e
 
 
 def test_a_skew_out_of_reach_is_refused():
-    from megatron.packed_graphs.moe import skew_logit_bias
+    from megatron.packed_model.moe import skew_logit_bias
 
     with pytest.raises(ValueError, match=r"--moe-router-skew is wrong: 0.9. .* \(0, 0.5\)"):
         skew_logit_bias(8, 2, 0.9, 1.0)  # one hot expert: at most 1 of a token's 2 slots
@@ -549,7 +549,7 @@ def test_the_expert_parallel_exchange_gives_each_expert_its_ep1_rows(alignment):
     as its block r) and each rank's regrouping: every expert gets the rows an expert-parallel-
     size-1 layout of both ranks' tokens gives it, in the same order, and the way back
     combines every token as that layout does."""
-    from megatron.packed_graphs.moe_dropless import receive_groups, send_capacity, send_layout
+    from megatron.packed_model.moe_dropless import receive_groups, send_capacity, send_layout
 
     ep, experts, topk, tokens = 2, 8, 3, 20
     maps = [random_map(tokens, experts, topk, padding=3, seed=7),
@@ -599,7 +599,7 @@ def test_the_expert_parallel_exchange_gives_each_expert_its_ep1_rows(alignment):
 
 
 def test_the_exchange_reads_nothing_on_the_host(monkeypatch):
-    from megatron.packed_graphs.moe_dropless import receive_groups, send_layout
+    from megatron.packed_model.moe_dropless import receive_groups, send_layout
 
     routing_map = random_map(16, 8, 2, padding=2)
     counts = torch.tensor([[3, 0, 5, 1], [2, 2, 0, 7]])

@@ -33,7 +33,8 @@ from megatron.packed_graphs.moe_partial import (
 )
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.plan import Reason, run_eager
-from megatron.packed_graphs.specs import backend_provider, gpt_layer_spec, moe_layer_spec
+from megatron.packed_graphs.specs import gpt_layer_spec, moe_layer_spec
+from megatron.packed_model.providers import backend_provider
 from megatron.packed_graphs.te_graphs import PackedGraphInputs, graph_tensors
 from tests.unit.conftest import tiny_moe_config
 

@@ -23,12 +23,8 @@ from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron.packed_graphs import core_patches, moe_partial
-from megatron.packed_graphs.specs import (
-    attention_layer_spec,
-    backend_provider,
-    gpt_layer_spec,
-    moe_layer_spec,
-)
+from megatron.packed_graphs.specs import attention_layer_spec, gpt_layer_spec, moe_layer_spec
+from megatron.packed_model.providers import backend_provider
 from tests.unit.test_moe_partial import (
     ATTN,
     EXPERTS,

@@ -19,7 +19,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-from megatron.packed_graphs.moe import dropless_moe, packed_routers
+from megatron.packed_model.moe import dropless_moe, packed_routers
 from megatron.packed_graphs.moe_rerun import RERUN_REASON, CachingIterator, MoEOverflowRerun
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec

@@ -1,7 +1,7 @@
 """Dynamic-CP data: packed micro-batches that each carry a CP size, and each rank's turns.
 
 A micro-batch of CP size ``c`` is one `PackedRow` of ``c * N`` positions (``N`` = tokens per
-rank), packed by `megatron.packed_graphs.dynamic_cp.pack_for_dynamic_cp` with every document
+rank), packed by `megatron.packed_model.dynamic_cp.pack_for_dynamic_cp` with every document
 padded to a multiple of ``2 * c``. An iteration takes ``--global-batch-size`` of them; every
 rank reads the same ones, places them on the data x context parallel ranks with
 `schedule_cp_rounds`, and runs only its own turns (`DynamicCPBatches`).
@@ -13,7 +13,7 @@ from typing import Iterable, List, Sequence
 
 import torch
 
-from megatron.packed_graphs.dynamic_cp import pack_for_dynamic_cp, schedule_cp_rounds, turns_of_rank
+from megatron.packed_model.dynamic_cp import pack_for_dynamic_cp, schedule_cp_rounds, turns_of_rank
 from megatron.packed_training.datasets.packing import (
     Document,
     PackedRow,

@@ -37,8 +37,9 @@ from megatron.core.transformer.multi_latent_attention import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
-from megatron.packed_graphs.mla_rope import GraphSafeYarnRotaryEmbedding, cover_all_rows
+from megatron.packed_model.dynamic_cp import micro_batch_cp_group
+from megatron.packed_model.mla_rope import GraphSafeYarnRotaryEmbedding, cover_all_rows
+from megatron.packed_model.providers import VarlenSpecProvider
 
 def graph_safe_rotary(config, cp_group) -> GraphSafeYarnRotaryEmbedding:
     """The yarn rotary embedding upstream MLA builds from ``config``, graph-safe."""
@@ -185,8 +186,6 @@ class PackedMLASelfAttention(DeepSeekMLASelfAttention):
 
 
 def _require_te(provider: BackendSpecProvider) -> None:
-    from megatron.packed_graphs.specs import VarlenSpecProvider
-
     if isinstance(provider, VarlenSpecProvider):
         raise ValueError(f"--attention-backend is wrong: the TE-free "
                          f"{provider.attention_backend} attention. Packed multi-latent attention "

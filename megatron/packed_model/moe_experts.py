@@ -67,8 +67,8 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.transformer.module import MegatronModule
 
-from megatron.packed_graphs.grouped_gemm import grouped_linear
-from megatron.packed_graphs.refusals import refuse
+from megatron.packed_model.grouped_gemm import grouped_linear
+from megatron.packed_model.refusals import refuse
 
 INIT_ORDERS = ("per_expert", "per_linear")
 # megatron-core's expert linears (SequentialMLP's names) of this module's two parameters.

@@ -40,8 +40,8 @@ from megatron.core.extensions.transformer_engine_spec_provider import TESpecProv
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron.packed_graphs import core_patches
-from megatron.packed_graphs.attention import PackedSelfAttention
-from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
+from megatron.packed_model.attention import PackedSelfAttention
+from megatron.packed_model.dynamic_cp import micro_batch_cp_group
 
 _PADDED_MASKS = {
     AttnMaskType.causal: "padding_causal",

@@ -1,4 +1,4 @@
-"""Packed-sequence subclasses of megatron-core's Mamba and hybrid modules, entered through specs.
+"""Packed-sequence subclass of megatron-core's Mamba mixer, entered through specs.
 
 * `PackedMambaMixer` requires the document index of every token in
   ``packed_seq_params.seq_idx`` (built once per micro-batch, no host sync): megatron-core
@@ -7,22 +7,12 @@
 * `PackedMambaMixer` also runs context parallelism on the micro-batch's own CP group when the
   micro-batch names one (dynamic CP, `packed_seq_params.cp_group`): upstream's
   `MambaContextParallel` is built once, on the static ``pg_collection.cp``.
-* `PackedHybridStack` is megatron-core's HybridStack with its final norm taken from the spec:
-  upstream hard-codes ``TENorm`` there, which makes the stack unbuildable without Transformer
-  Engine. It is also the hybrid model's chunk for chunk graphs (chunk_graphs.py).
 """
 
-from dataclasses import dataclass
-from typing import Union
-
-from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
 from megatron.core.ssm.mamba_mixer import MambaMixer
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from megatron.packed_graphs.chunk_graphs import ChunkGraphDispatch
-from megatron.packed_graphs.dynamic_cp import micro_batch_cp_group
+from megatron.packed_model.dynamic_cp import micro_batch_cp_group
 
 
 class PackedMambaMixer(MambaMixer):
@@ -63,27 +53,3 @@ class PackedMambaMixer(MambaMixer):
                 dt_bias_cp1=cp.dt_bias_cp1,
                 A_log_cp1=cp.A_log_cp1, D_cp1=cp.D_cp1, D_has_hdim=cp.D_has_hdim)
         return self._cp_by_group[group]
-
-
-@dataclass
-class PackedHybridStackSubmodules(HybridStackSubmodules):
-    """HybridStackSubmodules plus the final norm (``final_norm`` in checkpoints, as upstream)."""
-
-    final_norm: Union[ModuleSpec, type] = IdentityOp
-
-
-class PackedHybridStack(ChunkGraphDispatch, HybridStack):
-    """HybridStack with a spec-provided final norm (TE-free capable) and chunk graphs."""
-
-    def __init__(self, config, submodules: PackedHybridStackSubmodules, *args, post_layer_norm=True,
-                 **kwargs):
-        # The parent builds TENorm when post_layer_norm is set; build ours instead.
-        super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
-        self.post_layer_norm = post_layer_norm
-        if self.post_process and self.post_layer_norm:
-            self.final_norm = build_module(
-                submodules.final_norm,
-                config=self.config,
-                hidden_size=self.config.hidden_size,
-                eps=self.config.layernorm_epsilon,
-            )

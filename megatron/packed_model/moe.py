@@ -55,8 +55,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron.packed_graphs import core_patches
-from megatron.packed_graphs.moe_dropless import DroplessMoELayer
-from megatron.packed_graphs.moe_experts import TorchGroupedMLP
+from megatron.packed_model.moe_dropless import DroplessMoELayer
+from megatron.packed_model.moe_experts import TorchGroupedMLP
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 

@@ -56,9 +56,9 @@ from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from megatron.packed_graphs.grouped_gemm import group_alignment
-from megatron.packed_graphs.moe_experts import grouped_expert_refusals
-from megatron.packed_graphs.refusals import refuse
+from megatron.packed_model.grouped_gemm import group_alignment
+from megatron.packed_model.moe_experts import grouped_expert_refusals
+from megatron.packed_model.refusals import refuse
 
 
 @dataclass
