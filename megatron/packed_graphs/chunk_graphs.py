@@ -18,7 +18,7 @@ What is ours (docs/cuda-graphs.md, "Chunk granularity"):
   All runners of one pool must replay in capture order; one slot's forward and backward
   always alternate, different slots interleave freely. Static input and grad buffers come
   from megatron-core's shared pool and stay private to their runner
-  (``keep_buffers_private``, core_patches.keep_chunk_graph_buffers_private).
+  (``keep_buffers_private``, graph_engine.keep_chunk_graph_buffers_private).
 * **Capture of exactly S runners.** In the capture iteration only the first S graphed
   forwards of a chunk are recorded; the plan sends later ones eager (`Reason.SLOT_CAP`).
 * **The received activation is a graph input** on later pipeline stages (upstream reads it
@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import MakeViewlessTensor
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import graph_engine, model_layers
 from megatron.packed_graphs.plan import (
     Mode,
     StepGraphPlan,
@@ -84,9 +84,9 @@ class ChunkGraphDispatch:
             # The schedule's received activation, made an argument so the graph copies it in.
             kwargs["hidden_states"] = self.input_tensor
         slots = self._chunk_slots()
-        manager = self.cudagraph_manager
+        manager = graph_engine.chunk_graph_manager(self)
         if plan.mode is Mode.CAPTURE:
-            output = manager(self, args, core_patches.unshare_cached_graph_inputs(kwargs))
+            output = manager(self, args, graph_engine.unshare_cached_graph_inputs(kwargs))
             slots.record(manager, plan.key.slot)
         else:
             slots.select(manager, plan.key.slot)
@@ -106,9 +106,7 @@ class ChunkGraphDispatch:
     def _chunk_slots(self) -> "ChunkSlots":
         slots = getattr(self, "chunk_slots", None)
         if slots is None:
-            if not hasattr(self, "cudagraph_manager"):  # HybridStack is no GraphableMegatronModule
-                self.cudagraph_manager = core_patches.graph_manager_on_the_process_stream(
-                    self.config)
+            graph_engine.chunk_graph_manager(self)  # HybridStack is no GraphableMegatronModule
             slots = self.chunk_slots = ChunkSlots()
         return slots
 
@@ -128,21 +126,21 @@ class ChunkSlots:
 
         At PP == 1 megatron-core reuses one runner (matched by arguments), created once.
         """
-        runner = manager.cudagraph_runners[-1]
+        runner = graph_engine.runners(manager)[-1]
         if runner in self.runners:
             return
         if slot != len(self.runners):
             raise RuntimeError(f"chunk graph slot {slot} recorded after {len(self.runners)} "
                                "slots; the capture iteration records slots in order")
         # A pool of the slot's own, buffers kept: slots replay out of capture order.
-        core_patches.keep_runner_buffers(runner, own_pool=True)
+        graph_engine.keep_runner_buffers(runner, own_pool=True)
         self.runners.append(runner)
 
     def select(self, manager, slot: int) -> Optional[int]:
         """Before a replay: put the runner of ``slot`` first (upstream replays runners[0])."""
-        if manager.reuse_cudagraphs:
+        if graph_engine.matches_runners_by_arguments(manager):
             return None  # PP == 1: a single runner
-        core_patches.replay_runner_first(manager, self.runners[slot], self.runners)
+        graph_engine.replay_runner_first(manager, self.runners[slot], self.runners)
         return slot
 
 
@@ -152,5 +150,5 @@ class ChunkGraphedTransformerBlock(ChunkGraphDispatch, TransformerBlock):
 
 def use_chunk_graph_block(block: TransformerBlock) -> None:
     """Give a GPTModel's decoder the chunk-graph dispatch, in place (GPTModel builds
-    ``TransformerBlock`` by name; core_patches.switch_block_class)."""
-    core_patches.switch_block_class(block, ChunkGraphedTransformerBlock)
+    ``TransformerBlock`` by name; model_layers.switch_block_class)."""
+    model_layers.switch_block_class(block, ChunkGraphedTransformerBlock)

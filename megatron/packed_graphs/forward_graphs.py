@@ -23,7 +23,7 @@ on first use, none of which a capture may do); then one call is captured under
 runs its plain forward inside the graph whatever the training graph implementation.
 
 Memory. The graphs of one runtime share one pool: megatron-core's local-graph pool when the
-training graphs are local layer graphs (``pool`` from `core_patches.local_graph_pool`),
+training graphs are local layer graphs (``pool`` from `graph_engine.local_graph_pool`),
 else a pool of the forward graphs' own. Sharing is safe because a forward-only pass never
 overlaps a training iteration's forward and backward, and every output of a forward-only
 graph is consumed (the loss function reads it) before the next replay of any graph in the

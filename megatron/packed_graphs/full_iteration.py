@@ -6,7 +6,7 @@ DDP's buffers, and ``finalize_model_grads`` (the data-parallel reduction and, wi
 ``--calculate-per-token-loss``, the token-count scaling). The optimizer step, gradient
 clipping included, is not in it: megatron-core's ``optimizer.step()`` copies the gradients
 to the main parameters, clips and steps in one call, and runs after the graph (sync-free,
-see core_patches.clip_gradients_without_host_sync; an optimizer-step graph may wrap it).
+see megatron_optimizer.clip_gradients_without_host_sync; an optimizer-step graph may wrap it).
 
 The plan per iteration (`plan_full_iteration`, host only, before the schedule):
 
@@ -244,7 +244,7 @@ class IterationGraph:
         """Capture ``body`` on the current stream, into a pool of its own. Syncs the device.
 
         The current stream: autograd runs parameters' gradient accumulation on the stream
-        DDP built its hooks on (the process's side stream: core_patches.use_side_stream,
+        DDP built its hooks on (the process's side stream: graph_engine.use_side_stream,
         ddp_on_the_process_stream), and torch 2.11 cannot redirect those nodes to another
         capture stream.
         """

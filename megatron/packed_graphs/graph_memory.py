@@ -2,23 +2,12 @@
 capture of a whole callable into a graph: with a pool of its own (iteration and optimizer
 graphs) or into a given pool (forward-only graphs)."""
 
-import gc
 import time
 from typing import Any, Callable, Iterable, Optional, Tuple
 
 import torch
 
-
-def reserved_without_cache() -> int:
-    """Bytes the CUDA caching allocator holds after releasing its free cache (syncs).
-
-    A capture's growth of this number is what its graph pools and static buffers keep. Plain
-    ``memory_reserved`` deltas are not: a capture (or a kernel autotuner inside it) may empty
-    the cache, so they can come out negative.
-    """
-    gc.collect()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
+from megatron.packed_upstream.graph_engine import reserved_without_cache
 
 
 def capture_in_own_pool(body: Callable[[], Any], *, stream: Optional[torch.cuda.Stream] = None,

@@ -21,7 +21,7 @@ from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import graph_engine
 from megatron.packed_graphs.chunk_graphs import ChunkGraphDispatch, chunk_granularity
 from megatron.packed_model.hybrid_stack import PackedHybridStack
 from megatron.packed_model.moe import PackedMoEMaskMixin
@@ -43,7 +43,7 @@ class LocalGraphDispatch:
             pass  # inside a whole-iteration graph: no layer graph, no runner turn (PP = 1)
         elif self.training and self.config.cuda_graph_impl == "local":
             self._try_this_capacity_first(kwargs.get("packed_seq_params"))
-            kwargs = core_patches.unshare_cached_graph_inputs(kwargs)
+            kwargs = graph_engine.unshare_cached_graph_inputs(kwargs)
         return super().__call__(*args, **kwargs)
 
     def _should_call_local_cudagraph(self, *args, **kwargs):
@@ -62,32 +62,25 @@ class LocalGraphDispatch:
         if params is None or params.cu_seqlens_q is None:
             return
         shape = params.cu_seqlens_q.shape
-        for manager in graph_managers(self):
-            if not manager.reuse_cudagraphs or len(manager.cudagraph_runners) < 2:
+        for manager in graph_engine.graph_managers(self):
+            recorded = graph_engine.runners(manager)
+            if not graph_engine.matches_runners_by_arguments(manager) or len(recorded) < 2:
                 continue
-            if recorded_cu_seqlens_shape(manager.cudagraph_runners[0]) != shape:
-                core_patches.sort_runners(
+            if recorded_cu_seqlens_shape(recorded[0]) != shape:
+                graph_engine.sort_runners(
                     manager, key=lambda r: recorded_cu_seqlens_shape(r) != shape)
 
     def _skip_runner(self) -> None:
-        for manager in graph_managers(self):
-            if manager.reuse_cudagraphs:
+        for manager in graph_engine.graph_managers(self):
+            if graph_engine.matches_runners_by_arguments(manager):
                 continue  # PP == 1: runners are matched by arguments, not by turn
-            if core_patches.local_graphs_created() and manager.cudagraph_runners:
-                core_patches.rotate_runners(manager)
-
-
-def graph_managers(layer) -> list:
-    """The layer's local graph managers (a whole-layer one, or a partial MoE layer's,
-    moe_partial.py); each takes one runner turn per layer call."""
-    names = getattr(layer, "graph_manager_names", ("cudagraph_manager",))
-    return [manager for manager in (getattr(layer, name, None) for name in names)
-            if manager is not None]
+            if graph_engine.local_graphs_created() and graph_engine.runners(manager):
+                graph_engine.rotate_runners(manager)
 
 
 def recorded_cu_seqlens_shape(runner):
     """Shape of the ``cu_seqlens`` a runner was recorded with (its capacity + 1)."""
-    params = core_patches.recorded_kwarg(runner, "packed_seq_params")
+    params = graph_engine.recorded_kwarg(runner, "packed_seq_params")
     return None if params is None or params.cu_seqlens_q is None else params.cu_seqlens_q.shape
 
 

@@ -58,9 +58,8 @@ rebuilds the params from them: `_te_cuda_graph_capture` / `_te_cuda_graph_replay
 
 from megatron.core.transformer.enums import CudaGraphModule
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import graph_engine, model_layers
 from megatron.packed_model.moe import layer_padding_mask
 from megatron.packed_graphs.plan import graphs_bypassed, in_iteration_graph
 
@@ -109,9 +108,9 @@ def keep_router_graph_buffers(manager) -> None:
     them and overwrote them at replay before this layer's backward read them (wrong expert
     gradients, and an out-of-bounds gather with dropless dispatch). The cost is the router
     graph's buffers, a few activation-sized tensors per MoE layer
-    (core_patches.keep_chunk_graph_buffers_private keeps them)."""
-    for runner in manager.cudagraph_runners:
-        core_patches.keep_runner_buffers(runner)
+    (graph_engine.keep_chunk_graph_buffers_private keeps them)."""
+    for runner in graph_engine.runners(manager):
+        graph_engine.keep_runner_buffers(runner)
 
 
 class PartialMoEGraphs:
@@ -126,7 +125,7 @@ class PartialMoEGraphs:
         if not partial_moe_graphs(config):
             # A whole-layer manager, also under `attn` (MoETransformerLayer would build none
             # there, and a GPT MoE layer under `attn` is graphed whole).
-            TransformerLayer.create_mcore_cudagraph_manager(self, config)
+            model_layers.create_whole_layer_graph_manager(self, config)
             return
         super().create_mcore_cudagraph_manager(config)  # the router and postprocess managers
         if (CudaGraphModule.attn in config.cuda_graph_modules
@@ -149,16 +148,16 @@ class PartialMoEGraphs:
 
         def call(*args, **kwargs):
             out = graphed(*args, eager=self._partial_graphs_off(), **kwargs)
-            if router and not core_patches.local_graphs_created():
+            if router and not graph_engine.local_graphs_created():
                 keep_router_graph_buffers(manager)
             return out
 
-        core_patches.route_graphed_function(self, function, call)
+        graph_engine.route_graphed_function(self, function, call)
 
     def _forward_mlp(self, hidden_states, inference_context=None, padding_mask=None,
                      packed_seq_params=None):
         if (padding_mask is None and self.use_partial_cudagraphs
-                and not core_patches.local_graphs_created()):
+                and not graph_engine.local_graphs_created()):
             padding_mask = router_graph_padding_mask(self, hidden_states, packed_seq_params)
         return super()._forward_mlp(hidden_states, inference_context, padding_mask=padding_mask,
                                     packed_seq_params=packed_seq_params)
@@ -218,7 +217,7 @@ class PartialMoEGraphs:
         routing_map = None
         if CudaGraphModule.moe_preprocess in self.config.cuda_graph_modules:
             (hidden_states, probs), state = outputs[:2], outputs[2:]
-            core_patches.set_dispatcher_graph_state(self.mlp.token_dispatcher, state)
+            model_layers.set_dispatcher_graph_state(self.mlp.token_dispatcher, state)
         else:
             hidden_states, probs, routing_map = outputs
         store = self.mlp.cudagraph_tensor_store

@@ -41,7 +41,7 @@ megatron-core merges their gradient norms on the host without the distributed op
 their step counts by value at every checkpoint), an optimizer built without
 ``OptimizerConfig.optimizer_cuda_graph`` (non-capturable kernels), and clipping that reads the
 norm on the host (megatron-core before Transformer Engine 2.14 without
-``core_patches.clip_gradients_without_host_sync``).
+``megatron_optimizer.clip_gradients_without_host_sync``).
 """
 
 from contextlib import contextmanager
@@ -49,7 +49,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import megatron_optimizer
 from megatron.packed_graphs.graph_memory import capture_in_own_pool
 
 EAGER_KEY = "eager optimizer steps"  # summed over the log interval, like the runtime's "eager *"
@@ -234,7 +234,7 @@ def check_capturable(optimizer) -> None:
                              "kernels. Build it from OptimizerConfig(optimizer_cuda_graph=True).")
         if config is not None and config.clip_grad > 0 and not _clipping_on_device():
             raise ValueError(what + "gradient clipping reads the norm on the host. Apply "
-                             "megatron.packed_graphs.core_patches.apply_core_patches() first, "
+                             "megatron.packed_upstream.patches.apply_core_patches() first, "
                              "or install Transformer Engine >= 2.14.")
 
 
@@ -246,12 +246,12 @@ def _capturable(inner: torch.optim.Optimizer) -> bool:
 
 def _clipping_on_device() -> bool:
     """megatron-core clips on the device with TE >= 2.14's tensor-scale kernel, or under the
-    fork's patch (core_patches.clip_gradients_without_host_sync)."""
+    fork's patch (megatron_optimizer.clip_gradients_without_host_sync)."""
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mixed_precision
 
     return (clip_grads.multi_tensor_scale_tensor_impl is not None
-            or mixed_precision.get_grad_norm_fp32 is core_patches.grad_norm_on_device)
+            or mixed_precision.get_grad_norm_fp32 is megatron_optimizer.grad_norm_on_device)
 
 
 class OptimizerGraph:
@@ -297,9 +297,9 @@ class OptimizerGraph:
         if not getattr(args, "packed_optimizer_graph", False):
             return None
         graph = cls.for_optimizer(optimizer, capture_iteration(args.cuda_graph_warmup_steps))
-        core_patches.install_optimizer_step(optimizer, graph)
+        megatron_optimizer.install_optimizer_step(optimizer, graph)
         for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-            core_patches.run_state_dict_within(part, graph.tensors.as_numbers)
+            megatron_optimizer.run_state_dict_within(part, graph.tensors.as_numbers)
         runtime.add_statistics(graph.statistics)
         return graph
 

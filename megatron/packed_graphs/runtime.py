@@ -53,7 +53,7 @@ from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequenc
 
 import torch
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import graph_engine
 from megatron.packed_graphs.capacity import fits_capacity
 from megatron.packed_graphs.chunk_graphs import chunk_slot_count
 from megatron.packed_graphs.full_iteration import (
@@ -179,13 +179,13 @@ class GraphRuntime:
             # Layer-graph replays leave events on the parameters that a capture may not
             # wait on; they are complete after the capture's device sync.
             self.iteration_graph = IterationGraph(
-                _rng_states, partial(core_patches.forget_layer_graph_grad_events, self.model))
+                _rng_states, partial(graph_engine.forget_layer_graph_grad_events, self.model))
         # Forward-only graphs, one set per forward step handed to a forward-only pass
         # (evaluation's, log-probs'), all in one pool: the local layer graphs' where training
         # graphs are local, so forward-only passes add little graph memory.
         self.forward_graphs: List[ForwardGraphs] = []
         self.forward_pool = forward_graph_pool(
-            core_patches.local_graph_pool if config.impl == "local" else None)
+            graph_engine.local_graph_pool if config.impl == "local" else None)
         self.forward_capture: Callable = capture_graph  # CPU tests pass a stand-in
         # Why forward-only passes run eager (from_args; None: they replay graphs, or unknown).
         self.forward_eager_reason: Optional[str] = None
@@ -326,7 +326,7 @@ class GraphRuntime:
         if capturing and self.te_graphs:
             with keep_moe_accumulators():
                 capture_stats = self._capture_te(step)
-        with (core_patches.guard_local_capture(keep_moe_accumulators) if capturing
+        with (graph_engine.guard_local_capture(keep_moe_accumulators) if capturing
               else nullcontext()):
             yield step
         checked = self._check_health(step)
@@ -532,10 +532,10 @@ def _rng_states() -> dict:
 
 
 def _drain_capture_log() -> dict:
-    """The latest end-of-schedule capture's statistics (core_patches.capture_log), emptied."""
+    """The latest end-of-schedule capture's statistics (graph_engine.capture_log), emptied."""
     capture = None
-    while core_patches.capture_log:
-        capture = core_patches.capture_log.popleft()
+    while graph_engine.capture_log:
+        capture = graph_engine.capture_log.popleft()
     if capture is None:
         return {}
     return {"graph capture (s)": round(capture["time"], 2),

@@ -36,7 +36,7 @@ micro-batch's CP group meet its collectives in the same round order.
 ``forward_step_func`` must be the run's `PackedForwardStep` (megatron.packed_training): the
 runtime stages and runs each micro-batch through it under the micro-batch's plan.
 
-Nothing here touches upstream internals: core_patches.route_training_loop installs it.
+Nothing here touches upstream internals: training_loop.route_training_loop installs it.
 """
 
 import sys

@@ -40,7 +40,7 @@ from torch import Tensor
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import graph_engine, megatron_ddp
 from megatron.packed_graphs.graph_memory import reserved_without_cache
 from megatron.packed_graphs.packed_seq import PackedBatchParams
 from megatron.packed_graphs.plan import active_plan, graphs_bypassed
@@ -145,8 +145,8 @@ class TEGraphDispatch:
 
     megatron-core's ``GraphableMegatronModule.__call__`` asks `_should_call_te_cudagraph`, then
     calls `_te_cuda_graph_capture` while TE captures or `_te_cuda_graph_replay` once graphs
-    exist. ``self.cuda_graphs[i]`` is this layer's graphed callable of bank ``i``, captured
-    over ``self._graph_inputs[i]`` for CP size ``self._graph_bank_sizes[i]`` (one bank
+    exist. ``graph_engine.te_graphed_callables(self)[i]`` is this layer's graphed callable of
+    bank ``i``, captured over ``self._graph_inputs[i]`` for CP size ``self._graph_bank_sizes[i]`` (one bank
     without dynamic CP).
     """
 
@@ -157,14 +157,15 @@ class TEGraphDispatch:
         """Before TE captures a bank: its inputs and CP size become this layer's last bank, and
         an empty ``cuda_graphs`` makes megatron-core's dispatch capture, not replay. Returns
         the earlier banks' graphs, for `close_graph_bank`."""
-        earlier, self.cuda_graphs = self.cuda_graphs, []
+        earlier = graph_engine.te_graphed_callables(self)
+        graph_engine.set_te_graphed_callables(self, [])
         self._graph_inputs = [*self._graph_inputs, inputs]
         self._graph_bank_sizes = [*self._graph_bank_sizes, cp_size]
         return earlier
 
     def close_graph_bank(self, earlier: list, graphed) -> None:
         """After the capture: the bank's graphed callable follows the earlier banks'."""
-        self.cuda_graphs = [*earlier, graphed]
+        graph_engine.set_te_graphed_callables(self, [*earlier, graphed])
 
     def _should_call_te_cudagraph(self, *args, **kwargs):
         if graphs_bypassed():
@@ -193,9 +194,10 @@ class TEGraphDispatch:
             raise RuntimeError(
                 "a graphed micro-batch must be loaded into its bank's static buffers "
                 "(TELayerGraphs.load) before the model runs; the graph runtime does this")
-        for hook, hook_args in self.cuda_graph_manual_hooks:
+        for hook, hook_args in graph_engine.te_replay_hooks(self):
             hook(*hook_args)
-        return self.cuda_graphs[bank](hidden_states, **graph_kwargs(params, rotary_pos_emb))
+        graphed = graph_engine.te_graphed_callables(self)[bank]
+        return graphed(hidden_states, **graph_kwargs(params, rotary_pos_emb))
 
     def _replay_bank(self) -> int:
         """The bank of the running plan's CP size (without a plan: the only bank)."""
@@ -218,7 +220,7 @@ def graphable_layers(model_chunk) -> List[torch.nn.Module]:
     (e.g. MoE layers for moe_router, Mamba layers for mamba)."""
     layers = unwrap_model(model_chunk).decoder.layers
     return [layer for layer in layers if isinstance(layer, TEGraphDispatch)
-            and core_patches.layer_graphed_for_modules(layer)]
+            and graph_engine.layer_graphed_for_modules(layer)]
 
 
 def rotary_table(model_chunk, max_seqlen: int) -> Optional[Tensor]:
@@ -242,7 +244,7 @@ class TELayerGraphs:
         self.fused_wgrad = bool(getattr(config, "gradient_accumulation_fusion", False))
         if self.fused_wgrad:
             # A replay runs no Python: DDP must not clear the flag TE's fused wgrad sets.
-            core_patches.ddp_keeps_fused_wgrad_flags()
+            megatron_ddp.ddp_keeps_fused_wgrad_flags()
 
     @property
     def captured(self) -> bool:
@@ -273,13 +275,13 @@ class TELayerGraphs:
         layers = graphable_layers(self.model[0])
         stats = {"graphs captured": 2 * len(layers) * len(bank_params)}
         start = time.perf_counter()
-        with core_patches.ddp_gather_hooks_removed(self.model):
+        with megatron_ddp.ddp_gather_hooks_removed(self.model):
             for cp_size, params in bank_params:
                 memory = self._capture_bank(cp_size, params, layers)
                 name = ("graph memory (MiB)" if params.local_cp_size is None
                         else f"graph memory cp{params.local_cp_size} (MiB)")
                 stats[name] = round(memory / 2**20, 1)
-        core_patches.ddp_param_gather_before_te_replays(self.model[0], layers)
+        megatron_ddp.ddp_param_gather_before_te_replays(self.model[0], layers)
         stats["graph capture (s)"] = round(time.perf_counter() - start, 2)
         return stats
 
@@ -298,11 +300,11 @@ class TELayerGraphs:
             for _ in layers)
         earlier_banks = [layer.open_graph_bank(inputs, cp_size) for layer in layers]
         reserved = reserved_without_cache()
-        with core_patches.te_graph_capture(), core_patches.stream_crossings_unreported():
+        with graph_engine.te_graph_capture(), graph_engine.stream_crossings_unreported():
             graphed = make_graphed_callables(
                 tuple(layers), sample_args, sample_kwargs=tuple(kwargs for _ in layers),
                 num_warmup_iters=self.warmup_iters, allow_unused_input=True,
-                **core_patches.te_layer_capture_keywords(make_graphed_callables, len(layers)))
+                **graph_engine.te_layer_capture_keywords(make_graphed_callables, len(layers)))
         for layer, callable_, earlier in zip(layers, graphed, earlier_banks):
             layer.close_graph_bank(earlier, callable_)
         if self.fused_wgrad:

@@ -13,6 +13,7 @@ from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
 from megatron.core.ssm.mamba_mixer import MambaMixer
 
 from megatron.packed_model.dynamic_cp import micro_batch_cp_group
+from megatron.packed_upstream import model_layers
 
 
 class PackedMambaMixer(MambaMixer):
@@ -29,13 +30,10 @@ class PackedMambaMixer(MambaMixer):
                 "packed_seq_params.seq_idx is None: Mamba would mix the documents of this packed "
                 "micro-batch. Build the params with build_packed_batch_params(..., "
                 "with_seq_idx=True) (the hybrid training step does).")
-        static_cp = self.cp
-        self.cp = self._context_parallel_for(packed_seq_params)
-        try:
+        with model_layers.field_for_this_call(self, "cp",
+                                              self._context_parallel_for(packed_seq_params)):
             return super().forward(hidden_states, inference_context,
                                    packed_seq_params=packed_seq_params, **kwargs)
-        finally:
-            self.cp = static_cp
 
     def _context_parallel_for(self, packed_seq_params) -> MambaContextParallel:
         """The static CP object, or one over the micro-batch's CP group (built once per group:

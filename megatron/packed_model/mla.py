@@ -40,6 +40,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 from megatron.packed_model.dynamic_cp import micro_batch_cp_group
 from megatron.packed_model.mla_rope import GraphSafeYarnRotaryEmbedding, cover_all_rows
 from megatron.packed_model.providers import VarlenSpecProvider
+from megatron.packed_upstream import model_layers
 
 def graph_safe_rotary(config, cp_group) -> GraphSafeYarnRotaryEmbedding:
     """The yarn rotary embedding upstream MLA builds from ``config``, graph-safe."""
@@ -153,14 +154,11 @@ class PackedMLASelfAttention(DeepSeekMLASelfAttention):
         if group is None:
             return super().forward(hidden_states, attention_mask, *args,
                                    packed_seq_params=packed_seq_params, **kwargs)
-        static = self.pg_collection
-        self.pg_collection = copy.copy(static)  # fields are init=False: no dataclasses.replace
-        self.pg_collection.cp = group
-        try:
+        groups = copy.copy(self.pg_collection)  # fields are init=False: no dataclasses.replace
+        groups.cp = group
+        with model_layers.field_for_this_call(self, "pg_collection", groups):
             return super().forward(hidden_states, attention_mask, *args,
                                    packed_seq_params=packed_seq_params, **kwargs)
-        finally:
-            self.pg_collection = static
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     position_ids=None, packed_seq_params=None,

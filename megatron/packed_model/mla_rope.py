@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import model_layers
 
 
 def fused_rope_table_rows(cu_seqlens: Tensor, rows: int, cp_size: int = 1,
@@ -97,7 +97,7 @@ def yarn_cos_sin(rope: YarnRotaryEmbedding, rows: int, dtype: torch.dtype,
     the yarn concentration factor: upstream's ``cos_cached``/``sin_cached``, bit for bit, for
     the same constructor arguments on the same device (row ``r`` does not depend on
     ``rows``). Computed in fp32, cast to ``dtype``."""
-    extrapolated, scale = core_patches.yarn_channel_mask_and_scale(rope, device)
+    extrapolated, scale = model_layers.yarn_channel_mask_and_scale(rope, device)
     extra, inter = inverse_frequencies(rope, device)
     inv_freq = inter * (1.0 - extrapolated) + extra * extrapolated
     angles = torch.outer(torch.arange(rows, device=device, dtype=torch.float32), inv_freq)

@@ -54,7 +54,7 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import model_layers
 from megatron.packed_model.moe_dropless import DroplessMoELayer
 from megatron.packed_model.moe_experts import TorchGroupedMLP
 
@@ -300,7 +300,7 @@ def dropless_moe(modules) -> Iterator[None]:
                                 f"{type(dispatcher).__name__}")
             restore.callback(router.route_dropless, router.dropless)
             router.route_dropless(True)
-            restore.enter_context(core_patches.dispatch_dropless(dispatcher))
+            restore.enter_context(model_layers.dispatch_dropless(dispatcher))
         yield
 
 

@@ -22,6 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron.packed_model.attention import PackedSelfAttention, VarlenAttention
+from megatron.packed_upstream import model_layers
 
 
 class VarlenSpecProvider(LocalSpecProvider):
@@ -92,9 +93,9 @@ class TELayoutNorm:
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
         norm = WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps, **kwargs)
         # The same module with two methods more: its state_dict gains `_extra_state`.
-        norm.__class__ = {torch.nn.RMSNorm: _RMSNormWithTEState,
-                          torch.nn.LayerNorm: _LayerNormWithTEState}[type(norm)]
-        return norm
+        return model_layers.norm_saving_te_extra_state(
+            norm, {torch.nn.RMSNorm: _RMSNormWithTEState,
+                   torch.nn.LayerNorm: _LayerNormWithTEState})
 
 
 def _provider_norm(provider: BackendSpecProvider, normalization: str, for_qk: bool = False):

@@ -39,7 +39,7 @@ from megatron.core.extensions.transformer_engine import (
 from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import graph_engine, model_layers
 from megatron.packed_model.attention import PackedSelfAttention
 from megatron.packed_model.dynamic_cp import micro_batch_cp_group
 
@@ -85,8 +85,8 @@ class PackedTEDotProductAttention(TEDotProductAttention):
         padded = params.cu_seqlens_q_padded is not None and (
             params.cu_seqlens_q_padded is not params.cu_seqlens_q)
         # TE's own forward, skipping the parent's, which would leave pad_between_seqs to TE.
-        return super(TEDotProductAttention, self).forward(
-            query, key, value, None,
+        return model_layers.te_dot_product_attention_forward(
+            self, query, key, value, None,
             qkv_format="thd",
             attn_mask_type=_PADDED_MASKS[attn_mask_type],
             cu_seqlens_q=params.cu_seqlens_q,
@@ -104,7 +104,7 @@ class PackedTEDotProductAttention(TEDotProductAttention):
         group = micro_batch_cp_group(params)
         if group is not None:
             self.set_context_parallel_group(group, torch.distributed.get_process_group_ranks(group),
-                                            core_patches.te_cp_stream(), self.cp_comm_type)
+                                            graph_engine.te_cp_stream(), self.cp_comm_type)
         elif params.local_cp_size == 1:
             self.set_context_parallel_group(None, None, None, self.cp_comm_type)
 

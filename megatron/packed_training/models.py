@@ -6,10 +6,10 @@ Each builder is Megatron-LM's model-provider body: ``build(args, config, pre_pro
 post_process, vp_stage)`` -> the model chunk, with the packed layer specs of
 ``--attention-backend`` (packed_graphs/specs.py). Without apex, megatron-core's own linears
 (the output layer) are built with unfused gradient accumulation while TE's fuse
-(`core_patches.megatron_core_linears_unfused_without_apex`).
+(`model_layers.megatron_core_linears_unfused_without_apex`).
 """
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import model_layers
 
 
 def gpt_model(args, config, pre_process=True, post_process=True, vp_stage=None):
@@ -20,7 +20,7 @@ def gpt_model(args, config, pre_process=True, post_process=True, vp_stage=None):
     from megatron.packed_graphs.chunk_graphs import use_chunk_graph_block
     from megatron.packed_graphs.specs import gpt_decoder_spec
 
-    core_patches.megatron_core_linears_unfused_without_apex()
+    model_layers.megatron_core_linears_unfused_without_apex()
     backend = resolve_attention_backend(packed_attention_backend(args))
     model = GPTModel(
         config=config,
@@ -54,7 +54,7 @@ def hybrid_model(args, config, pre_process=True, post_process=True, vp_stage=Non
     from megatron.packed_model.attention import resolve_attention_backend
     from megatron.packed_graphs.specs import hybrid_stack_spec
 
-    core_patches.megatron_core_linears_unfused_without_apex()
+    model_layers.megatron_core_linears_unfused_without_apex()
     backend = resolve_attention_backend(packed_attention_backend(args))
     return HybridModel(
         config=config,

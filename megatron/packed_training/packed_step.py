@@ -139,9 +139,13 @@ def masked_lm_loss(loss_mask: Tensor, output_tensor: Tensor):
 class PackedForwardStep:
     """Packed micro-batches for megatron-core's pipeline schedules: host -> device, model call.
 
-    The graph runtime (megatron/packed_graphs/runtime.py) drives it: it plans each
+    Called as Megatron-LM calls a forward step, ``step(data_iterator, model)``, it runs the
+    next micro-batch eager (``cu_seqlens`` unpadded). Under the graph runtime
+    (megatron/packed_graphs/runtime.py) the runtime drives it instead: it plans each
     micro-batch, calls `stage` with the capacity the plan pads ``cu_seqlens`` to (None: eager)
-    and `run` under the plan. Nothing here decides about graphs.
+    and `run` under the plan. What it knows of graphs is one host constant: with a graph
+    implementation, ``max_seqlen`` is the packed length for every micro-batch
+    (``static_max_seqlen``), the value graphs were captured with.
     """
 
     def __init__(self, *, with_seq_idx: bool, static_max_seqlen: bool = False, cp_size: int = 1,
@@ -161,6 +165,11 @@ class PackedForwardStep:
                    cp_size=args.context_parallel_size,
                    dynamic_cp_tokens_per_rank=getattr(args, "dynamic_cp_tokens_per_rank", 0),
                    with_padding_mask=getattr(args, "num_experts", None) is not None)
+
+    def __call__(self, data_iterator, model):
+        """Megatron-LM's forward-step contract: the next collated micro-batch of
+        ``data_iterator``, staged on the device and run eager; ``(output, loss_func)``."""
+        return self.run(model, self.stage(next(data_iterator), None))
 
     def stage(self, batch: dict, capacity: Optional[int]) -> PackedMicroBatch:
         """``batch`` on the device; ``cu_seqlens`` padded to ``capacity`` + 1 entries unless

@@ -2,12 +2,14 @@
 wheel's ``megatron.training``) with the fork's model, data and forward step, and the graph
 runtime at the loop's one seam.
 
-    args  = parse_args_or_exit(model, script)    # Megatron-LM's parser + the fork's flags
+    args, dump = parse_args_or_exit(model, script)  # Megatron-LM's parser + the fork's flags
     check = run_data_check(args)                  # rank 0, before any GPU work
+    require_cuda(script)                          # then the GPU; hybrid: then the Mamba kernels
+    print(dump)                                   # Megatron-LM's argument dump, all checks passed
     pretrain(container, packed data provider, ModelType.encoder_or_decoder, PackedForwardStep,
              model_provider=<the fork's spec>)   # train(), evaluate(), checkpoints: upstream's
 
-`PackedGraphRun` is built once the model and optimizer exist (core_patches.route_training_loop):
+`PackedGraphRun` is built once the model and optimizer exist (training_loop.route_training_loop):
 the `GraphRuntime`, the MoE overflow monitor and the optimizer graph; its ``wrap`` puts a
 `GraphRuntimeSchedule` around megatron-core's schedule for every ``train()`` and
 ``evaluate()`` iteration.
@@ -24,7 +26,7 @@ def model_provider(build: Callable, pre_process=True, post_process=True, vp_stag
     pre_process, post_process, vp_stage)``."""
     from megatron.training import get_args
 
-    from megatron.packed_graphs import core_patches
+    from megatron.packed_upstream import graph_engine
     from megatron.packed_training.config import transformer_config_from_args
 
     args = get_args()
@@ -32,7 +34,7 @@ def model_provider(build: Callable, pre_process=True, post_process=True, vp_stag
                   post_process=post_process, vp_stage=vp_stage)
     # After the build (megatron-core's graph manager may switch streams in it), and here, not
     # around DDP: get_model wraps DDP in a stream scope whose exit would undo the switch.
-    core_patches.use_side_stream()
+    graph_engine.use_side_stream()
     return model
 
 
@@ -71,8 +73,8 @@ def packed_data_provider(packed_rows: dict | None):
 class PackedGraphRun:
     """What the fork adds to one Megatron-LM run, built once the model and optimizer exist (and a
     checkpoint is loaded): the graph runtime, the MoE overflow monitor, the optimizer graph and
-    the runtime's log. Megatron-LM's loop reaches it through `wrap` (core_patches.route_training_loop);
-    `finish` runs after ``pretrain()`` returns."""
+    the runtime's log. Megatron-LM's loop reaches it through `wrap`
+    (packed_upstream/training_loop.route_training_loop); `finish` runs after ``pretrain()`` returns."""
 
     def __init__(self, args, log: bool = True):
         self.args = args
@@ -108,7 +110,7 @@ class PackedGraphRun:
         The first one is train()'s: its iterations close after ``optimizer.step``. Megatron-LM
         asks for a schedule once per ``train()`` and once per ``evaluate()`` pass, so any
         evaluation the log holds has ended: it is reported before the next one adds to it."""
-        from megatron.packed_graphs import core_patches
+        from megatron.packed_upstream import megatron_optimizer
         from megatron.packed_graphs.schedule import GraphRuntimeSchedule
 
         if self.log is not None:
@@ -119,7 +121,7 @@ class PackedGraphRun:
                                     moe_rerun=self.moe_rerun, optimizer=self.optimizer,
                                     rank_iterations=bool(self.args.dynamic_cp_sizes))
         if not self.step_wrapped:
-            core_patches.install_optimizer_step(
+            megatron_optimizer.install_optimizer_step(
                 self.optimizer, seam.wrap_optimizer_step(self.optimizer.step))
             self.step_wrapped = True
         if self.log is not None:
@@ -140,26 +142,29 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
     """Entry point of pretrain_gpt.py (``model`` 'gpt') and pretrain_mamba.py ('hybrid')."""
     from megatron.packed_training.arguments import parse_args_or_exit
 
-    args = parse_args_or_exit(model, script, argv)  # first: its messages come before imports
+    # First: its messages come before imports. Megatron-LM's argument dump waits for the
+    # start-up checks, so that a bad data file or a missing GPU is the first thing printed.
+    args, argument_dump = parse_args_or_exit(model, script, argv)
     from megatron.packed_training.datasets.preflight import run_data_check
     from megatron.packed_training.initialize import require_cuda, require_mamba_kernels
 
     try:
-        if model == "hybrid":
-            require_mamba_kernels()
         check = run_data_check(args)  # rank 0 only, before distributed start-up and the GPU
+        require_cuda(script)  # exits 1 itself
+        if model == "hybrid":  # after the GPU: mamba-ssm is built for one
+            require_mamba_kernels()
     except ValueError as err:  # the data or the kernels: status 1, as a missing GPU
         print(f"{script}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    require_cuda(script)
+    print(argument_dump, end="", flush=True)
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.global_vars import set_global_variables
 
-    from megatron.packed_graphs.core_patches import (
-        apply_core_patches,
+    from megatron.packed_upstream.patches import apply_core_patches
+    from megatron.packed_upstream.training_loop import (
         build_hybrid_cp_groups_at_start_up,
         route_training_loop,
     )

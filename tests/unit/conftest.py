@@ -97,7 +97,7 @@ def replaying_capture(body, *, pool, stream=None, generators=()):
 @pytest.fixture
 def restored_training_loop(monkeypatch):
     """Megatron-LM's loop module as it was, after a test that installs the seam
-    (core_patches.route_training_loop): every name the seam replaces is put back."""
+    (training_loop.route_training_loop): every name the seam replaces is put back."""
     import megatron.training.training as loop
     from megatron.core.rerun_state_machine import RerunStateMachine
     from megatron.training.dist_signal_handler import DistributedSignalHandler
@@ -110,4 +110,9 @@ def restored_training_loop(monkeypatch):
     monkeypatch.setattr(RerunStateMachine, "_reduce_any", RerunStateMachine._reduce_any)
     monkeypatch.setattr(DistributedSignalHandler, "signals_received",
                         DistributedSignalHandler.signals_received)
+    from megatron.packed_upstream import gate
+
+    for patch in ("training_loop_routed", "reduce_rerun_flags_on_host",
+                  "check_exit_signal_on_host"):  # installable again, on the restored names
+        monkeypatch.delitem(gate.applied_patches, patch, raising=False)
     return loop

@@ -13,28 +13,36 @@ import torch
 import megatron.core
 from megatron.core.transformer import cuda_graphs
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import (
+    gate,
+    graph_engine,
+    megatron_ddp,
+    megatron_optimizer,
+    model_layers,
+    patches,
+    training_loop,
+)
 
 source = inspect.getsource  # sentinels read the upstream code a patch relies on
 
 
 def test_patches_target_the_pinned_version():
-    assert megatron.core.__version__.split("+")[0] == core_patches.PATCHED_VERSION
+    assert megatron.core.__version__.split("+")[0] == gate.PATCHED_VERSION
 
 
 def test_a_local_version_label_is_the_same_release(monkeypatch):
     monkeypatch.setattr(megatron.core, "__version__", "0.19.2+ac6f44d")
-    core_patches.require_patched_version()
+    gate.require_patched_version()
 
 
 def test_another_version_is_refused(monkeypatch):
     monkeypatch.setattr(megatron.core, "__version__", "0.20.0")
     with pytest.raises(RuntimeError, match="targets megatron-core 0.19.2, found 0.20.0"):
-        core_patches.require_patched_version()
+        gate.require_patched_version()
 
 
 def test_apply_reports_every_patch():
-    report = core_patches.apply_core_patches()
+    report = patches.apply_core_patches()
     assert set(report) == {
         "keep_forward_inputs_until_backward_captured", "keep_chunk_graph_buffers_private",
         "keep_saved_tensor_observer_armed_until_capture", "sync_free_multi_tensor_fallbacks",
@@ -43,7 +51,7 @@ def test_apply_reports_every_patch():
         "record_capture_statistics", "skip_dataset_helper_build"}
     assert all(state == "applied" or state.startswith(("not needed", "l2 norm", "scale"))
                for state in report.values())
-    assert core_patches.apply_core_patches() is report  # once
+    assert patches.apply_core_patches() == report  # installing twice = once
 
 
 # -- dropped patches: the upstream fixes they wait for are still there ----------------------
@@ -74,14 +82,14 @@ def test_upstream_finalize_scales_by_the_token_count_on_the_device():
 # -- buffer lifetimes in the local graph engine ----------------------------------------------
 
 def test_upstream_releases_forward_buffers_unless_tagged_saved_for_backward():
-    text = source(core_patches.UPSTREAM_WEAKREF_FORWARD_BUFFERS)
+    text = source(graph_engine.UPSTREAM_WEAKREF_FORWARD_BUFFERS)
     assert "metadata.is_saved_for_backward" in text and "make_weakref(tensor)" in text
     assert "self._weakref_forward_buffers(preserve_forward_to_backward_lifetimes=True)" in source(
         cuda_graphs._CudaGraphRunner.create_fwd_graph)
     assert "self._weakref_forward_buffers(preserve_forward_to_backward_lifetimes=False)" in source(
-        core_patches.UPSTREAM_CREATE_BWD_GRAPH)
+        graph_engine.UPSTREAM_CREATE_BWD_GRAPH)
     assert "tree_map(make_weakref, self.static_grad_inputs)" in source(
-        core_patches.UPSTREAM_CREATE_BWD_GRAPH)
+        graph_engine.UPSTREAM_CREATE_BWD_GRAPH)
 
 
 def _runner(*inputs, private=False):
@@ -94,7 +102,7 @@ def _runner(*inputs, private=False):
 
 
 def test_forward_inputs_are_kept_until_the_backward_capture(monkeypatch):
-    core_patches.apply_core_patches()
+    patches.apply_core_patches()
     released = []
     monkeypatch.setattr(cuda_graphs, "make_weakref",
                         lambda tensor, inplace=True: released.append(tensor) or tensor)
@@ -112,12 +120,12 @@ def test_upstream_alone_would_release_a_native_save(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "make_weakref",
                         lambda tensor, inplace=True: released.append(tensor) or tensor)
     hidden = torch.zeros(4)
-    core_patches.UPSTREAM_WEAKREF_FORWARD_BUFFERS(_runner(hidden), True)
+    graph_engine.UPSTREAM_WEAKREF_FORWARD_BUFFERS(_runner(hidden), True)
     assert released == [hidden]  # the bug the patch exists for
 
 
 def test_chunk_runners_never_release_their_buffers(monkeypatch):
-    core_patches.apply_core_patches()
+    patches.apply_core_patches()
     released = []
     monkeypatch.setattr(cuda_graphs, "make_weakref",
                         lambda tensor, inplace=True: released.append(tensor) or tensor)
@@ -131,7 +139,7 @@ def test_chunk_runners_never_release_their_buffers(monkeypatch):
         seen["make_weakref"] = cuda_graphs.make_weakref
         cuda_graphs.make_weakref(torch.zeros(1))
 
-    monkeypatch.setattr(core_patches, "UPSTREAM_CREATE_BWD_GRAPH", backward_capture)
+    monkeypatch.setattr(graph_engine, "UPSTREAM_CREATE_BWD_GRAPH", backward_capture)
     patched = cuda_graphs._CudaGraphRunner.create_bwd_graph
     patched(runner)
     assert released == [] and cuda_graphs.make_weakref is not seen["make_weakref"]
@@ -140,10 +148,10 @@ def test_chunk_runners_never_release_their_buffers(monkeypatch):
 
 
 def test_saved_tensor_observer_is_rearmed_until_the_capture():
-    core_patches.apply_core_patches()
+    patches.apply_core_patches()
     record = cuda_graphs._CudagraphGlobalRecord
     # Upstream disarms the observer after every schedule, captured or not.
-    assert "cls._disable_saved_tensors_observer()" in source(core_patches.UPSTREAM_CREATE_CUDAGRAPHS)
+    assert "cls._disable_saved_tensors_observer()" in source(graph_engine.UPSTREAM_CREATE_CUDAGRAPHS)
     record._enable_saved_tensors_observer()
     try:
         assert record._saved_tensors_observer is not None
@@ -167,14 +175,14 @@ def test_aliasing_check_names_the_clashing_runners():
     shared, other = torch.zeros(8), torch.zeros(8)
     first = runner(1, [shared], [other], [None])
     last = runner(4, [other], [shared], [None])
-    clashes = core_patches.forward_inputs_reused_as_grad_buffers([first, last])
+    clashes = graph_engine.forward_inputs_reused_as_grad_buffers([first, last])
     # The last layer's backward (first to replay) writes over the first layer's saved input;
     # the first layer's backward writing over the last layer's input, already consumed, is fine.
     assert clashes == ["SimpleNamespace#4 grad out == ['SimpleNamespace#1'] fwd in"]
     own = runner(2, [shared], [shared], [None])
-    assert core_patches.forward_inputs_reused_as_grad_buffers([own]) == [
+    assert graph_engine.forward_inputs_reused_as_grad_buffers([own]) == [
         "SimpleNamespace#2 grad out == ['SimpleNamespace#2'] fwd in"]
-    assert core_patches.forward_inputs_reused_as_grad_buffers(
+    assert graph_engine.forward_inputs_reused_as_grad_buffers(
         [runner(1, [torch.zeros(8)], [torch.zeros(8)], [None])]) == []
 
 
@@ -186,22 +194,22 @@ def test_multi_tensor_fallbacks_are_replaced_by_foreach_versions():
     from megatron.core.optimizer import optimizer as mixed_precision
 
     assert clip_grads.l2_norm_impl in (utils.local_multi_tensor_l2_norm,
-                                       core_patches.foreach_l2_norm)  # no TE/apex here
-    core_patches.apply_core_patches()
-    assert clip_grads.l2_norm_impl is core_patches.foreach_l2_norm
-    assert clip_grads.multi_tensor_scale_impl is core_patches.foreach_scale
-    assert mixed_precision.multi_tensor_scale_impl is core_patches.foreach_scale
+                                       megatron_optimizer.foreach_l2_norm)  # no TE/apex here
+    patches.apply_core_patches()
+    assert clip_grads.l2_norm_impl is megatron_optimizer.foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is megatron_optimizer.foreach_scale
+    assert mixed_precision.multi_tensor_scale_impl is megatron_optimizer.foreach_scale
 
     grads = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, 2)]
     flag = torch.zeros(1, dtype=torch.int)
-    norm, per_tensor = core_patches.foreach_l2_norm(2048, flag, [grads], False)
+    norm, per_tensor = megatron_optimizer.foreach_l2_norm(2048, flag, [grads], False)
     expected = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))
     assert norm.shape == (1,) and per_tensor is None
     torch.testing.assert_close(norm[0], expected)
-    assert core_patches.foreach_l2_norm(2048, flag, [[]], False)[0].tolist() == [0.0]
+    assert megatron_optimizer.foreach_l2_norm(2048, flag, [[]], False)[0].tolist() == [0.0]
 
     dst = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
-    core_patches.foreach_scale(2048, flag, [grads, dst], 0.5)
+    megatron_optimizer.foreach_scale(2048, flag, [grads, dst], 0.5)
     for g, d in zip(grads, dst):
         torch.testing.assert_close(d, (g * 0.5).to(torch.bfloat16))
 
@@ -217,33 +225,33 @@ def test_upstream_fallback_kernels_still_sync():
 def test_upstream_grad_norm_syncs_without_te_tensor_scale_kernel():
     # When this fails, upstream changed when it reads the norm on the host: re-check
     # clip_gradients_without_host_sync and the condition under which it is "not needed".
-    norm = source(core_patches.UPSTREAM_GET_GRAD_NORM)
+    norm = source(megatron_optimizer.UPSTREAM_GET_GRAD_NORM)
     assert "if multi_tensor_scale_tensor_impl is not None:" in norm
     assert "total_norm.item() ** (1.0 / norm_type)" in norm
-    assert "elif clip_coeff < 1.0:" in source(core_patches.UPSTREAM_CLIP_BY_TOTAL_NORM)
+    assert "elif clip_coeff < 1.0:" in source(megatron_optimizer.UPSTREAM_CLIP_BY_TOTAL_NORM)
 
 
 def test_clip_patch_is_not_needed_where_upstream_clips_on_the_device(monkeypatch):
     from megatron.core.optimizer import clip_grads
 
     monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", object())
-    assert core_patches.clip_gradients_without_host_sync().startswith("not needed")
+    assert megatron_optimizer.clip_gradients_without_host_sync.body().startswith("not needed")
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clipping, and no clipping
 def test_device_grad_norm_and_clip_match_upstream(cpu_dist, max_norm):
     from megatron.core.optimizer import optimizer as mixed_precision
 
-    core_patches.apply_core_patches()
-    assert mixed_precision.get_grad_norm_fp32 is core_patches.grad_norm_on_device
-    assert mixed_precision.clip_grad_by_total_norm_fp32 is core_patches.clip_by_device_norm
+    patches.apply_core_patches()
+    assert mixed_precision.get_grad_norm_fp32 is megatron_optimizer.grad_norm_on_device
+    assert mixed_precision.clip_grad_by_total_norm_fp32 is megatron_optimizer.clip_by_device_norm
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (2, 2, 2)]]
     for p in params:
         p.grad = torch.randn_like(p)
     grads = [p.grad for p in params]
-    norm = core_patches.grad_norm_on_device(grads)
+    norm = megatron_optimizer.grad_norm_on_device(grads)
     assert torch.is_tensor(norm) and norm.dim() == 0  # nothing read on the host
     # Upstream's norm paths allocate on CUDA; the same norm, in float64:
     expected_norm = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]).double()))
@@ -253,7 +261,7 @@ def test_device_grad_norm_and_clip_match_upstream(cpu_dist, max_norm):
     coeff = max_norm / (expected_norm + 1.0e-6)
     if coeff < 1.0:  # upstream's rule, on the host
         expected = [g * coeff for g in expected]
-    core_patches.clip_by_device_norm(params, max_norm, norm)
+    megatron_optimizer.clip_by_device_norm(params, max_norm, norm)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     if max_norm == 100.0:  # not clipping leaves the gradients bitwise unchanged
@@ -267,9 +275,9 @@ def test_argument_type_check_accepts_and_refuses_what_upstream_does():
 
     from megatron.packed_graphs.packed_seq import build_packed_batch_params
 
-    core_patches.apply_core_patches()
+    patches.apply_core_patches()
     patched = cuda_graphs._check_supported_type
-    assert patched is not core_patches.UPSTREAM_CHECK_SUPPORTED_TYPE
+    assert patched is not graph_engine.UPSTREAM_CHECK_SUPPORTED_TYPE
     cu = torch.tensor([0, 3], dtype=torch.int32)
 
     @dataclasses.dataclass
@@ -282,12 +290,12 @@ def test_argument_type_check_accepts_and_refuses_what_upstream_does():
     refused = [[1, 2], {"a": 1}, (1,), object()]
     for value in accepted:
         meta = cuda_graphs.ArgMetadata(value)
-        core_patches.UPSTREAM_CHECK_SUPPORTED_TYPE(meta)
+        graph_engine.UPSTREAM_CHECK_SUPPORTED_TYPE(meta)
         patched(meta)
     for value in refused:
         meta = cuda_graphs.ArgMetadata(value)
         with pytest.raises(AssertionError):
-            core_patches.UPSTREAM_CHECK_SUPPORTED_TYPE(meta)
+            graph_engine.UPSTREAM_CHECK_SUPPORTED_TYPE(meta)
         with pytest.raises(AssertionError, match="graphs do not support"):
             patched(meta)
     with pytest.raises(AssertionError):
@@ -304,13 +312,13 @@ def test_upstream_zero_fills_graph_inputs_reached_through_dataclasses():
     mapped = cuda_graphs.tree_map(
         lambda t: cuda_graphs.ArgMetadata(t) if torch.is_tensor(t) else t, {"p": params})
     assert isinstance(mapped["p"].cu_seqlens_q, cuda_graphs.ArgMetadata)
-    upstream = core_patches.UPSTREAM_ARG_METADATA_ZEROS_LIKE
+    upstream = graph_engine.UPSTREAM_ARG_METADATA_ZEROS_LIKE
     meta = cuda_graphs.ArgMetadata(cu)
     assert torch.equal(upstream(meta), torch.zeros_like(cu))
 
 
 def test_graph_warm_up_gets_the_recorded_packed_layout():
-    core_patches.apply_core_patches()
+    patches.apply_core_patches()
     cu = torch.tensor([0, 5, 12, 16, 16], dtype=torch.int32)
     mask = torch.arange(16) >= 12
     hidden = torch.randn(16, 1, 8, requires_grad=True)
@@ -323,14 +331,14 @@ def test_graph_warm_up_gets_the_recorded_packed_layout():
 
 
 def test_capture_statistics_are_kept():
-    core_patches.apply_core_patches()
+    patches.apply_core_patches()
     from megatron.core.pipeline_parallel import schedules
 
     assert schedules.create_cudagraphs is not cuda_graphs.create_cudagraphs
     # Nothing recorded: upstream returns None and nothing is logged.
-    before = len(core_patches.capture_log)
+    before = len(graph_engine.capture_log)
     schedules.create_cudagraphs()
-    assert len(core_patches.capture_log) == before
+    assert len(graph_engine.capture_log) == before
     assert '"time"' in source(cuda_graphs._CudagraphGlobalRecord._create_cudagraphs.__func__)
 
 
@@ -362,26 +370,26 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
             events.append(f"exit {name}")
 
     monkeypatch.setattr(schedules, "create_cudagraphs", upstream_capture)
-    monkeypatch.setattr(core_patches, "reserved_without_cache", lambda: 0)  # needs CUDA
+    monkeypatch.setattr(graph_engine, "reserved_without_cache", lambda: 0)  # needs CUDA
     record = cuda_graphs._CudagraphGlobalRecord
     monkeypatch.setattr(record, "cudagraph_created", False)
     monkeypatch.setattr(record, "cudagraph_record", [object(), object()])
-    monkeypatch.setattr(core_patches, "capture_log", collections.deque(maxlen=8))
+    monkeypatch.setattr(graph_engine, "capture_log", collections.deque(maxlen=8))
     streams = []  # no CUDA here: the process's stream is a name
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: "side stream")
     monkeypatch.setattr(torch.cuda, "set_stream",
                         lambda s: (streams.append(s), events.append(f"stream {s}")))
-    core_patches.record_capture_statistics()  # wraps the stand-in
-    with core_patches.guard_local_capture(lambda: guard("moe")):
-        with core_patches.guard_local_capture(lambda: guard("other")):
+    graph_engine.record_capture_statistics.body()  # wraps the stand-in
+    with graph_engine.guard_local_capture(lambda: guard("moe")):
+        with graph_engine.guard_local_capture(lambda: guard("other")):
             schedules.create_cudagraphs()
         schedules.create_cudagraphs()
     schedules.create_cudagraphs()
     assert seen == [["moe", "other"], ["moe"], []]
     # torch's stream-mismatch warning is off while capturing, on again afterwards
     assert warned == [False] * 3 and torch._C._warn_on_accumulate_grad_stream_mismatch()
-    assert entered == [] and core_patches._capture_guards == []
-    assert list(core_patches.capture_log)[-1] == {"time": 0.5, "graphs": 2,
+    assert entered == [] and graph_engine._capture_guards == []
+    assert list(graph_engine.capture_log)[-1] == {"time": 0.5, "graphs": 2,
                                                   "graph_reserved_bytes": 0}
     assert streams == ["side stream"] * 3  # back on the stream the capture began on
     # ... before the guards restore anything (they write on the stream that reads next).
@@ -390,13 +398,13 @@ def test_local_capture_runs_inside_the_scoped_guards(monkeypatch):
 
 def test_stream_crossings_are_unreported_within_only():
     with pytest.raises(RuntimeError):
-        with core_patches.stream_crossings_unreported():
+        with graph_engine.stream_crossings_unreported():
             assert not torch._C._warn_on_accumulate_grad_stream_mismatch()
             raise RuntimeError("capture failed")
     assert torch._C._warn_on_accumulate_grad_stream_mismatch()  # as before, also on errors
     torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
     try:
-        with core_patches.stream_crossings_unreported():
+        with graph_engine.stream_crossings_unreported():
             pass
         assert not torch._C._warn_on_accumulate_grad_stream_mismatch()  # a user's choice kept
     finally:
@@ -412,26 +420,26 @@ def test_upstream_capture_ends_on_the_default_stream():
 def test_capture_log_keeps_the_last_few_captures_only():
     # The graph runtime empties it after each capture; a run that captures without a runtime
     # (tools, tests) keeps a bounded log.
-    saved = list(core_patches.capture_log)
+    saved = list(graph_engine.capture_log)
     try:
         for i in range(20):
-            core_patches.capture_log.append({"time": i})
-        assert 0 < len(core_patches.capture_log) <= 8
-        assert core_patches.capture_log[-1] == {"time": 19}
+            graph_engine.capture_log.append({"time": i})
+        assert 0 < len(graph_engine.capture_log) <= 8
+        assert graph_engine.capture_log[-1] == {"time": 19}
     finally:
-        core_patches.capture_log.clear()
-        core_patches.capture_log.extend(saved)
+        graph_engine.capture_log.clear()
+        graph_engine.capture_log.extend(saved)
 
 
 # -- reaches ----------------------------------------------------------------------------------
 
 def test_runner_order_helpers():
     manager = SimpleNamespace(cudagraph_runners=["a", "b", "c"])
-    core_patches.rotate_runners(manager)
+    graph_engine.rotate_runners(manager)
     assert manager.cudagraph_runners == ["b", "c", "a"]
-    core_patches.replay_runner_first(manager, "c", ["a", "b", "c"])
+    graph_engine.replay_runner_first(manager, "c", ["a", "b", "c"])
     assert manager.cudagraph_runners == ["c", "a", "b"]
-    core_patches.sort_runners(manager, key=lambda r: r != "b")
+    graph_engine.sort_runners(manager, key=lambda r: r != "b")
     assert manager.cudagraph_runners == ["b", "c", "a"]
 
 
@@ -444,7 +452,7 @@ def test_upstream_round_robin_and_first_match_are_what_the_runner_helpers_assume
 
 def test_te_capture_flag_is_set_only_inside_the_window():
     assert not cuda_graphs.is_graph_capturing()
-    with core_patches.te_graph_capture():
+    with graph_engine.te_graph_capture():
         assert cuda_graphs.is_graph_capturing()
     assert not cuda_graphs.is_graph_capturing()
 
@@ -457,7 +465,7 @@ def test_block_class_switch_refuses_a_subclass_with_state():
             pass
 
     with pytest.raises(TypeError, match="without an __init__"):
-        core_patches.switch_block_class(object(), WithInit)
+        model_layers.switch_block_class(object(), WithInit)
 
 
 def test_gpt_model_still_builds_transformer_block_by_name():
@@ -470,14 +478,14 @@ def test_gpt_model_still_builds_transformer_block_by_name():
 def test_cached_rope_table_is_copied_only_while_graphs_are_recorded(monkeypatch):
     rope = torch.arange(6.0).reshape(3, 1, 1, 2)
     kwargs = {"hidden_states": torch.zeros(1), "rotary_pos_emb": rope}
-    recorded = core_patches.unshare_cached_graph_inputs(kwargs)
+    recorded = graph_engine.unshare_cached_graph_inputs(kwargs)
     assert recorded["rotary_pos_emb"] is not rope and torch.equal(recorded["rotary_pos_emb"], rope)
     assert recorded["hidden_states"] is kwargs["hidden_states"] and kwargs["rotary_pos_emb"] is rope
-    pair = core_patches.unshare_cached_graph_inputs({"rotary_pos_emb": (rope, rope)})
+    pair = graph_engine.unshare_cached_graph_inputs({"rotary_pos_emb": (rope, rope)})
     assert all(t is not rope for t in pair["rotary_pos_emb"])
-    assert core_patches.unshare_cached_graph_inputs({"rotary_pos_emb": None})["rotary_pos_emb"] is None
+    assert graph_engine.unshare_cached_graph_inputs({"rotary_pos_emb": None})["rotary_pos_emb"] is None
     monkeypatch.setattr(cuda_graphs._CudagraphGlobalRecord, "cudagraph_created", True)
-    assert core_patches.unshare_cached_graph_inputs(kwargs) is kwargs  # replay: no copy
+    assert graph_engine.unshare_cached_graph_inputs(kwargs) is kwargs  # replay: no copy
 
 
 def test_upstream_caches_the_rope_table_and_counts_shared_graph_inputs():
@@ -525,7 +533,7 @@ def test_te_cross_entropy_is_always_asked_for_its_capturable_backward(monkeypatc
                         lambda logits, labels, group, capturable: calls.append(capturable))
     # TE 2.7 to 2.11: the backward takes the flag and, without it, reads a host scalar.
     _te_cross_entropy_backward(monkeypatch, lambda inp, grad, is_cg_capturable=False: inp)
-    assert core_patches.te_cross_entropy_capturable() == "applied"
+    assert model_layers.te_cross_entropy_capturable.body() == "applied"
     language_module.te_parallel_cross_entropy("logits", "labels", None, False)
     assert calls == [True]
 
@@ -535,13 +543,13 @@ def test_te_cross_entropy_patch_is_not_needed_without_te_or_with_an_always_captu
     from megatron.core.models.common.language_module import language_module
 
     monkeypatch.setattr(language_module, "te_parallel_cross_entropy", None)
-    assert core_patches.te_cross_entropy_capturable().startswith("not needed: Transformer Engine")
+    assert model_layers.te_cross_entropy_capturable.body().startswith("not needed: Transformer Engine")
     upstream = lambda logits, labels, group, capturable=False: None  # noqa: E731
     monkeypatch.setattr(language_module, "te_parallel_cross_entropy", upstream)
     # TE 2.20: the flag is gone from the backward, which never reads the host.
     _te_cross_entropy_backward(
         monkeypatch, lambda saved, stats, target, n_non_ignore, grad, *rest: saved)
-    assert core_patches.te_cross_entropy_capturable().endswith("always capturable")
+    assert model_layers.te_cross_entropy_capturable.body().endswith("always capturable")
     assert language_module.te_parallel_cross_entropy is upstream
 
 
@@ -596,23 +604,21 @@ def test_the_seam_wraps_upstream_schedule_after_the_set_up(monkeypatch, restored
         built.append((model, optimizer, scheduler))
         return lambda schedule: f"seam around {schedule}"
 
-    core_patches.route_training_loop(on_setup, capturable_optimizer=True)
+    training_loop.route_training_loop(on_setup, capturable_optimizer=True)
     assert loop.get_forward_backward_func(schedule_pg_collection=None) == "schedule"
     assert loop.setup_model_and_optimizer("model_type") == (model, optimizer, "s")
     assert built == [(model, optimizer, "s")]
-    assert optimizer.get_loss_scale() is core_patches.LOSS_SCALE_ONE
+    assert optimizer.get_loss_scale() is megatron_optimizer.LOSS_SCALE_ONE
     assert (loop.logical_and_across_model_parallel_group
-            is core_patches.all_model_parallel_ranks_updated)
+            is training_loop.all_model_parallel_ranks_updated)
     assert (loop.reduce_max_stat_across_model_parallel_group
-            is core_patches.max_stat_across_model_parallel_ranks)
-    assert loop.training_log.sums_losses_on_device
-    assert RerunStateMachine._reduce_any is core_patches.any_rank_requested
-    assert DistributedSignalHandler.signals_received is core_patches.signals_received_on_host
+            is training_loop.max_stat_across_model_parallel_ranks)
+    assert RerunStateMachine._reduce_any is training_loop.any_rank_requested
+    assert DistributedSignalHandler.signals_received is training_loop.signals_received_on_host
     assert loop.get_forward_backward_func(schedule_pg_collection=None) == "seam around schedule"
     args = SimpleNamespace(optimizer_cuda_graph=False)
     assert loop.get_megatron_optimizer_config(args) == (config, "overrides")
     assert args_seen == [True] and args.optimizer_cuda_graph is False  # shown False again
-    assert loop.wrap_model_chunks_with_ddp.on_process_stream
 
 
 def test_the_process_moves_to_a_side_stream_once(monkeypatch):
@@ -634,13 +640,13 @@ def test_the_process_moves_to_a_side_stream_once(monkeypatch):
         monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
         monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
         monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream))
-        monkeypatch.setattr(core_patches, "_side_stream", None)
-        core_patches.use_side_stream()
-        side = core_patches._side_stream
+        monkeypatch.setattr(graph_engine, "_side_stream", None)
+        graph_engine.use_side_stream()
+        side = graph_engine._side_stream
         assert side.name == expected and current[0] is side and side.waited_for == ["default"]
         current[0] = default  # e.g. a stream scope's exit
-        core_patches.use_side_stream()
-        assert core_patches._side_stream is side and current[0] is default  # once per process
+        graph_engine.use_side_stream()
+        assert graph_engine._side_stream is side and current[0] is default  # once per process
 
 
 def test_ddp_is_built_on_the_process_stream(monkeypatch, restored_training_loop):
@@ -658,20 +664,20 @@ def test_ddp_is_built_on_the_process_stream(monkeypatch, restored_training_loop)
         yield
 
     monkeypatch.setattr(torch.cuda, "stream", stream)
-    monkeypatch.setattr(core_patches, "_side_stream", None)
+    monkeypatch.setattr(graph_engine, "_side_stream", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    core_patches.use_side_stream()
-    assert core_patches._side_stream is None
+    graph_engine.use_side_stream()
+    assert graph_engine._side_stream is None
     monkeypatch.setattr(loop, "wrap_model_chunks_with_ddp", lambda model, *a, **k: f"ddp {model}")
-    wrap = core_patches.ddp_on_the_process_stream(loop.wrap_model_chunks_with_ddp)
+    wrap = megatron_ddp.ddp_on_the_process_stream(loop.wrap_model_chunks_with_ddp)
     assert wrap("m", "config") == "ddp m" and entered == []  # upstream's call as it is
-    monkeypatch.setattr(core_patches, "_side_stream", "side")
+    monkeypatch.setattr(graph_engine, "_side_stream", "side")
     assert wrap("m") == "ddp m" and entered == ["side"]
 
-    core_patches.route_training_loop(lambda *built: None)
+    training_loop.route_training_loop(lambda *built: None)
     once = loop.wrap_model_chunks_with_ddp
-    core_patches.route_training_loop(lambda *built: None)
-    assert loop.wrap_model_chunks_with_ddp is once and once.on_process_stream
+    training_loop.route_training_loop(lambda *built: None)
+    assert loop.wrap_model_chunks_with_ddp is once  # installing twice = once
     assert once("m") == "ddp m" and entered[-1] == "side"
 
 
@@ -691,7 +697,7 @@ def test_a_graph_manager_built_after_ddp_leaves_the_process_on_its_stream(monkey
             torch.cuda.set_stream("new")  # as upstream's first manager does
 
     monkeypatch.setattr(cuda_graphs, "CudaGraphManager", Manager)
-    manager = core_patches.graph_manager_on_the_process_stream("config")
+    manager = graph_engine.graph_manager_on_the_process_stream("config")
     assert isinstance(manager, Manager) and manager.config == "config"
     assert current == ["process"]
 
@@ -714,9 +720,9 @@ def test_moe_metrics_take_the_routers_size_on_every_pipeline_stage(monkeypatch):
     monkeypatch.setattr(moe_logging, "get_moe_metrics_tracker", lambda: tracker)
     args = types.SimpleNamespace(num_experts=4, moe_router_load_balancing_type="seq_aux_loss",
                                  moe_z_loss_coeff=1e-3)
-    assert core_patches.moe_metric_names(args) == [
+    assert training_loop.moe_metric_names(args) == [
         "load_balancing_loss", "seq_load_balancing_loss", "z_loss"]  # upstream's substring test
-    assert core_patches.moe_metric_names(types.SimpleNamespace(
+    assert training_loop.moe_metric_names(types.SimpleNamespace(
         moe_router_load_balancing_type=["global_aux_loss"], moe_z_loss_coeff=None)) == [
         "global_load_balancing_loss"]
 
@@ -726,7 +732,7 @@ def test_moe_metrics_take_the_routers_size_on_every_pipeline_stage(monkeypatch):
     tracker.metrics.clear()
 
     config = types.SimpleNamespace(num_layers=6, mtp_num_layers=None)
-    core_patches.size_moe_metrics_as_the_routers_do(args, config)
+    training_loop.size_moe_metrics_as_the_routers_do(args, config)
     tracker.ensure_initialized("z_loss", 1)  # training_log's force_initialize keeps it
     assert {name: entry.values.numel() for name, entry in tracker.metrics.items()} == {
         "load_balancing_loss": 6, "seq_load_balancing_loss": 6, "z_loss": 6}
@@ -737,7 +743,7 @@ def test_moe_metrics_take_the_routers_size_on_every_pipeline_stage(monkeypatch):
     assert tracker.metrics["z_loss"].reduce_group == "tp_cp"
 
     tracker.metrics.clear()
-    core_patches.size_moe_metrics_as_the_routers_do(
+    training_loop.size_moe_metrics_as_the_routers_do(
         types.SimpleNamespace(num_experts=None), config)  # a dense model: nothing to size
     assert not tracker.metrics
 
@@ -766,13 +772,13 @@ def test_step_statistics_of_a_model_parallel_group_of_one_are_not_read_back(cpu_
     # The optimizer's device norm (0-dim, or 1-element from the optimizer graph) is not read
     # here, and comes back 0-dim: the log line formats it as a number.
     for norm in (torch.tensor(2.5), torch.tensor([2.5])):
-        kept = core_patches.max_stat_across_model_parallel_ranks(norm)
+        kept = training_loop.max_stat_across_model_parallel_ranks(norm)
         assert kept.shape == () and kept.data_ptr() == norm.data_ptr()
         assert f"{kept:.3f}" == "2.500"
-    assert core_patches.max_stat_across_model_parallel_ranks(None) is None
-    assert core_patches.max_stat_across_model_parallel_ranks(3e-4) == 3e-4
-    assert core_patches.all_model_parallel_ranks_updated(True) is True
-    assert core_patches.all_model_parallel_ranks_updated(False) is False
+    assert training_loop.max_stat_across_model_parallel_ranks(None) is None
+    assert training_loop.max_stat_across_model_parallel_ranks(3e-4) == 3e-4
+    assert training_loop.all_model_parallel_ranks_updated(True) is True
+    assert training_loop.all_model_parallel_ranks_updated(False) is False
 
 
 def test_upstream_log_and_rerun_machine_copy_host_values_to_the_device_each_iteration():
@@ -794,9 +800,9 @@ def test_upstream_log_and_rerun_machine_copy_host_values_to_the_device_each_iter
     parameters = inspect.signature(getattr(loop.training_log, "__wrapped__",
                                            loop.training_log)).parameters
     assert {"loss_dict", "total_loss_dict", "iteration", "skipped_iter"} <= set(parameters)
-    assert RerunStateMachine._reduce_any in (core_patches.UPSTREAM_REDUCE_ANY,
-                                             core_patches.any_rank_requested)
-    reduce = source(core_patches.UPSTREAM_REDUCE_ANY)
+    assert RerunStateMachine._reduce_any in (training_loop.UPSTREAM_REDUCE_ANY,
+                                             training_loop.any_rank_requested)
+    reduce = source(training_loop.UPSTREAM_REDUCE_ANY)
     assert "device='cuda'" in reduce and "torch.distributed.all_reduce(val_tensor)" in reduce
 
 
@@ -818,7 +824,7 @@ def test_training_log_sums_losses_on_the_device_and_hands_upstream_what_it_reads
     monkeypatch.setattr(global_vars, "get_tensorboard_writer",
                         lambda: object() if writer else None)
     _training_log_stand_in.calls = []
-    log = core_patches.training_log_summing_losses_on_device(_training_log_stand_in)
+    log = training_loop.training_log_summing_losses_on_device(_training_log_stand_in)
     sums, losses = {}, [torch.tensor(2.25), torch.tensor(1.0 / 3), torch.tensor(float("nan"))]
     for iteration, loss in enumerate(losses[:2], start=1):  # positional, as train() calls it
         assert log({"lm loss": loss}, sums, 1e-4, iteration, 1.0, True, 0, None, None, None, 0,
@@ -845,22 +851,22 @@ def test_upstream_exit_signal_check_gathers_a_cuda_flag_every_iteration():
 
 def test_exit_signal_flags_are_gathered_without_the_device(cpu_dist):
     handler = SimpleNamespace(_signal_received=True)
-    assert core_patches.signals_received_on_host(handler) == [True]
+    assert training_loop.signals_received_on_host(handler) == [True]
 
 
 def test_rerun_flags_are_reduced_without_the_device(cpu_dist):
-    assert core_patches.any_rank_requested(None, True) is True
-    assert core_patches.any_rank_requested(None, False) is False
-    assert core_patches.any_rank_requested(None, [False, True]) == (False, True)
+    assert training_loop.any_rank_requested(None, True) is True
+    assert training_loop.any_rank_requested(None, False) is False
+    assert training_loop.any_rank_requested(None, [False, True]) == (False, True)
 
 
 def _two_rank_rerun_flags(rank, store, results):
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                          world_size=2)
     try:
-        results.put((rank, core_patches.any_rank_requested(None, rank == 1),
-                     core_patches.any_rank_requested(None, [False, rank == 0]),
-                     core_patches.signals_received_on_host(
+        results.put((rank, training_loop.any_rank_requested(None, rank == 1),
+                     training_loop.any_rank_requested(None, [False, rank == 0]),
+                     training_loop.signals_received_on_host(
                          SimpleNamespace(_signal_received=rank == 1))))
     finally:
         torch.distributed.destroy_process_group()
@@ -888,7 +894,7 @@ def test_loss_scale_goes_to_the_host_only_without_a_scaler():
 
     parts = [SimpleNamespace(grad_scaler=None), SimpleNamespace(grad_scaler=None)]
     chained = SimpleNamespace(chained_optimizers=parts)
-    assert core_patches.keep_loss_scale_on_host(chained)
+    assert megatron_optimizer.keep_loss_scale_on_host(chained)
     for optimizer in (chained, *parts):
         assert optimizer.get_loss_scale().item() == 1.0
     # upstream's scale_loss and the schedule's normalisation, with the host scalar
@@ -901,7 +907,7 @@ def test_loss_scale_goes_to_the_host_only_without_a_scaler():
 
     scaler = SimpleNamespace(scale=torch.tensor([1024.0]))
     fp16 = SimpleNamespace(grad_scaler=scaler, get_loss_scale=lambda: scaler.scale)
-    assert not core_patches.keep_loss_scale_on_host(fp16)
+    assert not megatron_optimizer.keep_loss_scale_on_host(fp16)
     assert fp16.get_loss_scale() is scaler.scale
 
 
@@ -927,7 +933,7 @@ def test_upstream_runner_fields_the_buffer_reach_sets():
     runner_source = source(cuda_graphs._CudaGraphRunner)
     assert "self.mempool = mempool" in runner_source and "pool=self.mempool" in runner_source
     runner = SimpleNamespace()
-    core_patches.keep_runner_buffers(runner)
+    graph_engine.keep_runner_buffers(runner)
     assert runner.keep_buffers_private and not hasattr(runner, "mempool")
 
 
@@ -936,7 +942,7 @@ def test_upstream_manager_installs_a_partial_graph_function_as_an_instance_attri
 
     assert "setattr(base_module, function_name, wrapped_func)" in source(CudaGraphManager.__init__)
     module = SimpleNamespace(_forward_attention=lambda: "graphed")
-    core_patches.route_graphed_function(module, "_forward_attention", lambda: "routed")
+    graph_engine.route_graphed_function(module, "_forward_attention", lambda: "routed")
     assert module._forward_attention() == "routed"
 
     class Plain:
@@ -944,7 +950,7 @@ def test_upstream_manager_installs_a_partial_graph_function_as_an_instance_attri
             return "plain"
 
     with pytest.raises(RuntimeError, match="did not install a graphed '_forward_attention'"):
-        core_patches.route_graphed_function(Plain(), "_forward_attention", lambda: None)
+        graph_engine.route_graphed_function(Plain(), "_forward_attention", lambda: None)
 
 
 def test_dispatcher_graph_state_follows_upstreams_dotted_attribute_names():
@@ -954,24 +960,24 @@ def test_dispatcher_graph_state_follows_upstreams_dotted_attribute_names():
     inner = SimpleNamespace(splits=None)
     dispatcher = SimpleNamespace(valid_cudagraph_attrs=["probs", "comm.splits"],
                                        probs=None, comm=inner)
-    core_patches.set_dispatcher_graph_state(dispatcher, [1, 2])
+    model_layers.set_dispatcher_graph_state(dispatcher, [1, 2])
     assert (dispatcher.probs, inner.splits) == (1, 2)
     with pytest.raises(RuntimeError, match="returned 1 dispatcher tensors"):
-        core_patches.set_dispatcher_graph_state(dispatcher, [1])
+        model_layers.set_dispatcher_graph_state(dispatcher, [1])
 
 
 def test_dropless_dispatch_restores_the_dispatcher():
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     body = source(MoEAlltoAllTokenDispatcher)
-    for name in core_patches.DISPATCHER_STATE:  # every field the scope saves is upstream's
+    for name in model_layers.DISPATCHER_STATE:  # every field the scope saves is upstream's
         assert f"self.{name}" in body, name
     config = SimpleNamespace(moe_expert_capacity_factor=1.5,
                                    moe_pad_expert_input_to_capacity=True)
     dispatcher = SimpleNamespace(config=config, drop_and_pad=True, cuda_sync_point="x",
                                        input_splits=None, output_splits=None,
                                        output_splits_tp=None)
-    with core_patches.dispatch_dropless(dispatcher):
+    with model_layers.dispatch_dropless(dispatcher):
         assert dispatcher.config.moe_expert_capacity_factor is None
         assert not dispatcher.config.moe_pad_expert_input_to_capacity
         assert not dispatcher.drop_and_pad
@@ -998,8 +1004,8 @@ def test_optimizer_reaches():
         calls.append("exit")
 
     part = Part()
-    core_patches.run_state_dict_within(part, scope)
-    core_patches.install_optimizer_step(part, "graph")
+    megatron_optimizer.run_state_dict_within(part, scope)
+    megatron_optimizer.install_optimizer_step(part, "graph")
     assert part.state_dict() == {"step": 1} and calls == ["enter", "state_dict", "exit"]
     assert part.step == "graph"
 
@@ -1061,8 +1067,8 @@ def test_hybrid_cp_groups_are_asked_for_only_while_the_groups_are_built(monkeypa
             raise RuntimeError("no rendezvous")
 
     monkeypatch.setattr(start_up, "_initialize_distributed", upstream)
-    core_patches.build_hybrid_cp_groups_at_start_up()
-    core_patches.build_hybrid_cp_groups_at_start_up()  # idempotent: wrapped once
+    training_loop.build_hybrid_cp_groups_at_start_up.body()
+    training_loop.build_hybrid_cp_groups_at_start_up.body()  # idempotent: wrapped once
     start_up._initialize_distributed(None, None, "store", skip_model_parallel_init=True)
     assert seen == [(True, "store", True)] and args.hybrid_context_parallel is False
     with pytest.raises(RuntimeError, match="no rendezvous"):
@@ -1081,7 +1087,7 @@ def test_upstream_local_graphs_share_one_pool_forward_only_graphs_can_join(monke
     assert "pool=self.mempool" in source(cuda_graphs._CudaGraphRunner.create_fwd_graph)
     pool = object()
     monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", pool)
-    assert core_patches.local_graph_pool() is pool
+    assert graph_engine.local_graph_pool() is pool
 
 
 # -- gradient accumulation fusion without apex ---------------------------------------------
@@ -1096,9 +1102,9 @@ def _linear_config(**fields):
 def test_upstream_linears_need_apex_for_fused_accumulation():
     from megatron.core.tensor_parallel import layers
 
-    column = source(core_patches.UPSTREAM_COLUMN_PARALLEL_INIT)
+    column = source(model_layers.UPSTREAM_COLUMN_PARALLEL_INIT)
     assert "config.gradient_accumulation_fusion and not _grad_accum_fusion_available" in column
-    for init in (core_patches.UPSTREAM_COLUMN_PARALLEL_INIT, core_patches.UPSTREAM_ROW_PARALLEL_INIT):
+    for init in (model_layers.UPSTREAM_COLUMN_PARALLEL_INIT, model_layers.UPSTREAM_ROW_PARALLEL_INIT):
         assert "self.gradient_accumulation_fusion = config.gradient_accumulation_fusion" in source(init)
     # The forward reads the linear's own copy, not the config.
     for linear in (layers.ColumnParallelLinear, layers.RowParallelLinear):
@@ -1115,9 +1121,11 @@ def upstream_linears(monkeypatch):
     from megatron.core.tensor_parallel import layers
 
     monkeypatch.setattr(layers.ColumnParallelLinear, "__init__",
-                        core_patches.UPSTREAM_COLUMN_PARALLEL_INIT)
-    monkeypatch.setattr(layers.RowParallelLinear, "__init__", core_patches.UPSTREAM_ROW_PARALLEL_INIT)
+                        model_layers.UPSTREAM_COLUMN_PARALLEL_INIT)
+    monkeypatch.setattr(layers.RowParallelLinear, "__init__", model_layers.UPSTREAM_ROW_PARALLEL_INIT)
     monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
+    monkeypatch.delitem(gate.applied_patches, "megatron_core_linears_unfused_without_apex",
+                        raising=False)
     return layers
 
 
@@ -1128,7 +1136,7 @@ def test_without_apex_megatron_core_linears_build_unfused_and_the_config_keeps_f
     init = torch.nn.init.zeros_
     with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):  # upstream alone
         layers.ColumnParallelLinear(8, 8, config=config, init_method=init)
-    assert core_patches.megatron_core_linears_unfused_without_apex() == "applied"
+    assert model_layers.megatron_core_linears_unfused_without_apex() == "applied"
     column = layers.ColumnParallelLinear(8, 8, config=config, init_method=init, bias=False)
     row = layers.RowParallelLinear(8, 8, config=config, init_method=init, bias=False,
                                    input_is_parallel=True, skip_bias_add=False)
@@ -1139,15 +1147,15 @@ def test_without_apex_megatron_core_linears_build_unfused_and_the_config_keeps_f
     out, _ = row(column(x)[0])
     out.sum().backward()
     assert column.weight.grad is not None and row.weight.grad is not None
-    # Applied once, whatever the number of calls.
-    core_patches.megatron_core_linears_unfused_without_apex()
-    assert layers.ColumnParallelLinear.__init__.__wrapped__ is core_patches.UPSTREAM_COLUMN_PARALLEL_INIT
+    # Installed once, whatever the number of calls.
+    model_layers.megatron_core_linears_unfused_without_apex()
+    assert layers.ColumnParallelLinear.__init__.__wrapped__ is model_layers.UPSTREAM_COLUMN_PARALLEL_INIT
 
 
 def test_linears_are_left_alone_with_apex(upstream_linears, monkeypatch):
     monkeypatch.setattr(upstream_linears, "_grad_accum_fusion_available", True)
-    assert core_patches.megatron_core_linears_unfused_without_apex().startswith("not needed")
-    assert upstream_linears.ColumnParallelLinear.__init__ is core_patches.UPSTREAM_COLUMN_PARALLEL_INIT
+    assert model_layers.megatron_core_linears_unfused_without_apex.body().startswith("not needed")
+    assert upstream_linears.ColumnParallelLinear.__init__ is model_layers.UPSTREAM_COLUMN_PARALLEL_INIT
 
 
 def _ddp_shell(impl: str, params: list):
@@ -1161,17 +1169,17 @@ def test_ddp_keeps_the_flag_te_fused_accumulation_set(monkeypatch):
     from megatron.core.distributed import DistributedDataParallel
 
     monkeypatch.setattr(DistributedDataParallel, "zero_grad_buffer",
-                        core_patches.UPSTREAM_ZERO_GRAD_BUFFER)
+                        megatron_ddp.UPSTREAM_ZERO_GRAD_BUFFER)
     fused, unfused = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     fused.grad_added_to_main_grad, unfused.grad_added_to_main_grad = True, False
     # Upstream clears every flag unless its own TE graphs run.
-    core_patches.UPSTREAM_ZERO_GRAD_BUFFER(_ddp_shell("local", [fused, unfused]))
+    megatron_ddp.UPSTREAM_ZERO_GRAD_BUFFER(_ddp_shell("local", [fused, unfused]))
     assert fused.grad_added_to_main_grad is False
-    core_patches.UPSTREAM_ZERO_GRAD_BUFFER(_ddp_shell("transformer_engine", [fused]))
+    megatron_ddp.UPSTREAM_ZERO_GRAD_BUFFER(_ddp_shell("transformer_engine", [fused]))
     fused.grad_added_to_main_grad = True
-    core_patches.ddp_keeps_fused_wgrad_flags()
-    core_patches.ddp_keeps_fused_wgrad_flags()  # once
-    assert DistributedDataParallel.zero_grad_buffer.__wrapped__ is core_patches.UPSTREAM_ZERO_GRAD_BUFFER
+    megatron_ddp.ddp_keeps_fused_wgrad_flags.body()
+    megatron_ddp.ddp_keeps_fused_wgrad_flags.body()  # once
+    assert DistributedDataParallel.zero_grad_buffer.__wrapped__ is megatron_ddp.UPSTREAM_ZERO_GRAD_BUFFER
     DistributedDataParallel.zero_grad_buffer(_ddp_shell("local", [fused, unfused]))
     assert fused.grad_added_to_main_grad is True and unfused.grad_added_to_main_grad is False
     # DDP's hook adds a returned gradient only while the flag is clear.
@@ -1227,7 +1235,7 @@ def test_te_replays_run_ddps_param_gather_hooks_of_every_module_inside(overlap):
     ddp = _overlapping_ddp(overlap, list(layer.parameters()), finished)
     # DDP's own hook factory (the reach), bound to the stand-in: upstream's hook body runs.
     ddp._make_forward_pre_hook = lambda: DistributedDataParallel._make_forward_pre_hook(ddp)
-    core_patches.ddp_param_gather_before_te_replays(ddp, [layer])
+    megatron_ddp.ddp_param_gather_before_te_replays(ddp, [layer])
     modules = [module for _, (module,) in layer.cuda_graph_manual_hooks]
     assert modules == ([layer[0], layer[1][0]] if overlap else [])  # the ones holding weights
     for hook, hook_args in layer.cuda_graph_manual_hooks:  # as TEGraphDispatch._replay_graph
@@ -1250,7 +1258,7 @@ def test_te_capture_runs_with_ddps_gather_hooks_removed_after_one_gather(hooks_o
         setattr(ddp, name, getattr(DistributedDataParallel, name).__get__(ddp))
     if hooks_on:  # off in Megatron-LM's first iteration
         ddp.enable_forward_pre_hook()
-    with core_patches.ddp_gather_hooks_removed([ddp]):
+    with megatron_ddp.ddp_gather_hooks_removed([ddp]):
         assert not model._forward_pre_hooks and not model[0]._forward_pre_hooks
         assert gathers == ([True] if hooks_on else [])
     assert bool(model[0]._forward_pre_hooks) == hooks_on

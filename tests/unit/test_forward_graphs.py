@@ -330,6 +330,21 @@ def test_each_evaluation_of_megatron_lms_loop_is_one_record(cpu_dist, calculator
     assert not any("forward graphs captured" in r for r in valid[1:])
 
 
+def test_the_forward_step_runs_on_its_own_as_megatron_lm_calls_it(cpu_dist):
+    """``step(data_iterator, model)`` (Megatron-LM's contract, no runtime) is the runtime's eager
+    micro-batch: the same losses as a forced-eager pass through the seam."""
+    model, runtime, seam, _ = evaluation()
+    step, batches = CPUStep(), micro_batches(0, 3)
+    with runtime.forced_eager():
+        through_runtime = evaluate(seam, model, batches, step)
+    model.eval()
+    data = iter(batches)
+    with torch.no_grad():
+        alone = [loss_func(output)[2]["lm loss"]
+                 for output, loss_func in (step(data, model) for _ in batches)]
+    assert all(torch.equal(a, b) for a, b in zip(alone, through_runtime))
+
+
 def test_replays_read_the_weights_in_place(cpu_dist):
     model, runtime, seam, _ = evaluation()
     step, batches = CPUStep(), micro_batches(0, 2)

@@ -1,0 +1,34 @@
+"""The process-wide patches every training process installs before building a model.
+
+`apply_core_patches` is the one list; the patches themselves live with the upstream part
+they change (graph_engine.py, optimizer.py, layers.py, training_loop.py). Patches that need
+arguments install themselves through the same gate where they are called:
+`training_loop.route_training_loop` (the seam into Megatron-LM's loop),
+`model_layers.megatron_core_linears_unfused_without_apex` (the model builders) and
+`training_loop.megatron_parser_flaws_fixed` (the argument parser).
+"""
+
+from megatron.packed_upstream import graph_engine, megatron_optimizer, model_layers, training_loop
+
+PROCESS_PATCHES = (
+    graph_engine.keep_forward_inputs_until_backward_captured,
+    graph_engine.keep_chunk_graph_buffers_private,
+    graph_engine.keep_saved_tensor_observer_armed_until_capture,
+    megatron_optimizer.sync_free_multi_tensor_fallbacks,
+    megatron_optimizer.clip_gradients_without_host_sync,
+    graph_engine.warm_up_graphs_on_recorded_layouts,
+    model_layers.te_cross_entropy_capturable,
+    graph_engine.check_arg_types_without_reimporting,
+    graph_engine.record_capture_statistics,
+    training_loop.skip_dataset_helper_build,
+)
+
+
+def apply_core_patches() -> dict:
+    """Install every process-wide patch (once; later calls change nothing). Raises on a
+    megatron-core version these were not written for.
+
+    Returns ``{patch name: "applied" | "not needed: <why>"}`` for `PROCESS_PATCHES`
+    (`gate.applied_patches` holds every patch installed in the process).
+    """
+    return {patch.__name__: patch() for patch in PROCESS_PATCHES}
