@@ -1,6 +1,36 @@
-"""Fixtures for every test folder (unit, gpu, functional)."""
+"""Fixtures for every test folder (unit, gpu, functional), and the test lanes."""
 
 import pytest
+
+_SLOW_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", dest="run_all_lanes",
+                     help="run the tests marked slow too (the full lane; what CI runs)")
+
+
+@pytest.hookimpl(trylast=True)  # after -k and the folders' own hooks
+def pytest_collection_modifyitems(config, items):
+    """The default lane leaves out the tests marked ``slow``. ``--all`` keeps them, and so does
+    any ``-m`` expression (``-m slow`` runs only them; ``-m gpus`` and ``-m "not gpus"``
+    select as written)."""
+    if config.getoption("run_all_lanes") or config.option.markexpr:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    config.stash[_SLOW_LEFT_OUT] = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = config.stash.get(_SLOW_LEFT_OUT, 0)
+    if left_out:
+        tests = "test" if left_out == 1 else "tests"
+        terminalreporter.write_line(
+            f"{left_out} {tests} marked slow left out (the default lane); "
+            "--all runs them too (docs/testing.md)")
 
 
 @pytest.fixture(autouse=True)

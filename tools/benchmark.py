@@ -103,7 +103,9 @@ writes the rows. A configuration that fails
 error, its log tail goes to stderr, and the exit status is 1.
 
 Each run starts torchrun with ``--standalone``: the rendezvous store binds a free port
-itself, so several benchmarks can share one machine without a port race.
+itself, so several benchmarks can share one machine without a port race. On a machine
+without a CUDA GPU (or with fewer than --nproc visible) it starts none: one line says so, and
+the exit status is 1.
 """
 
 import argparse
@@ -821,6 +823,10 @@ def main(argv=None) -> int:
         parser.error(f"--pipeline-model-parallel-size is wrong: {args.pipeline_model_parallel_size}. "
                      f"It must divide --nproc ({args.nproc}).")
     check_moe_options(parser, args, presets)
+    problem = cuda_problem(args.nproc)
+    if problem:  # before any torchrun: one line, not a log tail per row
+        print(f"tools/benchmark.py: {problem}", file=sys.stderr)
+        return 1
     variants = args.variants + [f"layer-graphs-c{c}" for c in args.capacities]
     runs = [(preset, variant, cp_set, experts, mode, router) for preset in presets
             for experts in (args.moe_experts if is_moe(preset) else ["sequential"])
@@ -851,6 +857,21 @@ def main(argv=None) -> int:
               f"table holds those", file=sys.stderr)
         return 124  # what timeout(1) returns
     return code
+
+
+def cuda_problem(nproc: int) -> str | None:
+    """Why no run can start on this machine (no CUDA device visible, or fewer than ``nproc``),
+    or None. torch only counts the devices here; the runs make the CUDA contexts."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("needs a CUDA GPU (torch.cuda.is_available() is False): run it on a GPU "
+                "machine; --from-metrics tabulates finished runs' metrics files without one")
+    visible = torch.cuda.device_count()
+    if visible < nproc:
+        return (f"--nproc {nproc} needs {nproc} CUDA GPUs and {visible} are visible: lower "
+                f"--nproc or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    return None
 
 
 class TimeLimit(Exception):

@@ -23,9 +23,11 @@ drop-and-pad remains the better choice (`format_dropless_comparison`). CPU only.
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -33,18 +35,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from megatron.packed_training.datasets import (  # noqa: E402
-    MockPackedDataset,
-    PackedRow,
-    PackedRowDataset,
-    PackingStats,
-    pack_documents,
-    read_jsonl_documents,
-)
-from megatron.packed_training.datasets.packing import (  # noqa: E402
-    LONG_DOCUMENT_POLICIES,
-    resolve_long_document_policy,
-)
+# torch's note about a CUDA_HOME without a CUDA runtime, on machines without a GPU
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+with warnings.catch_warnings():  # megatron-core's notes about optional packages it lacks
+    warnings.simplefilter("ignore")
+    from megatron.packed_training.datasets import (  # noqa: E402
+        MockPackedDataset,
+        PackedRow,
+        PackedRowDataset,
+        PackingStats,
+        pack_documents,
+        read_jsonl_documents,
+    )
+    from megatron.packed_training.datasets.chat import chat_line  # noqa: E402
+    from megatron.packed_training.datasets.packing import (  # noqa: E402
+        LONG_DOCUMENT_POLICIES,
+        resolve_long_document_policy,
+    )
 
 ROUND_CAPACITIES = (16, 32, 64, 128, 256, 512, 1024)
 """Capacities whose fallback rate the report always shows."""
@@ -281,7 +288,7 @@ def format_moe_report(loads: RouterLoads, target_overflow_rate: float) -> str:
 
 DROPLESS_ALIGNMENT = 8
 """Rows each expert's group is padded to under --moe-dropless-graphs (16 bytes of bf16;
-packed_graphs/grouped_gemm.group_alignment)."""
+packed_model/grouped_gemm.group_alignment)."""
 
 
 def dropless_graph_rows(loads: RouterLoads, expert_parallel: int = 1) -> tuple[int, int]:
@@ -426,6 +433,13 @@ def main(argv=None) -> int:
             f"sigma {args.mock_doc_length_sigma:g}, seed {args.seed}"
         )
     else:
+        line = chat_line(args.data_path)
+        if line is not None:
+            raise ValueError(
+                f"{args.data_path}:{line}: data is wrong: a chat conversation (\"messages\"), "
+                f"and the advisor reads pre-tokenized JSONL. Pre-tokenize it first: python "
+                f"tools/preprocess_sft.py --input {args.data_path} --output train.jsonl "
+                f"--tokenizer-model <tokenizer folder>, then pass --data-path train.jsonl.")
         stats = PackingStats()
         documents = read_jsonl_documents(args.data_path, args.vocab_size)
         rows = list(

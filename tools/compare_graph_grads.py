@@ -8,7 +8,8 @@ bypass). Prints the relative gradient difference, total and for the worst parame
 one micro-batch; the same one again (replay must be repeatable); two micro-batches
 accumulated; an eager then a replayed micro-batch. Eager vs eager is the noise floor. First it
 lists any backward-graph buffer that is memory a forward graph kept as its input (the
-aliasing behind the first bug this tool found, core_patches.py).
+aliasing behind the first bug this tool found; the fix:
+graph_engine.keep_forward_inputs_until_backward_captured).
 
     python tools/compare_graph_grads.py --model gpt --impl local --granularity chunk -- \\
         --num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention \\
@@ -68,10 +69,10 @@ def ddp_config(args):
 def captured_runners(model) -> list:
     """The layer graph runners of a model, in module order (a partial MoE layer's in forward
     order: attention, router, postprocess)."""
-    from megatron.packed_graphs.layers import graph_managers
+    from megatron.packed_upstream.graph_engine import graph_managers, runners
 
     return [runner for module in model.modules() for manager in graph_managers(module)
-            for runner in manager.cudagraph_runners]
+            for runner in runners(manager)]
 
 
 def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32,
@@ -96,15 +97,18 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
 
     import pretrain_gpt
     import pretrain_mamba
-    from megatron.packed_graphs.core_patches import (
-        apply_core_patches,
+    from megatron.packed_upstream.graph_engine import (
         forward_inputs_reused_as_grad_buffers,
         use_side_stream,
     )
+    from megatron.packed_upstream.patches import apply_core_patches
     from megatron.packed_graphs.plan import Reason, StepGraphPlan
     from megatron.packed_graphs.runtime import GraphRuntime
     from megatron.packed_training.arguments import parse_args
-    from megatron.packed_training.config import transformer_config_from_args
+    from megatron.packed_training.config import (
+        graph_settings_from_args,
+        transformer_config_from_args,
+    )
     from megatron.packed_training.datasets.mock import MockPackedDataset
     from megatron.packed_training.datasets.packing import collate_packed_rows
     from megatron.packed_training.packed_step import PackedForwardStep
@@ -124,7 +128,7 @@ def compare_replay_with_eager(kind: str, model_argv: list, *, capacity: int = 32
     config.no_sync_func = model.no_sync
     with_seq_idx = kind == "hybrid"
     step = PackedForwardStep.from_args(args, with_seq_idx=with_seq_idx)
-    runtime = GraphRuntime.from_args(args, [model], config)
+    runtime = GraphRuntime.from_settings(graph_settings_from_args(args), [model], config)
     data = MockPackedDataset(64, args.seq_length, args.vocab_size, seed=7, doc_length_median=128)
     batches = [collate_packed_rows([data[i]]) for i in range(64)]
 

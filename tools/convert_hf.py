@@ -7,8 +7,10 @@
     # the launch flags only
     python tools/convert_hf.py flags Qwen3-0.6B
 
-``--measure`` prints wall time and peak host memory. A model the fork cannot build is
-refused with the reason (exit status 2).
+``--measure`` prints wall time and peak host memory. A model the fork cannot build, a
+truncated or missing shard, a folder that is not what the command reads, or a missing
+dependency (the ``hf`` extra: ``pip install -e ".[hf]"``) is refused in one line,
+``convert_hf.py: error: ...`` (exit status 2).
 """
 
 import argparse
@@ -73,8 +75,29 @@ def _quiet_imports() -> None:
     warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint\..*")
 
 
+REQUIRED = ("safetensors",)
+"""Packages every command needs (the ``hf`` extra of pyproject.toml; transformers, also in it,
+is needed only to read a tokenizer)."""
+
+
+def missing_dependency() -> str | None:
+    """The one-line error when a package of `REQUIRED` is not importable, else None."""
+    for package in REQUIRED:
+        try:
+            __import__(package)
+        except ImportError:
+            return (f"the {package} package is not importable, and the converter reads and "
+                    f"writes safetensors files: install the converter's dependencies, "
+                    f"pip install -e \".[hf]\"")
+    return None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    missing = missing_dependency()
+    if missing:
+        print(f"convert_hf.py: error: {missing}", file=sys.stderr)
+        return 2
     _quiet_imports()
     from megatron.packed_training.hf import ConversionError, export_hf, import_hf
     from megatron.packed_training.hf.measure import measured

@@ -41,14 +41,14 @@ sys.path.insert(0, REPO)
 
 SCRIPTS = {"pretrain_gpt.py": "gpt", "pretrain_mamba.py": "hybrid"}
 # A stack that passes through one of these ran inside the model (graph territory).
-MODEL_PATHS = ("megatron/packed_graphs/", "megatron/core/transformer/", "megatron/core/ssm/",
-               "megatron/core/models/", "megatron/core/tensor_parallel/layers",
+MODEL_PATHS = ("megatron/packed_graphs/", "megatron/packed_model/", "megatron/core/transformer/",
+               "megatron/core/ssm/", "megatron/core/models/", "megatron/core/tensor_parallel/layers",
                "mamba_ssm/", "causal_conv1d/")
 # The seam where Megatron-LM's loop calls the graph runtime (every schedule call and, wrapped,
-# the optimizer step pass through it) and the loop's patched functions (core_patches: the
-# training log, the update and rerun flags). They are the loop's code, not the model's: a frame
-# here alone does not put a sync inside the model.
-LOOP_SEAM = ("megatron/packed_graphs/schedule.py", "megatron/packed_graphs/core_patches.py")
+# the optimizer step pass through it) and the loop's patched functions (the shim's
+# training_loop.py: the training log, the update and rerun flags). They are the loop's code, not
+# the model's: a frame here alone does not put a sync inside the model.
+LOOP_SEAM = ("megatron/packed_graphs/schedule.py", "megatron/packed_upstream/training_loop.py")
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MODULE_CALL = "torch/nn/modules/module.py"  # a frame here: an nn.Module call is running
 # Host reads made on purpose once per iteration, outside every graph, by code that lives

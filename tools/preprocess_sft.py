@@ -11,11 +11,15 @@ conversation, loss mask 1 on assistant tokens only: the same documents, in the s
 
 Then train with ``--data-path train.jsonl --sft`` and ``--vocab-size`` (the size it prints) or
 the same tokenizer flags. The output is written to a temporary file and renamed at the end, so
-a failed run leaves no partial file. Conversations without an assistant turn are skipped.
+a failed run leaves no partial file. Conversations without an assistant turn are skipped; a
+file where no conversation has one is refused (exit status 2, no output). ShareGPT-style
+records (``conversations`` of ``from`` / ``value`` turns) are refused naming the rewrite into
+``messages`` (docs/data-format.md).
 """
 
 import argparse
 import json
+import logging
 import multiprocessing
 import os
 import sys
@@ -24,6 +28,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# torch's note about a CUDA_HOME without a CUDA runtime, on machines without a GPU
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 with warnings.catch_warnings():  # megatron-core's notes about optional packages it lacks
     warnings.simplefilter("ignore")
     from megatron.packed_training.datasets.chat import (  # noqa: E402
@@ -32,6 +38,7 @@ with warnings.catch_warnings():  # megatron-core's notes about optional packages
         detect_format,
         encode_line,
     )
+    from megatron.packed_training.datasets.jsonl import other_chat_format  # noqa: E402
     from megatron.packed_training.tokenizer import TOKENIZER_TYPES, load_tokenizer  # noqa: E402
 
 
@@ -93,6 +100,16 @@ def _encode(item):
     return encode_line(line, where, _worker_tokenizer)
 
 
+def _other_format(path: str) -> ValueError | None:
+    """The error for a first record in another chat layout (ShareGPT), naming ``path:line``."""
+    for where, line in _lines(path):
+        try:
+            return other_chat_format(json.loads(line), where)
+        except json.JSONDecodeError:
+            return None
+    return None
+
+
 def summary(stats: ChatStats, output: str, vocab_size: int, default_template: bool) -> str:
     share = 100.0 * stats.assistant_tokens / stats.tokens if stats.tokens else 0.0
     template = "built-in ChatML template" if default_template else "the tokenizer's chat template"
@@ -111,6 +128,9 @@ def preprocess(input_path: str, output_path: str, tokenizer, progress: bool = Tr
         raise ValueError(f"--input is wrong: {input_path!r} is not a file. Pass a .jsonl file "
                          f"of conversations.")
     if detect_format(input_path) != "chat":
+        other = _other_format(input_path)
+        if other is not None:
+            raise other
         raise ValueError(f"--input is wrong: {input_path} is not chat data (its first record "
                          f"has no \"messages\"). Pass a JSONL of conversations; pre-tokenized "
                          f"files are read by training as they are.")
@@ -134,6 +154,12 @@ def preprocess(input_path: str, output_path: str, tokenizer, progress: bool = Tr
                               "loss_mask": loss_mask.astype(int).tolist()}
                     out.write(json.dumps(record, separators=(",", ":")) + "\n")
                 bar.update(1)
+        if stats.conversations and not stats.tokens:
+            raise ValueError(
+                f"--input is wrong: none of the {stats.conversations} conversations of "
+                f"{input_path} has an assistant turn, so there is nothing to train on (a "
+                f'conversation trains on the turns whose role is "assistant"). Check the '
+                f"roles; no output was written.")
         os.replace(temporary, output_path)
     finally:
         if pool is not None:

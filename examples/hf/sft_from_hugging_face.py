@@ -17,11 +17,15 @@ Four steps, each a function a script or test can call on its own:
 MoE models under whole-layer graphs need drop-and-pad: pass ``--extra
 "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity"`` (docs/moe.md).
 docs/hf-checkpoints.md walks through the same run by hand.
+
+A failed step ends the script with one line naming the step and its cause (for training, the
+error its log ends with, and the log's path) and exit status 1.
 """
 
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -58,13 +62,55 @@ def training_command(converted, data: str, work: str, *, gpus: int = 1, train_it
             *converted.flags, *training, *extra]
 
 
+class StepFailed(RuntimeError):
+    """A step failed; the message is one line: the step, its cause and where the log is."""
+
+
+# A rank's prefix that torchrun may put before each line of a child's output.
+_RANK_PREFIX = re.compile(r"^\[(?:default)?(?:rank)?\d+\]:\s?")
+# A script's own one-line refusal: "pretrain_gpt.py: error: ...", "pretrain_gpt.py: no CUDA ..."
+_SCRIPT_LINE = re.compile(r"^[\w./-]+\.py: \S")
+# torchrun's own report after a child failed: never the cause.
+_LAUNCHER_LINE = re.compile(r"ChildFailedError|torch[./]distributed[./]elastic|^[=-]+$")
+# ... except where a rank died of a signal (no traceback then): torchrun names the signal.
+_SIGNAL_LINE = re.compile(r"Signal \d+ \(\w+\) received")
+
+
+def failure_cause(output: str) -> str:
+    """The line of a failed run's output that says why: the last exception a traceback ended
+    with, a script's own ``script.py: ...`` message or the signal that killed a rank,
+    whichever came last (torchrun's report of the failed child left out); else the last
+    line that is not torchrun's. "" for empty output."""
+    lines = [_RANK_PREFIX.sub("", line).rstrip() for line in output.splitlines()]
+    lines = [line for line in lines if line.strip()]
+    causes, in_traceback = [], False
+    for line in lines:
+        signal = _SIGNAL_LINE.search(line)
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and not line[:1].isspace():
+            in_traceback = False  # the exception line ends the traceback
+            if not _LAUNCHER_LINE.search(line):
+                causes.append(line)
+        elif signal:
+            causes.append(line[signal.start():])
+        elif not in_traceback and _SCRIPT_LINE.match(line) and not _LAUNCHER_LINE.search(line):
+            causes.append(line)
+    plain = [line for line in lines if not line[:1].isspace() and not _LAUNCHER_LINE.search(line)]
+    return (causes or plain or [""])[-1].strip()
+
+
 def train(command: list, log: str) -> None:
-    """Step 2: run ``command``; its output goes to ``log`` (raises on failure)."""
+    """Step 2: run ``command``; its output goes to ``log``. Raises `StepFailed` naming the
+    cause (`failure_cause` of the log) on failure."""
     with open(log, "w") as out:
         proc = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                               env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", **os.environ})
     if proc.returncode:
-        raise RuntimeError(f"training failed ({proc.returncode}); see {log}")
+        with open(log, errors="replace") as f:
+            cause = failure_cause(f.read())
+        raise StepFailed(f"training failed (exit {proc.returncode}): "
+                         f"{cause or 'no output'} (full log: {log})")
 
 
 def export(work: str):
@@ -115,8 +161,26 @@ def main(argv=None) -> int:
     parser.add_argument("--cuda-graph-max-packed-seqs", type=int, default=64)
     parser.add_argument("--extra", default="", help="more training flags, one string")
     args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except StepFailed as failed:
+        print(f"sft_from_hugging_face.py: {failed}", file=sys.stderr)
+        return 1
+
+
+def run(args) -> int:
+    """The four steps of `main`; a failed step raises `StepFailed` (one line)."""
+    try:
+        from megatron.packed_training.hf import ConversionError
+    except ImportError as error:
+        raise StepFailed(f"conversion failed: {error}; install the converter's dependencies: "
+                         "pip install -e \".[hf]\"") from None
+
     os.makedirs(args.work, exist_ok=True)
-    converted = convert(args.hf, args.work, args.tensor_parallel_size)
+    try:
+        converted = convert(args.hf, args.work, args.tensor_parallel_size)
+    except ConversionError as error:
+        raise StepFailed(f"conversion failed: {error}") from None
     extra = shlex.split(args.extra)
     if args.tensor_parallel_size > 1:
         extra = ["--tensor-model-parallel-size", str(args.tensor_parallel_size), *extra]
@@ -127,9 +191,16 @@ def main(argv=None) -> int:
                                capacity=args.cuda_graph_max_packed_seqs, extra=extra)
     print(" ".join(shlex.quote(word) for word in command), flush=True)
     train(command, os.path.join(args.work, "train.log"))
-    exported = export(args.work)
+    try:
+        exported = export(args.work)
+    except ConversionError as error:
+        raise StepFailed(f"export failed: {error}") from None
     print(f"exported {exported.destination}")
-    tokens = generate(exported.destination, first_prompt(args.data))
+    try:
+        tokens = generate(exported.destination, first_prompt(args.data))
+    except (ImportError, OSError, ValueError) as error:
+        reason = " ".join(str(error).split())  # one line
+        raise StepFailed(f"generation failed: {type(error).__name__}: {reason}") from None
     print(f"greedy tokens after the first prompt: {tokens}")
     return 0
 

@@ -24,7 +24,8 @@ graphs for log-probs), then prints each phase's time and tokens/s, eager against
 checks that (a) the graphs run's log-probs equal its eager log-probs on the same weights
 (computed in the same process each step) and (b) the weights after the last step equal the
 eager run's, each within the eager-against-eager difference (bitwise where that is 0).
-Exit status 1 when a check fails. The three runs use mamba-ssm's deterministic kernels
+Exit status 1 when a check fails, or at once, in one line, on a machine without a CUDA GPU.
+The three runs use mamba-ssm's deterministic kernels
 (``MAMBA_DETERMINISTIC=1``) unless the environment sets the variable: its default kernels
 are not bitwise from one process to the next, so the hybrid's weights would part.
 """
@@ -294,10 +295,15 @@ def main(argv=None) -> int:
     if options.steps <= TIMED_FROM:
         parser.error(f"--steps is wrong: {options.steps}. Give more than {TIMED_FROM}: the "
                      f"first {TIMED_FROM} steps are left out of the timings.")
+    if options.run is not None and options.out is None:
+        parser.error("--out is wrong: missing. --run writes its results there.")
+    if not torch.cuda.is_available():  # before any run starts: one line, status 1
+        print("examples/rl/grpo_packed.py: needs a CUDA GPU (torch.cuda.is_available() is "
+              "False): the policy trains and computes log-probs on the GPU; run it on a GPU "
+              "machine", file=sys.stderr)
+        return 1
     if options.run is None:
         return compare(options, argv)
-    if options.out is None:
-        parser.error("--out is wrong: missing. --run writes its results there.")
     results = run(options)
     if torch.distributed.get_rank() == 0:
         torch.save(results, options.out)

@@ -5,7 +5,7 @@ captured and the micro-batches' segment counts (and CP sizes): no device work, n
 The runtime (runtime.py) calls them before the schedule runs; every pipeline stage and
 virtual chunk reads the same micro-batches, so every stage makes the same choice.
 
-``grep -n "Reason\\." megatron/`` finds every fallback.
+``grep -rn "Reason\\." megatron/`` finds every fallback.
 """
 
 from typing import Collection, List, Optional, Sequence, Tuple

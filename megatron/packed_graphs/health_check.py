@@ -43,37 +43,7 @@ from torch import Tensor
 
 from megatron.packed_model.moe import moe_accumulators_kept
 from megatron.packed_graphs.plan import Granularity, GraphKey, Mode, Reason, StepGraphPlan
-
-ACTIONS = ("warn", "disable")
-
-
-@dataclass(frozen=True)
-class HealthCheckConfig:
-    """Settings of the graph health check (docs/cuda-graphs.md, "Graph health check")."""
-
-    interval: int = 0
-    """Check at the end of every ``interval``-th training iteration; 0: never."""
-    tolerance: float = 0.01
-    """Largest relative difference of loss and of gradient norm that is not a divergence."""
-    action: str = "warn"
-    """On a divergence: 'warn' (log it, keep the graphs) or 'disable' (graphs off for the rest
-    of the run)."""
-
-    def __post_init__(self):
-        if not isinstance(self.interval, int) or self.interval < 0:
-            raise ValueError(f"--cuda-graph-check-interval is wrong: {self.interval}. Use 0 (no "
-                             "check) or a positive number of iterations, e.g. 100.")
-        if not (isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance)
-                and self.tolerance > 0):
-            raise ValueError(f"--cuda-graph-check-tolerance is wrong: {self.tolerance}. Use a "
-                             "positive relative difference, e.g. 0.01.")
-        if self.action not in ACTIONS:
-            raise ValueError(f"--cuda-graph-check-action is wrong: {self.action}. Use warn or "
-                             "disable.")
-
-    @property
-    def enabled(self) -> bool:
-        return self.interval > 0
+from megatron.packed_graphs.settings import HealthCheckConfig  # built with the graph settings
 
 
 @dataclass(frozen=True)

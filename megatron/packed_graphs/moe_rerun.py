@@ -36,6 +36,7 @@ from typing import Callable, Dict, FrozenSet, Iterator, List, Sequence
 import torch
 
 from megatron.packed_model.moe import MoEAccumulators, dropless_moe, packed_routers
+from megatron.packed_graphs.settings import GraphSettings
 
 RERUN_REASON = "moe_overflow_rerun"
 """Why a rerun micro-batch ran eager: the counts' key (the graph plan's reason value)."""
@@ -85,18 +86,18 @@ class MoEOverflowRerun:
         self.peak_loads: Dict[int, int] = {}
         self.micro_batches_per_iteration = 0
         self._hooks = [hook for index, chunk in enumerate(self.chunks) for hook in (
-            chunk.register_forward_pre_hook(lambda module, args, i=index: self._before(i)),
-            chunk.register_forward_hook(lambda module, args, out, i=index: self._after(i)))]
+            chunk.register_forward_pre_hook(lambda module, inputs, i=index: self._before(i)),
+            chunk.register_forward_hook(lambda module, inputs, out, i=index: self._after(i)))]
 
     @classmethod
-    def from_args(cls, args, model_chunks: Sequence[torch.nn.Module]):
-        """The training run's monitor (validated arguments); None unless
+    def from_settings(cls, settings: GraphSettings, model_chunks: Sequence[torch.nn.Module]):
+        """The training run's monitor (the run's graph settings, settings.py); None unless
         ``--moe-capacity-overflow rerun``."""
-        if getattr(args, "moe_capacity_overflow", "drop") != "rerun":
+        if settings.moe is None or settings.moe.capacity_overflow != "rerun":
             return None
-        bound = args.global_batch_size // args.micro_batch_size
-        if not getattr(args, "dynamic_cp_sizes", None):  # else ranks run unequal shares
-            bound //= args.data_parallel_size
+        bound = settings.global_batch_size // settings.micro_batch_size
+        if settings.cp_banks is None:  # else ranks run unequal shares
+            bound //= settings.data_parallel_size
         return cls(model_chunks, max_micro_batches=max(1, bound))
 
     @contextmanager

@@ -51,6 +51,7 @@ import torch
 
 from megatron.packed_upstream import megatron_optimizer
 from megatron.packed_graphs.graph_memory import capture_in_own_pool
+from megatron.packed_graphs.settings import GraphSettings
 
 EAGER_KEY = "eager optimizer steps"  # summed over the log interval, like the runtime's "eager *"
 
@@ -285,18 +286,19 @@ class OptimizerGraph:
         return cls(optimizer.step, inner_optimizers(optimizer), capture_at)
 
     @classmethod
-    def install(cls, args, optimizer, runtime) -> Optional["OptimizerGraph"]:
-        """With ``--optimizer-cuda-graph``: make ``optimizer.step`` this graph (as megatron-core's
-        training loop wraps it), have the ``state_dict`` of each part of ``optimizer`` hold
-        the live values as numbers (`StepTensors.as_numbers`), and add the graph's statistics
-        to ``runtime``'s (a `GraphRuntime`). Returns it; None without the flag.
+    def install(cls, settings: GraphSettings, optimizer, runtime) -> Optional["OptimizerGraph"]:
+        """With ``--optimizer-cuda-graph`` (``settings.optimizer_graph``; settings.py): make
+        ``optimizer.step`` this graph (as megatron-core's training loop wraps it), captured
+        after ``settings.warmup_steps``; have the ``state_dict`` of each part of ``optimizer``
+        hold the live values as numbers (`StepTensors.as_numbers`), and add the graph's
+        statistics to ``runtime``'s (a `GraphRuntime`). Returns it; None without the flag.
 
         The parts' ``state_dict``, not the optimizer's: megatron-core's ChainedOptimizer (what
         get_megatron_optimizer returns, here around one part) hands a save to its part's
         ``sharded_state_dict``, which calls that part's own ``state_dict``."""
-        if not getattr(args, "packed_optimizer_graph", False):
+        if not settings.optimizer_graph:
             return None
-        graph = cls.for_optimizer(optimizer, capture_iteration(args.cuda_graph_warmup_steps))
+        graph = cls.for_optimizer(optimizer, capture_iteration(settings.warmup_steps))
         megatron_optimizer.install_optimizer_step(optimizer, graph)
         for part in getattr(optimizer, "chained_optimizers", [optimizer]):
             megatron_optimizer.run_state_dict_within(part, graph.tensors.as_numbers)

@@ -27,7 +27,7 @@ class PackedBatchParams(PackedSeqParams):
     position_ids: Optional[Tensor] = None
     padding_mask: Optional[Tensor] = None
     """bool ``[T]``, True on positions that hold no document (row padding), for the MoE
-    router (packed_graphs/moe.py); None = no padding information."""
+    router (packed_model/moe.py); None = no padding information."""
 
 
 def build_seq_idx(cu_seqlens: Tensor, total_tokens: int) -> Tensor:

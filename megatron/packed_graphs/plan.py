@@ -11,7 +11,7 @@ te_graphs.py) read it with `active_plan()` at megatron-core's dispatch site and 
 The active plan is a context variable that only `running` sets, and resets in ``finally``:
 outside a runtime's model call there is none, and modules keep megatron-core's own behaviour.
 
-``grep -n "Reason\\." megatron/`` finds every place a micro-batch is sent eager.
+``grep -rn "Reason\\." megatron/`` finds every place a micro-batch is sent eager.
 """
 
 import enum
@@ -143,11 +143,14 @@ class StepGraphPlan:
 
 @dataclass(frozen=True)
 class GraphRuntimeConfig:
-    """Host-static CUDA-graph settings of a run, frozen (built once: `GraphRuntime.from_args`).
+    """Host-static CUDA-graph settings of a run, frozen: what the runtime plans with, derived
+    once from the run's `settings.GraphSettings` (`runtime.runtime_config`).
 
     See docs/cuda-graphs.md for the flags behind each field.
     """
 
+    # The layer graphs' implementation: `GraphSettings.impl`, with 'full_iteration' as
+    # "local" and ``full_iteration`` set (its misses run local layer or chunk graphs).
     impl: str = "none"  # "none" | "local" | "transformer_engine"
     granularity: Granularity = Granularity.LAYER
     capacity: int = 0  # the top capacity (--cuda-graph-max-packed-seqs)

@@ -1,6 +1,7 @@
 """The one CUDA-graph runtime of a training run: plan, capture, replay, fallback, statistics.
 
-Built once from a frozen `GraphRuntimeConfig` and the model chunks (`GraphRuntime.from_args`).
+Built once from the run's frozen `GraphSettings` (settings.py) and the model chunks
+(`GraphRuntime.from_settings`); it plans with the `GraphRuntimeConfig` derived from them.
 The training loop hands it each iteration's micro-batches and its forward step:
 
     with graphs.iteration(micro_batches, forward_step) as step:
@@ -83,6 +84,7 @@ from megatron.packed_graphs.plan import (
     StepGraphPlan,
     running,
 )
+from megatron.packed_graphs.settings import GraphSettings
 from megatron.packed_graphs.te_graphs import TELayerGraphs
 
 PLAN_KEY = "graph_plan"  # where a planned micro-batch (a copy of the loader's dict) holds its plan
@@ -91,62 +93,65 @@ STATIC_KEY = "static_micro_batch"  # an iteration graph's micro-batch: its stati
 ITERATION_POSITIONS = "iteration positions"
 
 
-def tokens_per_rank(args) -> int:
+def tokens_per_rank(settings: GraphSettings) -> int:
     """Positions of a micro-batch's THD stream that one rank's layers see."""
-    if getattr(args, "dynamic_cp_sizes", None):
-        return args.dynamic_cp_tokens_per_rank
-    tokens = args.micro_batch_size * args.seq_length // args.context_parallel_size
-    return tokens // args.tensor_model_parallel_size if args.sequence_parallel else tokens
+    if settings.cp_banks is not None:
+        return settings.cp_banks.tokens_per_rank
+    tokens = settings.micro_batch_size * settings.seq_length // settings.context_parallel_size
+    return tokens // settings.tensor_parallel_size if settings.sequence_parallel else tokens
 
 
-def forward_graphs_unavailable(args) -> Optional[str]:
+def forward_graphs_unavailable(settings: GraphSettings) -> Optional[str]:
     """Why forward-only passes of this run cannot replay forward-only graphs (they then run
     eager, `Reason.EVAL`); None when they can. A forward-only graph holds the whole forward
     pass of a model chunk: every part of it must be capturable, and nothing outside it may
     be needed between micro-batches."""
-    if args.packed_graph_impl == "none":
+    if settings.impl == "none":
         return "--cuda-graph-impl none"
-    if args.pipeline_model_parallel_size > 1:
+    if settings.pipeline_parallel_size > 1:
         return ("pipeline parallelism (a stage's forward waits on the previous stage's send, "
                 "outside any graph)")
-    if getattr(args, "overlap_param_gather", False):
+    if settings.overlap_param_gather:
         return ("--overlap-param-gather (DDP gathers the parameters in forward pre-hooks, "
                 "which a replay does not run)")
-    if getattr(args, "num_experts", None) is not None:
-        if getattr(args, "moe_capacity_overflow", "drop") == "rerun":
+    moe = settings.moe
+    if moe is not None:
+        if moe.capacity_overflow == "rerun":
             return ("--moe-capacity-overflow rerun (forward-only passes run the MoE layers "
                     "dropless, which reads token counts on the host)")
-        if not getattr(args, "moe_dropless_graphs", False) and (
-                args.moe_expert_capacity_factor is None
-                or not args.moe_pad_expert_input_to_capacity):
+        if not moe.dropless_graphs and (moe.expert_capacity_factor is None
+                                        or not moe.pad_expert_input_to_capacity):
             return ("MoE without drop-and-pad (the dispatch reads token counts on the host); "
                     "add --moe-dropless-graphs, or --moe-expert-capacity-factor and "
                     "--moe-pad-expert-input-to-capacity")
     return None
 
 
-def config_from_args(args, slots_per_chunk: Sequence[int] = (1,)) -> GraphRuntimeConfig:
-    """The frozen graph settings of a run (validated CLI arguments; docs/cuda-graphs.md)."""
-    impl = args.packed_graph_impl
+def runtime_config(settings: GraphSettings,
+                   slots_per_chunk: Sequence[int] = (1,)) -> GraphRuntimeConfig:
+    """The runtime's frozen plan settings from the run's graph settings (docs/cuda-graphs.md):
+    a full-iteration run plans local layer (or chunk) graphs for its misses, dynamic CP under
+    TE graphs one bank per CP size."""
+    impl = settings.impl
     full_iteration = impl == "full_iteration"  # local layer or chunk graphs for its misses
     impl = "local" if full_iteration else impl
     banks = ()
-    if getattr(args, "dynamic_cp_sizes", None) and impl == "transformer_engine":
+    if settings.cp_banks is not None and impl == "transformer_engine":
         granularity = Granularity.CP_BANK
-        banks = tuple(zip(args.dynamic_cp_sizes, args.dynamic_cp_max_packed_seqs))
+        banks = tuple(zip(settings.cp_banks.sizes, settings.cp_banks.max_packed_seqs))
     else:
-        granularity = Granularity(args.cuda_graph_granularity)
+        granularity = Granularity(settings.granularity)
     return GraphRuntimeConfig(
         impl=impl, granularity=granularity,
-        capacity=args.cuda_graph_max_packed_seqs,
-        warmup_iterations=args.cuda_graph_warmup_steps,
-        ladder=tuple(args.cuda_graph_capacity_ladder or ()),
-        capture_needs_all_micro_batches=args.pipeline_model_parallel_size > 1,
-        cp_size=args.context_parallel_size, bank_capacities=banks,
-        slots_per_chunk=tuple(slots_per_chunk), tokens_per_rank=tokens_per_rank(args),
+        capacity=settings.capacity,
+        warmup_iterations=settings.warmup_steps,
+        ladder=tuple(settings.ladder),
+        capture_needs_all_micro_batches=settings.pipeline_parallel_size > 1,
+        cp_size=settings.context_parallel_size, bank_capacities=banks,
+        slots_per_chunk=tuple(slots_per_chunk), tokens_per_rank=tokens_per_rank(settings),
         full_iteration=full_iteration,
-        iteration_micro_batches=getattr(args, "num_microbatches", 0) if full_iteration else 0,
-        forward_graphs=forward_graphs_unavailable(args) is None)
+        iteration_micro_batches=settings.num_microbatches if full_iteration else 0,
+        forward_graphs=forward_graphs_unavailable(settings) is None)
 
 
 class GraphRuntime:
@@ -187,7 +192,7 @@ class GraphRuntime:
         self.forward_pool = forward_graph_pool(
             graph_engine.local_graph_pool if config.impl == "local" else None)
         self.forward_capture: Callable = capture_graph  # CPU tests pass a stand-in
-        # Why forward-only passes run eager (from_args; None: they replay graphs, or unknown).
+        # Why forward-only passes run eager (from_settings; None: they replay graphs, or unknown).
         self.forward_eager_reason: Optional[str] = None
         self._forced = False  # inside `forced_eager`
 
@@ -198,20 +203,18 @@ class GraphRuntime:
         self.statistics_sources.append(source)
 
     @classmethod
-    def from_args(cls, args, model: Sequence[torch.nn.Module], model_config,
-                  check_guards: Sequence[Callable] = ()) -> "GraphRuntime":
-        """The run's runtime: settings from validated arguments, chunk slots from this rank's
-        pipeline schedule (chunk granularity; needs the parallel state), TE layer graphs, the
-        health check (``check_guards``: see `GraphHealthCheck`)."""
+    def from_settings(cls, settings: GraphSettings, model: Sequence[torch.nn.Module],
+                      model_config, check_guards: Sequence[Callable] = ()) -> "GraphRuntime":
+        """The run's runtime: its graph settings (built once from the validated arguments,
+        settings.py), chunk slots from this rank's pipeline schedule (chunk granularity; needs
+        the parallel state), TE layer graphs, the health check (``check_guards``: see
+        `GraphHealthCheck`)."""
         slots = (1,)
-        if (args.packed_graph_impl in ("local", "full_iteration")
-                and args.cuda_graph_granularity == "chunk"):
+        if settings.impl in ("local", "full_iteration") and settings.granularity == "chunk":
             slots = tuple(chunk_slot_count(model_config, chunk) for chunk in range(len(model)))
-        check = HealthCheckConfig(interval=getattr(args, "cuda_graph_check_interval", 0),
-                                  tolerance=getattr(args, "cuda_graph_check_tolerance", 0.01),
-                                  action=getattr(args, "cuda_graph_check_action", "warn"))
-        runtime = cls(config_from_args(args, slots), model, model_config, check, check_guards)
-        runtime.forward_eager_reason = forward_graphs_unavailable(args)
+        runtime = cls(runtime_config(settings, slots), model, model_config,
+                      settings.health_check, check_guards)
+        runtime.forward_eager_reason = forward_graphs_unavailable(settings)
         if runtime.iteration_graph is not None:
             from megatron.core import parallel_state
 

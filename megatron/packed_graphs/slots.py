@@ -10,7 +10,7 @@ count serve every count.
 
 Slot counts are read off megatron-core's own schedule (`get_pp_rank_microbatches`,
 `get_schedule_table`, and the fwd/bwd order the TE graph helper uses), computed once at
-start-up (`GraphRuntime.from_args`). Which slot a micro-batch takes is part of its graph plan
+start-up (`GraphRuntime.from_settings`). Which slot a micro-batch takes is part of its graph plan
 (`dispatch.assign_chunk_slots`): a chunk's backward passes run in the order of its forward
 passes in both 1F1B and interleaved schedules, so the k-th graphed forward takes slot
 ``k mod S``.

@@ -183,11 +183,12 @@ def gpt_decoder_spec(config, attention_backend: str, normalization: str = "RMSNo
 
 def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
                       num_experts: int | None = None, moe_grouped_gemm: bool = False,
-                      multi_latent_attention: bool = False,
-                      qk_layernorm: bool = False) -> ModuleSpec:
+                      multi_latent_attention: bool = False, qk_layernorm: bool = False,
+                      mamba_conv_kernel_size: int = 4) -> ModuleSpec:
     """`GraphSafeHybridStack` spec: Mamba ('M'), attention ('*'), MLP ('-'), with
     ``num_experts`` MoE ('E') and with ``multi_latent_attention`` MLA ('+') layers;
-    ``qk_layernorm`` as in `gpt_layer_spec`.
+    ``qk_layernorm`` as in `gpt_layer_spec`; ``mamba_conv_kernel_size``: the Mamba mixer's
+    causal convolution width (megatron-core's ``d_conv``).
 
     Imports the Mamba modules on call: megatron-core's MambaMixer needs triton and mamba-ssm.
     """
@@ -211,6 +212,7 @@ def hybrid_stack_spec(attention_backend: str, normalization: str = "RMSNorm",
                         submodules=MambaMixerSubmodules(
                             in_proj=in_proj, out_proj=provider.row_parallel_linear()
                         ),
+                        params={"d_conv": mamba_conv_kernel_size},
                     ),
                     mamba_bda=get_bias_dropout_add,
                     sharded_state_dict_keys_map=te_checkpoint_keys(provider, "norm."),

@@ -22,6 +22,9 @@ sync, but three ways for a CUDA graph to read the wrong memory:
 `fused_rope_table_rows` is the kernel's row -> table-row map in torch, so the contract can be
 checked without a GPU (tests/unit/test_mla_rope.py runs the Triton kernel itself in Triton's
 CPU interpreter against it).
+
+The kernels also compile only for some head sizes: `head_size_rules` refuses the others at
+parse time (packed_training/extra_args.py), before Triton would fail at the first forward.
 """
 
 import inspect
@@ -193,3 +196,24 @@ class GraphSafeYarnRotaryEmbedding(YarnRotaryEmbedding):
 def retired_tables() -> List[Tuple[Tensor, Tensor]]:
     """Tables replaced by longer ones, kept alive for the graphs that read them."""
     return list(_RETIRED)
+
+
+# The head sizes the fused kernels take as Triton ``tl.arange`` ranges, which compile for
+# powers of two only: half the RoPE width in both kernels (so the width is a power of two of
+# at least 4), ``qk_head_dim`` and ``v_head_dim`` in the key/value kernel. (flag, dest, least)
+FUSED_HEAD_SIZES = (("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim", 4),
+                    ("--qk-head-dim", "qk_head_dim", 1), ("--v-head-dim", "v_head_dim", 1))
+
+
+def fused_rope_compiles(size: int, least: int = 1) -> bool:
+    """Whether ``size`` is a power of two of at least ``least``."""
+    return size >= least and size & (size - 1) == 0
+
+
+def head_size_rules(args) -> list:
+    """`refusals.refuse` rules for MLA head sizes in ``args`` that the fused kernels do not
+    compile, each naming the largest power of two below the size (or ``least``) as the fix."""
+    return [(not fused_rope_compiles(size, least), flag, size,
+             f"megatron-core's fused MLA RoPE kernel (Triton) compiles power-of-two head sizes "
+             f"only; use e.g. {1 << (max(size, least).bit_length() - 1)}")
+            for flag, dest, least in FUSED_HEAD_SIZES for size in (getattr(args, dest),)]

@@ -2,8 +2,7 @@
 (the wheel's ``megatron.training.arguments``) plus the fork's flags and rules (extra_args.py).
 
 ``parse_args(argv, model)``: the validated ``args``, or ``ValueError`` (docs/flags.md); the
-scripts' ``parse_args_or_exit`` prints it as ``<script>: error: <message>`` and exits 2.
-"""
+scripts' ``parse_args_or_exit`` prints it as ``<script>: error: <message>`` and exits 2."""
 
 import argparse
 import contextlib
@@ -28,8 +27,9 @@ DEFAULT_VOCAB_SIZE = 32000  # pre-tokenized data without --vocab-size (NullToken
 MEGATRON_FLAGS = pathlib.Path(__file__).with_name("megatron_flags.txt")
 MEGATRON_HELP = pathlib.Path(__file__).with_name("megatron_help.txt")
 # What megatron-core and torch print while Megatron-LM's parser is imported without Apex, TE
-# or a CUDA toolkit, ten lines before every message (the start-up notes say the fallbacks).
-_IMPORT_NOTICES = ".*(Apex is not installed|Apex are not installed|supports MoE experts)"
+# or a CUDA toolkit (the start-up notes say the fallbacks), or validates outside torchrun (rank
+# 0), ten lines before every message.
+_IMPORT_NOTICES = ".*(Apex (is|are) not installed|supports MoE experts|Could not determine rank)"
 
 
 @contextlib.contextmanager
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def extra_args_provider(parser, raise_on_error: bool = False) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the fork's flags on its parser. With
     ``raise_on_error`` argparse's every error raises ``ValueError`` instead of exiting."""
-    from megatron.packed_graphs.core_patches import megatron_parser_flaws_fixed
+    from megatron.packed_upstream.training_loop import megatron_parser_flaws_fixed
     from megatron.packed_training.extra_args import add_packed_args
 
     parser = add_packed_args(parser)
@@ -70,11 +70,13 @@ def extra_args_provider(parser, raise_on_error: bool = False) -> argparse.Argume
     return parser
 
 
-def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> argparse.Namespace:
+def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False,
+               dump=None) -> argparse.Namespace:
     """Parse and validate ``argv`` (default ``sys.argv[1:]``) for ``model`` ('gpt' | 'hybrid'):
     Megatron-LM's ``parse_args`` (with `extra_args_provider`) and ``validate_args``, then the
-    fork's rules. Raises ``ValueError`` with the value and the fix; argparse's own errors (an
-    unknown flag, a bad choice) exit 2, or raise ``ValueError`` with ``raise_on_error``."""
+    fork's rules; then Megatron-LM's argument dump goes to stdout, or to the file ``dump``.
+    Raises ``ValueError`` with the value and the fix; argparse's own errors (an unknown flag,
+    a bad choice) exit 2, or raise ``ValueError`` with ``raise_on_error``."""
     with _without_import_notices():
         from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
         from megatron.training.arguments import parse_args as megatron_parse_args, validate_args
@@ -109,9 +111,9 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
     # --valid-data-path beside --data-path is the fork's (Megatron-LM takes one or the other).
     split, valid_data_path = args.split, args.valid_data_path
     args.split, args.valid_data_path = split or "1,0,0", None  # not its --split warning either
-    dump = io.StringIO()  # its argument dump, printed once the fork's rules have passed too
+    held = io.StringIO()  # its argument dump, printed once the fork's rules have passed too
     try:
-        with contextlib.redirect_stdout(dump):
+        with contextlib.redirect_stdout(held), _without_import_notices():
             validate_args(args, UPSTREAM_DEFAULTS)
     except AssertionError as err:  # Megatron-LM's checks are asserts; a bare one: its line
         frame = traceback.extract_tb(err.__traceback__)[-1]
@@ -126,12 +128,13 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False) -> a
         args.eval_iters = 0  # Megatron-LM would evaluate an empty iterator
         args.packed_notes.append("no validation data (--valid-data-path, a --split with a "
                                  "validation share, or --mock-data): evaluation off")
-    print(dump.getvalue(), end="", flush=True)
+    print(held.getvalue(), end="", flush=True, file=dump)
     return args
 
 
-def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace:
-    """`parse_args` for an entry script: a bad flag or value prints ``<script>: error:
+def parse_args_or_exit(model: str, script: str, argv=None, dump=None) -> argparse.Namespace:
+    """`parse_args` for an entry script (``dump``: the file for the argument dump, which the
+    scripts print after their start-up checks): a bad flag or value prints ``<script>: error:
     <message>`` from rank 0 only (every torchrun rank parses the line) and exits 2. ``--help``,
     an unknown flag or a missing data file answer before the ~10 s import of Megatron-LM's
     parser (MEGATRON_HELP, MEGATRON_FLAGS)."""
@@ -155,7 +158,7 @@ def parse_args_or_exit(model: str, script: str, argv=None) -> argparse.Namespace
             paths = getattr(typed, dest)
             if rank0 and paths and len(paths) == 1:  # rank 0 reads the data; several: a blend
                 check_data_path(paths[0], flag)
-        return parse_args(argv, model, raise_on_error=True)
+        return parse_args(argv, model, raise_on_error=True, dump=dump)
     except ValueError as err:
         if rank0:
             print(f"{script}: error: {err}", file=sys.stderr, flush=True)

@@ -5,6 +5,11 @@ validated arguments: Megatron-LM's own ``core_transformer_config_from_args`` (ev
 flag: recompute, FP8, RoPE scaling, MoE, MLA, ...) in the fork's config class, with what only
 the fork's layers and graphs read set on top.
 
+``graph_settings_from_args(args)`` is the one place the graph package's settings are built
+from validated arguments: the frozen `GraphSettings` (with its `MoEGraphSettings`, `CPBanks`
+and `HealthCheckConfig`; megatron/packed_graphs/settings.py) that the graph runtime, the MoE
+overflow monitor and the optimizer graph take. megatron.packed_graphs never reads ``args``.
+
 The library config is for frameworks that drive training without a command line:
 ``load_training_config`` turns a YAML file or a dict keyed by the flags' dest names into the
 ``args`` the command line would give (the same parser and checks). docs/config-api.md.
@@ -19,6 +24,13 @@ import yaml
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from megatron.packed_graphs.settings import (
+    CPBanks,
+    GraphSettings,
+    HealthCheckConfig,
+    MoEGraphSettings,
+)
+
 
 @dataclass
 class PackedTransformerConfig(TransformerConfig):
@@ -29,12 +41,17 @@ class PackedTransformerConfig(TransformerConfig):
 
     moe_dropless_graphs: bool = False
     """MoE layers dropless with static shapes, whole-layer graphs capture them
-    (--moe-dropless-graphs; packed_graphs/moe_dropless.py)."""
+    (--moe-dropless-graphs; packed_model/moe_dropless.py)."""
 
     moe_router_skew: float = 0.0
     """Benchmarks of unbalanced routing (--moe-router-skew): a fixed logit bias on the first
     eighth of the experts that sends about this fraction of the routed slots there; 0: off
-    (packed_graphs/moe.py, `PackedTopKRouter`)."""
+    (packed_model/moe.py, `PackedTopKRouter`)."""
+
+
+# Megatron-LM's YaRN flags (their args names) -> megatron-core's MLATransformerConfig fields.
+MLA_YARN_FIELDS = {"yarn_original_max_position_embeddings": "original_max_position_embeddings",
+                   "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
 
 
 @dataclass
@@ -43,7 +60,7 @@ class PackedMLATransformerConfig(PackedTransformerConfig, MLATransformerConfig):
 
     mla_pad_v: bool = True
     """Pad V to the query head size on packed data, as megatron-core does (--mla-pad-v);
-    False hands TE's attention the narrower V (packed_graphs/mla.py)."""
+    False hands TE's attention the narrower V (packed_model/mla.py)."""
 
 
 def transformer_config_from_args(args) -> TransformerConfig:
@@ -74,7 +91,48 @@ def transformer_config_from_args(args) -> TransformerConfig:
     config.moe_router_skew = getattr(args, "moe_router_skew", 0.0)
     if args.multi_latent_attention:
         config.mla_pad_v = args.mla_pad_v == "always"
+        # Megatron-LM's --yarn-* flags set only non-MLA YaRN fields; MLA's have other names.
+        for dest, field_name in MLA_YARN_FIELDS.items():
+            if getattr(args, dest, None) is not None:
+                setattr(config, field_name, getattr(args, dest))
     return config
+
+
+def graph_settings_from_args(args) -> GraphSettings:
+    """The run's graph settings from validated ``args`` (arguments.parse_args or
+    `load_training_config`); build them once, where the graph runtime is built.
+
+    ``impl`` is the launch line's ``--cuda-graph-impl`` as given (``args.packed_graph_impl``),
+    not ``args.cuda_graph_impl``, which Megatron-LM's loop sees ('local' or 'none'; why:
+    `GraphSettings`). ``moe`` is None without ``--num-experts``, ``cp_banks`` None without
+    ``--dynamic-cp-sizes``."""
+    moe = banks = None
+    if args.num_experts is not None:
+        moe = MoEGraphSettings(
+            dropless_graphs=args.moe_dropless_graphs,
+            capacity_overflow=args.moe_capacity_overflow,
+            expert_capacity_factor=args.moe_expert_capacity_factor,
+            pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity)
+    if args.dynamic_cp_sizes:
+        banks = CPBanks(sizes=tuple(args.dynamic_cp_sizes),
+                        max_packed_seqs=tuple(args.dynamic_cp_max_packed_seqs),
+                        tokens_per_rank=args.dynamic_cp_tokens_per_rank)
+    return GraphSettings(
+        impl=args.packed_graph_impl, granularity=args.cuda_graph_granularity,
+        capacity=args.cuda_graph_max_packed_seqs,
+        ladder=tuple(args.cuda_graph_capacity_ladder or ()),
+        warmup_steps=args.cuda_graph_warmup_steps, optimizer_graph=args.packed_optimizer_graph,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        global_batch_size=args.global_batch_size, num_microbatches=args.num_microbatches,
+        data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
+        pipeline_parallel_size=args.pipeline_model_parallel_size,
+        overlap_param_gather=args.overlap_param_gather, moe=moe, cp_banks=banks,
+        health_check=HealthCheckConfig(interval=args.cuda_graph_check_interval,
+                                       tolerance=args.cuda_graph_check_tolerance,
+                                       action=args.cuda_graph_check_action))
 
 
 def load_training_config(source: str | os.PathLike | dict, model: str = "gpt"

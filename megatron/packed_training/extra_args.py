@@ -1,7 +1,7 @@
 """The fork's flags (`add_packed_args`, added by arguments.extra_args_provider) and its rules
 for a whole run (`validate_packed_args`, after Megatron-LM's ``validate_args``): one check per
 feature, each raising ``ValueError("<what> is wrong: <value>. <what to do>.")`` (`fail`,
-`refuse`: packed_graphs/refusals.py). The graph flags go to the fork's graph runtime
+`refuse`: packed_model/refusals.py). The graph flags go to the fork's graph runtime
 (`hand_graph_flags_to_the_runtime`). Every flag: docs/flags.md."""
 
 import argparse
@@ -63,6 +63,8 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Benchmarks: route about FRACTION of slots to an eighth of the experts.")
     g.add_argument("--mla-pad-v", choices=["always", "never"], default="always",
                    help="Packed MLA: pad V to the query head size (always) or not (never).")
+    g.add_argument("--mamba-conv-kernel-size", type=int, choices=[2, 3, 4], default=4,
+                   help="Mamba's causal convolution width (megatron-core's d_conv).")
     g.add_argument("--metrics-file",
                    help="JSON-lines file: one record per training iteration and evaluation.")
     g.add_argument("--profile-trace-dir",
@@ -163,7 +165,7 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
 
 def check_gradient_accumulation_fusion(args) -> None:
     """Without apex's kernel: on for TE's linears, which fuse in TE's GEMM (megatron-core's own
-    build unfused: core_patches.megatron_core_linears_unfused_without_apex); off if TE-free."""
+    build unfused: model_layers.megatron_core_linears_unfused_without_apex); off if TE-free."""
     if not args.gradient_accumulation_fusion or is_importable("fused_weight_gradient_mlp_cuda"):
         return
     refuse((args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute", "on",
@@ -192,6 +194,8 @@ def check_attention(args) -> None:
 
 def check_mamba(args, model: str) -> None:
     """The widths MambaMixer asserts (inner width 2 x hidden), before the model is built."""
+    refuse((model == "gpt" and args.mamba_conv_kernel_size != 4, "--mamba-conv-kernel-size",
+            args.mamba_conv_kernel_size, "A GPT model has no Mamba layers; drop the flag"))
     if model == "hybrid":
         inner, heads = 2 * args.hidden_size, _mamba_heads(args)
         refuse((args.mamba_num_heads is None and inner % args.mamba_head_dim, "--mamba-head-dim",
@@ -240,28 +244,27 @@ def check_dynamic_cp(args) -> None:
     one_size = "Dynamic CP places whole global batches of one size; drop it"
     ramp = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
     ramped = args.rampup_batch_size or args.step_batch_size_schedule
-    refuse(
-        (args.context_parallel_size > 1, "--context-parallel-size", args.context_parallel_size,
-         "Dynamic CP picks each micro-batch's CP group from the data-parallel ranks; use 1"),
-        (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
-         args.pipeline_model_parallel_size, f"{uneven}, which pipeline stages cannot; use 1"),
-        (args.expert_model_parallel_size > 1, "--expert-model-parallel-size",
-         args.expert_model_parallel_size, "Ranks hold different token counts under dynamic "
-         "CP, so expert capacities would differ within one expert-parallel all-to-all; use 1"),
-        (args.micro_batch_size != 1, "--micro-batch-size", args.micro_batch_size,
-         "Under dynamic CP a micro-batch is one packed stream; use 1"),
-        (bool(ramped), ramp, _shown(ramped), one_size),
-        (args.decrease_batch_size_if_needed, "--decrease-batch-size-if-needed", True, one_size),
-        (not args.calculate_per_token_loss, "--calculate-per-token-loss", "not given",
-         f"{uneven}, so only the per-token loss weighs them right; add it"),
-        (impl in ("local", "full_iteration"), "--cuda-graph-impl", impl, "Dynamic CP graphs are "
-         "banks of TE layer graphs, one per CP size; use transformer_engine, or none"),
-        (args.cuda_graph_check_interval > 0, "--cuda-graph-check-interval",
-         args.cuda_graph_check_interval, "Each rank checks its first graphed micro-batch, "
-         "and the ranks of a dynamic CP group need not pick the same one; drop it"),
-        ("moe_preprocess" in modules, "--cuda-graph-modules", _shown(modules),
-         "Graph banks hold different token counts, but an MoE layer's eager part reads the last "
-         "bank's preprocess shapes; drop moe_preprocess"), suffix=", or drop --dynamic-cp-sizes")
+    refuse((args.context_parallel_size > 1, "--context-parallel-size", args.context_parallel_size,
+            "Dynamic CP picks each micro-batch's CP group from the data-parallel ranks; use 1"),
+           (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
+            args.pipeline_model_parallel_size, f"{uneven}, which pipeline stages cannot; use 1"),
+           (args.expert_model_parallel_size > 1, "--expert-model-parallel-size",
+            args.expert_model_parallel_size, "Ranks hold different token counts under dynamic "
+            "CP, so expert capacities would differ within one expert-parallel all-to-all; use 1"),
+           (args.micro_batch_size != 1, "--micro-batch-size", args.micro_batch_size,
+            "Under dynamic CP a micro-batch is one packed stream; use 1"),
+           (bool(ramped), ramp, _shown(ramped), one_size),
+           (args.decrease_batch_size_if_needed, "--decrease-batch-size-if-needed", True, one_size),
+           (not args.calculate_per_token_loss, "--calculate-per-token-loss", "not given",
+            f"{uneven}, so only the per-token loss weighs them right; add it"),
+           (impl in ("local", "full_iteration"), "--cuda-graph-impl", impl, "Dynamic CP graphs are "
+            "banks of TE layer graphs, one per CP size; use transformer_engine, or none"),
+           (args.cuda_graph_check_interval > 0, "--cuda-graph-check-interval",
+            args.cuda_graph_check_interval, "Each rank checks its first graphed micro-batch, "
+            "and the ranks of a dynamic CP group need not pick the same one; drop it"),
+           ("moe_preprocess" in modules, "--cuda-graph-modules", _shown(modules),
+            "Graph banks hold different token counts, but an MoE layer's eager part reads the last "
+            "bank's preprocess shapes; drop moe_preprocess"), suffix=", or drop --dynamic-cp-sizes")
     ranks, backend = args.data_parallel_size, args.attention_backend.name
     sizes = list(check_cp_sizes(sizes, ranks, what="--dynamic-cp-sizes"))
     shown, largest = _shown(sizes), sizes[-1]
@@ -328,8 +331,8 @@ def check_graphs(args, model: str) -> None:
         (ladder and (min(ladder) < 1 or ladder != sorted(set(ladder)) or ladder[-1] >= capacity),
          "--cuda-graph-capacity-ladder", _shown(ladder), "Give positive capacities in ascending "
          f"order, all below --cuda-graph-max-packed-seqs ({capacity})"),
-        (ladder and (impl != "local" or pp > 1), "--cuda-graph-capacity-ladder", _shown(ladder),
-         "A ladder needs --cuda-graph-impl local at pipeline-parallel size 1 (others capture one)"),
+        (ladder and (impl != "local" or pp > 1 or chunk), "--cuda-graph-capacity-ladder",
+         _shown(ladder), "A ladder needs local layer graphs at PP = 1 (a chunk has one slot)"),
         (chunk and impl not in ("local", "full_iteration"), "--cuda-graph-granularity", "chunk",
          f"Chunk graphs are the local implementation's, not {impl}; add --cuda-graph-impl local"),
         (chunk and modules, "--cuda-graph-modules", _shown(modules),
@@ -374,15 +377,14 @@ def check_graphs(args, model: str) -> None:
 
 def check_health_check(args) -> None:
     interval, flag = args.cuda_graph_check_interval, "--cuda-graph-check-interval"
-    refuse(
-        (interval < 0, flag, interval, "Use 0 (off) or N > 0"),
-        (interval and args.packed_graph_impl == "none", flag, interval,
-         "The health check compares graphs with eager; add --cuda-graph-impl local"),
-        (interval and args.pipeline_model_parallel_size > 1, flag, interval, "The check runs "
-         "one micro-batch outside the pipeline schedule, which would take a graph runner's "
-         "turn on every stage; use --pipeline-model-parallel-size 1 or drop the flag"),
-        (not 0 < args.cuda_graph_check_tolerance < 1, "--cuda-graph-check-tolerance",
-         args.cuda_graph_check_tolerance, "Use a relative difference in (0, 1), e.g. 0.01"))
+    refuse((interval < 0, flag, interval, "Use 0 (off) or N > 0"),
+           (interval and args.packed_graph_impl == "none", flag, interval,
+            "The health check compares graphs with eager; add --cuda-graph-impl local"),
+           (interval and args.pipeline_model_parallel_size > 1, flag, interval, "The check runs "
+            "one micro-batch outside the pipeline schedule, which would take a graph runner's "
+            "turn on every stage; use --pipeline-model-parallel-size 1 or drop the flag"),
+           (not 0 < args.cuda_graph_check_tolerance < 1, "--cuda-graph-check-tolerance",
+            args.cuda_graph_check_tolerance, "Use a relative difference in (0, 1), e.g. 0.01"))
 
 
 def check_optimizer_graph(args) -> None:
@@ -457,19 +459,18 @@ def check_moe_dropless_graphs(args) -> bool:
     if not getattr(args, "moe_dropless_graphs", False):
         return False
     modules = args.packed_cuda_graph_modules
-    refuse(
-        (args.num_experts is None, "--moe-dropless-graphs", True, MOE_ONLY),
-        *dropless_refusals(args),
-        (args.moe_capacity_overflow != "drop", "--moe-capacity-overflow",
-         args.moe_capacity_overflow, "Nothing overflows without a capacity, so nothing is "
-         "rerun: drop it with --moe-dropless-graphs"),
-        (args.moe_router_load_file, "--moe-router-load-file", args.moe_router_load_file,
-         "It is written by --moe-capacity-overflow rerun, which dropless graphs lack: drop it"),
-        (any(m in (*PARTIAL_MOE_MODULES, CudaGraphModule.moe.name) for m in modules),
-         "--cuda-graph-modules", _shown(modules), "Dropless MoE graphs capture whole MoE "
-         "layers; drop moe, moe_router and moe_preprocess (they graph the dispatcher in part)"),
-        (not args.bf16, "--bf16", False,
-         "The grouped experts run torch._grouped_mm, which takes bf16: add --bf16"))
+    refuse((args.num_experts is None, "--moe-dropless-graphs", True, MOE_ONLY),
+           *dropless_refusals(args),
+           (args.moe_capacity_overflow != "drop", "--moe-capacity-overflow",
+            args.moe_capacity_overflow, "Nothing overflows without a capacity, so nothing is "
+            "rerun: drop it with --moe-dropless-graphs"),
+           (args.moe_router_load_file, "--moe-router-load-file", args.moe_router_load_file,
+            "It is written by --moe-capacity-overflow rerun, which dropless graphs lack: drop it"),
+           (any(m in (*PARTIAL_MOE_MODULES, CudaGraphModule.moe.name) for m in modules),
+            "--cuda-graph-modules", _shown(modules), "Dropless MoE graphs capture whole MoE "
+            "layers; drop moe, moe_router and moe_preprocess (they graph the dispatcher in part)"),
+           (not args.bf16, "--bf16", False,
+            "The grouped experts run torch._grouped_mm, which takes bf16: add --bf16"))
     for flag, size in (("--hidden-size", args.hidden_size),
                        ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size)):
         if size % ROW_ALIGNMENT:
@@ -498,13 +499,13 @@ def check_mla(args, model: str) -> None:
                (args.mla_pad_v != "always", "--mla-pad-v", args.mla_pad_v,
                 "It configures multi-latent attention; add --multi-latent-attention or drop it"))
         return
+    from megatron.packed_model.mla_rope import head_size_rules
     query_head = args.qk_head_dim + args.qk_pos_emb_head_dim
     refuse(
         (args.rope_type == "rope" and args.packed_graph_impl != "none", "--rope-type", "rope",
          "MLA's unfused THD RoPE reads cu_seqlens back to the host, which graphs cannot "
          "capture; use yarn (with --rotary-scaling-factor 1 it rotates like plain RoPE)"),
-        (args.qk_pos_emb_head_dim % 4, "--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim,
-         "The fused MLA RoPE rotates channel pairs in two halves; use a multiple of 4"),
+        *head_size_rules(args),  # the fused RoPE kernels' head sizes
         (args.mla_pad_v == "never" and query_head == args.v_head_dim, "--mla-pad-v", "never",
          f"V already has the query head size ({query_head}), so nothing is padded; drop the flag"))
 

@@ -1,11 +1,12 @@
 """``pretrain_gpt.py`` / ``pretrain_mamba.py``: Megatron-LM's own ``pretrain()`` (the megatron-core
 wheel's ``megatron.training``) with the fork's model, data and forward step, and the graph
-runtime at the loop's one seam.
+runtime entered through the loop's one install step (training_loop.route_training_loop, which
+docs/architecture.md lists with every name it rebinds).
 
-    args, dump = parse_args_or_exit(model, script)  # Megatron-LM's parser + the fork's flags
-    check = run_data_check(args)                  # rank 0, before any GPU work
-    require_cuda(script)                          # then the GPU; hybrid: then the Mamba kernels
-    print(dump)                                   # Megatron-LM's argument dump, all checks passed
+    args  = parse_args_or_exit(model, script, dump=held)  # Megatron-LM's parser, fork's flags
+    check = run_data_check(args)              # rank 0, before any GPU work
+    require_cuda(script)                      # then the GPU; hybrid: then the Mamba kernels
+    print(held.getvalue())                    # Megatron-LM's argument dump: every check passed
     pretrain(container, packed data provider, ModelType.encoder_or_decoder, PackedForwardStep,
              model_provider=<the fork's spec>)   # train(), evaluate(), checkpoints: upstream's
 
@@ -15,6 +16,7 @@ the `GraphRuntime`, the MoE overflow monitor and the optimizer graph; its ``wrap
 ``evaluate()`` iteration.
 """
 
+import io
 import sys
 from functools import partial
 from typing import Callable
@@ -79,6 +81,9 @@ class PackedGraphRun:
     def __init__(self, args, log: bool = True):
         self.args = args
         self.runtime = self.moe_rerun = self.log = self.optimizer = None
+        # The graph package's settings (config.graph_settings_from_args), built once with the
+        # runtime: megatron.packed_graphs reads them, never ``args``.
+        self.settings = None
         self.step_wrapped = False  # train()'s schedule comes first; evaluate() gets its own
         # The runtime's log line and metrics file (RuntimeLog); the library API (rl/policy.py)
         # reports its statistics itself.
@@ -91,18 +96,20 @@ class PackedGraphRun:
         from megatron.packed_graphs.moe_rerun import MoEOverflowRerun
         from megatron.packed_graphs.optimizer_graph import OptimizerGraph
         from megatron.packed_graphs.runtime import GraphRuntime
+        from megatron.packed_training.config import graph_settings_from_args
         from megatron.packed_training.metrics import RuntimeLog
 
-        args = self.args
-        self.moe_rerun = MoEOverflowRerun.from_args(args, model)
+        # Here, after the model, optimizer and any checkpoint's arguments: what the run uses.
+        settings = self.settings = graph_settings_from_args(self.args)
+        self.moe_rerun = MoEOverflowRerun.from_settings(settings, model)
         guards = [self.moe_rerun.suspended] if self.moe_rerun else []
-        self.runtime = GraphRuntime.from_args(args, model, get_model_config(model[0]),
-                                              check_guards=guards)
+        self.runtime = GraphRuntime.from_settings(settings, model, get_model_config(model[0]),
+                                                  check_guards=guards)
         print_rank_0(f" > {self.runtime.describe()}")
-        if graph := OptimizerGraph.install(args, optimizer, self.runtime):
+        if graph := OptimizerGraph.install(settings, optimizer, self.runtime):
             print_rank_0(f" > {graph.describe()}")
         self.optimizer = optimizer
-        self.log = RuntimeLog(args, model) if self.with_log else None
+        self.log = RuntimeLog(self.args, model) if self.with_log else None
         return self.wrap
 
     def wrap(self, schedule):
@@ -116,10 +123,11 @@ class PackedGraphRun:
         if self.log is not None:
             self.log.report_evaluation()
 
+        settings = self.settings
         seam = GraphRuntimeSchedule(self.runtime, schedule,
-                                    stream_length=self.args.micro_batch_size * self.args.seq_length,
+                                    stream_length=settings.micro_batch_size * settings.seq_length,
                                     moe_rerun=self.moe_rerun, optimizer=self.optimizer,
-                                    rank_iterations=bool(self.args.dynamic_cp_sizes))
+                                    rank_iterations=settings.cp_banks is not None)
         if not self.step_wrapped:
             megatron_optimizer.install_optimizer_step(
                 self.optimizer, seam.wrap_optimizer_step(self.optimizer.step))
@@ -144,7 +152,8 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
 
     # First: its messages come before imports. Megatron-LM's argument dump waits for the
     # start-up checks, so that a bad data file or a missing GPU is the first thing printed.
-    args, argument_dump = parse_args_or_exit(model, script, argv)
+    argument_dump = io.StringIO()
+    args = parse_args_or_exit(model, script, argv, dump=argument_dump)
     from megatron.packed_training.datasets.preflight import run_data_check
     from megatron.packed_training.initialize import require_cuda, require_mamba_kernels
 
@@ -156,7 +165,7 @@ def run_pretraining(model: str, build: Callable, script: str, argv=None) -> None
     except ValueError as err:  # the data or the kernels: status 1, as a missing GPU
         print(f"{script}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    print(argument_dump, end="", flush=True)
+    print(argument_dump.getvalue(), end="", flush=True)
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain

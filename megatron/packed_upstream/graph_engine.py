@@ -483,7 +483,7 @@ def route_graphed_function(module, name: str, call: Callable) -> None:
     wrapper again to send some calls eager (``eager=True``)."""
     if name not in vars(module):
         raise RuntimeError(f"megatron-core did not install a graphed {name!r} on "
-                           f"{type(module).__name__}: core_patches.route_graphed_function "
+                           f"{type(module).__name__}: graph_engine.route_graphed_function "
                            f"needs re-checking against megatron-core {PATCHED_VERSION}")
     setattr(module, name, call)
 

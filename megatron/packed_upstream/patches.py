@@ -1,11 +1,14 @@
 """The process-wide patches every training process installs before building a model.
 
 `apply_core_patches` is the one list; the patches themselves live with the upstream part
-they change (graph_engine.py, optimizer.py, layers.py, training_loop.py). Patches that need
-arguments install themselves through the same gate where they are called:
-`training_loop.route_training_loop` (the seam into Megatron-LM's loop),
+they change (graph_engine.py, megatron_ddp.py, megatron_optimizer.py, model_layers.py,
+training_loop.py). The other patches install themselves through the same gate where their
+condition is known: `training_loop.route_training_loop` (the seam into Megatron-LM's loop),
+`training_loop.build_hybrid_cp_groups_at_start_up` (dynamic CP, at start-up),
 `model_layers.megatron_core_linears_unfused_without_apex` (the model builders) and
-`training_loop.megatron_parser_flaws_fixed` (the argument parser).
+`megatron_ddp.ddp_keeps_fused_wgrad_flags` (TE layer graphs with fused weight gradients).
+`training_loop.megatron_parser_flaws_fixed` changes one parser, not the process: no patch.
+docs/architecture.md lists every patch with its reason and its test.
 """
 
 from megatron.packed_upstream import graph_engine, megatron_optimizer, model_layers, training_loop

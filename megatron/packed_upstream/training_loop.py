@@ -74,7 +74,7 @@ _ROUTE = _LoopRoute()
 
 
 def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) -> None:
-    """Put the fork's graph runtime into Megatron-LM's ``pretrain()`` at its one seam.
+    """Put the fork's graph runtime into Megatron-LM's ``pretrain()``: the one install step.
 
     ``train()`` and ``evaluate()`` look up ``get_forward_backward_func`` in their module at call
     time and run every iteration through what it returns; ``pretrain()`` builds the model and

@@ -44,11 +44,14 @@ def seam_replay_makes_no_host_sync(argv: list, kind: str, with_padding_mask: boo
 
     import pretrain_gpt
     import pretrain_mamba
-    from megatron.packed_graphs.core_patches import apply_core_patches
+    from megatron.packed_upstream.patches import apply_core_patches
     from megatron.packed_graphs.runtime import GraphRuntime
     from megatron.packed_graphs.schedule import GraphRuntimeSchedule
     from megatron.packed_training.arguments import parse_args
-    from megatron.packed_training.config import transformer_config_from_args
+    from megatron.packed_training.config import (
+        graph_settings_from_args,
+        transformer_config_from_args,
+    )
     from megatron.packed_training.datasets.mock import MockPackedDataset
     from megatron.packed_training.datasets.packing import collate_packed_rows
     from megatron.packed_training.packed_step import (
@@ -68,7 +71,7 @@ def seam_replay_makes_no_host_sync(argv: list, kind: str, with_padding_mask: boo
         Float16Module(config, module.model_provider(args, config).cuda()))
     config.no_sync_func = model.no_sync
     step = PackedForwardStep.from_args(args, with_seq_idx=kind == "hybrid")
-    runtime = GraphRuntime.from_args(args, [model], config)
+    runtime = GraphRuntime.from_settings(graph_settings_from_args(args), [model], config)
     # The training loop's seam: megatron-core's schedule behind the runtime.
     seam = GraphRuntimeSchedule(runtime, get_forward_backward_func(),
                                 stream_length=args.micro_batch_size * args.seq_length)

@@ -118,7 +118,7 @@ def _lost_port_race(output: str) -> bool:
 
 
 # torch's one-time warning when a weight gradient crosses streams into DDP's accumulation
-# (core_patches.ddp_on_the_process_stream keeps them on one stream).
+# (megatron_ddp.ddp_on_the_process_stream keeps them on one stream).
 STREAM_MISMATCH_WARNING = "AccumulateGrad node's stream does not match"
 
 

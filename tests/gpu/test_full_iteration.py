@@ -83,7 +83,7 @@ def test_every_iteration_fits_and_replays_one_graph(tmp_path):
     assert not any("graph capture (s)" in r for r in graphs)  # no miss: no layer graphs
     assert [r.get("eager overflow", 0) for r in graphs] == [0] * 20
     compare(eager, graphs, "gpt, no misses", 5e-3, 1e-2)
-    # DDP is built on the stream backward runs on (core_patches.ddp_on_the_process_stream):
+    # DDP is built on the stream backward runs on (megatron_ddp.ddp_on_the_process_stream):
     # no weight gradient crosses streams, and torch's one-time warning never fires.
     for run in ("eager", "full_iteration"):
         log = (tmp_path / f"{run}.log").read_text()

@@ -26,7 +26,7 @@ TE_MODEL = ["--attention-backend", "auto"]
 def test_te_linears_fuse_and_megatron_core_linears_do_not(dist):
     import pretrain_gpt
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.packed_graphs.core_patches import apply_core_patches
+    from megatron.packed_upstream.patches import apply_core_patches
     from megatron.packed_training.arguments import parse_args
     from megatron.packed_training.config import transformer_config_from_args
     from tools.compare_graph_grads import model_defaults

@@ -78,7 +78,7 @@ def test_graph_training_matches_eager(tmp_path, kind, micro_batches):
     assert dloss < 5e-3 and dnorm < 0.02, (dloss, dnorm, losses(eager), losses(graphs))
     assert statistics.mean(losses(graphs)[-5:]) < statistics.mean(losses(graphs)[:5]) - 1.0
     # DDP on the process's stream; captures cross streams once, unreported
-    # (core_patches.stream_crossings_unreported): no weight gradient crosses per iteration.
+    # (graph_engine.stream_crossings_unreported): no weight gradient crosses per iteration.
     for run in ("eager", "graphs"):
         assert STREAM_MISMATCH_WARNING not in (tmp_path / f"{run}.log").read_text(), run
 

@@ -130,7 +130,7 @@ def test_padded_row_routes_like_unpadded_under_a_partial_graph(fresh_graph_state
     the layer's output on them is the same; the router ran inside the graph (no Python call)."""
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
-    from megatron.packed_graphs.core_patches import apply_core_patches
+    from megatron.packed_upstream.patches import apply_core_patches
     from megatron.packed_graphs.plan import Reason, run_eager
 
     apply_core_patches()

@@ -27,7 +27,7 @@ from megatron.core import optimizer as megatron_optimizer
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
-from megatron.packed_graphs.core_patches import apply_core_patches
+from megatron.packed_upstream.patches import apply_core_patches
 from megatron.packed_graphs.optimizer_graph import EAGER_KEY, OptimizerGraph, inner_optimizers
 from megatron.packed_training.arguments import parse_args
 from megatron.packed_training.config import transformer_config_from_args

@@ -80,7 +80,7 @@ def test_the_grpo_example_passes_its_checks(tmp_path, model):
     assert proc.returncode == 0, output[-6000:]
     assert "| train step |" in output and "| reference log-probs |" in output
     assert output.count("ok  ") == 2 and "FAIL" not in output
-    # DDP on the stream backward runs on (core_patches.ddp_on_the_process_stream)
+    # DDP on the stream backward runs on (megatron_ddp.ddp_on_the_process_stream)
     runs_warned = [part.split(" run", 1)[0] if i else "(before the runs)"
                    for i, part in enumerate(output.split("== "))
                    if STREAM_MISMATCH_WARNING in part]

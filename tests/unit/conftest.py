@@ -112,7 +112,9 @@ def restored_training_loop(monkeypatch):
                         DistributedSignalHandler.signals_received)
     from megatron.packed_upstream import gate
 
-    for patch in ("training_loop_routed", "reduce_rerun_flags_on_host",
-                  "check_exit_signal_on_host"):  # installable again, on the restored names
-        monkeypatch.delitem(gate.applied_patches, patch, raising=False)
+    # Installable again on the restored names; the process's record comes back after.
+    reinstalled = ("training_loop_routed", "reduce_rerun_flags_on_host",
+                   "check_exit_signal_on_host")
+    monkeypatch.setattr(gate, "applied_patches", {
+        name: state for name, state in gate.applied_patches.items() if name not in reinstalled})
     return loop

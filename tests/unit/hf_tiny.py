@@ -273,7 +273,7 @@ def cpu_mla_model(args):
     )
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    from megatron.packed_graphs import core_patches
+    from megatron.packed_upstream import model_layers
     from megatron.packed_graphs.layers import GraphSafeMoELayer, GraphSafeTransformerLayer
     from megatron.packed_model.mla import DeepSeekMLASelfAttention
     from megatron.packed_graphs.specs import _mlp_spec, _moe_spec
@@ -281,7 +281,7 @@ def cpu_mla_model(args):
     from megatron.packed_graphs.specs import moe_layer_pattern
     from megatron.packed_training.config import transformer_config_from_args
 
-    core_patches.megatron_core_linears_unfused_without_apex()  # as the fork's builders
+    model_layers.megatron_core_linears_unfused_without_apex()  # as the fork's builders
     config = transformer_config_from_args(args)
     config.apply_rope_fusion = False  # megatron-core's unfused MLA RoPE (reads cu_seqlens)
     config.persist_layer_norm = False  # the TE parse's default; torch norms refuse it

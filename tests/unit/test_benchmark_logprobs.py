@@ -22,7 +22,9 @@ LOGPROB_PRESETS = benchmark.PRESET_GROUPS["logprobs"]
 
 @pytest.fixture(autouse=True)
 def _no_gpu_query(monkeypatch):
+    """No nvidia-smi query; the runs, stood in for, start as on a machine with a GPU."""
     monkeypatch.setattr(benchmark, "machine_description", lambda: "1 x Test GPU")
+    monkeypatch.setattr(benchmark, "cuda_problem", lambda nproc: None)
 
 
 def _args(**over):
@@ -56,9 +58,10 @@ def test_every_logprobs_command_passes_the_training_parser(preset, variant, monk
     assert args.packed_graph_impl == ("none" if variant == "eager" else "local")
     if preset == "hybrid-moe-small":  # drop-and-pad: forward-only graphs can run it
         from megatron.packed_graphs.runtime import forward_graphs_unavailable
+        from megatron.packed_training.config import graph_settings_from_args
 
         assert args.num_experts == 16 and (variant == "eager") == bool(
-            forward_graphs_unavailable(args))
+            forward_graphs_unavailable(graph_settings_from_args(args)))
 
 
 def test_two_ranks_split_the_micro_batches_of_a_call():

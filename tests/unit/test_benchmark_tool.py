@@ -19,12 +19,15 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import benchmark  # noqa: E402
 
+CUDA_PROBLEM = benchmark.cuda_problem  # the real check (the fixture below stands in for it)
+
 
 @pytest.fixture(autouse=True)
 def _no_gpu_query(monkeypatch):
     """The table's header asks nvidia-smi for the GPUs; tests that stand in for
-    subprocess.run must not get that query."""
+    subprocess.run must not get that query. They run as on a machine with enough GPUs."""
     monkeypatch.setattr(benchmark, "machine_description", lambda: "2 x Test GPU")
+    monkeypatch.setattr(benchmark, "cuda_problem", lambda nproc: None)
 
 
 def _row(variant, step_ms, tps, busy=None, **extra):
@@ -447,8 +450,20 @@ CONFIGS = [(preset, variant, experts, ep)
            if not (variant == "full-iteration" and benchmark.is_moe(preset))]  # refused for MoE
 
 
-@pytest.mark.parametrize("preset,variant,experts,ep", CONFIGS,
-                         ids=["-".join(map(str, c)) for c in CONFIGS])
+def _each_once_then_slow(configs):
+    """The default lane takes each preset, variant and (experts, EP) once; the other
+    combinations are marked slow (the full lane runs them all)."""
+    seen, params = set(), []
+    for config in configs:
+        preset, variant, experts, ep = config
+        keys = {("preset", preset), ("variant", variant), ("moe", experts, ep)}
+        params.append(pytest.param(*config, id="-".join(map(str, config)),
+                                   marks=() if keys - seen else pytest.mark.slow))
+        seen |= keys
+    return params
+
+
+@pytest.mark.parametrize("preset,variant,experts,ep", _each_once_then_slow(CONFIGS))
 def test_every_launch_command_passes_the_training_parser(te_importable, preset, variant,
                                                          experts, ep):
     """Every preset x variant (x expert implementation x EP for MoE) as the tool launches it,
@@ -642,7 +657,8 @@ def cpu_moe(cpu_dist, monkeypatch):
     get_moe_metrics_tracker().metrics.clear()
 
 
-@pytest.mark.parametrize("preset", MOE_PRESETS)
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.slow) if p == "gpt-moe-small"
+                                    else p for p in MOE_PRESETS])
 def test_moe_presets_build_and_train_on_cpu_at_a_reduced_size(te_importable, cpu_moe, preset):
     """The preset's launch command, at a reduced size, through the training scripts' parser,
     config and model provider, then forward and backward on a padded packed row. Reduced:
@@ -923,3 +939,41 @@ def test_the_qwen3_layers_preset_has_qwen3_30b_a3b_shapes():
             value["--moe-ffn-hidden-size"]) == ("128", "8", "768")
     assert "--moe-grouped-gemm" in value and value["--attention-backend"] == "auto"
     assert benchmark.needs_transformer_engine("qwen3-30b-a3b-layers", "eager")
+
+
+def test_without_a_cuda_gpu_it_says_so_in_one_line_and_starts_no_run(tmp_path):
+    """The tool as a user runs it on a machine without a GPU (none visible here): one line,
+    exit status 1, no torchrun and no table."""
+    import subprocess
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, os.path.join(benchmark.REPO, "tools", "benchmark.py"),
+                          "--presets", "gpt-small", "--steps", "10"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stdout) == (1, "")
+    assert run.stderr.splitlines() == [
+        "tools/benchmark.py: needs a CUDA GPU (torch.cuda.is_available() is False): run it on "
+        "a GPU machine; --from-metrics tabulates finished runs' metrics files without one"]
+
+
+def test_fewer_gpus_than_nproc_are_named_before_any_run(monkeypatch, capsys):
+    monkeypatch.setattr(benchmark, "cuda_problem", CUDA_PROBLEM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    launched = []
+    monkeypatch.setattr(benchmark.subprocess, "run", lambda cmd, **kw: launched.append(cmd))
+    assert benchmark.main(["--presets", "gpt-small", "--steps", "10", "--nproc", "4"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tools/benchmark.py: --nproc 4 needs 4 CUDA GPUs and 2 are visible: lower --nproc or "
+        "make more GPUs visible (CUDA_VISIBLE_DEVICES)"]
+    assert launched == []
+
+
+def test_from_metrics_needs_no_gpu(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(benchmark, "cuda_problem", CUDA_PROBLEM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _metrics(tmp_path / "eager.jsonl", 1000.0, iters=30)
+    assert benchmark.main(["--presets", "hybrid-small", "--from-metrics",
+                           f"eager={tmp_path / 'eager.jsonl'}", "--warmup", "10",
+                           "--log-interval", "10"]) == 0
+    assert "| hybrid-small | eager |" in capsys.readouterr().out

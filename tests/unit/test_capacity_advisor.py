@@ -280,3 +280,32 @@ def test_moe_cli_compares_with_dropless_graphs(tmp_path, capsys):
     report = capsys.readouterr().out
     assert "dropless MoE graphs (--moe-dropless-graphs) instead" in report
     assert re.search(r"drop-and-pad at 1\.17\s+2400", report)  # the recommended factor
+
+
+@pytest.mark.parametrize("kind", ["sharegpt", "chat"])
+def test_conversations_are_refused_in_one_line_naming_the_fix(tmp_path, kind):
+    """The tool as a user runs it: ShareGPT data names the rewrite into messages, chat data
+    (messages) names tools/preprocess_sft.py; exit status 2, one line, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.unit.test_chat_data import CONVERSATION, SHAREGPT, SHAREGPT_MESSAGE
+
+    path = tmp_path / "data.jsonl"
+    record = SHAREGPT if kind == "sharegpt" else {"messages": CONVERSATION}
+    path.write_text(json.dumps(record) + "\n")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, os.path.join(repo, "tools", "capacity_advisor.py"),
+                          "--data-path", str(path), "--seq-length", "64", "--vocab-size", "500"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout == ""
+    (line,) = run.stderr.splitlines()
+    if kind == "sharegpt":
+        assert re.match(rf"capacity_advisor: error: {path}:1: {SHAREGPT_MESSAGE}", line), line
+    else:
+        assert line == (
+            f'capacity_advisor: error: {path}:1: data is wrong: a chat conversation ("messages"), '
+            f"and the advisor reads pre-tokenized JSONL. Pre-tokenize it first: python "
+            f"tools/preprocess_sft.py --input {path} --output train.jsonl --tokenizer-model "
+            f"<tokenizer folder>, then pass --data-path train.jsonl.")

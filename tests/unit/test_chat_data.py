@@ -371,3 +371,86 @@ def test_a_file_of_conversations_without_an_assistant_turn_says_so(folder, tmp_p
     with pytest.raises(ValueError, match=r"\(0 shorter, 2 conversations without an assistant "
                                          r"turn\)\. .*role is \"assistant\""):
         pack_data(data_args(data_path=str(data), sft=True, **hf(folder)))
+
+
+# ------------------------------------------------------------------ ShareGPT-style records
+
+SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."},
+                              {"from": "human", "value": "Hi"},
+                              {"from": "gpt", "value": "Hello"}]}
+SHAREGPT_MESSAGE = (
+    r'data is wrong: a ShareGPT-style conversation \("conversations" of "from" / "value" '
+    r'turns\)\. Rewrite each line as \{"messages": \[\{"role": \.\.\., "content": \.\.\.\}\]\}: '
+    r'"conversations" -> "messages", "from" -> "role" \(human -> user, gpt -> assistant, '
+    r'system -> system\), "value" -> "content" \(a converter: docs/data-format\.md, "ShareGPT '
+    r'data"\)\.$')
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+def test_sharegpt_data_is_named_with_the_rewrite(tmp_path, chatml, with_tokenizer):
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", ["\n", SHAREGPT])
+    with pytest.raises(ValueError, match=rf"^{path}:2: {SHAREGPT_MESSAGE}"):
+        list(read_documents(path, vocab_size=500, tokenizer=chatml if with_tokenizer else None))
+
+
+def test_a_sharegpt_record_in_a_chat_file_is_named_at_its_line(tmp_path, chatml):
+    path = write_jsonl(tmp_path / "chat.jsonl", [GOOD, SHAREGPT])
+    with pytest.raises(ValueError, match=rf"^{path}:2: {SHAREGPT_MESSAGE}"):
+        list(read_documents(path, vocab_size=500, tokenizer=chatml))
+
+
+def test_messages_under_the_key_conversations_are_named(tmp_path, chatml):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"conversations": CONVERSATION}])
+    with pytest.raises(ValueError, match=rf'^{path}:1: data is wrong: the conversation is '
+                                         r'under "conversations"\. Rename the key to '
+                                         r'"messages"'):
+        list(read_documents(path, vocab_size=500, tokenizer=chatml))
+
+
+def test_the_documented_sharegpt_converter_gives_data_training_reads(tmp_path, chatml):
+    """docs/data-format.md's converter, run as a user would, on ShareGPT lines: its output is
+    chat data whose conversations train on the gpt turns."""
+    import re
+    import subprocess
+
+    doc = (REPO / "docs" / "data-format.md").read_text()
+    section = doc[doc.index("### ShareGPT data"):]
+    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    assert command.startswith("python ")
+    source = write_jsonl(tmp_path / "sharegpt.jsonl", [SHAREGPT, SHAREGPT])
+    subprocess.run(["bash", "-c", sys.executable + command.removeprefix("python")],
+                   cwd=tmp_path, check=True)
+    converted = tmp_path / "chat.jsonl"
+    assert json.loads(converted.read_text().splitlines()[0]) == {"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"}]}
+    stats = ChatStats()
+    documents = list(read_documents(converted, vocab_size=500, tokenizer=chatml, stats=stats))
+    assert len(documents) == 2 and stats.assistant_tokens > 0 and source
+
+
+def test_training_refuses_sharegpt_data_in_one_line(tmp_path, monkeypatch, capsys):
+    """pretrain_gpt.py's data check (before any GPU work): exit status 1, one error line."""
+    import re
+
+    from megatron.packed_training import extra_args, initialize, pretrain
+
+    def no_gpu(script):
+        raise AssertionError("the data check must stop the run before the GPU check")
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(extra_args, "is_importable", lambda package: False)
+    monkeypatch.setattr(initialize, "require_cuda", no_gpu)
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", [SHAREGPT])
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+            "--train-iters", "2", "--lr", "1e-3", "--vocab-size", "100", "--attention-backend",
+            "local", "--eval-iters", "0", "--sft", "--data-path", path]
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain.run_pretraining("gpt", None, "pretrain_gpt.py", argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert re.match(rf"pretrain_gpt\.py: error: {path}:1: {SHAREGPT_MESSAGE}", errors[0])

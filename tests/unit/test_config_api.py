@@ -9,8 +9,10 @@ import pytest
 import yaml
 
 from megatron.packed_training import extra_args
+from megatron.packed_graphs.settings import GraphSettings, HealthCheckConfig
 from megatron.packed_training.config import (
     PackedTransformerConfig,
+    graph_settings_from_args,
     load_training_config,
     transformer_config_from_args,
 )
@@ -82,6 +84,16 @@ def test_the_args_build_a_transformer_config(from_dict):
     assert config.cuda_graph_impl == "local" and config.cuda_graph_granularity == "layer"
     assert [m.name for m in config.cuda_graph_modules] == ["attn", "mlp"]
     assert (config.num_layers, config.hidden_size) == (2, 64)
+
+
+def test_the_args_build_the_graph_settings(from_dict):
+    graphs = graph_settings_from_args(from_dict)
+    assert isinstance(graphs, GraphSettings)
+    assert (graphs.impl, graphs.granularity, graphs.capacity, graphs.ladder) == (
+        "local", "layer", 32, (8, 16))
+    assert (graphs.micro_batch_size, graphs.seq_length, graphs.num_microbatches) == (1, 128, 4)
+    assert graphs.moe is None and graphs.cp_banks is None
+    assert graphs.health_check == HealthCheckConfig() and not graphs.optimizer_graph
 
 
 def test_yaml_file_for_a_hybrid_model(from_yaml):

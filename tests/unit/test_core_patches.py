@@ -1,5 +1,6 @@
-"""core_patches: each patch does what it says, and each relies on upstream code that a sentinel
-checks, so a megatron-core upgrade that changes that code fails here first."""
+"""The upstream shim (megatron/packed_upstream): each patch does what it says, and each relies
+on upstream code that a sentinel checks, so a megatron-core upgrade that changes that code fails
+here first."""
 
 import collections
 import contextlib
@@ -1124,8 +1125,10 @@ def upstream_linears(monkeypatch):
                         model_layers.UPSTREAM_COLUMN_PARALLEL_INIT)
     monkeypatch.setattr(layers.RowParallelLinear, "__init__", model_layers.UPSTREAM_ROW_PARALLEL_INIT)
     monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
-    monkeypatch.delitem(gate.applied_patches, "megatron_core_linears_unfused_without_apex",
-                        raising=False)
+    # Installable again on the restored linears; the process's record comes back after.
+    monkeypatch.setattr(gate, "applied_patches", {
+        name: state for name, state in gate.applied_patches.items()
+        if name != "megatron_core_linears_unfused_without_apex"})
     return layers
 
 

@@ -106,8 +106,8 @@ def test_the_loops_seam_is_loop_code_and_the_model_under_it_is_the_model():
     module_call = ("/x/site-packages/torch/nn/modules/module.py", 1, "_call_impl")
     forward = _framed(LOOP, SEAM_CALL, ("/x/megatron/packed_graphs/runtime.py", 460, "run"),
                       module_call, ("/x/megatron/packed_model/attention.py", 200, "forward"))
-    # a logging iteration's loss read, under the loop's patched training_log (core_patches)
-    log_read = _framed(LOOP, ("/x/megatron/packed_graphs/core_patches.py", 636, "training_log"),
+    # a logging iteration's loss read, under the loop's patched training_log (the shim's)
+    log_read = _framed(LOOP, ("/x/megatron/packed_upstream/training_loop.py", 255, "training_log"),
                        ("/x/site-packages/megatron/training/training.py", 2878, "training_log"),
                        ("/x/site-packages/torch/_tensor.py", 3, "item"))
     sites = fhs.group_syncs([grad_norm, forward, log_read])

@@ -26,6 +26,7 @@ from megatron.packed_graphs.plan import (
 )
 from megatron.packed_graphs.runtime import GraphRuntime, forward_graphs_unavailable
 from megatron.packed_graphs.schedule import GraphRuntimeSchedule
+from megatron.packed_graphs.settings import GraphSettings, MoEGraphSettings
 from megatron.packed_graphs.specs import gpt_layer_spec
 from megatron.packed_training.datasets.mock import MockPackedDataset
 from megatron.packed_training.datasets.packing import collate_packed_rows
@@ -98,33 +99,34 @@ def test_forward_graphs_need_a_graph_implementation():
         GraphRuntimeConfig(forward_graphs=True)
 
 
-def args_like(**changes):
-    base = dict(packed_graph_impl="local", pipeline_model_parallel_size=1,
-                overlap_param_gather=False, num_experts=None, moe_capacity_overflow="drop",
-                moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False)
-    return SimpleNamespace(**(base | changes))
+DROP_AND_PAD = MoEGraphSettings(expert_capacity_factor=1.0, pad_expert_input_to_capacity=True)
 
 
 @pytest.mark.parametrize("changes, why", [
     ({}, None),
-    ({"packed_graph_impl": "none"}, "--cuda-graph-impl none"),
-    ({"pipeline_model_parallel_size": 2}, "pipeline parallelism"),
+    ({"impl": "none"}, "--cuda-graph-impl none"),
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
     ({"overlap_param_gather": True}, "--overlap-param-gather"),
-    ({"num_experts": 8}, "MoE without drop-and-pad"),
-    ({"num_experts": 8, "moe_expert_capacity_factor": 1.0,
-      "moe_pad_expert_input_to_capacity": True}, None),
-    ({"num_experts": 8, "moe_expert_capacity_factor": 1.0,
-      "moe_pad_expert_input_to_capacity": True, "moe_capacity_overflow": "rerun"},
-     "--moe-capacity-overflow rerun"),
+    ({"moe": MoEGraphSettings()}, "MoE without drop-and-pad"),
+    ({"moe": MoEGraphSettings(expert_capacity_factor=1.0)}, "MoE without drop-and-pad"),
+    ({"moe": DROP_AND_PAD}, None),
+    ({"moe": MoEGraphSettings(dropless_graphs=True)}, None),
+    ({"moe": replace(DROP_AND_PAD, capacity_overflow="rerun")}, "--moe-capacity-overflow rerun"),
 ])
 def test_which_runs_replay_forward_only_graphs(changes, why):
-    reason = forward_graphs_unavailable(args_like(**changes))
+    reason = forward_graphs_unavailable(replace(GraphSettings(impl="local", capacity=8),
+                                                **changes))
     assert reason == why if why is None else reason.startswith(why)
 
 
 def test_the_command_line_turns_forward_graphs_on_and_says_so(cpu_dist, monkeypatch):
     from megatron.packed_training import extra_args
     from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.config import graph_settings_from_args
+
+    def runtime_of(argv):
+        return GraphRuntime.from_settings(graph_settings_from_args(parse_args(argv, "gpt")), [],
+                                          None)
 
     monkeypatch.setattr(extra_args, "is_importable", lambda package: False)
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -133,13 +135,12 @@ def test_the_command_line_turns_forward_graphs_on_and_says_so(cpu_dist, monkeypa
             "--mock-data", "--sft", "--vocab-size", "256", "--eval-iters", "0",
             "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
             "--cuda-graph-capacity-ladder", "4"]
-    runtime = GraphRuntime.from_args(parse_args(argv, "gpt"), [], None)
+    runtime = runtime_of(argv)
     assert runtime.config.forward_graphs and runtime.config.forward_banks == ((1, 4), (1, 16))
     assert "forward-only passes (evaluation, log-probs): forward-only graphs at 4, 16" in \
         runtime.describe()
-    off = GraphRuntime.from_args(parse_args(argv + [
-        "--overlap-param-gather", "--overlap-grad-reduce", "--use-distributed-optimizer"],
-        "gpt"), [], None)
+    off = runtime_of(argv + [
+        "--overlap-param-gather", "--overlap-grad-reduce", "--use-distributed-optimizer"])
     assert not off.config.forward_graphs
     assert "forward-only passes run eager: --overlap-param-gather" in off.describe()
 
@@ -306,6 +307,7 @@ def test_each_evaluation_of_megatron_lms_loop_is_one_record(cpu_dist, calculator
                      profile_trace_dir=None, dynamic_cp_sizes=None, moe_router_load_file=None)
     run = PackedGraphRun(args)
     run.runtime, run.log = runtime, RuntimeLog(args, [model])
+    run.settings = GraphSettings(micro_batch_size=1, seq_length=TOKENS)
     run.optimizer = SimpleNamespace(step=lambda: None)
     run.wrap(forward_only_schedule)  # train()'s; its iterations are logged below as they close
     step, data = CPUStep(), iter(micro_batches(0, 36))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import graph_engine
 from megatron.packed_model.dynamic_cp import CPTurn
 from megatron.packed_graphs.plan import (
     Granularity,
@@ -20,7 +20,8 @@ from megatron.packed_graphs.plan import (
     Reason,
     active_plan,
 )
-from megatron.packed_graphs.runtime import PLAN_KEY, GraphRuntime, config_from_args
+from megatron.packed_graphs.runtime import PLAN_KEY, GraphRuntime, runtime_config
+from megatron.packed_graphs.settings import CPBanks, GraphSettings
 
 LOCAL = GraphRuntimeConfig(impl="local", capacity=8, warmup_iterations=1)
 
@@ -66,9 +67,9 @@ def run(runtime, micro_batches, step=None, training=True, during=None):
 
 
 def fake_capture(forward_step, micro_batches):
-    """megatron-core's end-of-schedule capture, as core_patches records it."""
+    """megatron-core's end-of-schedule capture, as graph_engine.record_capture_statistics records it."""
     outputs = schedule(forward_step, micro_batches)
-    core_patches.capture_log.append({"time": 1.234, "graph_reserved_bytes": 3 * 2**20,
+    graph_engine.capture_log.append({"time": 1.234, "graph_reserved_bytes": 3 * 2**20,
                                      "graphs": 4})
     return outputs
 
@@ -84,7 +85,7 @@ def test_warm_up_capture_and_replay_iterations_with_their_statistics():
     step = RecordingStep()
     with runtime.iteration(batches(3, 9), step) as it:
         it.run(fake_capture)
-    assert runtime.captured == {(1, 8)} and not core_patches.capture_log  # read and emptied
+    assert runtime.captured == {(1, 8)} and not graph_engine.capture_log  # read and emptied
     assert it.stats == {"docs per micro-batch": 6.0, "graph fallbacks": 1, "eager overflow": 1,
                         "graph capture (s)": 1.23, "graph memory (MiB)": 3.0,
                         "graphs captured": 4}
@@ -244,7 +245,10 @@ def test_runtime_config_from_the_command_line(cpu_dist, monkeypatch):
     flags it keeps for the runtime (packed_graph_impl), not the ones upstream's loop sees."""
     from megatron.packed_training import extra_args
     from megatron.packed_training.arguments import parse_args
-    from megatron.packed_training.config import transformer_config_from_args
+    from megatron.packed_training.config import (
+        graph_settings_from_args,
+        transformer_config_from_args,
+    )
 
     monkeypatch.setattr(extra_args, "is_importable", lambda package: False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -254,35 +258,26 @@ def test_runtime_config_from_the_command_line(cpu_dist, monkeypatch):
     graphs = ["--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "8",
               "--cuda-graph-warmup-steps", "2"]
     args = parse_args(base + graphs + ["--cuda-graph-capacity-ladder", "4"])
-    config = config_from_args(args)
+    config = runtime_config(graph_settings_from_args(args))
     assert (config.impl, config.granularity, config.capacities, config.warmup_iterations) == (
         "local", Granularity.LAYER, (4, 8), 2)
     assert config.tokens_per_rank == 128 and not config.capture_needs_all_micro_batches
     # Graphs off: what the parser gives without --cuda-graph-impl (no capacity either).
-    off = replace_ns(args, packed_graph_impl="none", cuda_graph_max_packed_seqs=0,
-                     cuda_graph_capacity_ladder=[])
-    assert not GraphRuntime.from_args(off, [], None).config.enabled
+    off = replace(graph_settings_from_args(args), impl="none", capacity=0, ladder=())
+    assert not GraphRuntime.from_settings(off, [], None).config.enabled
     args = parse_args(base + graphs + ["--cuda-graph-granularity", "chunk"])
-    runtime = GraphRuntime.from_args(args, [torch.nn.Identity()],
-                                     transformer_config_from_args(args))
+    runtime = GraphRuntime.from_settings(graph_settings_from_args(args), [torch.nn.Identity()],
+                                         transformer_config_from_args(args))
     assert runtime.config.granularity is Granularity.CHUNK
     assert runtime.config.slots_per_chunk == (1,)  # one stage: one slot
 
 
 def test_dynamic_cp_with_te_graphs_plans_cp_banks():
-    args = SimpleNamespace(
-        packed_graph_impl="transformer_engine", cuda_graph_granularity="layer",
-        cuda_graph_max_packed_seqs=8, cuda_graph_warmup_steps=2, cuda_graph_capacity_ladder=[],
-        pipeline_model_parallel_size=1, context_parallel_size=1, dynamic_cp_sizes=[1, 2],
-        dynamic_cp_max_packed_seqs=[4, 6], dynamic_cp_tokens_per_rank=64, micro_batch_size=1,
-        seq_length=128, tensor_model_parallel_size=1, sequence_parallel=False)
-    config = config_from_args(args)
+    settings = GraphSettings(
+        impl="transformer_engine", capacity=8, warmup_steps=2, seq_length=128,
+        cp_banks=CPBanks(sizes=(1, 2), max_packed_seqs=(4, 6), tokens_per_rank=64))
+    config = runtime_config(settings)
     assert config.granularity is Granularity.CP_BANK and config.bank_capacities == ((1, 4), (2, 6))
     assert config.tokens_per_rank == 64
     with pytest.raises(ValueError, match="CUDA graph granularity is wrong: full_iteration"):
-        config_from_args(replace_ns(args, dynamic_cp_sizes=None,
-                                    cuda_graph_granularity="full_iteration"))
-
-
-def replace_ns(ns, **changes):
-    return SimpleNamespace(**(vars(ns) | changes))
+        runtime_config(replace(settings, cp_banks=None, granularity="full_iteration"))

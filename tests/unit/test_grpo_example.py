@@ -5,6 +5,7 @@ in for: each needs a GPU; tests/gpu/test_rl_policy.py runs the script)."""
 import importlib.util
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,6 +114,7 @@ def test_the_comparison_runs_eager_twice_then_graphs_and_fails_with_a_check(exam
         return 0
 
     monkeypatch.setattr(subprocess, "call", call)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     monkeypatch.delenv("MAMBA_DETERMINISTIC", raising=False)
     assert example.main(["--steps", "6"]) == 1  # the weights differ: a failed check
     assert [mode for mode, *_ in launched] == ["eager", "eager", "graphs"]
@@ -128,6 +130,7 @@ def test_the_comparison_runs_eager_twice_then_graphs_and_fails_with_a_check(exam
 
 def test_a_failed_run_stops_the_comparison(example, monkeypatch, capsys):
     monkeypatch.setattr(subprocess, "call", lambda cmd, env: 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     assert example.main([]) == 3
     assert "the eager run failed (exit 3)" in capsys.readouterr().err
 
@@ -138,3 +141,26 @@ def test_bad_arguments(example, argv, match, capsys):
     with pytest.raises(SystemExit):
         example.main(argv)
     assert match in capsys.readouterr().err
+
+
+NO_GPU = ("examples/rl/grpo_packed.py: needs a CUDA GPU (torch.cuda.is_available() is False): "
+          "the policy trains and computes log-probs on the GPU; run it on a GPU machine")
+
+
+def test_without_a_cuda_gpu_it_says_so_in_one_line(tmp_path):
+    """The script as a user runs it on a machine without a GPU (none visible here): one line,
+    exit status 1, and none of the three runs started."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, SCRIPT], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert (run.returncode, run.stdout, run.stderr.splitlines()) == (1, "", [NO_GPU])
+
+
+@pytest.mark.parametrize("argv", [[], ["--run", "graphs", "--out", "x.pt"]])
+def test_no_run_starts_without_a_cuda_gpu(example, monkeypatch, capsys, argv):
+    launched = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, env: launched.append(cmd) or 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(example, "run", lambda options: launched.append(options))
+    assert example.main(argv) == 1
+    assert capsys.readouterr().err.splitlines() == [NO_GPU] and launched == []

@@ -36,7 +36,7 @@ from megatron.packed_graphs.runtime import GraphRuntime
 from megatron.packed_graphs.specs import gpt_layer_spec
 from megatron.packed_training import extra_args
 from megatron.packed_training.arguments import build_parser, parse_args
-from megatron.packed_training.config import load_training_config
+from megatron.packed_training.config import graph_settings_from_args, load_training_config
 from megatron.packed_training.datasets.mock import MockPackedDataset
 from megatron.packed_training.datasets.packing import collate_packed_rows
 from megatron.packed_training.packed_step import PackedForwardStep, to_device_micro_batch
@@ -69,8 +69,10 @@ def test_check_flags_default_off_and_reach_the_runtime():
     args = parse_args(BASE + GRAPHS + ["--cuda-graph-check-interval", "5",
                                        "--cuda-graph-check-tolerance", "1e-3",
                                        "--cuda-graph-check-action", "disable"])
-    runtime = GraphRuntime.from_args(args, [], None)
-    assert runtime.health_check.config == HealthCheckConfig(5, 1e-3, "disable")
+    settings = graph_settings_from_args(args)
+    assert settings.health_check == HealthCheckConfig(5, 1e-3, "disable")
+    runtime = GraphRuntime.from_settings(settings, [], None)
+    assert runtime.health_check.config is settings.health_check
     assert runtime.describe().endswith(
         "health check every 5 iterations (tolerance 0.001, on divergence: disable)")
     # The library config takes the flags' dest names.
@@ -81,7 +83,7 @@ def test_check_flags_default_off_and_reach_the_runtime():
                                 "cuda_graph_impl": "local", "cuda_graph_max_packed_seqs": 16,
                                 "cuda_graph_check_interval": 10})
     assert api.cuda_graph_check_interval == 10
-    assert GraphRuntime.from_args(api, [], None).health_check.config == HealthCheckConfig(10)
+    assert graph_settings_from_args(api).health_check == HealthCheckConfig(10)
 
 
 def test_check_action_is_one_of_two():

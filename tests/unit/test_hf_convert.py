@@ -212,7 +212,9 @@ def test_checkpoint_holds_what_the_fork_model_shards(converted, family, cpu_moe,
     assert_checkpoint_fits(megatron, _fork_model(family, megatron))
 
 
-@pytest.mark.parametrize("family", ON_CPU)
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=pytest.mark.slow) if f in ("deepseek_v3", "nemotron_h_cpu", "qwen3_moe")
+    else f for f in ON_CPU])
 def test_fork_logits_equal_hugging_face_on_packed_rows(converted, family, cpu_moe, cpu_rope):
     from transformers import AutoModelForCausalLM
 
@@ -426,6 +428,7 @@ def _tool():
     return module
 
 
+@pytest.mark.slow
 def test_tool_converts_both_ways_and_measures(converted, tmp_path, capsys):
     hf, _ = converted("llama")
     run = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"), "import",
@@ -457,6 +460,7 @@ def load_example():
     return module
 
 
+@pytest.mark.slow
 def test_sft_example_line_parses_and_starts_from_the_pretrained_loss(tmp_path, cpu_dist,
                                                                     cpu_rope):
     """The example's training line passes the real parser, and the loss of its first
@@ -624,3 +628,214 @@ def test_the_gpu_tests_launch_lines_parse(converted, family, graphs, monkeypatch
     args = parse_args(line, _kind(family), raise_on_error=True)
     assert args.packed_graph_impl == ("local" if graphs == "layer" else "full_iteration")
     assert args.pretrained_checkpoint == megatron
+
+
+# ------------------------------------------------------- what a new user gets wrong, one line
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory):
+    """A tiny Qwen3 folder, never written to (copy it to damage it)."""
+    return tiny_qwen3(tmp_path_factory.mktemp("qwen3-tiny") / "hf")
+
+
+def _shard(folder):
+    """Rewrite ``folder``'s model.safetensors as two shards and their index; returns the
+    second shard's path."""
+    from safetensors.torch import save_file
+
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    os.remove(os.path.join(folder, "model.safetensors"))
+    names = sorted(weights)
+    shard_of = {name: f"model-0000{1 + 2 * i // len(names)}-of-00002.safetensors"
+                for i, name in enumerate(names)}
+    for shard in sorted(set(shard_of.values())):
+        save_file({n: weights[n] for n in names if shard_of[n] == shard},
+                  os.path.join(folder, shard))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": shard_of}, f)
+    return os.path.join(folder, "model-00002-of-00002.safetensors")
+
+
+def _truncate(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncated file", r"model\.safetensors is truncated or not a safetensors file \(.+\): "
+                       r"download it again$"),
+    ("truncated shard", r"model-00002-of-00002\.safetensors is truncated or not a safetensors "
+                        r"file \(.+\): download it again$"),
+    ("missing shard", r"model\.safetensors\.index\.json names 1 shard file\(s\) that .+ lacks, "
+                      r"e\.g\. model-00002-of-00002\.safetensors: download every file the "
+                      r"index names$"),
+    ("broken index", r"model\.safetensors\.index\.json is not a safetensors index \(JSON with a "
+                     r"weight_map object\): download it again$"),
+    ("no folder", r"does not exist: the converter reads a local folder, never the hub"),
+])
+def test_import_of_a_damaged_folder_says_what_is_wrong_in_one_line(qwen3_folder, tmp_path,
+                                                                   capsys, damage, message):
+    import re
+
+    hf = shutil.copytree(qwen3_folder, tmp_path / "hf")
+    if damage == "truncated file":
+        _truncate(hf / "model.safetensors")
+    elif damage == "truncated shard":
+        _truncate(_shard(hf))
+    elif damage == "missing shard":
+        os.remove(_shard(hf))
+    elif damage == "broken index":
+        _shard(hf)
+        (hf / "model.safetensors.index.json").write_text('{"weight_map": ')
+    else:
+        shutil.rmtree(hf)
+    assert _tool().main(["import", str(hf), str(tmp_path / "out")]) == 2
+    assert re.match(r"convert_hf\.py: error: .*" + message, _one_error_line(capsys))
+    assert not os.path.exists(tmp_path / "out")  # refused before anything is written
+
+
+@pytest.mark.parametrize("what, message", [
+    ("empty folder", "is not a Megatron-LM checkpoint (it has neither "
+                     "latest_checkpointed_iteration.txt nor metadata.json): pass a training "
+                     "run's --save folder or one of its iter_* folders"),
+    ("hugging face folder", "is not a Megatron-LM checkpoint (it has neither "
+                            "latest_checkpointed_iteration.txt nor metadata.json): it is a "
+                            "Hugging Face folder: convert it with `import`"),
+    ("no folder", "does not exist: pass a training run's --save folder"),
+    ("torch format", "is not a torch_dist checkpoint folder (no metadata.json): export reads "
+                     "checkpoints saved with --ckpt-format torch_dist"),
+    ("no config", "has no config.json: name the folder that holds the model's config.json "
+                  "(the `import` output) with --hf-config"),
+])
+def test_export_of_a_folder_that_is_no_megatron_checkpoint_is_one_line(qwen3_folder, tmp_path,
+                                                                       capsys, what, message):
+    checkpoint = tmp_path / "checkpoint"
+    if what == "hugging face folder":
+        shutil.copytree(qwen3_folder, checkpoint)
+    elif what != "no folder":
+        checkpoint.mkdir()
+    if what == "torch format":  # Megatron-LM's --ckpt-format torch: no metadata.json
+        (checkpoint / "latest_checkpointed_iteration.txt").write_text("100")
+        (checkpoint / "iter_0000100" / "mp_rank_00").mkdir(parents=True)
+    if what == "no config":
+        (checkpoint / "metadata.json").write_text("{}")
+    hf_config = ["--hf-config", qwen3_folder] if what in ("empty folder", "torch format") else []
+    assert _tool().main(["export", str(checkpoint), str(tmp_path / "out"), *hf_config]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"convert_hf.py: error: {checkpoint}") and message in line, line
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("command", [["flags", "HF"], ["import", "HF", "OUT"],
+                                     ["export", "CHECKPOINT", "OUT"]])
+def test_every_command_without_safetensors_names_the_extra(tmp_path, command):
+    """A Python where `import safetensors` fails: one line naming the package and the extra
+    to install, exit status 2, before anything is imported or read."""
+    (tmp_path / "safetensors.py").write_text(
+        "raise ImportError('No module named safetensors (stood in by the test)')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    run = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_hf.py"),
+                          *[str(tmp_path / word) if word.isupper() else word
+                            for word in command]],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.splitlines() == [
+        "convert_hf.py: error: the safetensors package is not importable, and the converter "
+        "reads and writes safetensors files: install the converter's dependencies, "
+        "pip install -e \".[hf]\""]
+
+
+def test_import_without_transformers_names_the_extra(qwen3_folder, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ImportError
+    with pytest.raises(ConversionError, match=r"reading the tokenizer of .* needs the "
+                                              r"transformers package.*pip install -e "
+                                              r"\"\.\[hf\]\" \(or pass --no-tokenizer"):
+        import_hf(qwen3_folder, tmp_path / "out")
+
+
+def test_import_of_a_megatron_checkpoint_points_at_export(qwen3_folder, tmp_path):
+    folder = shutil.copytree(qwen3_folder, tmp_path / "megatron")
+    os.remove(folder / "model.safetensors")
+    (folder / "latest_checkpointed_iteration.txt").write_text("release")
+    with pytest.raises(ConversionError, match="is a Megatron-LM checkpoint, not a Hugging Face "
+                                              "folder: convert it with `export`"):
+        import_hf(folder, tmp_path / "out")
+
+
+# -------------------------------------------------------------- the SFT example's failures
+
+TORCHRUN_LOG = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/repo/pretrain_gpt.py", line 28, in <module>
+[rank0]:     sys.exit(main())
+[rank0]:              ^^^^^^
+[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB
+[rank0]:[W1129 07:36:32 ProcessGroupNCCL.cpp:1250] Warning: destroy_process_group() was not called
+E1129 07:36:32 10287 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 1)
+Traceback (most recent call last):
+  File "/venv/lib/python3.12/site-packages/torch/distributed/run.py", line 994, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+/repo/pretrain_gpt.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  exitcode  : 1 (pid: 10302)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+@pytest.mark.parametrize("log, cause", [
+    (TORCHRUN_LOG, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ("building model\npretrain_gpt.py: error: chat.jsonl:3: messages[0].content is wrong: null."
+     "\n" + TORCHRUN_LOG.split("E1129")[1],
+     "pretrain_gpt.py: error: chat.jsonl:3: messages[0].content is wrong: null."),
+    ("step 10\n" + TORCHRUN_LOG.split("E1129")[1].replace(
+        "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        "Signal 9 (SIGKILL) received by PID 10302"), "Signal 9 (SIGKILL) received by PID 10302"),
+    ("loading\nKilled", "Killed"),
+    ("", ""),
+])
+def test_the_cause_of_a_failed_run_is_its_error_not_torchruns_report(log, cause):
+    assert load_example().failure_cause(log) == cause
+
+
+def _failing_run(example, monkeypatch, code):
+    """The example's steps with the conversion stood in for and training running ``code``."""
+    converted = type("Converted", (), {"script": "pretrain_gpt.py", "flags": []})()
+    monkeypatch.setattr(example, "convert", lambda *args: converted)
+    monkeypatch.setattr(example, "training_command",
+                        lambda *args, **kwargs: [sys.executable, "-c", code])
+
+
+def test_a_failed_training_step_prints_its_cause_in_one_line(tmp_path, monkeypatch, capsys):
+    example = load_example()
+    _failing_run(example, monkeypatch, "print('starting'); import json; json.loads('{')")
+    work = tmp_path / "work"
+    assert example.main(["--hf", str(tmp_path), "--data", "chat.jsonl", "--work",
+                         str(work)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "sft_from_hugging_face.py: training failed (exit 1): json.decoder.JSONDecodeError: "
+        "Expecting property name enclosed in double quotes: line 1 column 2 (char 1) "
+        f"(full log: {work / 'train.log'})"]
+
+
+def test_a_failed_conversion_prints_its_cause_in_one_line(tmp_path, capsys):
+    assert load_example().main(["--hf", str(tmp_path / "Qwen3-0.6B"), "--data", "chat.jsonl",
+                                "--work", str(tmp_path / "work")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"sft_from_hugging_face.py: conversion failed: {tmp_path / 'Qwen3-0.6B'} does not "
+        "exist: the converter reads a local folder, never the hub (download the model first, "
+        "e.g. `hf download ORG/MODEL --local-dir MODEL`)"]

@@ -2,8 +2,6 @@
 wiring and counters, the flags. Capture and replay themselves run on the GPU
 (tests/gpu/test_full_iteration.py)."""
 
-import argparse
-import inspect
 import multiprocessing
 from dataclasses import replace
 
@@ -13,7 +11,7 @@ import torch
 from megatron.core.distributed import param_and_grad_buffer
 from megatron.core.transformer import cuda_graphs
 
-from megatron.packed_graphs import core_patches
+from megatron.packed_upstream import graph_engine
 from megatron.packed_graphs.full_iteration import (
     IterationGraph,
     StaticMicroBatches,
@@ -29,7 +27,7 @@ from megatron.packed_graphs.plan import (
     graphs_bypassed,
     in_iteration_graph,
 )
-from megatron.packed_graphs.runtime import GraphRuntime, config_from_args
+from megatron.packed_graphs.runtime import GraphRuntime, runtime_config
 from megatron.packed_training import extra_args
 from megatron.packed_training.arguments import parse_args
 from megatron.packed_training.packed_step import to_device_micro_batch
@@ -275,6 +273,7 @@ def _agree(rank, store, results):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_the_path_through_a_host_all_reduce(tmp_path):
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager:
@@ -295,27 +294,63 @@ def test_ranks_agree_on_the_path_through_a_host_all_reduce(tmp_path):
 def test_layer_graph_grad_events_are_dropped_before_a_whole_iteration_capture():
     model = torch.nn.Linear(2, 2)
     model.weight._cudagraph_wgrad_ready_event = "event"
-    assert core_patches.forget_layer_graph_grad_events([model]) == 1
+    assert graph_engine.forget_layer_graph_grad_events([model]) == 1
     assert not hasattr(model.weight, "_cudagraph_wgrad_ready_event")
-    assert core_patches.forget_layer_graph_grad_events([model]) == 0
+    assert graph_engine.forget_layer_graph_grad_events([model]) == 0
 
 
-def test_upstream_tags_parameters_with_replay_events_and_ddp_waits_on_them():
-    # Sentinel: when upstream stops tagging (or waiting), the drop is no longer needed.
-    assert "param._cudagraph_wgrad_ready_event = runner.bwd_graph_replay_complete_event" in \
-        inspect.getsource(cuda_graphs._CudagraphReplayNode.backward)
-    sync = inspect.getsource(param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync)
-    assert 'getattr(param, "_cudagraph_wgrad_ready_event", None)' in sync
-    assert "current_stream.wait_event(event)" in sync
+def test_upstream_tags_parameters_with_replay_events_and_ddp_waits_on_them(monkeypatch):
+    """Sentinel: upstream's replayed backward tags each parameter with the replay's event and
+    DDP's grad sync waits on it; when upstream stops tagging (or waiting), the drop is no
+    longer needed. Both run here on stand-ins for the graph, the stream and the event."""
+    from types import SimpleNamespace
+
+    class Waited(Exception):
+        """What follows the wait is DDP's collective: not run here."""
+
+    waited = []
+
+    class Stream:
+        def wait_event(self, event):
+            waited.append(event)
+            raise Waited
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Stream())
+    event = SimpleNamespace(record=lambda stream: None)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    runner = SimpleNamespace(
+        bwd_graph=SimpleNamespace(replay=lambda: None), status=cuda_graphs._GraphStatus.BWD_READY,
+        static_grad_outputs=[], use_stream=False, bwd_graph_replay_complete_event=event,
+        params_to_backprop=[weight], fp8_enabled=False, gtp_remat=False, static_grad_inputs=())
+    cuda_graphs._CudagraphReplayNode.backward(SimpleNamespace(runner=runner))
+    assert weight._cudagraph_wgrad_ready_event is event
+
+    bucket = SimpleNamespace(params_list=[weight], params_with_extra_main_grads=[])
+    group = SimpleNamespace(is_first_batch=False, grad_reduce_handle=None,
+                            previous_grad_reduce_bucket_group=None, buckets=[bucket])
+    with pytest.raises(Waited):
+        param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync(group)
+    assert waited == [event]
 
 
-def test_upstream_batched_p2p_still_syncs_the_device():
-    # Why PP > 1 is refused: when this fails, full-iteration graphs may allow pipelining.
+def test_upstream_batched_p2p_still_syncs_the_device(monkeypatch):
+    """Why PP > 1 is refused: upstream's batched p2p (its default) synchronizes the device
+    after every exchange. When this fails, full-iteration graphs may allow pipelining."""
+    from types import SimpleNamespace
+
+    from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.pipeline_parallel import p2p_communication
 
-    text = inspect.getsource(p2p_communication)
-    assert "if config.batch_p2p_comm and config.batch_p2p_sync:" in text
-    assert "torch.cuda.synchronize()" in text
+    calls = []
+    monkeypatch.setattr(p2p_communication, "_batched_p2p_ops",
+                        lambda **tensors: calls.append("batched p2p") or [])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: calls.append("synchronize"))
+    communicator = SimpleNamespace(config=ModelParallelConfig(), pp_group=None, next_rank=1,
+                                   prev_rank=1)
+    p2p_communication.P2PCommunicator._communicate(
+        communicator, tensor_send_next=torch.zeros(2), tensor_send_prev=None, recv_prev=False,
+        recv_next=False, tensor_shape=None)
+    assert calls == ["batched p2p", "synchronize"]
 
 
 # -- flags ----------------------------------------------------------------------------------
@@ -339,22 +374,26 @@ def test_the_flag_is_accepted_and_builds_local_layer_graphs_for_misses(monkeypat
     (PP, CP, MoE, modules, ladder, NaN check, ...) are extra_args' rules, tested in
     tests/unit/test_extra_args.py."""
     from megatron.core import parallel_state
-    from megatron.packed_training.config import transformer_config_from_args
+    from megatron.packed_training.config import (
+        graph_settings_from_args,
+        transformer_config_from_args,
+    )
 
     args = parse_args(BASE + FULL_FLAGS)
     # The runtime's; Megatron-LM's loop sees local graphs and builds no graph of its own.
     assert (args.packed_graph_impl, args.cuda_graph_impl) == ("full_iteration", "local")
-    config = config_from_args(args)
+    settings = graph_settings_from_args(args)
+    assert settings.impl == "full_iteration"
+    config = runtime_config(settings)
     assert (config.impl, config.granularity, config.full_iteration,
             config.iteration_micro_batches) == ("local", Granularity.LAYER, True, 4)
     model_config = transformer_config_from_args(args)
     assert model_config.cuda_graph_impl == "local"
-    runtime = GraphRuntime.from_args(args, [torch.nn.Identity()], model_config)
+    runtime = GraphRuntime.from_settings(settings, [torch.nn.Identity()], model_config)
     assert runtime.iteration_graph is not None and not runtime.iteration_graph.captured
     assert runtime.agreement_group is parallel_state.get_data_parallel_group_gloo(
         with_context_parallel=True)
-    chunk = config_from_args(argparse.Namespace(**(vars(args) | {
-        "cuda_graph_granularity": "chunk"})))
+    chunk = runtime_config(replace(settings, granularity="chunk"))
     assert chunk.granularity is Granularity.CHUNK and chunk.full_iteration
     monkeypatch.setenv("WORLD_SIZE", "2")
     data_parallel = parse_args(BASE + FULL_FLAGS + ["--calculate-per-token-loss"])

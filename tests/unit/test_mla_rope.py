@@ -1,4 +1,4 @@
-"""Graph-safe MLA RoPE (packed_graphs/mla_rope.py) on CPU.
+"""Graph-safe MLA RoPE (packed_model/mla_rope.py) on CPU.
 
 The fused kernel itself runs here too: megatron-core's Triton kernel under Triton's CPU
 interpreter (``TRITON_INTERPRET=1``, a subprocess), so the torch mirror of its row -> table-row
@@ -121,6 +121,7 @@ def _kernel_reads(cases):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_mirror_matches_the_triton_kernel():
     pytest.importorskip("triton")
     cases = [
@@ -327,40 +328,83 @@ def test_rope_params_pass_unpacked_params_through():
 
 # ------------------------------------------- what the subclasses rely on in megatron-core 0.19.2
 
-def test_upstream_mla_rope_reads_what_rope_params_set():
+def test_upstream_mla_rope_reads_what_rope_params_set(cpu_dist, monkeypatch):
     """`PackedMLASelfAttention` steers upstream's RoPE through the params it hands to
-    ``get_query_key_value_tensors``: the padded boundaries (preferred when set), the
-    ``max_seqlen`` pair (the table length), the CP group's size and rank, and the cos/sin of
-    ``get_cached_cos_sin``; and it strips ``local_cp_size``, which upstream refuses. If
-    upstream reads anything else, this fails and the subclass needs another look."""
-    import inspect
+    ``get_query_key_value_tensors``: upstream's fused RoPE kernels (spied on here) get the
+    padded boundaries, the cos/sin of ``get_cached_cos_sin`` at the ``max_seqlen`` pair (the
+    table length) and the CP group's rank and size; ``local_cp_size``, which upstream refuses,
+    is stripped. If upstream reads anything else, this fails and the subclass needs another
+    look. The attention is tests/unit/test_mla_v_padding.py's, built on CPU."""
+    import copy
+    from types import SimpleNamespace
 
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer import multi_latent_attention as upstream
 
-    source = inspect.getsource(MLASelfAttention.get_query_key_value_tensors)
-    assert "packed_seq_params.local_cp_size is None" in source
-    assert "if packed_seq_params.cu_seqlens_q_padded is not None:" in source
-    assert "cu_seqlens_q = packed_seq_params.cu_seqlens_q_padded" in source
-    assert "self.rotary_pos_emb.get_cached_cos_sin(" in source
-    assert "cp_rank = self.pg_collection.cp.rank()" in source
-    assert "cp_size = self.pg_collection.cp.size()" in source
-    assert "max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)" in \
-        inspect.getsource(RotaryEmbedding.get_rotary_seq_len)
+    from megatron.packed_model import attention as packed_attention
+    from megatron.packed_training import extra_args
+    from tests.unit.test_mla_v_padding import _attention, _config
+
+    monkeypatch.setattr(extra_args, "is_importable",
+                        lambda package: package in ("transformer_engine", "triton"))
+    monkeypatch.setattr(packed_attention, "is_te_available", lambda: True)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    attention = _attention(_config("--no-gradient-accumulation-fusion"), monkeypatch)
+    assert attention.config.apply_rope_fusion
+    reads, tables = [], []
+
+    def fused_q(q, cos, sin, qk_dim, rope_dim, cu_seqlens, cp_rank, cp_size):
+        reads.append(("q", cos, sin, cu_seqlens, cp_rank, cp_size))
+        return q
+
+    def fused_kv(kv, k_pos, cos, sin, rope_dim, qk_dim, v_dim, cu_seqlens, cp_rank, cp_size):
+        reads.append(("kv", cos, sin, cu_seqlens, cp_rank, cp_size))
+        return kv, kv
+
+    monkeypatch.setattr(upstream, "fused_apply_mla_rope_for_q", fused_q)
+    monkeypatch.setattr(upstream, "fused_apply_mla_rope_for_kv", fused_kv)
+    table = attention.rotary_pos_emb.get_cached_cos_sin
+
+    def cached_cos_sin(seq_len, **kwargs):
+        tables.append((seq_len, table(seq_len, **kwargs)))
+        return tables[-1][1]
+
+    monkeypatch.setattr(attention.rotary_pos_emb, "get_cached_cos_sin", cached_cos_sin)
+    monkeypatch.setattr(attention, "pg_collection", copy.copy(attention.pg_collection))
+    attention.pg_collection.cp = SimpleNamespace(rank=lambda: 1, size=lambda: 2)  # of two
+    rows = 40
+    params = build_packed_batch_params(torch.tensor([0, 12, 30], dtype=torch.int32),
+                                       torch.cat([torch.arange(12), torch.arange(18)]), rows,
+                                       with_seq_idx=False)
+    params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = cu(0, 16, 32)
+    params.local_cp_size = 1
+    hidden = torch.randn(rows, 1, attention.config.hidden_size)
+    with pytest.raises(AssertionError, match="hybrid_context_parallel"):
+        upstream.MLASelfAttention.get_query_key_value_tensors(attention, hidden,
+                                                              packed_seq_params=params)
+    attention.get_query_key_value_tensors(hidden, packed_seq_params=params)
+    (length, (cos, sin)), = tables
+    assert length == 2 * rows  # the whole stream: rows x CP size
+    covered = rope_params(params, rows, 2).cu_seqlens_q_padded
+    assert covered.tolist() == [0, 16, 32, 80]
+    assert [read[0] for read in reads] == ["q", "kv"]
+    for _, read_cos, read_sin, cu_seqlens, cp_rank, cp_size in reads:
+        assert read_cos is cos and read_sin is sin and torch.equal(cu_seqlens, covered)
+        assert (cp_rank, cp_size) == (1, 2)
 
 
-def test_upstream_cos_sin_cache_is_still_re_registered():
-    """The hazard `GraphSafeYarnRotaryEmbedding` exists for: upstream rebuilds its cos/sin
-    buffers when the length grows or the dtype or packing mode changes."""
-    import inspect
-
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-        YarnRotaryEmbedding,
-    )
-
-    source = inspect.getsource(YarnRotaryEmbedding.get_cached_cos_sin)
-    assert "seq_len > self.max_seq_len_cached" in source
-    assert "packed_seq != self.packed_seq_cached" in source
-    assert "self._set_cos_sin_cache(" in source
-    assert 'self.register_buffer(\n            "cos_cached"' in inspect.getsource(
-        YarnRotaryEmbedding._set_cos_sin_cache)
+def test_upstream_cos_sin_cache_is_still_re_registered(upstream_on_the_host):
+    """The hazard `GraphSafeYarnRotaryEmbedding` exists for: upstream replaces its cos/sin
+    buffers (new tensors: a captured graph would read the old ones) when the length grows or
+    the dtype or packing mode changes."""
+    upstream = YarnRotaryEmbedding(64, use_cpu_initialization=True, **YARN)
+    upstream.get_cached_cos_sin(100, dtype=torch.float32, packed_seq=True)
+    kept = (upstream.cos_cached, upstream.sin_cached)
+    upstream.get_cached_cos_sin(50, dtype=torch.float32, packed_seq=True)
+    assert upstream.cos_cached is kept[0] and upstream.sin_cached is kept[1]  # shorter: kept
+    for seq_len, dtype, packed_seq in ((200, torch.float32, True), (200, torch.bfloat16, True),
+                                       (200, torch.bfloat16, False)):
+        upstream.get_cached_cos_sin(seq_len, dtype=dtype, packed_seq=packed_seq)
+        now = (upstream.cos_cached, upstream.sin_cached)
+        assert now[0] is not kept[0] and now[1] is not kept[1], (seq_len, dtype, packed_seq)
+        assert dict(upstream.named_buffers())["cos_cached"] is now[0]  # a registered buffer
+        kept = now

@@ -1,4 +1,4 @@
-"""MLA layer specs (packed_graphs/mla.py, specs.py) on CPU.
+"""MLA layer specs (packed_model/mla.py, packed_graphs/specs.py) on CPU.
 
 Transformer Engine is absent here, so the TE provider itself is GPU-tested
 (tests/gpu/test_mla_graphs.py); the wiring is checked over megatron-core's LocalSpecProvider.

@@ -20,6 +20,7 @@ from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_training import extra_args
 from megatron.packed_training.arguments import parse_args
 from megatron.packed_training.config import PackedMLATransformerConfig, transformer_config_from_args
+from megatron.packed_upstream import model_layers
 
 HEADS, QK, ROPE, V = 4, 16, 8, 16  # query head 24, value head 16: upstream pads V to 24
 
@@ -78,6 +79,7 @@ def _attention(config, monkeypatch):
     # megatron-core's MLA builds its yarn table on the current CUDA device; here on the host.
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     config.use_cpu_initialization = True
+    model_layers.megatron_core_linears_unfused_without_apex()  # as the fork's model builders
     spec = mla_self_attention_spec(_Provider())
     submodules = dataclasses.replace(spec.submodules, core_attention=DocumentAttention,
                                      linear_q_up_proj=ColumnParallelLinear,

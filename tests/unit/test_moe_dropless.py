@@ -616,6 +616,7 @@ def test_the_exchange_reads_nothing_on_the_host(monkeypatch):
     assert groups.group_sizes.tolist() == [8, 4, 8, 8] and int(groups.received.sum()) == 20
 
 
+@pytest.mark.slow
 def test_an_expert_parallel_layer_computes_what_one_rank_computes(cpu_moe, unaligned_groups,
                                                                    tmp_path):
     """EP = 2 on two CPU processes (gloo): each rank's output, input gradient and its experts'

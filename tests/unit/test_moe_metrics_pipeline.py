@@ -4,7 +4,7 @@ Two CPU processes (gloo) run megatron-core's own ``MoEMetricsTracker.report`` as
 ``training_log`` calls it for a hybrid model: the stage with the MoE layer records through a
 router's call (one slot per layer, 6), the stage without has nothing and is force-initialised
 at the number of MoE layers (1). Alone, the pipeline all-reduce pairs tensors of two sizes and
-fails (gloo; NCCL hangs). With `core_patches.size_moe_metrics_as_the_routers_do` first, both
+fails (gloo; NCCL hangs). With `training_loop.size_moe_metrics_as_the_routers_do` first, both
 stages report the same value.
 """
 
@@ -20,11 +20,13 @@ LAYERS = 6  # "M*-EM*": the routers' slots
 MOE_LAYERS = 1  # what training_log passes for a hybrid model
 MOE_LAYER_NUMBER = 4  # "E", the first layer of the second stage
 
+pytestmark = pytest.mark.slow  # two spawned processes per test
+
 
 def _stage(rank: int, store: str, sized: bool, results: str) -> None:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from megatron.packed_graphs import core_patches
+    from megatron.packed_upstream import training_loop
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                          world_size=2, timeout=datetime.timedelta(seconds=20))
@@ -36,7 +38,7 @@ def _stage(rank: int, store: str, sized: bool, results: str) -> None:
         args = types.SimpleNamespace(num_experts=4, moe_router_load_balancing_type="none",
                                      moe_z_loss_coeff=1e-3)
         config = types.SimpleNamespace(num_layers=LAYERS, mtp_num_layers=None)
-        core_patches.size_moe_metrics_as_the_routers_do(args, config)
+        training_loop.size_moe_metrics_as_the_routers_do(args, config)
     if rank == 1:  # the router of the stage's MoE layer
         tracker.record("z_loss", torch.tensor(3.0), MOE_LAYER_NUMBER, LAYERS)
     totals = {}

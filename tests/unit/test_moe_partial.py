@@ -24,8 +24,9 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
-from megatron.packed_graphs import core_patches
-from megatron.packed_graphs.layers import GraphSafeMoELayer, LocalGraphDispatch, graph_managers
+from megatron.packed_upstream import graph_engine
+from megatron.packed_graphs.layers import GraphSafeMoELayer, LocalGraphDispatch
+from megatron.packed_upstream.graph_engine import graph_managers
 from megatron.packed_graphs.moe_partial import (
     PARTIAL_GRAPH_FUNCTIONS,
     partial_moe_graphs,
@@ -123,7 +124,7 @@ def test_te_graphs_capture_the_moe_layers_for_moe_router(cpu_moe):
     for modules, graphed in (([], True), ([ROUTER], True), ([ROUTER, PREPROCESS], True),
                              ([ATTN], False), ([CudaGraphModule.mamba], False)):
         layer.config.cuda_graph_modules = modules
-        assert core_patches.layer_graphed_for_modules(layer) is graphed, modules
+        assert graph_engine.layer_graphed_for_modules(layer) is graphed, modules
 
 
 def test_gpt_and_hybrid_moe_layers_are_megatron_moe_layers(cpu_moe):
@@ -166,7 +167,7 @@ def _te_layer(kind, modules, **overrides):
     layer._graph_inputs, layer._graph_bank_sizes = [inputs], [1]
 
     def graph(hidden_states, **tensors):
-        with core_patches.te_graph_capture():  # megatron-core's capture flag, as TE sets it
+        with graph_engine.te_graph_capture():  # megatron-core's capture flag, as TE sets it
             return layer._te_cuda_graph_capture(hidden_states, **tensors)
 
     layer.cuda_graphs = [graph]
@@ -198,7 +199,7 @@ def test_te_partial_replay_computes_the_plain_forward(cpu_moe, kind, modules, sh
 def test_te_partial_capture_returns_upstreams_outputs(cpu_moe):
     layer, loaded = _te_layer("hybrid", [ROUTER])
     tensors = graph_tensors(loaded)
-    with core_patches.te_graph_capture():
+    with graph_engine.te_graph_capture():
         outputs = layer._te_cuda_graph_capture(torch.randn(TOKENS, 1, HIDDEN), **tensors)
     hidden, probs, routing_map, residual = outputs  # routed tokens, router, residual
     assert hidden.shape == residual.shape == (TOKENS, 1, HIDDEN)
@@ -240,7 +241,7 @@ def _manager(reuse, runners):
 
 
 def test_a_bypassed_call_takes_one_turn_in_every_manager(cpu_moe, monkeypatch):
-    monkeypatch.setattr(core_patches, "local_graphs_created", lambda: True)
+    monkeypatch.setattr(graph_engine, "local_graphs_created", lambda: True)
     layer = _layer("gpt", _config())
     for name in PARTIAL_GRAPH_FUNCTIONS:
         object.__setattr__(layer, name, _manager(False, ["a", "b", "c"]))

@@ -22,7 +22,8 @@ import torch
 from megatron.core.transformer import cuda_graphs
 from megatron.core.transformer.spec_utils import build_module
 
-from megatron.packed_graphs import core_patches, moe_partial
+from megatron.packed_upstream import graph_engine
+from megatron.packed_graphs import moe_partial
 from megatron.packed_graphs.specs import attention_layer_spec, gpt_layer_spec, moe_layer_spec
 from megatron.packed_model.providers import backend_provider
 from tests.unit.test_moe_partial import (
@@ -211,7 +212,7 @@ def test_the_router_graph_gets_a_copy_of_the_mask_only_while_recording(cpu_moe, 
     layer._forward_mlp_router = spy
     params = _params()
     for created in (False, True):
-        monkeypatch.setattr(core_patches, "local_graphs_created", lambda: created)
+        monkeypatch.setattr(graph_engine, "local_graphs_created", lambda: created)
         layer(torch.randn(TOKENS, 1, HIDDEN), attention_mask=None, packed_seq_params=params)
     recording_mask, replay_mask = masks
     torch.testing.assert_close(recording_mask, params.padding_mask.view(1, -1))
@@ -253,6 +254,6 @@ def test_upstream_keeps_only_differentiable_outputs_that_escape_to_eager_code():
     """Why the router runners are marked: 0.19.2 keeps a forward output owned past its capture
     only when it is saved for backward, or requires grad and no other graph reads it; the
     router graph's integer maps are neither."""
-    text = inspect.getsource(core_patches.UPSTREAM_WEAKREF_FORWARD_BUFFERS)
+    text = inspect.getsource(graph_engine.UPSTREAM_WEAKREF_FORWARD_BUFFERS)
     assert "and tensor.requires_grad" in text
     assert "and not metadata.is_cudagraph_input" in text

@@ -296,17 +296,24 @@ def test_measured_loads_size_a_capacity_that_does_not_overflow(cpu_moe, tmp_path
     assert all(dropped == 0 for dropped, _ in check.read_rows())
 
 
-def test_from_args_and_the_load_file(cpu_moe, tmp_path):
-    from argparse import Namespace
-
+def test_from_settings_and_the_load_file(cpu_moe, tmp_path):
     import json
+    from dataclasses import replace
+
+    from megatron.packed_graphs.settings import CPBanks, GraphSettings, MoEGraphSettings
 
     model = build("gpt", CAPACITY)
-    args = Namespace(moe_capacity_overflow="drop", global_batch_size=16, micro_batch_size=2,
-                     data_parallel_size=2, dynamic_cp_sizes=None)
-    assert MoEOverflowRerun.from_args(args, [model]) is None
-    args.moe_capacity_overflow = "rerun"
-    rerun = MoEOverflowRerun.from_args(args, [model])
+    settings = GraphSettings(impl="local", capacity=8, global_batch_size=16, micro_batch_size=2,
+                             data_parallel_size=2, moe=MoEGraphSettings())
+    assert MoEOverflowRerun.from_settings(settings, [model]) is None
+    assert MoEOverflowRerun.from_settings(replace(settings, moe=None), [model]) is None
+    # Dynamic CP: ranks run unequal shares, so the bound is the whole global batch.
+    banks = CPBanks(sizes=(1, 2), max_packed_seqs=(8, 8), tokens_per_rank=64)
+    rerun_moe = MoEGraphSettings(capacity_overflow="rerun")
+    unequal = MoEOverflowRerun.from_settings(replace(settings, moe=rerun_moe, cp_banks=banks),
+                                             [build("gpt", CAPACITY)])
+    assert unequal.rows.shape == (8 + 2, 2)
+    rerun = MoEOverflowRerun.from_settings(replace(settings, moe=rerun_moe), [model])
     assert rerun.rows.shape == (4 + 2, 2)  # 16 / 2 / 2 micro-batches per rank, and the shape
     batches = micro_batches()
     rerun.after_forward_backward(run_iteration(model, batches),
@@ -322,7 +329,7 @@ def test_capture_warm_up_leaves_no_trace_in_the_moe_accumulators(cpu_moe):
     """The capture iteration's graph warm-up (forward passes on placeholder inputs, run by
     megatron-core inside the end-of-schedule capture) adds nothing to the step's aux losses
     or dropped-slot counts: the runtime runs that capture inside its guard."""
-    from megatron.packed_graphs import core_patches
+    from megatron.packed_upstream import graph_engine
     from megatron.packed_graphs.plan import GraphRuntimeConfig
     from megatron.packed_graphs.runtime import GraphRuntime
 
@@ -331,14 +338,14 @@ def test_capture_warm_up_leaves_no_trace_in_the_moe_accumulators(cpu_moe):
                            model=[model])
     batch = micro_batches()[0]
     with runtime.iteration([[{"num_segments": 3, "num_documents": 2}]], forward_step=None):
-        assert len(core_patches._capture_guards) == 1
+        assert len(graph_engine._capture_guards) == 1
         run_iteration(model, [batch])  # the iteration's own micro-batch
         training = tracker_values()
         slots = [r.token_slots.clone() for r in packed_routers(model)]
-        with core_patches._capture_guards[0]():  # what the capture wrapper enters
+        with graph_engine._capture_guards[0]():  # what the capture wrapper enters
             placeholder = (torch.zeros_like(batch[0]), batch[1], batch[2])
             run_iteration(model, [placeholder, placeholder])
             assert any(not torch.equal(v, training[k]) for k, v in tracker_values().items())
         assert all(torch.equal(v, training[k]) for k, v in tracker_values().items())
         assert all(torch.equal(r.token_slots, s) for r, s in zip(packed_routers(model), slots))
-    assert core_patches._capture_guards == []
+    assert graph_engine._capture_guards == []

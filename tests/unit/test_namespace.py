@@ -7,6 +7,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINNED_CORE = "0.19.2"
 MIN_PYTHON = (3, 12)
@@ -50,6 +52,7 @@ def test_repo_does_not_shadow_the_wheel():
     assert not os.path.exists(os.path.join(REPO, "megatron", "training"))
 
 
+@pytest.mark.slow
 def test_installed_packages_import_from_outside_the_repo(tmp_path):
     """What a framework's own process sees: run from another folder, with no PYTHONPATH,
     the fork's packages come from this repo and megatron.training from the wheel, and the

@@ -7,6 +7,7 @@ statistics. Capture and replay themselves run on the GPU (tests/gpu/test_optimiz
 
 import copy
 import math
+from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
 
@@ -75,7 +76,7 @@ def test_flag_is_off_by_default_and_asks_megatron_core_for_capturable_kernels(
         with_graph, restored_training_loop):
     loop = restored_training_loop
 
-    from megatron.packed_graphs.core_patches import route_training_loop
+    from megatron.packed_upstream.training_loop import route_training_loop
 
     assert build_parser().parse_args(BASE).optimizer_cuda_graph is False  # off by default
     args = copy.deepcopy(with_graph)
@@ -222,8 +223,12 @@ def test_a_checkpoint_holds_the_live_values_as_numbers(monkeypatch, with_graph):
     optimizer.step = lambda: (True, None, 0)
     with pytest.raises(AssertionError, match="steps"):
         part.state_dict()  # upstream on its own
-    OptimizerGraph.install(with_graph, optimizer,
-                           GraphRuntime(GraphRuntimeConfig()))
+    from megatron.packed_training.config import graph_settings_from_args
+
+    settings = graph_settings_from_args(with_graph)
+    assert settings.optimizer_graph and OptimizerGraph.install(
+        replace(settings, optimizer_graph=False), optimizer, None) is None
+    OptimizerGraph.install(settings, optimizer, GraphRuntime(GraphRuntimeConfig()))
     live = [(group["lr"], group["step"]) for group in inner.param_groups]
     assert all(torch.is_tensor(lr) for lr, _ in live)
     # A save reaches the part's own state_dict (the sentinels below), and so does this.
@@ -238,23 +243,30 @@ def test_a_checkpoint_holds_the_live_values_as_numbers(monkeypatch, with_graph):
 
 
 def test_upstream_saves_through_the_parts_own_state_dict():
-    """Sentinels for the above: get_megatron_optimizer chains even one optimizer; a chain of
-    one hands the save to its part; the distributed optimizer's save calls its state_dict,
-    which merges the groups' step counts in a set."""
-    import inspect
-
-    from megatron.core import optimizer as megatron_optimizer
-    from megatron.core.optimizer import distrib_optimizer
+    """Sentinels for the above, run on stand-ins: a chain of one hands the save to its part's
+    sharded_state_dict, and the distributed optimizer's sharded_state_dict calls its own
+    state_dict (whose step-count assertion the test above runs). The install wraps each part's
+    state_dict, chained or not."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    source = inspect.getsource
-    assert "return ChainedOptimizer(optimizers)" in source(
-        megatron_optimizer.get_megatron_optimizer)
-    assert "return self.chained_optimizers[0].sharded_state_dict(" in source(
-        ChainedOptimizer.sharded_state_dict)
-    distributed = distrib_optimizer.DistributedOptimizer
-    assert "state_dict = self.state_dict()" in source(distributed.sharded_state_dict)
-    assert 'assert len(steps) <= 1, f"steps: {steps}"' in source(distributed.state_dict)
+    def part_save(model_sharded_state_dict, is_loading, **kwargs):
+        return "the part's save", model_sharded_state_dict, is_loading, kwargs
+
+    chain = SimpleNamespace(chained_optimizers=[SimpleNamespace(sharded_state_dict=part_save)])
+    assert ChainedOptimizer.sharded_state_dict(chain, {"model": 1}, False, metadata={}) == (
+        "the part's save", {"model": 1}, False, {"metadata": {}})
+
+    class Saved(Exception):
+        pass
+
+    def state_dict():
+        raise Saved
+
+    distributed = SimpleNamespace(ddp_config=SimpleNamespace(use_megatron_fsdp=False),
+                                  state_dict=state_dict)
+    with pytest.raises(Saved):
+        DistributedOptimizer.sharded_state_dict(distributed, {}, is_loading=False)
 
 
 # -- statistics --------------------------------------------------------------------------------

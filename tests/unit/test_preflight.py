@@ -219,6 +219,46 @@ def test_run_pretraining_checks_the_data_before_any_gpu_work(tmp_path, monkeypat
                    f"(0 tokens lost, 0.00%), padding 32.8% of 64 positions"]
 
 
+def test_a_bad_chat_role_stops_the_run_before_megatrons_argument_dump(tmp_path, monkeypatch,
+                                                                     capsys):
+    """The data check runs before Megatron-LM's ~840-line argument dump is printed: a bad
+    data file's message is the only output."""
+    from tests.unit.test_chat_data import make_tokenizer
+
+    monkeypatch.setattr(initialize, "require_cuda", _no_gpu)
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+    chat = write_jsonl(tmp_path / "chat.jsonl", {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "Assistant", "content": "Hello"}]})
+    argv = BASE[:BASE.index("--vocab-size")] + BASE[BASE.index("--vocab-size") + 2:] + [
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer, "--sft",
+        "--data-path", chat]  # the tokenizer sets the vocabulary size
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain.run_pretraining("gpt", None, "pretrain_gpt.py", argv)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 1
+    assert [line for line in err.splitlines() if "error" in line] == [f'pretrain_gpt.py: error: {chat}:1: messages[1].role is wrong: '
+                                f'"Assistant". Roles are lower case, as in OpenAI\'s chat '
+                                f'format: write "assistant".']
+    assert "arguments" not in out  # no dump, not even its header
+
+
+def test_the_argument_dump_follows_every_start_up_check(tmp_path, monkeypatch, capsys):
+    """Good data: the summary line, the GPU check, then the dump (training starts after it)."""
+    import megatron.training.global_vars as global_vars
+
+    order = []
+    monkeypatch.setattr(initialize, "require_cuda",
+                        lambda script: order.append(capsys.readouterr().out))
+    # Megatron-LM's start-up, the first step after the checks: stop there.
+    monkeypatch.setattr(global_vars, "set_global_variables", _no_gpu)
+    good = write_jsonl(tmp_path / "good.jsonl", doc(5), doc(9))
+    with pytest.raises(GPUTouched):
+        pretrain.run_pretraining("gpt", None, "pretrain_gpt.py", BASE + ["--data-path", good])
+    (before_gpu,) = order
+    assert before_gpu.startswith("data check: ") and "arguments" not in before_gpu
+    assert "end of arguments" in capsys.readouterr().out
+
+
 def test_run_pretraining_on_another_rank_skips_the_check(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(initialize, "require_cuda", _no_gpu)
     monkeypatch.setenv("RANK", "3")

@@ -184,3 +184,29 @@ def test_refusals(tmp_path, folder, capsys, case, message):
     assert pre.main(["--input", source, "--output", output, "--tokenizer-model", model,
                      *workers]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_no_assistant_turn_anywhere_is_refused_and_leaves_no_output(tmp_path, folder, capsys):
+    chat = write_jsonl(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": "one question"}]},
+        {"messages": [{"role": "system", "content": "terse"},
+                      {"role": "user", "content": "another"}]}])
+    out = tmp_path / "train.jsonl"
+    assert pre.main(["--input", chat, "--output", str(out), "--tokenizer-model", folder,
+                     "--no-progress"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"preprocess_sft: error: --input is wrong: none of the 2 conversations of {chat} has "
+        'an assistant turn, so there is nothing to train on (a conversation trains on the '
+        'turns whose role is "assistant"). Check the roles; no output was written.']
+    assert list(tmp_path.iterdir()) == [tmp_path / "chat.jsonl"]
+
+
+def test_sharegpt_input_is_named_with_the_rewrite(tmp_path, folder, capsys):
+    from tests.unit.test_chat_data import SHAREGPT, SHAREGPT_MESSAGE
+
+    source = write_jsonl(tmp_path / "sharegpt.jsonl", ["\n", SHAREGPT])
+    assert pre.main(["--input", source, "--output", str(tmp_path / "train.jsonl"),
+                     "--tokenizer-model", folder, "--no-progress"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.match(rf"preprocess_sft: error: {source}:2: {SHAREGPT_MESSAGE}", line), line
+    assert list(tmp_path.iterdir()) == [tmp_path / "sharegpt.jsonl"]

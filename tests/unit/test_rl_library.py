@@ -385,14 +385,14 @@ def test_a_nan_advantage_stops_the_step_before_anything_is_trained(cpu_dist):
 def validating_machine(monkeypatch):
     """megatron-core's rerun state machine in Megatron-LM's default mode (validate_results),
     its CUDA reads stood in for (the device's RNG state and number) and its flags reduced on
-    the host, as `PackedPolicy.build` installs (core_patches.reduce_rerun_flags_on_host)."""
+    the host, as `PackedPolicy.build` installs (training_loop.reduce_rerun_flags_on_host)."""
     from megatron.core import rerun_state_machine as rerun
-    from megatron.packed_graphs import core_patches
+    from megatron.packed_upstream import training_loop
 
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: torch.zeros(1, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(rerun.RerunStateMachine, "_reduce_any", core_patches.any_rank_requested)
+    monkeypatch.setattr(rerun.RerunStateMachine, "_reduce_any", training_loop.any_rank_requested)
     rerun.destroy_rerun_state_machine()  # one a test before made implicitly
     rerun.initialize_rerun_state_machine(mode=rerun.RerunMode.VALIDATE_RESULTS)
     yield rerun.get_rerun_state_machine()
@@ -521,6 +521,7 @@ def test_the_library_runs_pipeline_and_context_parallel_size_one():
         check_library_layout(SimpleNamespace(**(vars(ok) | {"context_parallel_size": 2})))
 
 
+@pytest.mark.slow
 def test_the_api_imports_from_any_folder_and_without_the_scripts(tmp_path):
     code = ("import sys, megatron.packed_training.rl as rl, megatron.packed_training.models; "
             "assert 'pretrain_gpt' not in sys.modules; print(rl.PackedPolicy.__name__)")

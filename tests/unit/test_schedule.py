@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.packed_graphs import core_patches
+
+from megatron.packed_upstream import graph_engine
 from megatron.packed_graphs.plan import Granularity, GraphRuntimeConfig, Reason, active_plan
 from megatron.packed_graphs.runtime import GraphRuntime
 from megatron.packed_graphs.schedule import GraphRuntimeSchedule
@@ -70,7 +71,7 @@ def seam_for(config=LOCAL, **kwargs):
 @pytest.fixture(autouse=True)
 def no_local_capture(monkeypatch):
     # No layer here records a graph; the capture guard only wraps megatron-core's capture.
-    monkeypatch.setattr(core_patches, "guard_local_capture", lambda guard: guard())
+    monkeypatch.setattr(graph_engine, "guard_local_capture", lambda guard: guard())
 
 
 def test_schedule_sees_one_thd_stream_per_micro_batch_whatever_upstream_passes():

@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+from megatron.packed_training.extra_args import is_importable
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A Megatron-LM launch line (Megatron-LM wants --max-position-embeddings and
 # --micro-batch-size; --eval-iters 0: no evaluation of the mock validation split).
@@ -22,6 +24,7 @@ def _run(*cmd):
 HYBRID = ["--hybrid-layer-pattern", "M*", "--mamba-head-dim", "16", "--mamba-num-groups", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_training_without_cuda_exits_1_and_says_why():
     """The real entry point, as a process (its exit status)."""
@@ -40,19 +43,62 @@ def _main(script, argv):
     return done.value.code
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_hybrid_training_without_its_kernels_or_cuda_exits_1_and_says_why(capsys):
-    # The hybrid model's layers come from the pattern (Megatron-LM derives --num-layers).
-    # Before any GPU work: mamba-ssm / causal-conv1d first, then the GPU.
-    from megatron.packed_training.extra_args import is_importable
+def _without_mock_data(argv):
+    return [token for token in argv if token != "--mock-data"]
 
+
+def _write_bad_jsonl(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n')
+    return str(path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_hybrid_training_without_cuda_says_so_before_the_mamba_kernels(capsys):
+    # The hybrid model's layers come from the pattern (Megatron-LM derives --num-layers).
+    # Without a GPU that is the message, whether or not mamba-ssm / causal-conv1d are there.
     assert _main("pretrain_mamba.py", VALID[2:] + HYBRID) == 1
-    err = capsys.readouterr().err
-    if is_importable("mamba_ssm") and is_importable("causal_conv1d"):
-        assert "pretrain_mamba.py: no CUDA device is visible" in err
-    else:
-        assert "pretrain_mamba.py: error: " in err and "is not importable, and the Mamba" in err
-        assert 'pip install --no-build-isolation -e ".[mamba]"' in err
+    err = [line for line in capsys.readouterr().err.splitlines() if "pretrain_mamba.py" in line]
+    assert len(err) == 1 and err[0].startswith("pretrain_mamba.py: no CUDA device is visible")
+
+
+def test_hybrid_data_error_comes_before_the_gpu_and_the_kernels(tmp_path, capsys):
+    bad = _write_bad_jsonl(tmp_path)
+    assert _main("pretrain_mamba.py", _without_mock_data(VALID[2:]) + HYBRID
+                 + ["--data-path", bad]) == 1
+    out, err = capsys.readouterr()
+    err = [line for line in err.splitlines() if "pretrain_mamba.py" in line]
+    assert err == [f"pretrain_mamba.py: error: {bad}:2:20: JSON is wrong: Expecting ',' "
+                   f"delimiter. The line ends before the JSON object does: write each object "
+                   f"whole, on one line (JSONL, not pretty-printed JSON)."]
+    assert "arguments" not in out
+
+
+@pytest.mark.skipif(is_importable("mamba_ssm") and is_importable("causal_conv1d"),
+                    reason="checks a machine without the Mamba kernels")
+def test_hybrid_training_with_a_gpu_but_without_its_kernels_names_the_install(capsys,
+                                                                              monkeypatch):
+    from megatron.packed_training import initialize
+
+    monkeypatch.setattr(initialize, "require_cuda", lambda script: None)  # as on a GPU machine
+    assert _main("pretrain_mamba.py", VALID[2:] + HYBRID) == 1
+    out, err = capsys.readouterr()
+    err = [line for line in err.splitlines() if "pretrain_mamba.py" in line]
+    assert len(err) == 1 and err[0].startswith("pretrain_mamba.py: error: ")
+    assert "is not importable, and the Mamba" in err[0]
+    assert 'pip install --no-build-isolation -e ".[mamba]"' in err[0]
+    assert "arguments" not in out  # Megatron-LM's argument dump only once every check passed
+
+
+@pytest.mark.slow
+def test_bad_data_file_is_reported_before_megatrons_argument_dump(tmp_path):
+    """The real script: the data error is the first (and only) thing it prints."""
+    bad = _write_bad_jsonl(tmp_path)
+    proc = _run(sys.executable, "pretrain_gpt.py", "--sft", "--data-path", bad,
+                *_without_mock_data(VALID))
+    assert proc.returncode == 1
+    assert proc.stdout == ""  # no argument dump, no data summary
+    assert proc.stderr.startswith(f"pretrain_gpt.py: error: {bad}:2:20: JSON is wrong: ")
 
 
 def test_bad_flag_is_a_usage_error(capsys):
@@ -61,6 +107,7 @@ def test_bad_flag_is_a_usage_error(capsys):
             in capsys.readouterr().err)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_example_launcher_refuses_without_gpu():
     script = os.path.join("examples", "local", "train_hybrid_synthetic.sh")
@@ -78,7 +125,8 @@ def _ci_test_block():
 
 def test_readme_ci_command_pins_torch_and_installs_the_test_extra():
     lines = [line for line in _ci_test_block() if line.strip()]
-    assert lines == ['pip install torch==2.11.0 && pip install -e ".[test]" && python -m pytest -q tests']
+    assert lines == [
+        'pip install torch==2.11.0 && pip install -e ".[test]" && python -m pytest -q --all tests']
 
 
 def test_ci_run_is_valid_bash_and_uses_python_312():

@@ -5,7 +5,7 @@ import torch
 
 from megatron.packed_graphs.capacity import pad_cu_seqlens
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
-from megatron.packed_graphs.core_patches import te_layer_capture_keywords
+from megatron.packed_upstream.graph_engine import te_layer_capture_keywords
 from megatron.packed_graphs.te_graphs import PackedGraphInputs, graph_kwargs
 
 

@@ -229,7 +229,8 @@ def _import_fake_te(root: Path, prelude: str = "") -> subprocess.CompletedProces
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize("version", ["2.11.0", "2.20.2", "2.20.2+c0ffee1"])
+@pytest.mark.parametrize("version", ["2.11.0", pytest.param("2.20.2", marks=pytest.mark.slow),
+                                     pytest.param("2.20.2+c0ffee1", marks=pytest.mark.slow)])
 def test_a_supported_te_is_loaded_through_the_transform(tmp_path, version):
     _fake_te(tmp_path, version)
     out = _import_fake_te(tmp_path)
@@ -239,7 +240,7 @@ def test_a_supported_te_is_loaded_through_the_transform(tmp_path, version):
     assert "te_patches" not in out.stderr
 
 
-@pytest.mark.parametrize("version", ["2.12.0", "2.20.1"])
+@pytest.mark.parametrize("version", ["2.12.0", pytest.param("2.20.1", marks=pytest.mark.slow)])
 def test_an_unknown_te_stops_the_import_of_transformer_engine(tmp_path, version):
     _fake_te(tmp_path, version)
     out = _import_fake_te(tmp_path)
@@ -247,6 +248,7 @@ def test_an_unknown_te_stops_the_import_of_transformer_engine(tmp_path, version)
     assert f"PatchRefused: te_patches: the installed Transformer Engine is {version};" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_supported_te_without_the_statements_stops_the_import(tmp_path):
     _fake_te(tmp_path, "2.20.2", zero_fills=False)
     out = _import_fake_te(tmp_path)
@@ -255,6 +257,7 @@ def test_a_supported_te_without_the_statements_stops_the_import(tmp_path):
             "in AttnFuncWithCPAndKVP2P.backward of TE 2.20.2's") in out.stderr
 
 
+@pytest.mark.slow
 def test_not_needed_is_said_once_and_leaves_te_alone(tmp_path):
     """A release whose decision is "not needed" (none of the supported ones today) loads TE's
     module unchanged and says so once per process, on stderr, without failing."""

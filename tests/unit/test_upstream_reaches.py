@@ -29,9 +29,10 @@ REACHES_LIVE_IN = sorted(SHIM.glob("*.py"))
 # Names under which the fork's code holds upstream objects whose state it must not write.
 UPSTREAM_HOLDERS = {"optimizer", "part", "runner", "manager", "dispatcher", "layer", "block",
                     "chunk", "model", "module", "mlp", "attention", "transformer_layer"}
-# Receivers of setattr that are the fork's own objects: the parsed arguments, and the
-# full-iteration graph's twin of a micro-batch's params (a dataclass copy it builds).
-OWN_SETATTR_RECEIVERS = {"args", "twin"}
+# Receivers of setattr that are the fork's own objects: the parsed arguments, the
+# full-iteration graph's twin of a micro-batch's params (a dataclass copy it builds), and the
+# transformer config the fork builds from the arguments before any module reads it.
+OWN_SETATTR_RECEIVERS = {"args", "twin", "config"}
 # Private names that are a protocol, not internals: argparse keeps a parser's actions in
 # ``_actions`` (no public accessor); Megatron-LM's own parse_args sets
 # ``_is_global_batch_size_explicitly_specified`` for its validate_args, as the fork's parse does.

@@ -22,7 +22,9 @@ Where the assistant turns are:
 
 A file is chat data when its first record has ``messages``; every record must then be a
 conversation. Conversations without an assistant turn teach nothing and are skipped (counted
-in `ChatStats`). Every error names ``path:line`` and the fix.
+in `ChatStats`). Every error names ``path:line`` and the fix; a ShareGPT-style record
+(``conversations`` of ``from`` / ``value`` turns) is refused with the rewrite into
+``messages`` (`jsonl.other_chat_format`).
 """
 
 import json
@@ -32,7 +34,7 @@ from typing import Iterator
 
 import numpy as np
 
-from megatron.packed_training.datasets.jsonl import read_jsonl_documents
+from megatron.packed_training.datasets.jsonl import other_chat_format, read_jsonl_documents
 from megatron.packed_training.datasets.packing import Document
 
 CHAT = "chat"
@@ -103,6 +105,9 @@ def _check_messages(record, where: str) -> tuple[list[dict], list | None]:
             f'conversation per line, e.g. {{"messages": [{{"role": "user", "content": "Hi"}}, '
             f'{{"role": "assistant", "content": "Hello"}}]}}.')
     if "messages" not in record:
+        other = other_chat_format(record, where)
+        if other is not None:
+            raise other
         found = "input_ids, a pre-tokenized record" if "input_ids" in record else \
             f"keys {sorted(record)}"
         raise ValueError(

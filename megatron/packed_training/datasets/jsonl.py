@@ -24,6 +24,34 @@ from megatron.packed_training.datasets.packing import Document
 EXCERPT_WIDTH = 30
 """Characters shown on each side of the fault in a JSON error's excerpt."""
 
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+"""ShareGPT's ``from`` values and the ``role`` each is written as in ``messages``."""
+
+
+def other_chat_format(record, where: str) -> ValueError | None:
+    """The error for a record that is a conversation in another layout than ``messages``
+    (ShareGPT's ``{"conversations": [{"from": "human", "value": ...}]}``, or ``messages``
+    under the key ``conversations``), naming ``where`` and how to rewrite it; else None.
+    Every reader of JSONL data (training, tools/preprocess_sft.py, tools/capacity_advisor.py)
+    refuses these records with this one message."""
+    if not isinstance(record, dict) or "messages" in record:
+        return None
+    turns = record.get("conversations")
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], dict):
+        return None
+    if "from" in turns[0] or "value" in turns[0]:
+        mapping = ", ".join(f"{old} -> {new}" for old, new in SHAREGPT_ROLES.items())
+        return ValueError(
+            f'{where}: data is wrong: a ShareGPT-style conversation ("conversations" of '
+            f'"from" / "value" turns). Rewrite each line as {{"messages": [{{"role": ..., '
+            f'"content": ...}}]}}: "conversations" -> "messages", "from" -> "role" ({mapping}), '
+            f'"value" -> "content" (a converter: docs/data-format.md, "ShareGPT data").')
+    if "role" in turns[0]:
+        return ValueError(
+            f'{where}: data is wrong: the conversation is under "conversations". Rename the key '
+            f'to "messages" (docs/data-format.md).')
+    return None
+
 
 def excerpt_with_caret(text: str, column: int) -> str:
     """Two indented lines: ``text`` around 1-based ``column`` (cut to `EXCERPT_WIDTH` characters
@@ -174,6 +202,9 @@ def _iter_documents(path: str, vocab_size: int) -> Iterator[Document]:
                     f'Write one object per line, e.g. {{"input_ids": [1, 2, 3]}}.'
                 )
             if "input_ids" not in record:
+                other = other_chat_format(record, where)
+                if other is not None:
+                    raise other
                 raise ValueError(
                     f"{where}: record is wrong: no input_ids (keys: {sorted(record)}). "
                     f"Add an \"input_ids\" list of token ids."

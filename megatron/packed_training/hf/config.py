@@ -32,6 +32,10 @@ class HFConfig:
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "HFConfig":
         path = os.path.join(os.fspath(folder), "config.json")
+        if not os.path.isdir(folder):
+            raise ConversionError(f"{folder} does not exist: the converter reads a local "
+                                  "folder, never the hub (download the model first, e.g. "
+                                  "`hf download ORG/MODEL --local-dir MODEL`)")
         if not os.path.isfile(path):
             raise ConversionError(f"{folder} has no config.json: pass a Hugging Face model "
                                   "folder (config.json, *.safetensors, tokenizer files)")

@@ -61,9 +61,16 @@ def vocab_divisor(run_vocab: int, hf_vocab: int, tensor_parallel: int = 1) -> in
 
 def tokenizer_size(folder: str) -> int | None:
     """``len(tokenizer)`` of the folder's Hugging Face tokenizer (the vocabulary Megatron-LM
-    builds the run's model with), or None when it has none or it does not load."""
+    builds the run's model with), or None when it has none or it does not load. Reading it
+    needs transformers (a `ConversionError` naming the extra when it is not importable)."""
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         return None
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConversionError(f"reading the tokenizer of {folder} needs the transformers "
+                              "package, which is not importable: pip install -e \".[hf]\" "
+                              "(or pass --no-tokenizer for pre-tokenized data)") from None
     try:
         from megatron.packed_training.tokenizer import load_tokenizer
 
@@ -196,18 +203,19 @@ def import_hf(hf_folder: str | os.PathLike, output: str | os.PathLike, *,
     ``megatron_flags.txt``.
     Load it with ``--pretrained-checkpoint <output>`` (or ``--load <output> --finetune``)
     at any TP / PP / EP. Returns the `ConversionResult` with the launch flags.
-    Raises `ConversionError` for a model the fork does not build.
+    Raises `ConversionError` for a model the fork does not build, and for a folder whose
+    weights files are missing, truncated or damaged (before anything is written).
     """
     hf_folder, output = os.fspath(hf_folder), os.path.abspath(os.fspath(output))
     config = HFConfig.from_folder(hf_folder)
     converted = describe(config)
     dims = converted.mapping.dims
+    reader = HFReader(hf_folder)  # first: a missing or damaged weights file stops it here
     run_vocab = (tokenizer_size(hf_folder) if tokenizer else None) or dims.vocab_size
     divisor = make_vocab_size_divisible_by or vocab_divisor(run_vocab, dims.vocab_size,
                                                             tensor_parallel_size)
     padded = padded_vocab_size(dims.vocab_size, divisor, tensor_parallel_size)
     mapping = with_dims(converted.mapping, padded_vocab_size=padded)
-    reader = HFReader(hf_folder)
     entries, objects = checkpoint_layout(mapping)
     notes = list(converted.notes) + _check_coverage(reader, entries.values(), mapping.ignored)
     if padded_vocab_size(run_vocab, divisor, tensor_parallel_size) > dims.vocab_size:
@@ -315,10 +323,13 @@ def export_hf(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
     the config folder (tokenizer, generation config) are copied along.
     """
     checkpoint, output = os.fspath(checkpoint), os.fspath(output)
+    folder = torch_dist.checkpoint_folder(checkpoint)
     config_folder = os.fspath(hf_config) if hf_config is not None else checkpoint
+    if hf_config is None and not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        raise ConversionError(f"{checkpoint} has no config.json: name the folder that holds "
+                              "the model's config.json (the `import` output) with --hf-config")
     config = HFConfig.from_folder(config_folder)
     converted = describe(config)
-    folder = torch_dist.checkpoint_folder(checkpoint)
     os.makedirs(output, exist_ok=True)
     writer = HFWriter(output, max_shard_bytes)
     notes = list(converted.notes)

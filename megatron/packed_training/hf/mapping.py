@@ -13,7 +13,8 @@ A family (families/*.py) describes its model declaratively:
   Engine's norms and the TE-free spec's (packed_model/providers.TELayoutNorm) save it; not Mamba's gated
   norm inside the mixer, mamba-ssm's module on every backend.
 * `ModelMapping`: the model's rules, one `LayerKind` per layer, the number of routed experts
-  and whether the checkpoint stacks layers.
+  and whether the checkpoint stacks layers; `Converted`: a family's reading of a config, its
+  mapping and launch flags.
 
 `checkpoint_layout` expands a mapping into what megatron-core's ``sharded_state_dict`` holds
 at TP = PP = EP = 1 (the keys a torch_dist checkpoint stores): a GPT block whose layers are
@@ -107,6 +108,21 @@ class ModelMapping:
     def __post_init__(self):
         if self.stacked and len({kind for kind in self.layers}) > 1:
             raise ValueError("a stacked checkpoint needs every layer of one kind")
+
+
+@dataclass
+class Converted:
+    """What a family makes of a Hugging Face config (families/*.py ``describe``).
+
+    ``script``: the entry script that builds the model (``pretrain_gpt.py`` or
+    ``pretrain_mamba.py``); ``flags``: its model flags, in order (True: a bare flag); the
+    converter adds the vocabulary and tokenizer flags. ``mapping``: the tensor mapping."""
+
+    family: str
+    script: str
+    flags: dict
+    mapping: ModelMapping
+    notes: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

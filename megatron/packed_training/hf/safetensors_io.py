@@ -15,7 +15,7 @@ from collections import OrderedDict
 from contextlib import ExitStack
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -23,6 +23,21 @@ from megatron.packed_training.hf.config import ConversionError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # a Megatron-LM checkpoint's
+
+
+def _open(path: str):
+    """``safe_open(path)``; a missing, truncated or damaged file is a `ConversionError` that
+    names it (safetensors checks the header and the data's length when it opens a file)."""
+    try:
+        return safe_open(path, framework="pt")
+    except FileNotFoundError:
+        raise ConversionError(f"{path} does not exist: the checkpoint is incomplete; download "
+                              "the model folder again") from None
+    except (SafetensorError, OSError) as error:
+        reason = " ".join(str(error).split())
+        raise ConversionError(f"{path} is truncated or not a safetensors file ({reason}): "
+                              "download it again") from None
 
 
 class HFReader:
@@ -32,16 +47,24 @@ class HFReader:
         self.folder = os.fspath(folder)
         index = os.path.join(self.folder, INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                self.shard_of = dict(json.load(f)["weight_map"])
+            self.shard_of = _weight_map(index)
         elif os.path.isfile(os.path.join(self.folder, SINGLE)):
-            with safe_open(os.path.join(self.folder, SINGLE), framework="pt") as f:
+            with _open(os.path.join(self.folder, SINGLE)) as f:
                 self.shard_of = {name: SINGLE for name in f.keys()}
+        elif os.path.isfile(os.path.join(self.folder, MEGATRON_TRACKER)):
+            raise ConversionError(f"{self.folder} is a Megatron-LM checkpoint, not a Hugging "
+                                  "Face folder: convert it with `export`")
         else:
             raise ConversionError(f"{self.folder} has no {SINGLE} or {INDEX}: the converter "
                                   "reads safetensors checkpoints only (save the model with "
                                   "save_pretrained(..., safe_serialization=True))")
         self.shards = sorted(set(self.shard_of.values()))
+        missing = [shard for shard in self.shards
+                   if not os.path.isfile(os.path.join(self.folder, shard))]
+        if missing:
+            raise ConversionError(f"{index} names {len(missing)} shard file(s) that "
+                                  f"{self.folder} lacks, e.g. {missing[0]}: download every "
+                                  "file the index names")
         self._shard_numbers = {shard: number for number, shard in enumerate(self.shards)}
         self._open: OrderedDict = OrderedDict()
         self._open_files = open_files
@@ -61,7 +84,7 @@ class HFReader:
         while len(self._open) >= self._open_files:
             self._open.popitem(last=False)[1][0].close()
         files = ExitStack()
-        handle = files.enter_context(safe_open(os.path.join(self.folder, shard), framework="pt"))
+        handle = files.enter_context(_open(os.path.join(self.folder, shard)))
         self._open[shard] = (files, handle)
         return handle
 
@@ -75,7 +98,7 @@ class HFReader:
         """(shape, dtype) from the shard header; no data read."""
         if name not in self._meta:
             shard = self._lookup(name)
-            with safe_open(os.path.join(self.folder, shard), framework="pt") as f:
+            with _open(os.path.join(self.folder, shard)) as f:
                 for key in f.keys():
                     if self.shard_of.get(key) == shard:
                         view = f.get_slice(key)
@@ -89,6 +112,19 @@ class HFReader:
     def close(self) -> None:
         while self._open:
             self._open.popitem()[1][0].close()
+
+
+def _weight_map(index: str) -> dict[str, str]:
+    """{tensor name: shard file} of a ``model.safetensors.index.json``."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise ConversionError(f"{index} is not a safetensors index (JSON with a weight_map "
+                              "object): download it again") from None
+    return dict(weight_map)
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

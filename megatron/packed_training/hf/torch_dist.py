@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import (
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.packed_training.hf.config import ConversionError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -217,20 +218,31 @@ def write_release_tracker(root: str | os.PathLike) -> str:
 
 def checkpoint_folder(root: str | os.PathLike) -> str:
     """The torch_dist folder of a Megatron-LM checkpoint ``root``: its tracker's iteration
-    (``iter_0001000``) or ``release``; ``root`` itself when it is that folder."""
+    (``iter_0001000``) or ``release``; ``root`` itself when it is that folder. A
+    `ConversionError` saying what ``root`` is instead."""
     root = os.fspath(root)
     if os.path.isfile(os.path.join(root, "metadata.json")):
         return root
+    if not os.path.isdir(root):
+        raise ConversionError(f"{root} does not exist: pass a training run's --save folder")
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
-        raise FileNotFoundError(f"{root} is not a Megatron-LM checkpoint: it has neither "
-                                f"{TRACKER} nor metadata.json")
+        hint = ("it is a Hugging Face folder: convert it with `import`"
+                if os.path.isfile(os.path.join(root, "config.json"))
+                and any(name.endswith(".safetensors") for name in os.listdir(root))
+                else "pass a training run's --save folder or one of its iter_* folders")
+        raise ConversionError(f"{root} is not a Megatron-LM checkpoint (it has neither "
+                              f"{TRACKER} nor metadata.json): {hint}")
     with open(tracker) as f:
         mark = f.read().strip()
+    if mark != RELEASE and not mark.isdigit():
+        raise ConversionError(f"{tracker} says {mark!r}, neither an iteration nor "
+                              f"{RELEASE!r}: the checkpoint is damaged")
     folder = os.path.join(root, RELEASE if mark == RELEASE else f"iter_{int(mark):07d}")
     if not os.path.isfile(os.path.join(folder, "metadata.json")):
-        raise FileNotFoundError(f"{folder} (named by {tracker}) is not a torch_dist "
-                                "checkpoint folder (no metadata.json)")
+        raise ConversionError(f"{folder} (named by {tracker}) is not a torch_dist checkpoint "
+                              "folder (no metadata.json): export reads checkpoints saved "
+                              "with --ckpt-format torch_dist, Megatron-LM's default")
     return folder
 
 

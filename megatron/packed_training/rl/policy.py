@@ -9,7 +9,7 @@
     policy.load_weights(new_weights)                          # a refit, in place
 
 Everything runs through the one graph runtime of the run (megatron/packed_graphs/runtime.py)
-behind the one seam (`GraphRuntimeSchedule`, megatron-core's forward-backward function with
+behind the seam (`GraphRuntimeSchedule`, megatron-core's forward-backward function with
 the runtime in front), as Megatron-LM's loop does: each micro-batch gets a graph key or an
 eager reason, counted (`TrainResult.stats`, `PackedPolicy.last_stats`). Training replays the
 configured training graphs (layer, chunk, TE or full-iteration); log-prob passes replay
@@ -161,7 +161,8 @@ class PackedPolicy:
         from megatron.training.global_vars import set_global_variables
         from megatron.training.initialize import initialize_megatron
 
-        from megatron.packed_graphs.core_patches import apply_core_patches, route_training_loop
+        from megatron.packed_upstream.patches import apply_core_patches
+        from megatron.packed_upstream.training_loop import route_training_loop
         from megatron.packed_training.initialize import require_mamba_kernels
         from megatron.packed_training.models import MODEL_BUILDERS
         from megatron.packed_training.pretrain import PackedGraphRun, model_provider

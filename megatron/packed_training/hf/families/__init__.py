@@ -4,26 +4,14 @@ table (`mapping.LayerKind` rules) and the launch flags that build the same model
 `describe(config)` dispatches on ``config.json``'s ``model_type``.
 """
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron.packed_training.hf.config import ConversionError, HFConfig
-from megatron.packed_training.hf.mapping import ModelMapping
+# A family's answer; it lives in mapping.py so the family modules need not import this
+# package, which imports them.
+from megatron.packed_training.hf.mapping import Converted
 
-
-@dataclass
-class Converted:
-    """What a family makes of a Hugging Face config.
-
-    ``script``: the entry script that builds the model (``pretrain_gpt.py`` or
-    ``pretrain_mamba.py``); ``flags``: its model flags, in order (True: a bare flag); the
-    converter adds the vocabulary and tokenizer flags. ``mapping``: the tensor mapping."""
-
-    family: str
-    script: str
-    flags: dict
-    mapping: ModelMapping
-    notes: list = field(default_factory=list)
+__all__ = ["Converted", "describe", "supported_model_types"]
 
 
 def _registry() -> dict[str, Callable[[HFConfig], Converted]]:

@@ -29,26 +29,37 @@ every tensor maps unchanged. The multi-token-prediction layers a hub checkpoint 
 left out (Megatron's --mtp-num-layers is not set).
 
 Without q-LoRA (``q_lora_rank`` null: Moonlight) the launch line has no --q-lora-rank and the
-query projection is a plain linear: the fork's MLA (packed_graphs/mla.py,
+query projection is a plain linear: the fork's MLA (packed_model/mla.py,
 `DeepSeekMLASelfAttention`) builds it without the query norm megatron-core 0.19.2 fuses into
 it under --qk-layernorm, so the checkpoint holds no ``linear_q_proj.layer_norm_weight``.
 
-Refused: FP8 checkpoints, and routing or RoPE settings megatron-core computes differently.
+YaRN's ``original_max_position_embeddings``, ``beta_fast`` and ``beta_slow`` go to Megatron-LM's
+--yarn-original-max-position-embeddings, --yarn-beta-fast and --yarn-beta-slow, which the fork
+hands to megatron-core's MLA (packed_training/config.py).
+
+Refused: FP8 checkpoints, routing or RoPE settings megatron-core computes differently, and
+head sizes megatron-core's fused MLA RoPE kernel does not compile (not powers of two).
 """
 
 from megatron.packed_training.hf.config import HFConfig, refuse
-from megatron.packed_training.hf.families import Converted
 from megatron.packed_training.hf.families import gpt, moe
-from megatron.packed_training.hf.mapping import LayerKind, ModelMapping, layer_rule
+from megatron.packed_training.hf.mapping import Converted, LayerKind, ModelMapping, layer_rule
 from megatron.packed_training.hf.transforms import Dims
 
 MODEL_TYPES = ("deepseek_v3",)
 A = gpt.HF_LAYER + "self_attn."
 
-# megatron-core's MLA YaRN fields that no Megatron-LM flag sets (MLATransformerConfig
-# defaults); a checkpoint trained with others would rotate differently.
-MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                  "beta_slow": 1.0}
+# rope_scaling's YaRN fields -> the Megatron-LM flags that carry them to megatron-core's MLA
+# (the fork's config.py sets its MLATransformerConfig fields from them), and their defaults.
+MLA_YARN_FLAGS = {"original_max_position_embeddings": ("--yarn-original-max-position-embeddings",
+                                                       int, 4096),
+                  "beta_fast": ("--yarn-beta-fast", float, 32.0),
+                  "beta_slow": ("--yarn-beta-slow", float, 1.0)}
+# The head sizes megatron-core's fused MLA RoPE kernels (Triton) take as tl.arange ranges:
+# powers of two only, the RoPE width at least 4 (packed_model/mla_rope.py, FUSED_HEAD_SIZES).
+MLA_POWER_OF_TWO_DIMS = (("qk_nope_head_dim", "--qk-head-dim", 1),
+                         ("qk_rope_head_dim", "--qk-pos-emb-head-dim", 4),
+                         ("v_head_dim", "--v-head-dim", 1))
 
 
 def mla_kind(q_lora: bool = True) -> LayerKind:
@@ -87,13 +98,25 @@ def rope_flags(config: HFConfig) -> dict:
         return {**flags, "--rotary-scaling-factor": 1.0}
     if scaling["rope_type"] != "yarn":
         refuse("rope_scaling.rope_type", scaling["rope_type"], "MLA converts YaRN or plain RoPE")
-    for name, value in MLA_YARN_FIXED.items():
-        if float(scaling.get(name, value)) != value:
-            refuse(f"rope_scaling.{name}", scaling.get(name),
-                   f"megatron-core's MLA YaRN has no flag for it and uses {value:g}")
+    for name, (flag, kind, default) in MLA_YARN_FLAGS.items():
+        flags[flag] = kind(scaling.get(name) if scaling.get(name) is not None else default)
     return {**flags, "--rotary-scaling-factor": float(scaling["factor"]),
             "--mscale": float(scaling.get("mscale", 1.0)),
             "--mscale-all-dim": float(scaling.get("mscale_all_dim", 0.0))}
+
+
+def mla_head_flags(config: HFConfig) -> dict:
+    """--qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim; refused where megatron-core's fused
+    MLA RoPE kernel, the only one packed MLA runs, does not compile for the size."""
+    flags = {}
+    for name, flag, least in MLA_POWER_OF_TWO_DIMS:
+        size = config.require(name)
+        if size < least or size & (size - 1):
+            refuse(name, size, f"{flag} must be a power of two (at least {least}) for "
+                               f"megatron-core's fused MLA RoPE kernel (Triton), which packed "
+                               f"MLA needs; this checkpoint's attention cannot be trained here")
+        flags[flag] = size
+    return flags
 
 
 def router_flags(config: HFConfig, experts: int) -> dict:
@@ -142,9 +165,7 @@ def describe(config: HFConfig) -> Converted:
         "--multi-latent-attention": True,
         **({} if q_lora is None else {"--q-lora-rank": q_lora}),
         "--kv-lora-rank": config.require("kv_lora_rank"),
-        "--qk-head-dim": config.require("qk_nope_head_dim"),
-        "--qk-pos-emb-head-dim": config.require("qk_rope_head_dim"),
-        "--v-head-dim": config.require("v_head_dim"), "--qk-layernorm": True,
+        **mla_head_flags(config), "--qk-layernorm": True,
         "--swiglu": True, "--normalization": "RMSNorm",
         "--norm-epsilon": config.get("rms_norm_eps", default=1e-6),
         "--disable-bias-linear": True, "--position-embedding-type": "rope",

@@ -16,9 +16,8 @@ Mapping (Hugging Face -> megatron-core GPT, Transformer Engine names):
 """
 
 from megatron.packed_training.hf.config import HFConfig, refuse
-from megatron.packed_training.hf.families import Converted
 from megatron.packed_training.hf.families import gpt
-from megatron.packed_training.hf.mapping import ModelMapping
+from megatron.packed_training.hf.mapping import Converted, ModelMapping
 
 MODEL_TYPES = ("llama",)
 

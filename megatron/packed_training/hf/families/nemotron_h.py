@@ -31,10 +31,10 @@ shards on its own at any TP); the Hugging Face tensors are their concatenation, 
 import math
 
 from megatron.packed_training.hf.config import HFConfig, refuse
-from megatron.packed_training.hf.families import Converted
 from megatron.packed_training.hf.families import gpt
 from megatron.packed_training.hf.families.deepseek_v3 import router_flags
 from megatron.packed_training.hf.mapping import (
+    Converted,
     LayerKind,
     ModelMapping,
     expert_rule,
@@ -49,10 +49,11 @@ M = L + "mixer."
 # transformers 5.x layer names (and the earlier 5.x spellings) -> Megatron pattern characters
 LAYER_TYPES = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
                "mlp": "-", "moe": "E"}
-# megatron-core's MambaMixer fixes these (ssm/mamba_mixer.py): d_conv 4, the gated norm's
-# eps 1e-5, dt clamped to (0, inf), silu, conv bias on, no projection bias.
-MAMBA_FIXED = {"conv_kernel": 4, "mamba_hidden_act": "silu", "use_conv_bias": True,
-               "mamba_proj_bias": False}
+# megatron-core's MambaMixer fixes these (ssm/mamba_mixer.py): the gated norm's eps 1e-5, dt
+# clamped to (0, inf), silu, conv bias on, no projection bias.
+MAMBA_FIXED = {"mamba_hidden_act": "silu", "use_conv_bias": True, "mamba_proj_bias": False}
+# conv_kernel is the mixer's d_conv (--mamba-conv-kernel-size): the widths causal-conv1d computes.
+CONV_KERNELS = (2, 3, 4)
 
 
 def pattern(config: HFConfig) -> str:
@@ -129,6 +130,9 @@ def _check(config: HFConfig, layers: str) -> None:
         for name, value in MAMBA_FIXED.items():
             if config.get(name, default=value) != value:
                 refuse(name, config.get(name), f"megatron-core's Mamba mixer uses {value}")
+        if config.get("conv_kernel", default=4) not in CONV_KERNELS:
+            refuse("conv_kernel", config.get("conv_kernel"), "causal-conv1d computes Mamba "
+                   "convolutions of width 2, 3 or 4 (--mamba-conv-kernel-size)")
         eps = config.get("layer_norm_epsilon", "rms_norm_eps", default=1e-5)
         if eps != 1e-5:
             refuse("layer_norm_epsilon", eps, "megatron-core's Mamba gated norm uses 1e-5")
@@ -166,6 +170,9 @@ def describe(config: HFConfig) -> Converted:
     flags.update({"--mamba-num-heads": mamba_heads, "--mamba-head-dim": mamba_head_dim,
                   "--mamba-state-dim": state, "--mamba-num-groups": mamba_groups})
     kinds["M"] = mamba_kind(mamba_heads * mamba_head_dim, mamba_groups * state, mamba_heads)
+    conv_kernel = config.get("conv_kernel", default=4)
+    if "M" in layers and conv_kernel != 4:
+        flags["--mamba-conv-kernel-size"] = int(conv_kernel)
     flags.update({"--squared-relu": True, "--normalization": "RMSNorm",
                   "--norm-epsilon": config.get("layer_norm_epsilon", "rms_norm_eps",
                                                default=1e-5),

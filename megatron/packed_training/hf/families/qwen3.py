@@ -9,9 +9,8 @@ Mapping: Llama's (families/llama.py) plus
 """
 
 from megatron.packed_training.hf.config import HFConfig
-from megatron.packed_training.hf.families import Converted
 from megatron.packed_training.hf.families import gpt
-from megatron.packed_training.hf.mapping import ModelMapping
+from megatron.packed_training.hf.mapping import Converted, ModelMapping
 
 MODEL_TYPES = ("qwen3",)
 

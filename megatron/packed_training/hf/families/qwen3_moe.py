@@ -16,9 +16,8 @@ Mapping: Qwen3's attention (families/qwen3.py) and, per MoE layer,
 """
 
 from megatron.packed_training.hf.config import HFConfig, refuse
-from megatron.packed_training.hf.families import Converted
 from megatron.packed_training.hf.families import gpt, moe
-from megatron.packed_training.hf.mapping import ModelMapping
+from megatron.packed_training.hf.mapping import Converted, ModelMapping
 
 MODEL_TYPES = ("qwen3_moe",)
 
