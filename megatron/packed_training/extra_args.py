@@ -193,7 +193,7 @@ def check_attention(args) -> None:
 
 
 def check_mamba(args, model: str) -> None:
-    """The widths MambaMixer asserts (inner width 2 x hidden), before the model is built."""
+    """The widths MambaMixer asserts (inner width 2 x hidden), before it is built; GPT: none."""
     refuse((model == "gpt" and args.mamba_conv_kernel_size != 4, "--mamba-conv-kernel-size",
             args.mamba_conv_kernel_size, "A GPT model has no Mamba layers; drop the flag"))
     if model == "hybrid":

@@ -73,6 +73,8 @@ FAMILIES = {
     "nemotron_h_dense": (lambda folder: tiny_nemotron_h(
         folder, layers=["linear_attention", "full_attention", "mlp", "linear_attention",
                         "mlp"]), "hybrid"),
+    # a convolution of width 3 (--mamba-conv-kernel-size 3; causal-conv1d's kernel)
+    "nemotron_h_conv3": (lambda folder: tiny_nemotron_h(folder, conv_kernel=3), "hybrid"),
 }
 MLA = ("deepseek_v3", "deepseek_v3_no_q_lora")
 SCRIPT = {"gpt": "pretrain_gpt.py", "hybrid": "pretrain_mamba.py"}
@@ -149,7 +151,8 @@ def test_checkpoint_holds_what_the_fork_model_shards(dist, converted, family, ba
 
 # -------------------------------------------------------------------- logits against transformers
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "nemotron_h"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "nemotron_h",
+                                    "nemotron_h_conv3"])
 def test_fp32_logits_equal_hugging_face(dist, converted, family):
     """fp32 on the TE-free path (TE's fused attention runs bf16 / fp16 only; DeepSeek's fp32
     gate runs on CPU over megatron-core's MLA: tests/unit/test_hf_convert.py)."""
@@ -218,6 +221,7 @@ def _launch(converted_folder, family):
     ("llama", "layer"), ("llama", "full_iteration"), ("qwen3", "full_iteration"),
     ("qwen3_moe", "layer"), ("deepseek_v3", "layer"), ("deepseek_v3_no_q_lora", "layer"),
     ("nemotron_h", "layer"), ("nemotron_h_dense", "full_iteration"),
+    ("nemotron_h_conv3", "layer"),
 ])
 def test_graphs_train_like_eager_from_the_converted_checkpoint(converted, tmp_path, family,
                                                                graphs):

@@ -75,6 +75,7 @@ CHECKS = {
     "long_docs": extra_args.check_long_documents,
     "dynamic_cp": extra_args.check_dynamic_cp,
     "mamba": lambda a: extra_args.check_mamba(a, "hybrid"),
+    "gpt_mamba": lambda a: extra_args.check_mamba(a, "gpt"),
     "upstream": lambda a: extra_args.prepare_upstream_args(a, "gpt"),
     "mla": lambda a: extra_args.check_mla(a, "gpt"),
     "hybrid_mla": lambda a: extra_args.check_mla(a, "hybrid"),
@@ -269,6 +270,9 @@ REJECTED = {
     "unpadded_preprocess_graph": ("moe", dict(LOCAL, packed_cuda_graph_modules=[
         "moe_router", "moe_preprocess"], moe_expert_capacity_factor=1.0, **MOE), False,
         "--moe-expert-capacity-factor", "1.0", "add --moe-pad-expert-input-to-capacity"),
+    "mamba_conv_width_in_gpt": ("gpt_mamba", dict(mamba_conv_kernel_size=3), False,
+                                "--mamba-conv-kernel-size", "3", "A GPT model has no Mamba "
+                                "layers; drop the flag"),
     "mla_pad_v_without_mla": ("mla", dict(mla_pad_v="never"), False, "--mla-pad-v", "never",
                               "add --multi-latent-attention"),
     "mla_layers_without_mla": ("hybrid_mla", dict(hybrid_layer_pattern="M+M-"), False,
@@ -345,6 +349,8 @@ ACCEPTED = {
                                      mla_pad_v="never")),
     "truncate_fraction": ("long_docs", dict(max_truncated_token_fraction=0.05,
                                             long_document_policy="truncate")),
+    "hybrid_conv_width_3": ("mamba", dict(mamba_conv_kernel_size=3, mamba_head_dim=16)),
+    "gpt_default_conv_width": ("gpt_mamba", {}),
 }
 
 
@@ -561,6 +567,19 @@ def test_an_unknown_enum_name_is_a_bad_value_not_a_traceback():
     # Megatron-LM's other converters keep their own name in argparse's message.
     with pytest.raises(ValueError, match="argument --window-size: invalid tuple_type value"):
         parse_args(BASE + ["--window-size", "x,y"], raise_on_error=True)
+
+
+def test_the_mamba_conv_width_is_one_causal_conv1d_computes(parsed):
+    """--mamba-conv-kernel-size (megatron-core's d_conv): 4 unless given; a hybrid line takes
+    3; a width causal-conv1d does not compute is argparse's usage error, naming the choices."""
+    hybrid = BASE[2:] + ["--hybrid-layer-pattern", "M*", "--mamba-head-dim", "16",
+                         "--mamba-num-groups", "2", "--mamba-conv-kernel-size"]
+    assert parsed.mamba_conv_kernel_size == 4
+    assert parse_args(hybrid + ["3"], "hybrid").mamba_conv_kernel_size == 3
+    with pytest.raises(ValueError, match=re.escape(
+            "arguments are wrong: argument --mamba-conv-kernel-size: invalid choice: 5 (choose "
+            "from 2, 3, 4).")):
+        parse_args(hybrid + ["5"], "hybrid", raise_on_error=True)
 
 
 def test_a_bad_flag_and_help_come_from_rank_zero_only(capsys, monkeypatch):

@@ -37,7 +37,9 @@ from tests.unit.hf_tiny import (
     packed_documents,
     packed_logits,
     parse_fork_args,
+    NEMOTRON_H,
     NEMOTRON_H_CPU_LAYERS,
+    NEMOTRON_H_LAYERS,
     tiny_deepseek_v3,
     tiny_llama,
     tiny_moonlight,
@@ -239,6 +241,58 @@ def test_llama3_rope_scaling_reaches_the_model(converted, cpu_dist, cpu_rope):
     torch.testing.assert_close(model.rotary_pos_emb.inv_freq.float(), reference.float())
 
 
+class _GatedNormStandIn(torch.nn.Module):
+    """mamba-ssm's RMSNormGated as the checkpoint sees it: one weight, sharded on dim 0."""
+
+    def __init__(self, hidden_size, eps, group_size, norm_before_gate, device, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix,
+                                                   {"weight": 0}, sharded_offsets)
+
+
+@pytest.fixture
+def cpu_mamba(cpu_dist, cpu_rope, monkeypatch):
+    """megatron-core's Mamba mixer built on CPU without mamba-ssm (built and loaded, never
+    run): its gated norm `_GatedNormStandIn`, its CUDA RNG fork a no-op."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron.core.ssm import mamba_mixer
+
+    monkeypatch.setattr(mamba_mixer, "HAVE_MAMBA_SSM", True)
+    monkeypatch.setattr(mamba_mixer, "ExtendedRMSNorm", _GatedNormStandIn)
+    monkeypatch.setattr(mamba_mixer, "get_cuda_rng_tracker",
+                        lambda: SimpleNamespace(fork=contextlib.nullcontext))
+
+
+def test_a_nemotron_h_of_conv_width_3_converts_and_loads(tmp_path, cpu_mamba):
+    """``conv_kernel`` 3 (megatron-core's d_conv; causal-conv1d computes 2 to 4) converts with
+    --mamba-conv-kernel-size=3: pretrain_mamba.py's model, Mamba layers included, holds
+    conv1d weights [channels, 1, 3], shards exactly what the checkpoint holds and loads the
+    Hugging Face convolution; the export keeps the width."""
+    hf = tiny_nemotron_h(tmp_path / "hf", layers=["linear_attention", "full_attention", "mlp",
+                                                  "linear_attention"], conv_kernel=3)
+    result = import_hf(hf, tmp_path / "megatron")
+    assert "--mamba-conv-kernel-size=3" in result.flags
+    model = _fork_model("nemotron_h", tmp_path / "megatron")
+    assert model.decoder.layers[0].mixer.d_conv == 3
+    assert model.decoder.layers[3].mixer.conv1d_weight.shape == (192, 1, 3)
+    assert_checkpoint_fits(tmp_path / "megatron", model)
+    load_release(model, tmp_path / "megatron")
+    reference = _weights(hf)["backbone.layers.3.mixer.conv1d.weight"]
+    assert torch.equal(model.decoder.layers[3].mixer.conv1d_weight, reference)
+    export_hf(tmp_path / "megatron", tmp_path / "back")
+    assert torch.equal(_weights(tmp_path / "back")["backbone.layers.3.mixer.conv1d.weight"],
+                       reference)
+    with open(tmp_path / "back" / "config.json") as f:
+        assert json.load(f)["conv_kernel"] == 3
+
+
 @pytest.fixture
 def megatron_lm_loader(monkeypatch):
     """Megatron-LM's load_checkpoint on CPU: its tracker read all-reduces the iteration on a
@@ -393,6 +447,26 @@ def test_llama_fields_the_fork_cannot_build_are_refused(change, message):
            "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 96,
            "vocab_size": VOCAB, "max_position_embeddings": 256, **change}
     with pytest.raises(ConversionError, match=message):
+        _describe(raw)
+
+
+@pytest.mark.parametrize("conv_kernel, layers, flag", [
+    (4, NEMOTRON_H_LAYERS, None), (2, NEMOTRON_H_LAYERS, 2), (3, NEMOTRON_H_LAYERS, 3),
+    (5, NEMOTRON_H_CPU_LAYERS, None),  # no Mamba layer, no convolution to build
+])
+def test_nemotron_h_conv_kernel_becomes_the_mamba_conv_flag(conv_kernel, layers, flag):
+    flags = _describe({"model_type": "nemotron_h", **NEMOTRON_H, "layers_block_type": layers,
+                       "conv_kernel": conv_kernel}).flags
+    assert flags.get("--mamba-conv-kernel-size") == flag
+
+
+@pytest.mark.parametrize("conv_kernel", [1, 5])
+def test_a_nemotron_h_conv_kernel_causal_conv1d_cannot_compute_is_refused(conv_kernel):
+    raw = {"model_type": "nemotron_h", **NEMOTRON_H, "layers_block_type": NEMOTRON_H_LAYERS,
+           "conv_kernel": conv_kernel}
+    with pytest.raises(ConversionError, match=f"config.json field conv_kernel is {conv_kernel}: "
+                                              "causal-conv1d computes Mamba convolutions of "
+                                              r"width 2, 3 or 4 \(--mamba-conv-kernel-size\)"):
         _describe(raw)
 
 

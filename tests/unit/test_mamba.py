@@ -11,6 +11,7 @@ from megatron.core.ssm.mamba_mixer import MambaMixer
 
 from megatron.packed_model.mamba import PackedMambaMixer
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
+from megatron.packed_graphs.specs import hybrid_stack_spec
 
 
 def test_a_packed_micro_batch_without_seq_idx_is_refused():
@@ -70,3 +71,12 @@ def test_context_parallel_for_a_group_takes_upstreams_constructor_arguments():
     assert [name for name in names if getattr(built, name, None) is not getattr(static, name)] == []
     assert PackedMambaMixer._context_parallel_for(mixer, params) is built
     assert PackedMambaMixer._context_parallel_for(mixer, None) is static
+
+
+@pytest.mark.parametrize("given, d_conv", [({}, 4), ({"mamba_conv_kernel_size": 3}, 3)])
+def test_the_hybrid_spec_gives_the_mixer_its_conv_width(given, d_conv):
+    """hybrid_stack_spec hands megatron-core's MambaMixer its ``d_conv`` (build_module passes a
+    spec's params to the constructor; tests/unit/test_hf_convert.py builds the model)."""
+    mixer = hybrid_stack_spec("torch", **given).submodules.mamba_layer.submodules.mixer
+    assert mixer.module is PackedMambaMixer and mixer.params == {"d_conv": d_conv}
+    assert "d_conv" in inspect.signature(MambaMixer.__init__).parameters
