@@ -214,7 +214,8 @@ DROP_AND_PAD = ["--moe-expert-capacity-factor", "2", "--moe-pad-expert-input-to-
 def _launch(converted_folder, family):
     """The converted launch line with the checkpoint to start from."""
     return [*flags_of(converted_folder), f"--pretrained-checkpoint={converted_folder}",
-            *(DROP_AND_PAD if family in ("qwen3_moe", *MLA, "nemotron_h") else [])]
+            *(DROP_AND_PAD if family in ("qwen3_moe", *MLA, "nemotron_h", "nemotron_h_conv3")
+              else [])]
 
 
 @pytest.mark.parametrize("family, graphs", [
