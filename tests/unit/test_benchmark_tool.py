@@ -657,8 +657,8 @@ def cpu_moe(cpu_dist, monkeypatch):
     get_moe_metrics_tracker().metrics.clear()
 
 
-@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.slow) if p == "gpt-moe-small"
-                                    else p for p in MOE_PRESETS])
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", MOE_PRESETS)
 def test_moe_presets_build_and_train_on_cpu_at_a_reduced_size(te_importable, cpu_moe, preset):
     """The preset's launch command, at a reduced size, through the training scripts' parser,
     config and model provider, then forward and backward on a padded packed row. Reduced:
@@ -941,6 +941,7 @@ def test_the_qwen3_layers_preset_has_qwen3_30b_a3b_shapes():
     assert benchmark.needs_transformer_engine("qwen3-30b-a3b-layers", "eager")
 
 
+@pytest.mark.slow
 def test_without_a_cuda_gpu_it_says_so_in_one_line_and_starts_no_run(tmp_path):
     """The tool as a user runs it on a machine without a GPU (none visible here): one line,
     exit status 1, no torchrun and no table."""

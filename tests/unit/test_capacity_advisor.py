@@ -282,6 +282,7 @@ def test_moe_cli_compares_with_dropless_graphs(tmp_path, capsys):
     assert re.search(r"drop-and-pad at 1\.17\s+2400", report)  # the recommended factor
 
 
+@pytest.mark.slow  # a process each
 @pytest.mark.parametrize("kind", ["sharegpt", "chat"])
 def test_conversations_are_refused_in_one_line_naming_the_fix(tmp_path, kind):
     """The tool as a user runs it: ShareGPT data names the rewrite into messages, chat data

@@ -253,8 +253,8 @@ def test_mla_cases_are_refused_without_transformer_engine(name, tmp_path):
         parse(case, plan.argv)
 
 
-@pytest.mark.parametrize("name", [pytest.param("gpt_moe/gpt_moe_eager", marks=pytest.mark.slow),
-                                  "hybrid_moe/hybrid_moe_eager"])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt_moe/gpt_moe_eager", "hybrid_moe/hybrid_moe_eager"])
 def test_moe_case_models_build_and_train_on_cpu(name, tmp_path, cpu_dist, monkeypatch):
     """The case's flags through the training config and the script's model provider at the
     case's size, then forward and backward on one packed row of 1024 positions. Without

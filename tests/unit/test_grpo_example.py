@@ -147,6 +147,7 @@ NO_GPU = ("examples/rl/grpo_packed.py: needs a CUDA GPU (torch.cuda.is_available
           "the policy trains and computes log-probs on the GPU; run it on a GPU machine")
 
 
+@pytest.mark.slow
 def test_without_a_cuda_gpu_it_says_so_in_one_line(tmp_path):
     """The script as a user runs it on a machine without a GPU (none visible here): one line,
     exit status 1, and none of the three runs started."""

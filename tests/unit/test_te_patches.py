@@ -240,7 +240,8 @@ def test_a_supported_te_is_loaded_through_the_transform(tmp_path, version):
     assert "te_patches" not in out.stderr
 
 
-@pytest.mark.parametrize("version", ["2.12.0", pytest.param("2.20.1", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["2.12.0", "2.20.1"])
 def test_an_unknown_te_stops_the_import_of_transformer_engine(tmp_path, version):
     _fake_te(tmp_path, version)
     out = _import_fake_te(tmp_path)
