@@ -24,7 +24,7 @@ from megatron.packed_upstream import (
     training_loop,
 )
 
-source = inspect.getsource  # sentinels read the upstream code a patch relies on
+source = inspect.getsource  # only for upstream code that runs under CUDA graph capture or on a GPU
 
 
 def test_patches_target_the_pinned_version():
@@ -67,24 +67,61 @@ def test_upstream_clears_the_warmup_flag():
 def test_upstream_replay_copies_only_inputs_at_another_address():
     # Fixed in 0.17.0: parameters (same address) are no longer copied into themselves, so a
     # replay does not bump their autograd version (the old keep_parameter_versions_on_replay).
-    text = source(cuda_graphs._CudagraphReplayNode.forward)
-    assert "elif user_input.data_ptr() != cudagraph_input.data_ptr():" in text
+    weight, buffer, data = torch.nn.Parameter(torch.ones(3)), torch.zeros(2), torch.arange(2.0)
+    replays = []
+    runner = SimpleNamespace(fwd_graph=SimpleNamespace(replay=lambda: replays.append(1)),
+                             status=cuda_graphs._GraphStatus.FWD_READY,
+                             fwd_graph_input_surface=[weight, buffer], fp8_enabled=False,
+                             fp4_enabled=False, use_stream=False,
+                             fwd_graph_output_surface=(torch.zeros(1),))
+    version = weight._version
+    cuda_graphs._CudagraphReplayNode.apply(runner, False, weight, data)
+    assert replays == [1] and torch.equal(buffer, data)  # another address: copied in
+    assert weight._version == version  # its own graph input: left alone
 
 
-def test_upstream_finalize_scales_by_the_token_count_on_the_device():
+def test_upstream_finalize_scales_by_the_token_count_on_the_device(cpu_dist, monkeypatch):
     # Fixed in 0.18.0: no `if num_tokens > 0` on a CUDA tensor (the old
     # finalize_model_grads_without_host_sync); training.py uses upstream's function.
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import finalize_model_grads as finalize
 
-    text = source(finalize_model_grads)
-    assert "if num_tokens > 0" not in text and "torch.clamp" in text
+    module = sys.modules[finalize.__module__]
+    for name in ("_allreduce_conditional_embedding_grads",
+                 "_allreduce_non_tensor_model_parallel_grads",
+                 "_allreduce_replicated_grads_over_gtp_remat_group",
+                 "_allreduce_word_embedding_grads", "_allreduce_position_embedding_grads",
+                 "reset_model_temporary_tensors"):
+        monkeypatch.setattr(module, name, lambda *args, **kwargs: None)
+    config = SimpleNamespace(timers=None, gtp_weight_remat_size=1, expert_gtp_weight_remat_size=1,
+                             moe_router_enable_expert_bias=False, calculate_per_token_loss=True,
+                             moe_router_load_balancing_type="aux_loss")
+    monkeypatch.setattr(module, "get_model_config", lambda chunk: config)
+    scalings = []
+    chunk = SimpleNamespace(finish_grad_sync=lambda force_all_reduce: None,
+                            scale_gradients=scalings.append)
+    for tokens in (torch.tensor(4.0), torch.tensor(0.0)):
+        finalize([chunk], num_tokens=tokens)
+    assert [float(s) for s in scalings] == [0.25, 1.0]  # no division by zero tokens
+    # On the meta device any host read of the count raises: upstream reads none.
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: None)
+    finalize([chunk], num_tokens=torch.empty((), device="meta"))
+    assert scalings[-1].device.type == "meta"
 
 
 # -- buffer lifetimes in the local graph engine ----------------------------------------------
 
-def test_upstream_releases_forward_buffers_unless_tagged_saved_for_backward():
-    text = source(graph_engine.UPSTREAM_WEAKREF_FORWARD_BUFFERS)
-    assert "metadata.is_saved_for_backward" in text and "make_weakref(tensor)" in text
+def test_upstream_releases_forward_buffers_unless_tagged_saved_for_backward(monkeypatch):
+    released = []
+    monkeypatch.setattr(cuda_graphs, "make_weakref",
+                        lambda tensor, inplace=True: released.append(tensor) or tensor)
+    saved, other = torch.zeros(4), torch.zeros(4)
+    cuda_graphs._apply_cudagraph_buffer_metadata(saved).is_saved_for_backward = True
+    graph_engine.UPSTREAM_WEAKREF_FORWARD_BUFFERS(_runner(saved, other), True)  # forward capture
+    assert [id(t) for t in released] == [id(other)]
+    graph_engine.UPSTREAM_WEAKREF_FORWARD_BUFFERS(_runner(saved), False)  # backward capture
+    assert [id(t) for t in released] == [id(other), id(saved)]
+    # source sentinel: the two captures call it, inside CUDA graph capture only
     assert "self._weakref_forward_buffers(preserve_forward_to_backward_lifetimes=True)" in source(
         cuda_graphs._CudaGraphRunner.create_fwd_graph)
     assert "self._weakref_forward_buffers(preserve_forward_to_backward_lifetimes=False)" in source(
@@ -152,7 +189,13 @@ def test_saved_tensor_observer_is_rearmed_until_the_capture():
     patches.apply_core_patches()
     record = cuda_graphs._CudagraphGlobalRecord
     # Upstream disarms the observer after every schedule, captured or not.
-    assert "cls._disable_saved_tensors_observer()" in source(graph_engine.UPSTREAM_CREATE_CUDAGRAPHS)
+    record._enable_saved_tensors_observer()
+    try:
+        assert record.cudagraph_record == [] and not record.cudagraph_created
+        graph_engine.UPSTREAM_CREATE_CUDAGRAPHS(record)  # nothing recorded: nothing captured
+        assert record._saved_tensors_observer is None
+    finally:
+        record._disable_saved_tensors_observer()
     record._enable_saved_tensors_observer()
     try:
         assert record._saved_tensors_observer is not None
@@ -215,21 +258,71 @@ def test_multi_tensor_fallbacks_are_replaced_by_foreach_versions():
         torch.testing.assert_close(d, (g * 0.5).to(torch.bfloat16))
 
 
+class _HostTorch:
+    """A module's ``torch`` with its ``device='cuda'`` allocations made on the host."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, **kwargs)
+
+    @staticmethod
+    def tensor(*args, device=None, **kwargs):
+        return torch.tensor(*args, **kwargs)
+
+
+@pytest.fixture
+def host_clip_grads(cpu_dist, monkeypatch):
+    """megatron-core's clip_grads with its CUDA allocations on the host (a world of one)."""
+    from megatron.core.optimizer import clip_grads
+
+    monkeypatch.setattr(clip_grads, "torch", _HostTorch())
+    return clip_grads
+
+
 def test_upstream_fallback_kernels_still_sync():
-    # When this fails, upstream's local l2 norm stopped building a CPU tensor: re-check
-    # sync_free_multi_tensor_fallbacks.
+    # When this fails, upstream's local l2 norm stopped reading the norms on the host:
+    # re-check sync_free_multi_tensor_fallbacks. On the meta device, a host read raises.
     from megatron.core import utils
 
-    assert "torch.tensor(" in source(utils.local_multi_tensor_l2_norm)
+    grads = [torch.empty(3, device="meta"), torch.empty(2, 2, device="meta")]
+    flag = torch.zeros(1, dtype=torch.int, device="meta")
+    with pytest.raises(RuntimeError, match="meta"):
+        utils.local_multi_tensor_l2_norm(2048 * 32, flag, [grads], False)
+    norm, _ = megatron_optimizer.foreach_l2_norm(2048 * 32, flag, [grads], False)
+    assert norm.device.type == "meta" and norm.shape == (1,)  # the replacement reads nothing
 
 
-def test_upstream_grad_norm_syncs_without_te_tensor_scale_kernel():
+def test_upstream_grad_norm_syncs_without_te_tensor_scale_kernel(host_clip_grads, monkeypatch):
     # When this fails, upstream changed when it reads the norm on the host: re-check
     # clip_gradients_without_host_sync and the condition under which it is "not needed".
-    norm = source(megatron_optimizer.UPSTREAM_GET_GRAD_NORM)
-    assert "if multi_tensor_scale_tensor_impl is not None:" in norm
-    assert "total_norm.item() ** (1.0 / norm_type)" in norm
-    assert "elif clip_coeff < 1.0:" in source(megatron_optimizer.UPSTREAM_CLIP_BY_TOTAL_NORM)
+    grads = [torch.full((4,), 3.0), torch.full((2, 2), 4.0)]  # L2 norm 10
+    monkeypatch.setattr(host_clip_grads, "multi_tensor_scale_tensor_impl", None)
+    norm = megatron_optimizer.UPSTREAM_GET_GRAD_NORM(grads)
+    assert type(norm) is float and norm == pytest.approx(10.0)  # read on the host
+    monkeypatch.setattr(host_clip_grads, "multi_tensor_scale_tensor_impl", object())
+    norm = megatron_optimizer.UPSTREAM_GET_GRAD_NORM(grads)
+    assert torch.is_tensor(norm) and float(norm) == pytest.approx(10.0)  # kept on the device
+
+
+def test_upstream_clip_decides_on_the_host_without_te_tensor_scale_kernel(host_clip_grads,
+                                                                          monkeypatch):
+    clip = megatron_optimizer.UPSTREAM_CLIP_BY_TOTAL_NORM
+    scales = []
+    monkeypatch.setattr(host_clip_grads, "multi_tensor_scale_tensor_impl", None)
+    monkeypatch.setattr(host_clip_grads, "multi_tensor_scale_impl",
+                        lambda chunk_size, flag, tensor_lists, scale: scales.append(scale))
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    for p in params:  # the decoupled gradients: upstream asserts plain ones are CUDA tensors
+        p.decoupled_grad = torch.ones(3)
+    clip(params, 100.0, 10.0, use_decoupled_grad=True)
+    assert scales == []  # the host comparison skips the kernel when nothing is clipped
+    clip(params, 5.0, 10.0, use_decoupled_grad=True)
+    assert scales == [pytest.approx(0.5)]
+    with pytest.raises(AssertionError, match="multi_tensor_scale_tensor"):
+        clip(params, 5.0, torch.tensor(10.0), use_decoupled_grad=True)  # a device norm
 
 
 def test_clip_patch_is_not_needed_where_upstream_clips_on_the_device(monkeypatch):
@@ -340,6 +433,7 @@ def test_capture_statistics_are_kept():
     before = len(graph_engine.capture_log)
     schedules.create_cudagraphs()
     assert len(graph_engine.capture_log) == before
+    # source sentinel: the statistics are made only while _create_cudagraphs captures graphs
     assert '"time"' in source(cuda_graphs._CudagraphGlobalRecord._create_cudagraphs.__func__)
 
 
@@ -414,6 +508,7 @@ def test_stream_crossings_are_unreported_within_only():
 
 def test_upstream_capture_ends_on_the_default_stream():
     # Why record_capture_statistics puts the process back on its own stream.
+    # source sentinel: the switch happens only after _create_cudagraphs captured graphs on a GPU
     body = source(cuda_graphs._CudagraphGlobalRecord._create_cudagraphs)
     assert "torch.cuda.set_stream(torch.cuda.default_stream())" in body
 
@@ -444,11 +539,26 @@ def test_runner_order_helpers():
     assert manager.cudagraph_runners == ["b", "c", "a"]
 
 
-def test_upstream_round_robin_and_first_match_are_what_the_runner_helpers_assume():
-    text = source(cuda_graphs.CudaGraphManager.get_cudagraph_runner)
-    assert "runner = self.cudagraph_runners[0]" in text
-    assert "self.cudagraph_runners = self.cudagraph_runners[1:] + self.cudagraph_runners[:1]" in text
-    assert "next((r for r in self.cudagraph_runners if is_valid(r)), None)" in text
+def test_upstream_round_robin_and_first_match_are_what_the_runner_helpers_assume(monkeypatch):
+    get_runner = cuda_graphs.CudaGraphManager.get_cudagraph_runner
+    ready, done = cuda_graphs._GraphStatus.FWD_READY, cuda_graphs._GraphStatus.BWD_READY
+
+    def runner(name, status=ready):
+        return SimpleNamespace(name=name, status=status, grad_enabled=True,
+                               get_mismatch_errors=lambda args, kwargs: [])
+
+    monkeypatch.setattr(cuda_graphs._CudagraphGlobalRecord, "cudagraph_created", True)
+    # A runner per micro-batch (pipeline parallel): the first, then the list rotated by one.
+    runners = [runner("a"), runner("b"), runner("c")]
+    manager = SimpleNamespace(cudagraph_runners=list(runners), need_backward=True)
+    assert [get_runner(manager, None, (), {}, False).name for _ in range(4)] == list("abca")
+    assert manager.cudagraph_runners == runners[1:] + runners[:1]
+    # Reused graphs: the first runner ready for a forward, in capture order, list unchanged.
+    runners = [runner("a", done), runner("b"), runner("c")]
+    manager = SimpleNamespace(cudagraph_runners=list(runners), need_backward=True,
+                              custom_cudagraphs_lookup_table={})
+    assert [get_runner(manager, None, (), {}, True).name for _ in range(2)] == ["b", "b"]
+    assert manager.cudagraph_runners == runners
 
 
 def test_te_capture_flag_is_set_only_inside_the_window():
@@ -469,11 +579,24 @@ def test_block_class_switch_refuses_a_subclass_with_state():
         model_layers.switch_block_class(object(), WithInit)
 
 
-def test_gpt_model_still_builds_transformer_block_by_name():
+def test_gpt_model_still_builds_transformer_block_by_name(cpu_dist, monkeypatch):
     # When this fails, GPTModel takes a block class or spec: drop switch_block_class.
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    assert "self.decoder = TransformerBlock(" in source(GPTModel.__init__)
+    built = []
+
+    class Block(torch.nn.Module):  # looked up in gpt_model's namespace when the model builds
+        def __init__(self, config, spec, **kwargs):
+            super().__init__()
+            built.append(spec)
+
+    monkeypatch.setattr(gpt_model, "TransformerBlock", Block)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                               use_cpu_initialization=True)
+    model = gpt_model.GPTModel(config, "the layer spec", vocab_size=32, max_sequence_length=8,
+                               position_embedding_type="none")
+    assert isinstance(model.decoder, Block) and built == ["the layer spec"]
 
 
 def test_cached_rope_table_is_copied_only_while_graphs_are_recorded(monkeypatch):
@@ -494,28 +617,68 @@ def test_upstream_caches_the_rope_table_and_counts_shared_graph_inputs():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     assert hasattr(RotaryEmbedding.forward, "cache_info")  # functools.lru_cache
+    # source sentinel: the count is checked only after _create_cudagraphs captured graphs
     assert "assert fwd_buffer_reuse_ref_count == 0" in source(
         cuda_graphs._CudagraphGlobalRecord._create_cudagraphs.__func__)
 
 
 def test_te_graphs_take_the_layers_megatron_core_graphs_for_the_modules():
     # When this fails, re-check layer_graphed_for_modules (te_graphs.graphable_layers).
-    text = source(cuda_graphs._layer_is_graphable)
-    assert "if not config.cuda_graph_modules:\n        return True" in text
-    assert "CudaGraphModule.moe_router in config.cuda_graph_modules" in text
-    assert "isinstance(layer.mlp, MoELayer)" in text
-    assert "CudaGraphModule.mamba in config.cuda_graph_modules" in text
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.transformer.enums import CudaGraphModule as Module
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    def bare(cls):  # an instance that only isinstance checks read
+        instance = object.__new__(cls)
+        torch.nn.Module.__init__(instance)
+        return instance
+
+    def layer(attention, mlp):
+        built = bare(TransformerLayer)
+        built.self_attention, built.cross_attention, built.mlp = attention, IdentityOp(), mlp
+        return built
+
+    def graphable(layer, *modules):
+        config = SimpleNamespace(cuda_graph_modules=list(modules))
+        return cuda_graphs._layer_is_graphable(layer, config)
+
+    attention = layer(torch.nn.Linear(1, 1), bare(MoELayer))
+    moe = layer(IdentityOp(), bare(MoELayer))
+    dense = layer(IdentityOp(), bare(MLP))
+    assert graphable(moe) and graphable(dense)  # no modules: every layer
+    assert not graphable(torch.nn.Linear(1, 1))  # not a graphable module
+    assert graphable(attention, Module.attn) and not graphable(moe, Module.attn)
+    for module in (Module.moe, Module.moe_router, Module.moe_preprocess):
+        assert graphable(moe, module) and not graphable(dense, module)
+    assert graphable(dense, Module.mlp) and not graphable(moe, Module.mlp)
+    assert graphable(bare(MambaLayer), Module.mamba) and not graphable(moe, Module.mamba)
 
 
 # -- TE's fused cross entropy ------------------------------------------------------------------
 
-def test_upstream_asks_te_cross_entropy_for_capturable_only_under_its_full_iteration_graphs():
+def test_upstream_asks_te_cross_entropy_for_capturable_only_under_its_full_iteration_graphs(
+        monkeypatch):
     from megatron.core.models.common.language_module import language_module
 
-    code = source(language_module.LanguageModule.compute_language_model_loss)
-    assert "self.config.cuda_graph_impl == \"full_iteration\"" in code
-    assert "te_parallel_cross_entropy(\n" in code and "is_cg_capturable\n" in code
-    assert hasattr(language_module, "te_parallel_cross_entropy")
+    assert hasattr(language_module, "te_parallel_cross_entropy")  # looked up by name
+    asked = []
+
+    def te_cross_entropy(logits, labels, tp_group, is_cg_capturable):
+        asked.append((tp_group, is_cg_capturable))
+        return torch.zeros(labels.shape)
+
+    monkeypatch.setattr(language_module, "te_parallel_cross_entropy", te_cross_entropy)
+    monkeypatch.setattr(language_module, "is_te_min_version", lambda version: True)
+    labels, logits = torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 2, 5)
+    for impl in ("local", "transformer_engine", "full_iteration"):
+        model = SimpleNamespace(pg_collection=SimpleNamespace(tp="tp"), config=SimpleNamespace(
+            cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te", cuda_graph_impl=impl))
+        loss = language_module.LanguageModule.compute_language_model_loss(model, labels, logits)
+        assert loss.shape == (2, 3)
+    assert asked == [("tp", False), ("tp", False), ("tp", True)]
 
 
 def _te_cross_entropy_backward(monkeypatch, backward) -> None:
@@ -562,6 +725,7 @@ def test_upstream_loop_reaches_the_seam_through_module_names():
     names route_training_loop replaces."""
     import megatron.training.training as loop
 
+    # source sentinel: pretrain, train, evaluate and get_model need a Megatron-LM run on a GPU
     for function in (loop.train, loop.evaluate):
         assert "get_forward_backward_func(" in inspect.getsource(function)
     assert "setup_model_and_optimizer(" in inspect.getsource(loop.pretrain)
@@ -682,25 +846,55 @@ def test_ddp_is_built_on_the_process_stream(monkeypatch, restored_training_loop)
     assert once("m") == "ddp m" and entered[-1] == "side"
 
 
-def test_a_graph_manager_built_after_ddp_leaves_the_process_on_its_stream(monkeypatch):
-    """megatron-core's first CudaGraphManager switches the process to a new stream (pinned
-    here); a chunk's manager, built at its first forward, is switched back."""
-    source = inspect.getsource(cuda_graphs.CudaGraphManager.__init__)
-    assert "torch.cuda.set_stream(torch.cuda.Stream())" in source
+def test_a_graph_manager_built_after_ddp_leaves_the_process_on_its_stream(cpu_dist, monkeypatch):
+    """megatron-core's first CudaGraphManager switches the process to a new stream (run here,
+    with the CUDA objects stood in for); a chunk's manager, built at its first forward, is
+    switched back."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from tests.unit.conftest import tiny_moe_config
 
     current = ["process"]
+    streams = iter(["new", "newer"])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: next(streams))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", True, raising=False)
+    monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", None)
+    config = tiny_moe_config(cuda_graph_impl="local")
 
-    class Manager:
-        def __init__(self, config):
-            self.config = config
-            torch.cuda.set_stream("new")  # as upstream's first manager does
+    manager = graph_engine.graph_manager_on_the_process_stream(config)
+    cuda_graphs._CudagraphGlobalRecord._disable_saved_tensors_observer()  # armed by it
+    assert isinstance(manager, cuda_graphs.CudaGraphManager)
+    assert current == ["process"]  # switched, and switched back
+    monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", None)
+    cuda_graphs.CudaGraphManager(config, need_backward=False)  # upstream alone, first manager
+    assert current == ["newer"]
+    cuda_graphs.CudaGraphManager(config, need_backward=False)  # later managers: no switch
+    assert current == ["newer"]
 
-    monkeypatch.setattr(cuda_graphs, "CudaGraphManager", Manager)
-    manager = graph_engine.graph_manager_on_the_process_stream("config")
-    assert isinstance(manager, Manager) and manager.config == "config"
-    assert current == ["process"]
+
+def test_upstream_router_sizes_its_metrics_by_the_models_layer_count(cpu_moe):
+    """A router records its losses in a slot per layer of the whole model (config.num_layers),
+    whatever its pipeline stage holds: what size_moe_metrics_as_the_routers_do matches."""
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.packed_graphs.specs import moe_layer_spec
+    from megatron.packed_model.providers import backend_provider
+    from tests.unit.conftest import tiny_moe_config
+
+    config = tiny_moe_config(num_layers=6, hidden_size=32, num_moe_experts=4, moe_router_topk=2,
+                             moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+                             moe_z_loss_coeff=1e-3)
+    torch.manual_seed(0)
+    spec = moe_layer_spec(backend_provider("torch"), "RMSNorm", 4)  # no attention: MoE only
+    layer = build_module(spec, config=config, layer_number=4)
+    out = layer(torch.randn(8, 1, 32, requires_grad=True), attention_mask=None)
+    assert cpu_moe.metrics  # the forward recorded its losses
+    for name, entry in cpu_moe.metrics.items():
+        values = entry.values.tolist()
+        assert len(values) == 6, name
+        assert [i for i, v in enumerate(values) if v != 0] == [3], name  # layer 4's slot
+    del out
 
 
 def test_moe_metrics_take_the_routers_size_on_every_pipeline_stage(monkeypatch):
@@ -710,12 +904,12 @@ def test_moe_metrics_take_the_routers_size_on_every_pipeline_stage(monkeypatch):
     import types
 
     import megatron.training.training as loop
-    from megatron.core.transformer.moe import moe_logging, router
+    from megatron.core.transformer.moe import moe_logging
 
+    # source sentinel: training_log needs a Megatron-LM run on a GPU
     log_source = inspect.getsource(loop.training_log)
     assert "layers = itemgetter(Symbols.MOE)(get_hybrid_layer_counts(" in log_source
     assert "force_initialize=True" in log_source
-    assert "num_layers = self.config.num_layers" in inspect.getsource(router)
 
     tracker = moe_logging.MoEMetricsTracker()
     monkeypatch.setattr(moe_logging, "get_moe_metrics_tracker", lambda: tracker)
@@ -752,21 +946,33 @@ def test_moe_metrics_take_the_routers_size_on_every_pipeline_stage(monkeypatch):
 def test_upstream_loop_reads_its_step_statistics_through_module_names():
     """The per-iteration reads route_training_loop takes out: train_step reduces the update flag
     and the gradient norm, training_log the learning rate, by their names in the loop module;
-    train() reads the loss scale with .item(); without a scaler upstream's scale is a constant
-    one-element CUDA tensor that scale_loss multiplies the loss by."""
+    train() reads the loss scale with .item() (the next test runs the loss scale itself)."""
     import megatron.training.training as loop
-    from megatron.core.optimizer import optimizer as upstream
 
+    # source sentinel: train_step, training_log and train need a Megatron-LM run on a GPU
     step = inspect.getsource(loop.train_step)
     assert "logical_and_across_model_parallel_group(update_successful" in step
     assert "reduce_max_stat_across_model_parallel_group(grad_norm" in step
     assert "reduce_max_stat_across_model_parallel_group(" in inspect.getsource(loop.training_log)
     assert "optimizer.get_loss_scale().item()" in inspect.getsource(loop.train)
-    assert "return self._scale_one" in source(upstream.MixedPrecisionOptimizer.get_loss_scale)
-    assert "return self._scale" in source(upstream.FP32Optimizer.get_loss_scale)
-    assert "self.chained_optimizers[0].get_loss_scale()" in source(
-        upstream.ChainedOptimizer.get_loss_scale)
-    assert "self.get_loss_scale() * loss" in source(upstream.MegatronOptimizer.scale_loss)
+
+
+def test_upstream_loss_scale_without_a_scaler_is_the_constant_one_scale_loss_multiplies_by():
+    from megatron.core.optimizer import optimizer as upstream
+
+    one, scale = torch.tensor([1.0]), torch.tensor([1024.0])
+    mixed = SimpleNamespace(grad_scaler=None, _scale_one=one)
+    assert upstream.MixedPrecisionOptimizer.get_loss_scale(mixed) is one
+    mixed.grad_scaler = SimpleNamespace(scale=scale)
+    assert upstream.MixedPrecisionOptimizer.get_loss_scale(mixed) is scale
+    assert upstream.FP32Optimizer.get_loss_scale(SimpleNamespace(_scale=one)) is one
+    first = SimpleNamespace(get_loss_scale=lambda: scale)
+    chained = SimpleNamespace(chained_optimizers=[first, SimpleNamespace(get_loss_scale=None)])
+    assert upstream.ChainedOptimizer.get_loss_scale(chained) is scale  # the first part's
+    loss = torch.tensor([2.0, 3.0])
+    scaled = upstream.MegatronOptimizer.scale_loss(SimpleNamespace(get_loss_scale=lambda: scale),
+                                                   loss)
+    assert torch.equal(scaled, loss * 1024.0)
 
 
 def test_step_statistics_of_a_model_parallel_group_of_one_are_not_read_back(cpu_dist):
@@ -789,6 +995,7 @@ def test_upstream_log_and_rerun_machine_copy_host_values_to_the_device_each_iter
     import megatron.training.training as loop
     from megatron.core.rerun_state_machine import RerunStateMachine
 
+    # source sentinel: training_log allocates on CUDA and needs a Megatron-LM run on a GPU
     log = source(getattr(loop.training_log, "__wrapped__", loop.training_log))
     assert ("total_loss_dict.get(key, torch.tensor([0.0], dtype=torch.float, device='cuda'))"
             in log)
@@ -803,8 +1010,27 @@ def test_upstream_log_and_rerun_machine_copy_host_values_to_the_device_each_iter
     assert {"loss_dict", "total_loss_dict", "iteration", "skipped_iter"} <= set(parameters)
     assert RerunStateMachine._reduce_any in (training_loop.UPSTREAM_REDUCE_ANY,
                                              training_loop.any_rank_requested)
-    reduce = source(training_loop.UPSTREAM_REDUCE_ANY)
-    assert "device='cuda'" in reduce and "torch.distributed.all_reduce(val_tensor)" in reduce
+
+
+def test_upstream_rerun_machine_reduces_host_flags_as_cuda_tensors(cpu_dist, monkeypatch):
+    from megatron.core import rerun_state_machine
+
+    devices = []
+
+    class RecordingTorch(_HostTorch):
+        @staticmethod
+        def tensor(*args, device=None, **kwargs):
+            devices.append(device)
+            return torch.tensor(*args, **kwargs)
+
+    monkeypatch.setattr(rerun_state_machine, "torch", RecordingTorch())
+    reduced = []
+    real_all_reduce = torch.distributed.all_reduce
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda tensor, *a, **k: reduced.append(tensor) or real_all_reduce(tensor))
+    assert training_loop.UPSTREAM_REDUCE_ANY(None, True) is True
+    assert training_loop.UPSTREAM_REDUCE_ANY(None, [False, True]) == (False, True)
+    assert devices == ["cuda", "cuda"] and len(reduced) == 2  # a device copy and a reduce each
 
 
 def _training_log_stand_in(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
@@ -840,14 +1066,37 @@ def test_training_log_sums_losses_on_the_device_and_hands_upstream_what_it_reads
     assert handed == [(False, 1, 0), (writer, 2, 0), (True, 3, 1)]
 
 
-def test_upstream_exit_signal_check_gathers_a_cuda_flag_every_iteration():
+def test_upstream_exit_signal_check_gathers_a_cuda_flag_every_iteration(cpu_dist, monkeypatch):
     import megatron.training.training as loop
     from megatron.training import dist_signal_handler
 
-    check = source(dist_signal_handler.DistributedSignalHandler.signals_received)
-    assert "all_gather_item(" in check and "self._signal_received" in check
-    assert "device = get_device(local_rank)" in source(dist_signal_handler.all_gather_item)
-    assert "signal_handler.signals_received()" in source(loop.checkpoint_and_decide_exit)
+    # Every iteration's exit check asks the handler, which gathers its flag...
+    asked = []
+    handler = SimpleNamespace(signals_received=lambda: asked.append(True) or [False])
+    monkeypatch.setattr(loop, "get_args", lambda: SimpleNamespace(
+        exit_signal_handler=True, save=None, save_interval=None,
+        non_persistent_save_interval=None, exit_duration_in_mins=None, exit_interval=None,
+        phase_transition_iterations=None))
+    monkeypatch.setattr(loop, "get_timers", lambda: None)
+    monkeypatch.setattr(loop, "get_signal_handler", lambda: handler)
+    for iteration in (1, 2):
+        assert not loop.checkpoint_and_decide_exit(None, None, None, iteration, 0, None, None)
+    assert asked == [True, True]
+    handler.signals_received = lambda: [False, True]
+    monkeypatch.setattr(loop, "print_datetime", lambda message: None)
+    assert loop.checkpoint_and_decide_exit(None, None, None, 3, 0, None, None)
+
+    gathered = []
+    monkeypatch.setattr(dist_signal_handler, "all_gather_item",
+                        lambda item, dtype: gathered.append((item, dtype)) or [item])
+    upstream_handler = SimpleNamespace(_signal_received=True)
+    assert dist_signal_handler.DistributedSignalHandler.signals_received(upstream_handler) == [True]
+    assert gathered == [(True, torch.int32)]
+    monkeypatch.undo()
+    # ... as a tensor on the process group's device: the GPU under NCCL.
+    assert dist_signal_handler.all_gather_item(True, dtype=torch.int32) == [1]  # gloo: host
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *args: "nccl")
+    assert dist_signal_handler.get_device(3) == torch.device("cuda:3")
 
 
 def test_exit_signal_flags_are_gathered_without_the_device(cpu_dist):
@@ -912,7 +1161,7 @@ def test_loss_scale_goes_to_the_host_only_without_a_scaler():
     assert fp16.get_loss_scale() is scaler.scale
 
 
-def test_the_wheel_ships_dataset_helpers_prebuilt_without_a_makefile():
+def test_the_wheel_ships_dataset_helpers_prebuilt_without_a_makefile(cpu_dist, monkeypatch):
     import os
 
     from megatron.core import datasets
@@ -922,26 +1171,51 @@ def test_the_wheel_ships_dataset_helpers_prebuilt_without_a_makefile():
     folder = os.path.dirname(datasets.__file__)
     assert not os.path.exists(os.path.join(folder, "Makefile"))
     assert any(name.startswith("helpers_cpp") for name in os.listdir(folder))
-    assert "compile_helpers" in inspect.getsource(initialize)
-    assert callable(dataset_utils.compile_helpers)
+    # Megatron-LM's start-up builds them on rank 0 through the datasets' compile_helpers.
+    built = []
+    monkeypatch.setattr(dataset_utils, "compile_helpers", lambda: built.append(True))
+    monkeypatch.setattr(initialize, "get_args", lambda: SimpleNamespace())
+    initialize._compile_dependencies()
+    assert built == [True]
 
 
 # --------------------------------------------------- reaches moved here from the fork's modules
 
-def test_upstream_runner_fields_the_buffer_reach_sets():
+def test_upstream_runner_fields_the_buffer_reach_sets(monkeypatch):
     from megatron.core.transformer import cuda_graphs
 
-    runner_source = source(cuda_graphs._CudaGraphRunner)
-    assert "self.mempool = mempool" in runner_source and "pool=self.mempool" in runner_source
+    monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kwargs: None)
+    built = cuda_graphs._CudaGraphRunner(SimpleNamespace(), "pool", (), {}, lambda: None, False)
+    assert built.mempool == "pool"  # the field own_pool replaces
+    # source sentinel: create_fwd_graph hands the field to torch.cuda.graph, at capture only
+    assert "pool=self.mempool" in source(cuda_graphs._CudaGraphRunner.create_fwd_graph)
     runner = SimpleNamespace()
     graph_engine.keep_runner_buffers(runner)
     assert runner.keep_buffers_private and not hasattr(runner, "mempool")
 
 
-def test_upstream_manager_installs_a_partial_graph_function_as_an_instance_attribute():
+def test_upstream_manager_installs_a_partial_graph_function_as_an_instance_attribute(
+        cpu_dist, monkeypatch):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from megatron.core.transformer.cuda_graphs import CudaGraphManager
+    from tests.unit.conftest import tiny_moe_config
 
-    assert "setattr(base_module, function_name, wrapped_func)" in source(CudaGraphManager.__init__)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    monkeypatch.setattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", True, raising=False)
+    monkeypatch.setattr(CudaGraphManager, "global_mempool", None)
+
+    class Layer:
+        def _forward_attention(self):
+            return "plain"
+
+    layer = Layer()
+    manager = CudaGraphManager(tiny_moe_config(cuda_graph_impl="local"), layer,
+                               "_forward_attention", need_backward=False)
+    assert "_forward_attention" in vars(layer)  # on the instance: the class keeps its own
+    assert layer._forward_attention(eager=True) == "plain" and manager.func() == "plain"
+    assert Layer._forward_attention(layer) == "plain"
     module = SimpleNamespace(_forward_attention=lambda: "graphed")
     graph_engine.route_graphed_function(module, "_forward_attention", lambda: "routed")
     assert module._forward_attention() == "routed"
@@ -957,22 +1231,41 @@ def test_upstream_manager_installs_a_partial_graph_function_as_an_instance_attri
 def test_dispatcher_graph_state_follows_upstreams_dotted_attribute_names():
     from megatron.core.transformer.moe import moe_utils
 
-    assert "valid_cudagraph_attrs.append(attr_name)" in source(moe_utils)
+    captured = SimpleNamespace(cudagraph_attrs=["probs", "comm.splits", "comm.absent"],
+                               valid_cudagraph_attrs=None, probs=torch.zeros(1),
+                               comm=SimpleNamespace(splits=torch.ones(1), absent=None))
+    signal = moe_utils.MoECudaGraphPartialCaptureSignal(
+        SimpleNamespace(token_dispatcher=captured), "preprocess", hidden_states=None, probs=None)
+    signal.get_early_return_outputs(None, None)
+    assert captured.valid_cudagraph_attrs == ["probs", "comm.splits"]  # dotted, tensors only
     inner = SimpleNamespace(splits=None)
-    dispatcher = SimpleNamespace(valid_cudagraph_attrs=["probs", "comm.splits"],
-                                       probs=None, comm=inner)
+    dispatcher = SimpleNamespace(valid_cudagraph_attrs=captured.valid_cudagraph_attrs,
+                                 probs=None, comm=inner)
     model_layers.set_dispatcher_graph_state(dispatcher, [1, 2])
     assert (dispatcher.probs, inner.splits) == (1, 2)
     with pytest.raises(RuntimeError, match="returned 1 dispatcher tensors"):
         model_layers.set_dispatcher_graph_state(dispatcher, [1])
 
 
-def test_dropless_dispatch_restores_the_dispatcher():
+def test_dropless_dispatch_restores_the_dispatcher(cpu_moe):
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.packed_graphs.specs import moe_layer_spec
+    from megatron.packed_model.providers import backend_provider
+    from tests.unit.conftest import tiny_moe_config
 
-    body = source(MoEAlltoAllTokenDispatcher)
-    for name in model_layers.DISPATCHER_STATE:  # every field the scope saves is upstream's
-        assert f"self.{name}" in body, name
+    # Every field the scope saves is one upstream's alltoall dispatcher holds after a forward.
+    config = tiny_moe_config(hidden_size=32, num_moe_experts=4, moe_router_topk=2,
+                             moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0,
+                             moe_pad_expert_input_to_capacity=True)
+    torch.manual_seed(0)
+    layer = build_module(moe_layer_spec(backend_provider("torch"), "RMSNorm", 4), config=config,
+                         layer_number=1)
+    layer(torch.randn(8, 1, 32), attention_mask=None)
+    upstream_dispatcher = layer.mlp.token_dispatcher
+    assert isinstance(upstream_dispatcher, MoEAlltoAllTokenDispatcher)
+    for name in model_layers.DISPATCHER_STATE:
+        assert name in vars(upstream_dispatcher), name
     config = SimpleNamespace(moe_expert_capacity_factor=1.5,
                                    moe_pad_expert_input_to_capacity=True)
     dispatcher = SimpleNamespace(config=config, drop_and_pad=True, cuda_sync_point="x",
@@ -988,9 +1281,31 @@ def test_dropless_dispatch_restores_the_dispatcher():
 
 
 def test_optimizer_reaches():
-    from megatron.core.optimizer.optimizer import ChainedOptimizer
+    from megatron.core.optimizer import optimizer as upstream
 
-    assert "sharded_state_dict" in source(ChainedOptimizer)
+    # A save goes through each part's sharded_state_dict ...
+    saved = []
+
+    def part(i):
+        return SimpleNamespace(
+            sharded_state_dict=lambda model, loading, **kw: saved.append(i) or {})
+
+    parts = [part(0), part(1)]
+    chained = SimpleNamespace(chained_optimizers=parts, _synchronize_steps=lambda: None)
+    upstream.ChainedOptimizer.sharded_state_dict(chained, {})
+    upstream.ChainedOptimizer.sharded_state_dict(SimpleNamespace(chained_optimizers=parts[:1]), {})
+    assert saved == [0, 1, 0]
+
+    # ... which reads the part's own state_dict first.
+    class Reached(Exception):
+        pass
+
+    def state_dict():
+        raise Reached
+
+    for cls in (upstream.Float16OptimizerWithFloat16Params, upstream.FP32Optimizer):
+        with pytest.raises(Reached):
+            cls.sharded_state_dict(SimpleNamespace(state_dict=state_dict), {}, False)
     calls = []
 
     class Part:
@@ -1019,6 +1334,7 @@ def test_upstream_start_up_builds_the_hybrid_cp_groups_from_the_args_field():
     import megatron.training.initialize as start_up
     import megatron.training.training as loop
 
+    # source sentinel: pretrain and _initialize_distributed set up CUDA devices (a GPU run)
     assert "initialize_megatron(" in source(loop.pretrain)
     assert "_initialize_distributed(" in source(start_up.initialize_megatron)
     build = source(start_up._initialize_distributed)
@@ -1026,31 +1342,64 @@ def test_upstream_start_up_builds_the_hybrid_cp_groups_from_the_args_field():
     assert "hybrid_context_parallel=args.hybrid_context_parallel" in build
 
 
-def test_upstream_hybrid_cp_is_more_than_its_groups():
+def test_upstream_hybrid_cp_is_more_than_its_groups(monkeypatch):
     """Why the field is on only while the groups are built: upstream's own hybrid CP wraps the
     training data, switches the schedule and wants its own data loader type."""
-    import megatron.training.arguments as arguments
     import megatron.training.training as loop
     from megatron.core.pipeline_parallel import schedules
 
+    # source sentinel: train() needs a Megatron-LM run on a GPU
     assert "HybridCPDataLoaderWrapper(train_data_iterator" in source(loop.train)
-    assert "elif config.hybrid_context_parallel:" in source(
-        schedules.forward_backward_no_pipelining)
-    assert "Hybrid context parallelism only supported with single dataloader type" in source(
-        arguments.validate_args)
+    # The no-pipelining schedule hands the step to hybrid CP's own forward-backward.
+    taken = []
+    monkeypatch.setattr(schedules, "torch", _HostTorch())
+    monkeypatch.setattr(schedules, "get_model_type", lambda model: None)
+    monkeypatch.setattr(schedules, "get_model_config", lambda model: config)
+    monkeypatch.setattr(schedules, "hybrid_context_parallel_forward_backward",
+                        lambda *args: taken.append(args[0]) or (["hybrid"], torch.zeros([])))
+    config = SimpleNamespace(timers=None, no_sync_func=None, hybrid_context_parallel=True,
+                             overlap_moe_expert_parallel_comm=False,
+                             finalize_model_grads_func=None, calculate_per_token_loss=True)
+    step = object()
+    assert schedules.forward_backward_no_pipelining(
+        forward_step_func=step, data_iterator=None, model=torch.nn.Linear(1, 1),
+        num_microbatches=1, seq_length=1, micro_batch_size=1, forward_only=True,
+        pg_collection=SimpleNamespace(tp=None, cp=None)) == ["hybrid"]
+    assert taken == [step]
+    # Megatron-LM's argument checks refuse it with the fork's own (external) data loader type.
+    from megatron.packed_training.arguments import parse_args
+
+    with pytest.raises(ValueError,
+                       match="Hybrid context parallelism only supported with single dataloader"):
+        parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                    "--seq-length", "128", "--max-position-embeddings", "128",
+                    "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+                    "--lr", "1e-3", "--mock-data", "--sft", "--vocab-size", "128",
+                    "--hybrid-context-parallel", "--calculate-per-token-loss"], "gpt",
+                   raise_on_error=True)
 
 
-def test_upstream_hybrid_groups_are_the_aligned_power_of_two_blocks_dynamic_cp_takes():
+def test_upstream_hybrid_groups_are_the_aligned_power_of_two_blocks_dynamic_cp_takes(
+        monkeypatch):
     """dynamic_cp.dynamic_cp_group: sizes 2 .. half the DP x CP ranks are hybrid groups of
     aligned blocks; the full size is the DP x CP group itself."""
     from megatron.core import parallel_state
 
-    build = source(parallel_state.create_hybrid_dp_cp_groups)
-    assert "group_sizes = [2**i for i in range(int(log2(len(ranks))))][1:]" in build
-    assert "ranks[i : i + group_size]" in build
-    get = source(parallel_state.get_hybrid_data_context_parallel_groups)
-    assert "return _DATA_PARALLEL_GROUP_WITH_CP" in get
-    assert "return _HYBRID_DP_CP_GROUPS[group_size]" in get
+    made = []
+    monkeypatch.setattr(parallel_state, "create_group",
+                        lambda ranks, **kwargs: made.append(tuple(ranks)) or tuple(ranks))
+    ranks = list(range(16, 32))  # the DP x CP ranks of one model-parallel position
+    groups = parallel_state.create_hybrid_dp_cp_groups(21, ranks, None)
+    assert groups == {2: (20, 21), 4: (20, 21, 22, 23), 8: tuple(range(16, 24))}
+    assert made == [tuple(ranks[i:i + size]) for size in (2, 4, 8)
+                    for i in range(0, len(ranks), size)]  # every aligned block, on every rank
+
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size",
+                        lambda with_context_parallel=False: 16)
+    monkeypatch.setattr(parallel_state, "_DATA_PARALLEL_GROUP_WITH_CP", "dp x cp")
+    monkeypatch.setattr(parallel_state, "_HYBRID_DP_CP_GROUPS", groups)
+    get = parallel_state.get_hybrid_data_context_parallel_groups
+    assert get(group_size=16) == "dp x cp" and get(group_size=4) == (20, 21, 22, 23)
 
 
 def test_hybrid_cp_groups_are_asked_for_only_while_the_groups_are_built(monkeypatch):
@@ -1077,14 +1426,29 @@ def test_hybrid_cp_groups_are_asked_for_only_while_the_groups_are_built(monkeypa
     assert args.hybrid_context_parallel is False
 
 
-def test_upstream_local_graphs_share_one_pool_forward_only_graphs_can_join(monkeypatch):
+def test_upstream_local_graphs_share_one_pool_forward_only_graphs_can_join(cpu_dist, monkeypatch):
     """local_graph_pool: megatron-core creates one class-level pool with its first manager and
     captures every local runner into it (forward_graphs.py captures there too)."""
-    init = source(cuda_graphs.CudaGraphManager.__init__)
-    assert "if CudaGraphManager.global_mempool is None:" in init
-    assert "CudaGraphManager.global_mempool = torch.cuda.graph_pool_handle()" in init
-    assert source(cuda_graphs.CudaGraphManager.get_cudagraph_runner).count(
-        "CudaGraphManager.global_mempool") == 2  # both runner kinds: reused and per micro-batch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from tests.unit.conftest import tiny_moe_config
+
+    pools = iter(["pool", "another pool"])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    monkeypatch.setattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", True, raising=False)
+    monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", None)
+    monkeypatch.setattr(cuda_graphs._CudagraphGlobalRecord, "cudagraph_created", False)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kwargs: None)
+    config = tiny_moe_config(cuda_graph_impl="local")
+    modules = [SimpleNamespace(part=lambda x: x) for _ in range(2)]
+    managers = [cuda_graphs.CudaGraphManager(config, module, "part", need_backward=False)
+                for module in modules]
+    assert cuda_graphs.CudaGraphManager.global_mempool == "pool"  # made once, with the first
+    for module, manager, reuse in zip(modules, managers, (True, False)):  # both runner kinds
+        runner = manager.get_cudagraph_runner(module, (torch.zeros(1, 2),), {}, reuse)
+        assert runner.mempool == "pool" and manager.cudagraph_runners == [runner]
+    # source sentinel: the runner's pool is handed to torch.cuda.graph, at capture only
     assert "pool=self.mempool" in source(cuda_graphs._CudaGraphRunner.create_fwd_graph)
     pool = object()
     monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", pool)
@@ -1100,17 +1464,34 @@ def _linear_config(**fields):
                              use_cpu_initialization=True, **fields)
 
 
-def test_upstream_linears_need_apex_for_fused_accumulation():
-    from megatron.core.tensor_parallel import layers
+def test_upstream_linears_need_apex_for_fused_accumulation(cpu_dist, upstream_linears,
+                                                           monkeypatch):
+    layers = upstream_linears
+    init = torch.nn.init.zeros_
 
-    column = source(model_layers.UPSTREAM_COLUMN_PARALLEL_INIT)
-    assert "config.gradient_accumulation_fusion and not _grad_accum_fusion_available" in column
-    for init in (model_layers.UPSTREAM_COLUMN_PARALLEL_INIT, model_layers.UPSTREAM_ROW_PARALLEL_INIT):
-        assert "self.gradient_accumulation_fusion = config.gradient_accumulation_fusion" in source(init)
+    def build(fusion):
+        config = _linear_config(gradient_accumulation_fusion=fusion)
+        return config, [layers.ColumnParallelLinear(8, 8, config=config, init_method=init,
+                                                    bias=False),
+                        layers.RowParallelLinear(8, 8, config=config, init_method=init,
+                                                 bias=False, input_is_parallel=True,
+                                                 skip_bias_add=False)]
+
+    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+        build(True)  # the flag without apex's kernel: refused
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    for fusion in (True, False):  # each linear keeps its own copy of the config's flag
+        config, linears = build(fusion)
+        assert [linear.gradient_accumulation_fusion for linear in linears] == [fusion, fusion]
     # The forward reads the linear's own copy, not the config.
-    for linear in (layers.ColumnParallelLinear, layers.RowParallelLinear):
-        assert "gradient_accumulation_fusion=self.gradient_accumulation_fusion" in source(linear.forward)
-    # TE's linears take the config's flag as their own fused accumulation.
+    config.gradient_accumulation_fusion = True
+    for linear in linears:
+        seen = []
+        monkeypatch.setattr(linear, "_forward_impl", lambda *args, **kwargs: seen.append(
+            kwargs["gradient_accumulation_fusion"]) or torch.zeros(2, 1, 8))
+        linear(torch.zeros(2, 1, 8))
+        assert seen == [False]
+    # source sentinel: TE's linears need Transformer Engine, which only runs on a GPU
     from megatron.core.extensions import transformer_engine as te_extension
 
     assert "fuse_wgrad_accumulation=self.config.gradient_accumulation_fusion" in source(te_extension)
@@ -1186,8 +1567,14 @@ def test_ddp_keeps_the_flag_te_fused_accumulation_set(monkeypatch):
     DistributedDataParallel.zero_grad_buffer(_ddp_shell("local", [fused, unfused]))
     assert fused.grad_added_to_main_grad is True and unfused.grad_added_to_main_grad is False
     # DDP's hook adds a returned gradient only while the flag is clear.
-    hook = source(DistributedDataParallel._make_backward_post_hook)
-    assert "not param.grad_added_to_main_grad" in hook
+    ddp = SimpleNamespace(param_to_bucket_group={fused: None, unfused: None},
+                          ddp_config=SimpleNamespace(overlap_grad_reduce=False))
+    for param in (fused, unfused):
+        param.main_grad, param.grad = torch.zeros(2), torch.ones(2)
+        DistributedDataParallel._make_backward_post_hook(ddp, param)()
+        assert param.grad is None
+    assert torch.equal(fused.main_grad, torch.zeros(2))  # TE accumulated it already
+    assert torch.equal(unfused.main_grad, torch.ones(2))
 
 
 @pytest.mark.parametrize("model", ["gpt", "hybrid"])
@@ -1269,15 +1656,45 @@ def test_te_capture_runs_with_ddps_gather_hooks_removed_after_one_gather(hooks_o
 
 
 def test_upstream_ddp_gathers_parameters_in_forward_pre_hooks_of_their_own_module():
-    """The sentinel: DDP's pre-hook finishes the gather of the module's direct parameters
-    only, and the TE replay path runs a layer's manual hooks before its graph."""
+    """DDP's pre-hook finishes the gather of the module's direct parameters only, disabling
+    the hooks gathers everything, and the TE replay path runs a layer's manual hooks before
+    its graph."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import GraphableMegatronModule
 
-    hook = source(DistributedDataParallel._make_forward_pre_hook)
-    assert "module.parameters(recurse=False)" in hook and "finish_param_sync" in hook
+    layer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    finished = []
+    ddp = _overlapping_ddp(True, list(layer.parameters()), finished)
+    hook = DistributedDataParallel._make_forward_pre_hook(ddp)
+    hook(layer)  # holds no parameter of its own: nothing to wait for
+    hook(layer[1])
+    assert finished == []
+    hook(layer[0])
+    assert len(finished) == 2  # its weight and bias
+
+    gathers = []
+    ddp = SimpleNamespace(module=layer, use_forward_hook=True, remove_forward_pre_hook_handles={},
+                          start_param_sync=lambda force_sync: gathers.append(force_sync),
+                          param_to_bucket_group={}, ddp_config=SimpleNamespace())
+    ddp._make_forward_pre_hook = DistributedDataParallel._make_forward_pre_hook.__get__(ddp)
+    DistributedDataParallel.enable_forward_pre_hook(ddp)
+    DistributedDataParallel.disable_forward_pre_hook(ddp)
+    assert gathers == [True] and not layer[0]._forward_pre_hooks
+
+    events = []
+    module = SimpleNamespace(
+        cuda_graphs=[lambda *args, **kwargs: events.append(("graph", args)) or "out"],
+        cuda_graph_manual_hooks=[(lambda m: events.append(("hook", m)), ("linear",))],
+        _get_te_cuda_graph_replay_args=lambda *args, **kwargs: (args, kwargs))
+    hidden = torch.zeros(2)
+    assert GraphableMegatronModule._te_cuda_graph_replay(module, hidden) == "out"
+    assert events[0] == ("hook", "linear") and events[1][0] == "graph"
+    assert events[1][1][0] is hidden
+
+
+def test_upstream_ddp_uses_forward_hooks_to_overlap_the_param_gather():
+    from megatron.core.distributed import DistributedDataParallel
+
+    # source sentinel: DDP's constructor allocates its gradient buffers on the GPU
     assert "self.use_forward_hook = self.ddp_config.overlap_param_gather" in source(
         DistributedDataParallel.__init__)
-    assert "self.cuda_graph_manual_hooks" in source(GraphableMegatronModule._te_cuda_graph_replay)
-    assert "self.start_param_sync(force_sync=True)" in source(
-        DistributedDataParallel.disable_forward_pre_hook)

@@ -9,10 +9,9 @@ Graphs need a GPU (tests/gpu/test_moe_partial_graphs.py captures and replays the
   forward too (the graph here is its captured function, run directly);
 * every partial graph function follows the micro-batch's plan, and a bypassed micro-batch
   takes one runner turn in every manager of the layer;
-* the upstream code the module relies on is still there (sentinels).
+* the upstream behaviour the module relies on still holds (run on CPU with stand-ins).
 """
 
-import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -273,32 +272,159 @@ def test_runners_of_the_micro_batch_capacity_are_tried_first_in_every_manager():
 
 # ------------------------------------------------------------------------ upstream sentinels
 
-def test_upstream_partial_moe_layer_is_what_the_mixin_builds_on():
-    source = inspect.getsource
+class _CountingEvent(_HostEvent):
+    def __init__(self, calls):
+        self.calls = calls
+
+    def record(self):
+        self.calls.append("record")
+
+    def synchronize(self):
+        self.calls.append("synchronize")
+
+
+def test_upstream_partial_moe_layer_is_what_the_mixin_builds_on(cpu_moe, monkeypatch):
+    """megatron-core's MoE layer, with local graph managers built on CPU (nothing captured)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", True, raising=False)
+    monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", None)
+    record = cuda_graphs._CudagraphGlobalRecord
+    monkeypatch.setattr(record, "cudagraph_record", [])
+    monkeypatch.setattr(record, "cudagraph_created", False)
+    try:
+        # The local implementation pairs the two modules (megatron-core's config does it too).
+        config = _config(cuda_graph_impl="local", cuda_graph_modules=[ROUTER])
+        assert PREPROCESS in config.cuda_graph_modules
+        layer = _layer("gpt", config)
+    finally:
+        record._disable_saved_tensors_observer()
+    # The router module asks for the router and postprocess managers, wrapping those methods.
+    assert layer.use_partial_cudagraphs
+    assert layer.cudagraph_manager_router.func.__name__ == "_forward_mlp_router"
+    assert layer.cudagraph_manager_postprocess.func.__name__ == "_forward_mlp_postprocess"
+    assert "_forward_mlp_router" in vars(layer) and "_forward_mlp_postprocess" in vars(layer)
+
     # The manager wrapper runs the plain function when asked eager (_follow_plan).
-    assert "def wrapped_func(*args, eager=False, cache_key=None, **kwargs):" in source(
-        cuda_graphs.CudaGraphManager.__init__)
-    scope = source(MoETransformerLayer.transition_cudagraph_scope)
-    assert 'function_name="_forward_mlp_router"' in scope
-    assert 'function_name="_forward_mlp_postprocess"' in scope
-    forward = source(MoETransformerLayer._forward_mlp)
-    # The padding mask is a router graph input; the sync docs/moe.md describes.
-    assert "self._forward_mlp_router(hidden_states, padding_mask=padding_mask)" in forward
-    assert "self._router_dtoh_event.synchronize()" in forward
-    assert "CudaGraphModule.moe_router in self.config.cuda_graph_modules" in source(
-        MoETransformerLayer.create_mcore_cudagraph_manager)
-    # The local implementation pairs the two modules (megatron-core's TransformerConfig does it too).
-    post_init = source(TransformerConfig.__post_init__)
-    assert "self.cuda_graph_modules.append(CudaGraphModule.moe_preprocess)" in post_init
+    base = SimpleNamespace(forward_part=lambda x, scale=1: (x * scale, "plain"))
+    manager = cuda_graphs.CudaGraphManager(config, base, "forward_part", need_backward=False)
+    monkeypatch.setattr(cuda_graphs.CudaGraphManager, "__call__",
+                        lambda *args, **kwargs: pytest.fail("eager call reached the graphs"))
+    assert base.forward_part is not manager.func
+    out = base.forward_part(torch.ones(2), scale=3, eager=True)
+    assert out[1] == "plain" and torch.equal(out[0], torch.full((2,), 3.0))
+
+    hidden = torch.randn(TOKENS, 1, HIDDEN)
+    mask = torch.zeros(1, TOKENS, dtype=torch.bool)
+    # The partial forward hands the padding mask to the router graph as a keyword input and
+    # waits on the router's D2H event before the eager experts (the sync docs/moe.md describes).
+    calls = []
+    router_func = layer.cudagraph_manager_router.func
+
+    def router(hidden_states, **kwargs):
+        calls.append(("router", sorted(kwargs), kwargs.get("padding_mask")))
+        return router_func(hidden_states, **kwargs)
+
+    monkeypatch.setattr(layer, "_forward_mlp_router", router)
+    monkeypatch.setattr(layer, "_forward_mlp_postprocess",
+                        layer.cudagraph_manager_postprocess.func)
+    layer._router_dtoh_event = _CountingEvent(calls)
+    MoETransformerLayer._forward_mlp(layer, hidden, padding_mask=mask)
+    assert calls[0][:2] == ("router", ["padding_mask"]) and calls[0][2] is mask
+    assert calls[1:] == ["record", "synchronize"]
 
 
-def test_upstream_te_partial_outputs_are_what_the_resume_reads():
+class _PartialMoEStandIn(torch.nn.Module):
+    """An MoE layer's stand-in: returns given outputs, or resumes from its tensor store."""
+
+    def __init__(self, outputs=None, dispatcher=None):
+        super().__init__()
+        self.outputs, self.token_dispatcher, self.stored = outputs, dispatcher, []
+        self.cudagraph_tensor_store = SimpleNamespace(set=lambda **kw: self.stored.append(kw),
+                                                      clear=lambda: self.stored.append(None))
+
+    def forward(self, hidden_states, padding_mask=None):
+        return self.outputs if self.outputs is not None else (hidden_states * 2, None)
+
+
+def test_upstream_te_capture_returns_the_partial_outputs_then_the_residual(cpu_moe, monkeypatch):
+    """While TE captures a router-scoped MoE layer, megatron-core's _forward_mlp returns the
+    MoE layer's early-return outputs with the residual appended (what the resume pops)."""
+    from megatron.core.transformer import transformer_layer
+
+    layer = _layer("gpt", _config())
+    early = [torch.randn(TOKENS, 1, HIDDEN), torch.rand(TOKENS, EXPERTS),
+             torch.ones(TOKENS, EXPERTS, dtype=torch.bool)]
+    layer.mlp = _PartialMoEStandIn(outputs=tuple(early))
+    monkeypatch.setattr(layer.config, "cuda_graph_impl", "transformer_engine")
+    monkeypatch.setattr(layer.config, "cuda_graph_modules", [ROUTER])
+    monkeypatch.setattr(transformer_layer, "is_graph_capturing", lambda: True)
+    hidden = torch.randn(TOKENS, 1, HIDDEN)
+    out = TransformerLayer._forward_mlp(layer, hidden)
+    assert isinstance(out, list) and len(out) == 4
+    assert all(got is expected for got, expected in zip(out, early))
+    assert out[-1] is hidden  # the residual: the layer input (the norm returns no residual)
+    monkeypatch.setattr(transformer_layer, "is_graph_capturing", lambda: False)
+    layer.mlp.outputs = (early[0], None)  # eager: an MLP output and bias, and no early return
+    assert torch.is_tensor(TransformerLayer._forward_mlp(layer, hidden))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_upstream_te_partial_outputs_are_what_the_resume_reads(monkeypatch, shared):
+    """megatron-core's early-return outputs (router and preprocess steps) read back by its own
+    TE replay and by the fork's resume (`set_dispatcher_graph_state`) alike."""
+    from megatron.core.transformer.module import GraphableMegatronModule
     from megatron.core.transformer.moe import moe_utils
+    from megatron.packed_upstream import model_layers
 
-    source = inspect.getsource
-    assert "return list(mlp_output_with_bias) + [residual]" in source(
-        TransformerLayer._forward_mlp)
-    early = source(moe_utils.MoECudaGraphPartialCaptureSignal.get_early_return_outputs)
-    assert "outputs = [hidden_states, self.kwargs['probs'], self.kwargs['routing_map']]" in early
-    assert "outputs.append(shared_expert_output)" in early
-    assert "valid_cudagraph_attrs" in source(TransformerLayer._te_cuda_graph_replay_impl)
+    signal = moe_utils.MoECudaGraphPartialCaptureSignal
+    hidden, probs = torch.randn(TOKENS, HIDDEN), torch.rand(TOKENS, EXPERTS)
+    routing_map = torch.ones(TOKENS, EXPERTS, dtype=torch.bool)
+    shared_out = torch.randn(TOKENS, HIDDEN) if shared else None
+    tail = [shared_out] if shared else []
+    route = signal(None, "route", probs=probs, routing_map=routing_map)
+    assert [id(t) for t in route.get_early_return_outputs(hidden, shared_out)] == [
+        id(t) for t in [hidden, probs, routing_map, *tail]]
+
+    splits, perm = torch.arange(EXPERTS), torch.arange(TOKENS)
+    captured = SimpleNamespace(cudagraph_attrs=["splits", "nested.perm", "nested.absent"],
+                               valid_cudagraph_attrs=None, splits=splits,
+                               nested=SimpleNamespace(perm=perm, absent=None))
+    pre = signal(SimpleNamespace(token_dispatcher=captured), "preprocess",
+                 hidden_states=hidden, probs=probs)
+    outputs = pre.get_early_return_outputs(torch.zeros(1), shared_out)
+    assert [id(t) for t in outputs] == [id(t) for t in [hidden, probs, splits, perm, *tail]]
+    assert captured.valid_cudagraph_attrs == ["splits", "nested.perm"]  # tensors only
+
+    # Upstream's TE replay, on a stand-in layer, writes the state back where it came from.
+    def replay_stand_in():
+        layer = object.__new__(TransformerLayer)
+        torch.nn.Module.__init__(layer)  # no layer built: only what the replay reads
+        layer.config = SimpleNamespace(
+            delay_offload_until_cuda_graph=False, cuda_graph_modules=[ROUTER, PREPROCESS],
+            moe_shared_expert_intermediate_size=8 if shared else None,
+            moe_shared_expert_overlap=False, overlap_moe_expert_parallel_comm=False)
+        layer.is_moe_layer, layer.recompute_pre_mlp_layernorm = True, False
+        layer.mlp = _PartialMoEStandIn(dispatcher=SimpleNamespace(
+            valid_cudagraph_attrs=captured.valid_cudagraph_attrs, nested=SimpleNamespace()))
+        layer._forward_post_mlp = lambda with_bias, residual: (with_bias[0], residual)
+        return layer
+
+    residual = torch.randn(TOKENS, HIDDEN)
+    monkeypatch.setattr(GraphableMegatronModule, "_te_cuda_graph_replay",
+                        lambda self, *args, **kwargs: [*outputs, residual])
+    layer = replay_stand_in()
+    out, got_residual = TransformerLayer._te_cuda_graph_replay_impl(layer, (hidden,), {}, None)[0]
+    dispatcher = layer.mlp.token_dispatcher
+    assert dispatcher.splits is splits and dispatcher.nested.perm is perm
+    assert got_residual is residual and torch.equal(out, hidden * 2)
+    assert layer.mlp.stored[0]["hidden_states"] is hidden and layer.mlp.stored[0]["probs"] is probs
+    assert layer.mlp.stored[0]["shared_expert_output"] is shared_out
+
+    fork = replay_stand_in().mlp.token_dispatcher
+    model_layers.set_dispatcher_graph_state(fork, outputs[2:2 + len(fork.valid_cudagraph_attrs)])
+    assert fork.splits is splits and fork.nested.perm is perm

@@ -221,19 +221,41 @@ def test_the_router_graph_gets_a_copy_of_the_mask_only_while_recording(cpu_moe, 
     assert replay_mask.shape == (1, TOKENS)
 
 
-def test_upstream_buffer_records_are_what_the_checks_model():
-    """0.19.2's buffer records follow views, one shared buffer per record is shaped like the
-    first input, and reuses are counted as `_capture_accounting` models them."""
-    source = inspect.getsource
-    assert "base = getattr(tensor, \"_base\", None)" in source(
-        cuda_graphs._get_tensor_alias_chain)
-    create = source(cuda_graphs._CudaGraphRunner.create_fwd_graph)
+def test_upstream_buffer_records_follow_views_and_count_input_uses():
+    """0.19.2 keeps one buffer record per tensor and its views, and counts the graph inputs
+    of a record (and the reuses of a graph output as another graph's input), as
+    `_capture_accounting` models them."""
+    mask = torch.ones(TOKENS)
+    row = mask.view(1, -1)
+    flat = row.reshape(-1)  # a view of the view: its base is the storage's own tensor
+    chain = cuda_graphs._get_tensor_alias_chain(flat)
+    assert len(chain) == 2 and chain[0] is flat and chain[1] is mask
+    assert [id(t) for t in cuda_graphs._get_tensor_alias_chain(mask)] == [id(mask)]
+    copy = mask.view(1, -1).clone()  # own storage: a record of its own
+
+    runner = object.__new__(cuda_graphs._CudaGraphRunner)  # record-time bookkeeping only
+    record = cuda_graphs._CudaGraphRunner.apply_cudagraph_record_metadata
+    hidden = torch.zeros(TOKENS, HIDDEN)
+    out = torch.zeros(TOKENS, HIDDEN)
+    record(runner, (hidden, row), {}, (out,))  # e.g. an attention graph
+    record(runner, (out,), {"mask": flat, "copy": copy}, ())  # the next graph takes both
+    shared = mask.cg_buffer_metadata
+    assert row.cg_buffer_metadata is shared and flat.cg_buffer_metadata is shared
+    assert shared.is_cudagraph_input and shared.input_use_count == 2
+    assert copy.cg_buffer_metadata is not shared and copy.cg_buffer_metadata.input_use_count == 1
+    produced = out.cg_buffer_metadata
+    assert produced.is_cudagraph_output and produced.is_cudagraph_input
+    assert produced.input_use_count == 1 and produced.cudagraph_reuse_ref_count == 1
+
+
+def test_upstream_capture_shares_one_buffer_per_record():
+    """At capture, one buffer per record, shaped like its first graph input, reused as counted."""
+    # source sentinel: create_fwd_graph allocates graph buffers inside a CUDA graph capture
+    create = inspect.getsource(cuda_graphs._CudaGraphRunner.create_fwd_graph)
     assert "assert metadata.is_cudagraph_input and buf_metadata.capture_reuse_count > 0" in create
     assert "buf.cg_buffer_metadata.capture_reuse_count = metadata.input_use_count" in create
     assert ("buf.cg_buffer_metadata.capture_reuse_count = metadata.cudagraph_reuse_ref_count"
             in create)
-    record = source(cuda_graphs._CudaGraphRunner.apply_cudagraph_record_metadata)
-    assert "cg_buffer_metadata.input_use_count += 1" in record
 
 
 @pytest.mark.parametrize("dropless", [False, True])
@@ -250,10 +272,22 @@ def test_router_graph_runners_keep_their_buffers(recording, dropless):
     assert not any(getattr(r, "keep_buffers_private", False) for r in others)
 
 
-def test_upstream_keeps_only_differentiable_outputs_that_escape_to_eager_code():
+def test_upstream_keeps_only_differentiable_outputs_that_escape_to_eager_code(monkeypatch):
     """Why the router runners are marked: 0.19.2 keeps a forward output owned past its capture
     only when it is saved for backward, or requires grad and no other graph reads it; the
     router graph's integer maps are neither."""
-    text = inspect.getsource(graph_engine.UPSTREAM_WEAKREF_FORWARD_BUFFERS)
-    assert "and tensor.requires_grad" in text
-    assert "and not metadata.is_cudagraph_input" in text
+    released = []
+    monkeypatch.setattr(cuda_graphs, "make_weakref",
+                        lambda tensor, inplace=True: released.append(tensor) or tensor)
+    probs = torch.zeros(TOKENS, EXPERTS, requires_grad=True)  # read by eager code only
+    routing_map = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool)  # no grad: released
+    hidden = torch.zeros(TOKENS, HIDDEN, requires_grad=True)  # another graph's input
+    runner = object.__new__(cuda_graphs._CudaGraphRunner)
+    record = cuda_graphs._CudaGraphRunner.apply_cudagraph_record_metadata
+    record(runner, (), {}, (probs, routing_map, hidden))
+    record(runner, (hidden,), {}, ())
+    runner.fwd_graph_input_surface, runner.fwd_graph_input_args = [], ()
+    runner.fwd_graph_input_kwargs, runner.fwd_graph_output_surface = {}, ()
+    runner.fwd_graph_outputs = (probs, routing_map, hidden)
+    graph_engine.UPSTREAM_WEAKREF_FORWARD_BUFFERS(runner, True)  # end of the forward capture
+    assert [id(t) for t in released] == [id(routing_map), id(hidden)]
