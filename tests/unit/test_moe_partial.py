@@ -272,6 +272,24 @@ def test_runners_of_the_micro_batch_capacity_are_tried_first_in_every_manager():
 
 # ------------------------------------------------------------------------ upstream sentinels
 
+def graph_managers_on_cpu(monkeypatch, event_class):
+    """megatron-core's local graph managers buildable on CPU, in their recording phase: the
+    CUDA pool, streams, events (``event_class``) and graph-safe RNG stood in. Returns the
+    global record; call its ``_disable_saved_tensors_observer()`` when done."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    monkeypatch.setattr(torch.cuda, "Event", event_class)
+    monkeypatch.setattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", True, raising=False)
+    monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", None)
+    record = cuda_graphs._CudagraphGlobalRecord
+    monkeypatch.setattr(record, "cudagraph_record", [])
+    monkeypatch.setattr(record, "cudagraph_created", False)
+    return record
+
+
 class _CountingEvent(_HostEvent):
     def __init__(self, calls):
         self.calls = calls
@@ -285,17 +303,7 @@ class _CountingEvent(_HostEvent):
 
 def test_upstream_partial_moe_layer_is_what_the_mixin_builds_on(cpu_moe, monkeypatch):
     """megatron-core's MoE layer, with local graph managers built on CPU (nothing captured)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
-    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
-    monkeypatch.setattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", True, raising=False)
-    monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", None)
-    record = cuda_graphs._CudagraphGlobalRecord
-    monkeypatch.setattr(record, "cudagraph_record", [])
-    monkeypatch.setattr(record, "cudagraph_created", False)
+    record = graph_managers_on_cpu(monkeypatch, _HostEvent)
     try:
         # The local implementation pairs the two modules (megatron-core's config does it too).
         config = _config(cuda_graph_impl="local", cuda_graph_modules=[ROUTER])

@@ -36,6 +36,7 @@ from tests.unit.test_moe_partial import (
     _config,
     _layer,
     _params,
+    graph_managers_on_cpu,
 )
 
 DROPLESS = dict(moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False)
@@ -57,17 +58,7 @@ class _Event:
 @pytest.fixture
 def recording(cpu_moe, monkeypatch):
     """Local graph managers on CPU, in their recording phase (no capture happens here)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(get_cuda_rng_tracker(), "use_cudagraphable_rng", True, raising=False)
-    monkeypatch.setattr(cuda_graphs.CudaGraphManager, "global_mempool", None)
-    record = cuda_graphs._CudagraphGlobalRecord
-    monkeypatch.setattr(record, "cudagraph_record", [])
-    monkeypatch.setattr(record, "cudagraph_created", False)
+    record = graph_managers_on_cpu(monkeypatch, _Event)
     try:
         yield record
     finally:
