@@ -146,8 +146,8 @@ class TEGraphDispatch:
     megatron-core's ``GraphableMegatronModule.__call__`` asks `_should_call_te_cudagraph`, then
     calls `_te_cuda_graph_capture` while TE captures or `_te_cuda_graph_replay` once graphs
     exist. ``graph_engine.te_graphed_callables(self)[i]`` is this layer's graphed callable of
-    bank ``i``, captured over ``self._graph_inputs[i]`` for CP size ``self._graph_bank_sizes[i]`` (one bank
-    without dynamic CP).
+    bank ``i``, captured over ``self._graph_inputs[i]`` for CP size
+    ``self._graph_bank_sizes[i]`` (one bank without dynamic CP).
     """
 
     _graph_inputs: Sequence[PackedGraphInputs] = ()

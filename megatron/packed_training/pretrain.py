@@ -76,7 +76,8 @@ class PackedGraphRun:
     """What the fork adds to one Megatron-LM run, built once the model and optimizer exist (and a
     checkpoint is loaded): the graph runtime, the MoE overflow monitor, the optimizer graph and
     the runtime's log. Megatron-LM's loop reaches it through `wrap`
-    (packed_upstream/training_loop.route_training_loop); `finish` runs after ``pretrain()`` returns."""
+    (packed_upstream/training_loop.route_training_loop); `finish` runs after ``pretrain()``
+    returns."""
 
     def __init__(self, args, log: bool = True):
         self.args = args

@@ -25,7 +25,7 @@ import torch
 from megatron.core.rerun_state_machine import RerunStateMachine
 
 from megatron.packed_upstream.megatron_ddp import ddp_on_the_process_stream
-from megatron.packed_upstream.gate import install, patch
+from megatron.packed_upstream.gate import patch
 from megatron.packed_upstream.megatron_optimizer import keep_loss_scale_on_host
 
 
@@ -105,7 +105,7 @@ def route_training_loop(on_setup: Callable, capturable_optimizer: bool = False) 
     """
     _ROUTE.on_setup, _ROUTE.capturable_optimizer, _ROUTE.wrap = (
         on_setup, capturable_optimizer, None)
-    install(training_loop_routed)
+    training_loop_routed()  # a @patch: installed once per process
 
 
 @patch

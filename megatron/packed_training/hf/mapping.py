@@ -10,8 +10,8 @@ A family (families/*.py) describes its model declaratively:
 * `LayerKind`: the rules of one kind of layer, and the linear modules whose
   ``_extra_state`` entry megatron-core's checkpoint holds (empty for bf16 / fp32 training,
   but a loader asks for every one). Norms get one too (`norm_module`), as Transformer
-  Engine's norms and the TE-free spec's (packed_model/providers.TELayoutNorm) save it; not Mamba's gated
-  norm inside the mixer, mamba-ssm's module on every backend.
+  Engine's norms and the TE-free spec's (packed_model/providers.TELayoutNorm) save it; not
+  Mamba's gated norm inside the mixer, mamba-ssm's module on every backend.
 * `ModelMapping`: the model's rules, one `LayerKind` per layer, the number of routed experts
   and whether the checkpoint stacks layers; `Converted`: a family's reading of a config, its
   mapping and launch flags.
