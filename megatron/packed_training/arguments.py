@@ -15,7 +15,7 @@ import sys
 import traceback
 import warnings
 
-from megatron.packed_training.data_paths import DATA_PATHS, check_data_path
+from megatron.packed_training.data_paths import DATA_PATHS, check_data_path, parse_blend
 
 MODELS = ("gpt", "hybrid")
 
@@ -83,7 +83,7 @@ def parse_args(argv=None, model: str = "gpt", raise_on_error: bool = False,
         from megatron.training.checkpointing import load_args_from_checkpoint
 
         from megatron.packed_training import extra_args
-        from megatron.packed_training.datasets.builder import has_validation_data
+        from megatron.packed_training.datasets.sources import has_validation_data
 
     if model not in MODELS:
         raise ValueError(f"model is wrong: {model!r}. Use one of {', '.join(MODELS)}.")
@@ -156,8 +156,9 @@ def parse_args_or_exit(model: str, script: str, argv=None, dump=None) -> argpars
         typed = typed.parse_known_args(argv)[0]
         for flag, dest in DATA_PATHS:
             paths = getattr(typed, dest)
-            if rank0 and paths and len(paths) == 1:  # rank 0 reads the data; several: a blend
-                check_data_path(paths[0], flag)
+            if rank0 and paths:  # rank 0 reads the data
+                for path in parse_blend(paths, flag).paths:
+                    check_data_path(path, flag)
         return parse_args(argv, model, raise_on_error=True, dump=dump)
     except ValueError as err:
         if rank0:

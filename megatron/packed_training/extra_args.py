@@ -7,11 +7,13 @@ feature, each raising ``ValueError("<what> is wrong: <value>. <what to do>.")`` 
 import argparse
 import importlib.util
 import math
+import os
 
 from megatron.core.transformer.enums import CudaGraphModule
 
 from megatron.packed_model.refusals import fail, refuse
-from megatron.packed_training.data_paths import DATA_PATHS
+from megatron.packed_training.data_paths import DATA_PATHS, parse_blend
+from megatron.packed_training.datasets.data_flags import add_data_args, check_data_args
 
 GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 TE_ATTENTION = ("flash", "fused", "unfused")  # Megatron's TE attention backends
@@ -43,16 +45,8 @@ def add_packed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Dynamic context parallelism: the CP sizes a micro-batch may get.")
     g.add_argument("--dynamic-cp-max-packed-seqs", type=int, nargs="+",
                    help="Graph capacity per dynamic CP size.")
-    g = parser.add_argument_group("packed data", "docs/data-format.md")
-    g.add_argument("--long-document-policy", choices=["truncate", "split", "reject"],
-                   default="split", help="A document longer than a row: split into "
-                   "row-sized pieces, truncate to --seq-length + 1 tokens, or reject it.")
-    g.add_argument("--max-truncated-token-fraction", type=float,
-                   help="With truncate: the largest share of a file's tokens it may drop.")
-    g.add_argument("--mock-doc-length-median", type=float, default=512,
-                   help="--mock-data: median document length in tokens.")
-    g.add_argument("--mock-doc-length-sigma", type=float, default=1.0,
-                   help="--mock-data: log-normal sigma of document lengths.")
+    add_data_args(parser)
+    g = parser.add_argument_group("packed models", "docs/moe.md, docs/mla.md, docs/flags.md")
     g.add_argument("--moe-capacity-overflow", choices=["drop", "rerun"], default="drop",
                    help="Overflowing expert capacity: drop tokens, or rerun eager, dropless.")
     g.add_argument("--moe-router-load-file",
@@ -90,18 +84,11 @@ def hand_graph_flags_to_the_runtime(args) -> None:
 
 def prepare_upstream_args(args, model: str) -> None:
     """What Megatron-LM's ``validate_args`` needs from a fork launch line: ``--spec local`` for
-    the fork's TE-free ``--attention-backend local``, one data file per split, and
-    ``--rampup-batch-size`` as megatron-core's step schedule (0.19 ignores the flag itself)."""
+    the fork's TE-free ``--attention-backend local``, and ``--rampup-batch-size`` as
+    megatron-core's step schedule (0.19 ignores the flag itself)."""
     args.model = model
     if args.attention_backend.name == "local" and args.spec is None:
         args.spec = ["local"]
-    for flag, dest in DATA_PATHS:
-        paths = getattr(args, dest)
-        if isinstance(paths, list):
-            if len(paths) > 1:
-                fail(flag, _shown(paths),
-                     "This fork reads one packed JSONL file per split (no blends); give one path")
-            setattr(args, dest, paths[0] if paths else None)
     if args.rampup_batch_size and args.step_batch_size_schedule is None:
         args.step_batch_size_schedule = rampup_schedule(
             args.rampup_batch_size, args.global_batch_size, args.seq_length)
@@ -159,7 +146,7 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     check_optimizer_graph(args)
     check_moe_graphs(args)
     check_mla(args, model)
-    check_long_documents(args)
+    check_data_args(args)
     return args
 
 
@@ -219,11 +206,11 @@ def check_tokenizer(args) -> None:
                  f"vocabulary size; drop --vocab-size or set it to {size}")
         args.vocab_size = size
     for flag, dest in DATA_PATHS:
-        path = getattr(args, dest)
-        line = chat_line(path) if path else None
-        if line is not None and not args.sft:
-            fail(flag, path, f"Line {line} is a chat conversation, whose loss is on assistant "
-                             "tokens only; add --sft")
+        for path in parse_blend(getattr(args, dest), flag).paths if getattr(args, dest) else ():
+            line = chat_line(path) if os.path.isfile(path) else None
+            if line is not None and not args.sft:
+                fail(flag, path, f"Line {line} is a chat conversation, whose loss is on "
+                                 "assistant tokens only; add --sft")
 
 
 def check_dynamic_cp(args) -> None:
@@ -510,10 +497,3 @@ def check_mla(args, model: str) -> None:
          f"V already has the query head size ({query_head}), so nothing is padded; drop the flag"))
 
 
-def check_long_documents(args) -> None:
-    fraction, flag = args.max_truncated_token_fraction, "--max-truncated-token-fraction"
-    if fraction is not None:
-        refuse((not 0.0 <= fraction <= 1.0, flag, fraction, "Use a fraction in [0, 1], e.g. 0.05"),
-               (args.long_document_policy != "truncate", flag, fraction, "It limits what "
-                f"truncation drops and --long-document-policy {args.long_document_policy} drops "
-                "nothing; add --long-document-policy truncate"))

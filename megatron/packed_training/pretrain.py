@@ -53,20 +53,28 @@ def packed_data_provider(packed_rows: dict | None):
         from megatron.training import get_args, print_rank_0
 
         from megatron.packed_training.datasets.builder import (
+            build_data_iterator,
             build_datasets,
             build_rank_iterators,
+            describe_balance,
             describe_packing,
+            test_dataset,
         )
 
         args = get_args()
+        rank = parallel_state.get_data_parallel_rank()
+        size = parallel_state.get_data_parallel_world_size()
         if not built:  # one packing for every virtual pipeline chunk
             built["train"], built["valid"], stats = build_datasets(args, packed_rows)
+            built["test"] = test_dataset(args, packed_rows)
             if stats is not None:
                 print_rank_0(f" > packed training data: {describe_packing(stats)}")
-        train, valid = build_rank_iterators(
-            built["train"], built["valid"], args, parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size())
-        return train, valid, None
+            if size > 1 and not args.mock_data and not args.dynamic_cp_sizes:
+                print_rank_0(f" > {describe_balance(built['train'], args, size)}")
+        train, valid = build_rank_iterators(built["train"], built["valid"], args, rank, size)
+        test = None if built["test"] is None else build_data_iterator(
+            built["test"], 0, args.micro_batch_size, rank, size)
+        return train, valid, test
 
     provider.is_distributed = True
     return provider

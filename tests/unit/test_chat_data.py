@@ -352,18 +352,18 @@ def test_conversations_without_an_assistant_turn_are_counted_in_the_summary():
 
 
 def test_on_the_fly_packing_counts_conversations_without_an_assistant_turn(folder, tmp_path):
-    from megatron.packed_training.datasets.builder import pack_data
+    from megatron.packed_training.datasets.sources import pack_data
 
     data = tmp_path / "chat.jsonl"
     talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     data.write_text("\n".join(json.dumps({"messages": m}) for m in (
         talk, [{"role": "user", "content": "only a question"}], talk)) + "\n")
-    rows, stats = pack_data(data_args(data_path=str(data), sft=True, **hf(folder)))["train"]
+    stats = pack_data(data_args(data_path=str(data), sft=True, **hf(folder)))["train"].stats
     assert stats.skipped_no_target == 1 and stats.documents == 2
 
 
 def test_a_file_of_conversations_without_an_assistant_turn_says_so(folder, tmp_path):
-    from megatron.packed_training.datasets.builder import pack_data
+    from megatron.packed_training.datasets.sources import pack_data
 
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}]})

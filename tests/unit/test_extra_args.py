@@ -18,6 +18,7 @@ import pytest
 from megatron.core.transformer.enums import AttnBackend, CudaGraphModule
 from megatron.packed_training import arguments, extra_args, initialize, models
 from megatron.packed_training.arguments import build_parser, parse_args, parse_args_or_exit
+from megatron.packed_training.datasets.data_flags import check_data_args
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
         "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 4 "
@@ -72,7 +73,7 @@ CHECKS = {
     "health": extra_args.check_health_check,
     "optimizer": extra_args.check_optimizer_graph,
     "moe": extra_args.check_moe_graphs,
-    "long_docs": extra_args.check_long_documents,
+    "long_docs": check_data_args,
     "dynamic_cp": extra_args.check_dynamic_cp,
     "mamba": lambda a: extra_args.check_mamba(a, "hybrid"),
     "gpt_mamba": lambda a: extra_args.check_mamba(a, "gpt"),
@@ -307,10 +308,6 @@ REJECTED = {
     "truncated_fraction_no_truncate": ("long_docs", dict(max_truncated_token_fraction=0.1),
                                        False, "--max-truncated-token-fraction", "0.1",
                                        "add --long-document-policy truncate"),
-    "two_data_paths": ("upstream", dict(data_path=["a.jsonl", "b.jsonl"]), False,
-                       "--data-path", "a.jsonl b.jsonl", "give one path"),
-    "two_valid_data_paths": ("upstream", dict(valid_data_path=["a.jsonl", "b.jsonl"]), False,
-                             "--valid-data-path", "a.jsonl b.jsonl", "give one path"),
 }
 
 
@@ -496,12 +493,6 @@ def test_local_attention_implies_local_spec(args, backend, spec, expected):
     extra_args.prepare_upstream_args(tweak(args, attention_backend=AttnBackend[backend],
                                            spec=spec), "gpt")
     assert args.spec == expected
-
-
-@pytest.mark.parametrize("paths, expected", [(["a.jsonl"], "a.jsonl"), ([], None)])
-def test_one_data_path_becomes_a_string(args, paths, expected):
-    extra_args.prepare_upstream_args(tweak(args, data_path=paths, valid_data_path=paths), "gpt")
-    assert (args.data_path, args.valid_data_path) == (expected, expected)
 
 
 def test_rampup_becomes_megatron_lms_step_schedule():

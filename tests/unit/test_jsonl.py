@@ -67,7 +67,7 @@ def test_bad_line_names_path_line_and_problem(tmp_path, line, message):
 
 
 def test_missing_file_fails_at_call_time(tmp_path):
-    with pytest.raises(ValueError, match=r"--data-path / --valid-data-path is wrong: .*nope\.jsonl"
+    with pytest.raises(ValueError, match=r"--data-path is wrong: .*nope\.jsonl"
                                          r"' does not exist"):
         read_jsonl_documents(tmp_path / "nope.jsonl", vocab_size=10)
 

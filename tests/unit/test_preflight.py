@@ -55,7 +55,8 @@ def args_for(**values) -> argparse.Namespace:
 def test_missing_data_path_names_the_flag_and_path(tmp_path):
     missing = tmp_path / "train.jsonl"
     with pytest.raises(ValueError, match=re.escape(f"--data-path is wrong: '{missing}' does not "
-                                                   "exist. Pass an existing pre-tokenized .jsonl")):
+                                                   "exist. Pass a .jsonl file, a folder of .jsonl "
+                                                   "files, or a Megatron-LM indexed-dataset")):
         check_data(args_for(data_path=missing))
 
 
@@ -67,8 +68,8 @@ def test_missing_valid_path_fails_before_the_training_file_is_read(tmp_path):
         check_data(args_for(data_path=train, valid_data_path=missing))
 
 
-def test_directory_is_not_a_data_file(tmp_path):
-    with pytest.raises(ValueError, match=r"--data-path is wrong: .* is not a file"):
+def test_a_folder_without_jsonl_files_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"--data-path is wrong: the folder .* holds no .jsonl"):
         check_data(args_for(data_path=tmp_path))
 
 
@@ -117,7 +118,7 @@ def test_truncation_over_the_limit_stops_naming_both_fixes(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", doc(5), doc(40))
     args = args_for(data_path=path, long_document_policy="truncate")
     with pytest.raises(ValueError, match=re.escape(
-            f"truncation is wrong: {path}: cutting 1 long documents to a row drops 23 of 43 "
+            f"truncation is wrong: --data-path {path}: cutting 1 long documents to a row drops 23 of 43 "
             f"tokens (53.49%), more than --max-truncated-token-fraction 0.05. Raise "
             f"--seq-length (the longest document has 40 tokens) or use --long-document-policy "
             f"split")):
@@ -185,7 +186,8 @@ def test_only_the_first_rank_checks(tmp_path, rank, runs):
     if runs:
         path = write_jsonl(tmp_path / "t.jsonl", doc(5))
         result = run_data_check(args_for(data_path=path), lines.append, environ)
-        assert lines == [result.line]
+        assert lines == result.caches + [result.line]
+        assert lines[0].startswith("token cache built: ")
     else:  # another rank does not even look at the (missing) file
         assert result is None and lines == []
 
@@ -215,8 +217,8 @@ def test_run_pretraining_checks_the_data_before_any_gpu_work(tmp_path, monkeypat
                                  BASE + split + ["--data-path", good])
     out = [line for line in capsys.readouterr().out.splitlines() if "data check" in line]
     assert out == [f"data check: --data-path {good} (--split 100,0,0, train): 4 documents into "
-                   f"4 rows (1.0 per row), skipped 0 empty, split 1 into 3 pieces, truncated 0 "
-                   f"(0 tokens lost, 0.00%), padding 32.8% of 64 positions"]
+                   f"3 rows (1.3 per row), skipped 0 empty, split 1 into 3 pieces, truncated 0 "
+                   f"(0 tokens lost, 0.00%), padding 10.4% of 48 positions"]
 
 
 def test_a_bad_chat_role_stops_the_run_before_megatrons_argument_dump(tmp_path, monkeypatch,
@@ -255,7 +257,8 @@ def test_the_argument_dump_follows_every_start_up_check(tmp_path, monkeypatch, c
     with pytest.raises(GPUTouched):
         pretrain.run_pretraining("gpt", None, "pretrain_gpt.py", BASE + ["--data-path", good])
     (before_gpu,) = order
-    assert before_gpu.startswith("data check: ") and "arguments" not in before_gpu
+    assert before_gpu.startswith("token cache built: ") and "arguments" not in before_gpu
+    assert "\ndata check: " in before_gpu
     assert "end of arguments" in capsys.readouterr().out
 
 
@@ -283,7 +286,7 @@ def test_training_reuses_the_rows_the_check_packed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builder, "pack_data", packed_again)
     reused, _, stats = builder.build_datasets(args, check.rows)
-    assert reused.rows == check.rows["train"][0] and len(reused) == len(fresh)
+    assert reused.rows is check.rows["train"].rows and len(reused) == len(fresh)
     assert stats is check.train  # training logs the check's numbers, not an empty count
     assert [row.tokens.tolist() for row in fresh.rows] == [row.tokens.tolist() for row in reused.rows]
 
@@ -297,7 +300,7 @@ def test_training_reuses_the_rows_the_check_packed(tmp_path, monkeypatch):
     ("1, 1, 0", (0.5, 0.5, 0.0)),
 ])
 def test_split_shares_read_megatrons_spellings(split, shares):
-    from megatron.packed_training.datasets.builder import split_shares
+    from megatron.packed_training.datasets.sources import split_shares
 
     assert split_shares(split) == pytest.approx(shares)
 
@@ -310,7 +313,7 @@ def test_a_bad_split_is_refused_by_the_data_check(split, tmp_path):
 
 
 def test_split_boundaries_follow_the_cumulative_shares():
-    from megatron.packed_training.datasets.builder import split_boundaries
+    from megatron.packed_training.datasets.sources import split_boundaries
 
     assert split_boundaries((0.969, 0.03, 0.001), 1000) == [969, 999, 1000]
     assert split_boundaries((0.5, 0.5, 0.0), 3) == [2, 3, 3]

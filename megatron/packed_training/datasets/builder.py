@@ -2,27 +2,27 @@
 
 import functools
 import itertools
-import re
 import signal
 from argparse import Namespace
 from typing import Iterator
 
 import torch
 
-from megatron.packed_training.datasets.chat import ChatStats, read_documents
+from megatron.packed_training.data_paths import DATA_PATHS
+from megatron.packed_training.datasets.balance import DataParallelBalanced, balance_report
+from megatron.packed_training.datasets.blend import BlendedRows, samples_per_source
 from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
 from megatron.packed_training.datasets.mock import MockPackedDataset, mock_documents
 from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
 from megatron.packed_training.datasets.packing import (
     Document,
     PackingStats,
-    check_truncated_fraction,
     collate_packed_rows,
     pack_documents,
     resolve_long_document_policy,
 )
 from megatron.packed_training.datasets.sampler import MicroBatchSampler
-from megatron.packed_training.tokenizer import tokenizer_from_args
+from megatron.packed_training.datasets.sources import SplitRows, pack_data
 
 
 def _sample_counts(args: Namespace) -> tuple[int, int]:
@@ -76,114 +76,6 @@ def _pack(documents, args: Namespace, stats: PackingStats) -> list:
                                stats=stats, segment_multiple=_segment_multiple(args)))
 
 
-def _read(path: str, args: Namespace, stats: PackingStats):
-    """Documents of one data file, with the run's tokenizer and loss mask. Chat conversations
-    without an assistant turn are skipped and counted in ``stats.skipped_no_target`` once the
-    documents are read."""
-    # Chat conversations ("messages") are rendered with --tokenizer-model: datasets/chat.py.
-    chat = ChatStats()
-    documents = read_documents(path, args.vocab_size, tokenizer_from_args(args), chat)
-    for document in documents:
-        # Pretraining on packed documents (no --sft): every real token is a target.
-        yield document if args.sft else Document(document.input_ids, None, document.origin)
-    stats.skipped_no_target += chat.skipped
-
-
-def _pack_checked(documents, args: Namespace, stats: PackingStats, source: str) -> list:
-    """Rows of ``documents`` (named ``source`` in errors). Stops on more truncation than
-    --max-truncated-token-fraction allows, and on no row at all."""
-    rows = _pack(documents, args, stats)
-    check_truncated_fraction(stats, getattr(args, "max_truncated_token_fraction", None), source)
-    if not rows:
-        raise ValueError(
-            f"JSONL data is wrong: {source} holds no document with at least 2 tokens "
-            f"({stats.skipped_empty} shorter, {stats.skipped_no_target} conversations without "
-            "an assistant turn). Point the data path at real data; a conversation trains on "
-            'the turns whose role is "assistant".'
-        )
-    return rows
-
-
-def split_shares(split: str) -> tuple[float, float, float]:
-    """Megatron's ``--split`` ("969,30,1", "98/2", "100") as train, valid and test fractions
-    summing to 1 (missing shares are 0); ValueError says what is wrong."""
-    try:
-        shares = [float(value) for value in re.split(r"[,/]", split.replace(" ", ""))]
-    except ValueError:
-        raise ValueError("Give up to three non-negative numbers separated by ',' or '/', "
-                         "e.g. 98,2,0") from None
-    if len(shares) > 3 or min(shares) < 0 or sum(shares) <= 0:
-        raise ValueError("Give up to three non-negative numbers (train, valid, test) with a "
-                         "positive sum, e.g. 98,2,0")
-    total = sum(shares)
-    return tuple(share / total for share in shares + [0.0] * (3 - len(shares)))
-
-
-def has_validation_data(args: Namespace) -> bool:
-    """Whether the run has validation rows: --mock-data, --valid-data-path or a --split with a
-    validation share (a bad --split counts: the data check reports it)."""
-    try:
-        return bool(args.mock_data or args.valid_data_path
-                    or (args.split is not None and split_shares(args.split)[1] > 0))
-    except ValueError:
-        return True
-
-
-def split_boundaries(shares: tuple, count: int) -> list[int]:
-    """Where each split of ``count`` documents ends, in file order: the cumulative shares
-    rounded, the last at ``count``."""
-    ends, total = [], 0.0
-    for share in shares:
-        total += share
-        ends.append(round(total * count))
-    ends[-1] = count
-    return ends
-
-
-def pack_data(args: Namespace, with_valid: bool = True) -> dict:
-    """Rows and packing statistics of the run's JSONL data by split, ``{"train": (rows,
-    stats), "valid": (rows, stats)}``: --data-path and --valid-data-path, or the two first
-    shares of --data-path's documents under --split (no "valid" without either, or without
-    ``with_valid``: a --valid-data-path file is then not read). The data check before
-    training (preflight.py) packs with it too, so its numbers are the run's."""
-    if getattr(args, "split", None) is None:
-        packed = {"train": _packed_file(args.data_path, args)}
-        if args.valid_data_path and with_valid:
-            packed["valid"] = _packed_file(args.valid_data_path, args)
-        return packed
-    shares = split_shares(args.split)
-    # Conversations skipped while reading count in the training share's statistics.
-    stats = {"train": PackingStats(), "valid": PackingStats()}
-    documents = list(_read(args.data_path, args, stats["train"]))
-    train_end, valid_end, _ = split_boundaries(shares, len(documents))
-    if shares[1] > 0 and valid_end == train_end:
-        raise ValueError(
-            f"--split is wrong: {args.split} gives validation none of the {len(documents)} "
-            f"documents of {args.data_path}. Raise the validation share, or make it 0 to train "
-            f"without validation")
-    parts = {"train": documents[:train_end]}
-    if valid_end > train_end:
-        parts["valid"] = documents[train_end:valid_end]
-    packed = {}
-    for name, part in parts.items():
-        packed[name] = (_pack_checked(part, args, stats[name], split_source(args, name)),
-                        stats[name])
-    return packed
-
-
-def split_source(args: Namespace, name: str) -> str:
-    """How errors and the data check name one split's data: the file, and its --split share."""
-    if getattr(args, "split", None) is None:
-        return args.data_path if name == "train" else args.valid_data_path
-    return f"{args.data_path} (--split {args.split}, {name})"
-
-
-def _packed_file(path: str, args: Namespace) -> tuple:
-    """``(rows, PackingStats)`` of one data file."""
-    stats = PackingStats()
-    return _pack_checked(_read(path, args, stats), args, stats, path), stats
-
-
 def build_datasets(args: Namespace, packed_rows: dict | None = None):
     """Build ``(train_dataset, valid_dataset or None, PackingStats or None)``.
 
@@ -203,13 +95,16 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
     a ``split`` with a validation share is given, and the stats are the training data's.
     Datasets yield `PackedRow`; JSONL files are read and packed here, once.
     """
-    if args.mock_data and args.data_path:
-        raise ValueError(
-            f"data source is wrong: both --mock-data and --data-path {args.data_path} are set. "
-            f"Pass one of them."
-        )
-    if not args.mock_data and not args.data_path:
-        raise ValueError("data source is wrong: none given. Pass --data-path FILE.jsonl or --mock-data.")
+    given = [flag for flag, dest in DATA_PATHS + (("--data-args-path", "data_args_path"),
+                                                   ("--per-split-data-args-path",
+                                                    "per_split_data_args_path"))
+             if getattr(args, dest, None)]
+    if args.mock_data and given:
+        raise ValueError(f"data source is wrong: both --mock-data and {given[0]} are set. "
+                         f"Pass one of them.")
+    if not args.mock_data and not given:
+        raise ValueError("data source is wrong: none given. Pass --data-path (a .jsonl file, a "
+                         "folder of them or an indexed-dataset prefix) or --mock-data.")
     train_samples, valid_samples = _sample_counts(args)
 
     if args.mock_data and getattr(args, "dynamic_cp_sizes", None):
@@ -243,12 +138,37 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
 
     # The data check packed the data already on rank 0: its rows and stats, else pack now.
     packed = packed_rows or pack_data(args, with_valid=valid_samples > 0)
-    train_rows, stats = packed["train"]
-    train = PackedRowDataset(train_rows, train_samples, args.seed)
+    train = split_dataset(packed["train"], train_samples, args.seed)
     valid = None
     if "valid" in packed and valid_samples > 0:
-        valid = PackedRowDataset(packed["valid"][0], valid_samples, args.seed + 1)
-    return train, valid, stats
+        valid = split_dataset(packed["valid"], valid_samples, args.seed + 1)
+    return train, valid, packed["train"].stats
+
+
+def test_dataset(args: Namespace, packed_rows: dict | None = None):
+    """The test split's dataset (``--test-data-path``, or a test share of ``--split``), of
+    ``--eval-iters x --global-batch-size`` samples, Megatron-LM's test evaluation after
+    training; None without test data or evaluation."""
+    if args.mock_data or not args.eval_iters:
+        return None
+    packed = packed_rows if packed_rows and "test" in packed_rows else None
+    packed = packed or pack_data(args, with_valid=False, with_test=True)
+    if "test" not in packed:
+        return None
+    return split_dataset(packed["test"], args.eval_iters * args.global_batch_size, args.seed + 2)
+
+
+def split_dataset(split: SplitRows, num_samples: int, seed: int):
+    """``num_samples`` samples of one split: its rows epoch after epoch (`PackedRowDataset`),
+    or, for a blend of several sources, Megatron-LM's blended order over each source's own
+    `PackedRowDataset` (weights: the blend's, else the sources' row counts)."""
+    if len(split.parts) == 1:
+        return PackedRowDataset(split.rows, num_samples, seed)
+    weights = split.weights or [len(rows) for _, rows in split.parts]
+    counts = samples_per_source(weights, num_samples)
+    return BlendedRows([PackedRowDataset(rows, count, seed, stream=k)
+                        for k, ((_, rows), count) in enumerate(zip(split.parts, counts))],
+                       weights, num_samples)
 
 
 def build_data_iterator(
@@ -312,6 +232,8 @@ def build_rank_iterators(train, valid, args: Namespace, rank: int, size: int) ->
         return (iterations(train, args.consumed_train_samples),
                 None if valid is None else iterations(valid, 0, cycle=True))
     exit_signal = args.exit_signal if args.exit_signal_handler else None
+    if getattr(args, "sequence_packing_scheduler", None) == "dp_balanced":
+        train = DataParallelBalanced(train, args.global_batch_size, size, args.micro_batch_size)
     train_iterator = build_data_iterator(train, args.consumed_train_samples,
                                          args.micro_batch_size, rank, size,
                                          num_workers=args.num_workers, exit_signal=exit_signal)
@@ -322,6 +244,19 @@ def build_rank_iterators(train, valid, args: Namespace, rank: int, size: int) ->
 
 def _ignore_signal(signum: int, _worker_id: int) -> None:
     signal.signal(signum, signal.SIG_IGN)
+
+
+def describe_balance(train, args: Namespace, size: int) -> str:
+    """One start-up line: how evenly the data-parallel ranks' real tokens fall per step, in
+    the plain order and with ``--sequence-packing-scheduler dp_balanced``."""
+    batch, mbs = args.global_batch_size, args.micro_batch_size
+    plain = balance_report(train, batch, size, mbs)
+    balanced = balance_report(DataParallelBalanced(train, batch, size, mbs), batch, size, mbs)
+    chosen = args.sequence_packing_scheduler == "dp_balanced"
+    return (f"data-parallel balance over {size} ranks, real tokens per step max/mean: "
+            f"plain order mean {plain[0]:.3f} worst {plain[1]:.3f}; dp_balanced mean "
+            f"{balanced[0]:.3f} worst {balanced[1]:.3f} (this run: "
+            f"{'dp_balanced' if chosen else 'plain order'})")
 
 
 def describe_packing(stats: PackingStats | None) -> str:

@@ -181,6 +181,9 @@ def read_jsonl_documents(path: str | os.PathLike, vocab_size: int) -> Iterator[D
         raise ValueError(f"vocab_size is wrong: {vocab_size!r}. Set --vocab-size to a positive integer.")
     path = os.fspath(path)
     check_data_path(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--data-path is wrong: {path!r} is not a file. Pass a .jsonl file here "
+                         f"(training also reads folders of them and indexed datasets).")
     return _iter_documents(path, vocab_size)
 
 

@@ -1,4 +1,4 @@
-"""Greedy packing of tokenized documents into fixed-length rows, and the micro-batch contract.
+"""Packed rows of tokenized documents, and the micro-batch contract.
 
 A document of ``L`` tokens gives ``L - 1`` training positions: position ``j`` reads token
 ``input_ids[j]`` and predicts ``input_ids[j + 1]``. A row holds whole documents back to back,
@@ -299,17 +299,6 @@ def admit_document(document: Document, max_positions: int, *, policy: str, stats
     return pieces
 
 
-def _shift(document: Document, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, labels, loss_mask) of the first ``num_tokens`` tokens of a document."""
-    ids = document.input_ids[:num_tokens].astype(np.int64, copy=False)
-    if document.loss_mask is None:
-        mask = np.ones(num_tokens - 1, dtype=np.float32)
-    else:
-        # loss_mask[j] marks token j as a target; position j predicts token j + 1.
-        mask = document.loss_mask[1:num_tokens].astype(np.float32, copy=False)
-    return ids[:-1], ids[1:], mask
-
-
 def pack_documents(
     documents: Iterable[Document],
     seq_length: int,
@@ -341,62 +330,18 @@ def pack_documents(
                          f"{seq_length}. It must be >= 1 and divide --seq-length.")
     policy = resolve_long_document_policy(long_document_policy, reject_long_documents)
     stats = stats if stats is not None else PackingStats()
-    return _pack(iter(documents), seq_length, policy, stats, segment_multiple)
+    return _planned(documents, seq_length, policy, stats, segment_multiple)
 
 
-def _pad_segment(parts: tuple, length: int) -> tuple:
-    """(tokens, labels, loss_mask) of one document extended with pad positions to ``length``."""
-    pad = length - len(parts[0])
-    if pad == 0:
-        return parts
-    pad_ids = np.full(pad, PAD_TOKEN_ID, dtype=np.int64)
-    tokens, labels, mask = parts
-    return (np.concatenate([tokens, pad_ids]), np.concatenate([labels, pad_ids]),
-            np.concatenate([mask, np.zeros(pad, dtype=np.float32)]))
+def _planned(documents, seq_length: int, policy: str, stats: PackingStats,
+             segment_multiple: int) -> Iterator[PackedRow]:
+    # The one packer is row_plan's (imported here: it builds on this module's layout).
+    from megatron.packed_training.datasets.row_plan import DocumentList, PlannedRows, plan_rows
 
-
-def _pack(
-    documents: Iterator[Document], seq_length: int, policy: str,
-    stats: PackingStats, segment_multiple: int,
-) -> Iterator[PackedRow]:
-    pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    actual: list[int] = []
-    used = 0
-
-    def close_row() -> PackedRow:
-        tokens, labels, mask = (np.concatenate(parts) for parts in zip(*pending))
-        row = build_packed_row(tokens, labels, mask, [len(p[0]) for p in pending], seq_length,
-                               actual if segment_multiple > 1 else None)
-        stats.rows += 1
-        stats.tokens += sum(actual)
-        stats.padding_tokens += seq_length - sum(actual)
-        return row
-
-    def too_long(document: Document) -> Callable[[int], str]:
-        return lambda n: (
-            f"document length is wrong: {document.origin} has {n} tokens ({n - 1} training "
-            f"positions), more than --seq-length {seq_length}. Use --long-document-policy "
-            f"split (row-sized pieces) or truncate, or raise --seq-length to at least {n - 1}.")
-
-    for document in documents:
-        for piece in admit_document(document, seq_length, policy=policy, stats=stats,
-                                    too_long=too_long(document)):
-            num_tokens = len(piece.input_ids)
-            positions = num_tokens - 1
-            padded = pad_to_multiple(positions, segment_multiple)
-            if used + padded > seq_length:
-                yield close_row()
-                pending, actual, used = [], [], 0
-            pending.append(_pad_segment(_shift(piece, num_tokens), padded))
-            actual.append(positions)
-            used += padded
-            stats.documents += 1
-            if used == seq_length:
-                # Exact fit: hand the row out now instead of holding it until the next one.
-                yield close_row()
-                pending, actual, used = [], [], 0
-    if pending:
-        yield close_row()
+    source = DocumentList(documents)
+    plan = plan_rows(source, seq_length, long_document_policy=policy, stats=stats,
+                     segment_multiple=segment_multiple, algorithm="in-order")
+    yield from PlannedRows(source, plan)
 
 
 def join_row_boundaries(per_row: Sequence[np.ndarray]) -> np.ndarray:

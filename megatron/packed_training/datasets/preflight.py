@@ -1,9 +1,9 @@
 """The data check before training: run on rank 0 before distributed start-up or any GPU work.
 
-`run_data_check` (called once, by ``run_pretraining``) checks that every ``--data-path`` /
-``--valid-data-path`` is an existing file, then reads and packs the data exactly as training
-will (`builder.pack_data`: the same reader, ``--split``, long-document policy and packer), so
-a bad line, a too-long document under ``--long-document-policy reject`` or more truncation than
+`run_data_check` (called once, by ``run_pretraining``) opens every source of the run's data
+(building the token cache of JSONL sources, checking indexed datasets) and packs it exactly as
+training will (`sources.pack_data`: the same reader, blend, ``--split``, long-document policy
+and packer), so a bad line or file, a too-long document under ``--long-document-policy reject`` or more truncation than
 ``--max-truncated-token-fraction`` allows stops the run with a ValueError naming the file (and
 ``file:line`` where there is one) and the fix, before any GPU is touched. A run that passes
 prints one summary line, the packer's own statistics (`builder.describe_packing`).
@@ -17,15 +17,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from megatron.packed_training.datasets.builder import (
-    build_datasets,
-    describe_packing,
-    pack_data,
-    split_source,
-)
 from megatron.packed_training.data_paths import check_data_path
+from megatron.packed_training.datasets.blend import blends_from_args
+from megatron.packed_training.datasets.builder import build_datasets, describe_packing
 from megatron.packed_training.datasets.mock import MockPackedDataset
 from megatron.packed_training.datasets.packing import PackingStats
+from megatron.packed_training.datasets.sources import has_split_data, is_first_rank, pack_data
 
 MOCK_ROWS_CHECKED = 10_000
 """Synthetic rows the summary counts at most (about 0.3 s for 4096-position rows)."""
@@ -40,20 +37,16 @@ class DataCheck:
         valid: those of the validation data (``--valid-data-path`` or ``--split``); None
             without any.
         line: the one summary line printed.
-        rows: `builder.pack_data`'s ``{"train" | "valid": (packed rows, their PackingStats)}``,
-            for training to reuse (rank 0 then reads and packs the data once).
+        rows: `sources.pack_data`'s ``{"train" | "valid" | "test": SplitRows}``, for training
+            to reuse (rank 0 then packs the data once).
+        caches: one line per token cache: built, rebuilt (and why) or reused.
     """
 
     train: PackingStats
     valid: PackingStats | None
     line: str
     rows: dict = field(default_factory=dict)
-
-
-def is_first_rank(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process runs the check: ``RANK`` unset, empty or ``"0"``."""
-    rank = (os.environ if environ is None else environ).get("RANK")
-    return rank in (None, "", "0")
+    caches: list = field(default_factory=list)
 
 
 def _describe(stats: PackingStats) -> str:
@@ -65,17 +58,17 @@ def check_data(args) -> DataCheck:
     ValueError (naming the flag or ``file:line`` and the fix) on the first problem."""
     if args.mock_data:
         return _check_mock(args)
-    # Both paths first: a typo fails before a long read.
-    check_data_path(args.data_path, "--data-path")
-    if args.valid_data_path:
-        check_data_path(args.valid_data_path, "--valid-data-path")
-    packed = pack_data(args)  # errors name path:line
-    flags = {"train": "--data-path",
-             "valid": "--data-path" if args.split is not None else "--valid-data-path"}
-    parts = [f"{flags[name]} {split_source(args, name)}: {_describe(stats)}"
-             for name, (_, stats) in packed.items()]
-    return DataCheck(packed["train"][1], packed["valid"][1] if "valid" in packed else None,
-                     "data check: " + "; ".join(parts), packed)
+    # Every path first: a typo fails before a long read.
+    blend, per_split = blends_from_args(args)
+    for each in ([blend] if blend else []) + list(per_split.values()):
+        for path in each.paths:
+            check_data_path(path, each.flag)
+    # Every split the run can read, test included: errors name file:line.
+    packed = pack_data(args, with_test=has_split_data(args, "test"))
+    parts = [f"{split.name}: {_describe(split.stats)}" for split in packed.values()]
+    return DataCheck(packed["train"].stats, packed["valid"].stats if "valid" in packed else None,
+                     "data check: " + "; ".join(parts), packed,
+                     [cache.describe() for cache in packed.caches])
 
 
 def _check_mock(args) -> DataCheck:
@@ -98,5 +91,8 @@ def run_data_check(args, print_fn: Callable[[str], None] | None = None,
     if not is_first_rank(environ):
         return None
     result = check_data(args)
-    (print_fn or (lambda line: print(line, flush=True)))(result.line)
+    print_fn = print_fn or (lambda line: print(line, flush=True))
+    for line in result.caches:
+        print_fn(line)
+    print_fn(result.line)
     return result
