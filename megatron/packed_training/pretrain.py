@@ -58,7 +58,7 @@ def packed_data_provider(packed_rows: dict | None):
             build_rank_iterators,
             describe_balance,
             describe_packing,
-            test_dataset,
+            build_test_dataset,
         )
 
         args = get_args()
@@ -66,7 +66,7 @@ def packed_data_provider(packed_rows: dict | None):
         size = parallel_state.get_data_parallel_world_size()
         if not built:  # one packing for every virtual pipeline chunk
             built["train"], built["valid"], stats = build_datasets(args, packed_rows)
-            built["test"] = test_dataset(args, packed_rows)
+            built["test"] = build_test_dataset(args, packed_rows)
             if stats is not None:
                 print_rank_0(f" > packed training data: {describe_packing(stats)}")
             if size > 1 and not args.mock_data and not args.dynamic_cp_sizes:

@@ -145,7 +145,7 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
     return train, valid, packed["train"].stats
 
 
-def test_dataset(args: Namespace, packed_rows: dict | None = None):
+def build_test_dataset(args: Namespace, packed_rows: dict | None = None):
     """The test split's dataset (``--test-data-path``, or a test share of ``--split``), of
     ``--eval-iters x --global-batch-size`` samples, Megatron-LM's test evaluation after
     training; None without test data or evaluation."""

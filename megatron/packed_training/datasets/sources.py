@@ -227,6 +227,8 @@ def pack_data(args: Namespace, with_valid: bool = True, with_test: bool = False,
                 packed[split] = SplitRows(name=split_name(args, blend, split))
         for k, path in enumerate(blend.paths):
             source, cache = sources.open(path, blend.flag)
+            if cache is not None and "train" in packed:  # skipped conversations: training's
+                packed["train"].stats.skipped_no_target += cache.skipped_no_target
             weight = None if blend.weights is None else blend.weights[k]
             bounds = split_boundaries(shares, len(source.lengths))
             if shares[1] > 0 and bounds[1] == bounds[0]:
@@ -239,8 +241,6 @@ def pack_data(args: Namespace, with_valid: bool = True, with_test: bool = False,
                 if end > begin and wanted[split] and split not in per_split:
                     name = split_name(args, blend, split)
                     stats = packed.setdefault(split, SplitRows(name=name)).stats
-                    if cache is not None and split == "train":
-                        stats.skipped_no_target += cache.skipped_no_target
                     add(split, blend, name, path, weight,
                         _plan(source, args, stats, range(begin, end), stream=k))
                 begin = end
