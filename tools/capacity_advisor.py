@@ -39,19 +39,19 @@ import numpy as np  # noqa: E402
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 with warnings.catch_warnings():  # megatron-core's notes about optional packages it lacks
     warnings.simplefilter("ignore")
-    from megatron.packed_training.datasets import (  # noqa: E402
-        MockPackedDataset,
-        PackedRow,
-        PackedRowDataset,
-        PackingStats,
-        pack_documents,
-        read_jsonl_documents,
-    )
+    from megatron.packed_training.datasets import MockPackedDataset, PackedRow  # noqa: E402
+    from megatron.packed_training.datasets.builder import split_dataset  # noqa: E402
     from megatron.packed_training.datasets.chat import chat_line  # noqa: E402
     from megatron.packed_training.datasets.packing import (  # noqa: E402
         LONG_DOCUMENT_POLICIES,
         resolve_long_document_policy,
     )
+    from megatron.packed_training.datasets.row_plan import (  # noqa: E402
+        DEFAULT_PACKING_ALGORITHM,
+        DEFAULT_PACKING_WINDOW,
+        PACKING_ALGORITHMS,
+    )
+    from megatron.packed_training.datasets.sources import pack_data  # noqa: E402
 
 ROUND_CAPACITIES = (16, 32, 64, 128, 256, 512, 1024)
 """Capacities whose fallback rate the report always shows."""
@@ -352,8 +352,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data-path", default=None,
-                        help="pre-tokenized JSONL file (see docs/data-format.md)")
+    source.add_argument("--data-path", nargs="+", default=None,
+                        help="training's --data-path: pre-tokenized JSONL files or folders, "
+                             "indexed-dataset prefixes, or a blend (docs/data-format.md)")
     source.add_argument("--mock-data", action="store_true", help="built-in synthetic packed rows")
     source.add_argument("--moe-router-loads", default=None, metavar="JSON",
                         help="MoE: suggest --moe-expert-capacity-factor from these router "
@@ -378,6 +379,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mock-doc-length-sigma", type=float, default=1.0,
                         help="with --mock-data: training's --mock-doc-length-sigma")
     parser.add_argument("--num-samples", type=int, default=2000, help="mock rows to draw")
+    parser.add_argument("--packing-algorithm", choices=PACKING_ALGORITHMS,
+                        default=DEFAULT_PACKING_ALGORITHM, help="training's packer")
+    parser.add_argument("--packing-window", type=int, default=DEFAULT_PACKING_WINDOW,
+                        help="training's --packing-window")
+    parser.add_argument("--data-cache-path", default=None,
+                        help="training's --data-cache-path: where JSONL's token cache lives")
     parser.add_argument("--seed", type=int, default=1234, help="training's --seed")
     parser.add_argument("--target-overflow-rate", type=float, default=0.01,
                         help="with --moe-router-loads: largest acceptable share of "
@@ -433,25 +440,28 @@ def main(argv=None) -> int:
             f"sigma {args.mock_doc_length_sigma:g}, seed {args.seed}"
         )
     else:
-        line = chat_line(args.data_path)
-        if line is not None:
-            raise ValueError(
-                f"{args.data_path}:{line}: data is wrong: a chat conversation (\"messages\"), "
-                f"and the advisor reads pre-tokenized JSONL. Pre-tokenize it first: python "
-                f"tools/preprocess_sft.py --input {args.data_path} --output train.jsonl "
-                f"--tokenizer-model <tokenizer folder>, then pass --data-path train.jsonl.")
-        stats = PackingStats()
-        documents = read_jsonl_documents(args.data_path, args.vocab_size)
-        rows = list(
-            pack_documents(
-                documents, args.seq_length, long_document_policy=args.long_document_policy,
-                stats=stats
-            )
-        )
+        for path in args.data_path:
+            line = chat_line(path) if os.path.isfile(path) else None
+            if line is not None:
+                raise ValueError(
+                    f"{path}:{line}: data is wrong: a chat conversation (\"messages\"), and "
+                    f"the advisor reads pre-tokenized data. Pre-tokenize it first: python "
+                    f"tools/preprocess_sft.py --input {path} --output train.jsonl "
+                    f"--tokenizer-model <tokenizer folder>, then pass --data-path train.jsonl.")
+        # The training data path: the token cache (built or reused), the blend, the packer.
+        split = pack_data(argparse.Namespace(
+            data_path=args.data_path, vocab_size=args.vocab_size, seq_length=args.seq_length,
+            seed=args.seed, sft=True, long_document_policy=args.long_document_policy,
+            packing_algorithm=args.packing_algorithm, packing_window=args.packing_window,
+            data_cache_path=args.data_cache_path, tokenizer_type=None, tokenizer_model=None,
+            max_truncated_token_fraction=1.0),  # the advisor reports truncation, never stops
+            with_valid=False)["train"]
         # One epoch in the order training reads it (the row order is shuffled per epoch).
-        dataset = PackedRowDataset(rows, len(rows), args.seed)
+        rows = sum(len(part) for _, part in split.parts)
+        dataset = split_dataset(split, rows, args.seed)
+        stats = split.stats
         header = (
-            f"{args.data_path}: {stats.documents} documents in {stats.rows} rows, "
+            f"{' '.join(args.data_path)}: {stats.documents} documents in {stats.rows} rows, "
             f"{stats.skipped_empty} skipped empty, {stats.truncated} truncated, "
             f"{stats.split} split into {stats.pieces} pieces"
         )

@@ -9,7 +9,7 @@ causal-attention work. Each rank therefore holds exactly ``S / cp`` positions of
 Transformer Engine computes the same index with a CUDA kernel
 (``tex.thd_get_partitioned_indices``); this is the torch version: no host sync, static output
 shape, capturable in a CUDA graph, and runnable (and tested) without TE or a GPU. The padding
-itself happens on the host, in the packer (``pack_documents(segment_multiple=2 * cp)``).
+itself happens on the host, in the packer (``row_plan.plan_rows(segment_multiple=2 * cp)``).
 """
 
 import torch

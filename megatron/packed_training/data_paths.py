@@ -55,6 +55,11 @@ def parse_blend(values, flag: str) -> Blend:
 def check_data_path(path: str, flag: str = "--data-path") -> None:
     """ValueError naming ``flag`` and ``path`` unless ``path`` is a file, a folder, or an
     indexed-dataset prefix whose index header is sound (`indexed.check_indexed_prefix`)."""
+    for suffix in (".bin", ".idx"):
+        if path.endswith(suffix) and os.path.exists(path[:-4] + (".idx" if suffix == ".bin"
+                                                                 else ".bin")):
+            raise ValueError(f"{flag} is wrong: {path!r} is one file of an indexed dataset. Give "
+                             f"its prefix, {path[:-4]!r}, as Megatron-LM does.")
     if os.path.isfile(path) or os.path.isdir(path):
         return
     if os.path.exists(path + ".idx") or os.path.exists(path + ".bin"):

@@ -7,7 +7,6 @@ feature, each raising ``ValueError("<what> is wrong: <value>. <what to do>.")`` 
 import argparse
 import importlib.util
 import math
-import os
 
 from megatron.core.transformer.enums import CudaGraphModule
 
@@ -196,6 +195,7 @@ def check_tokenizer(args) -> None:
     """``--tokenizer-type HuggingFaceTokenizer``: the local tokenizer's size is the vocabulary;
     chat data (``messages`` JSONL) needs ``--sft``."""
     from megatron.packed_training.datasets.chat import chat_line
+    from megatron.packed_training.datasets.token_cache import first_jsonl
     from megatron.packed_training.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
     if args.tokenizer_type in TOKENIZER_TYPES:  # load_tokenizer refuses a missing/bad model
@@ -207,7 +207,8 @@ def check_tokenizer(args) -> None:
         args.vocab_size = size
     for flag, dest in DATA_PATHS:
         for path in parse_blend(getattr(args, dest), flag).paths if getattr(args, dest) else ():
-            line = chat_line(path) if os.path.isfile(path) else None
+            path = first_jsonl(path)  # a folder's first file stands for its format
+            line = chat_line(path) if path else None
             if line is not None and not args.sft:
                 fail(flag, path, f"Line {line} is a chat conversation, whose loss is on "
                                  "assistant tokens only; add --sft")

@@ -60,13 +60,17 @@ def packed_data_provider(packed_rows: dict | None):
             describe_packing,
             build_test_dataset,
         )
+        from megatron.packed_training.datasets.sources import pack_data
 
         args = get_args()
         rank = parallel_state.get_data_parallel_rank()
         size = parallel_state.get_data_parallel_world_size()
         if not built:  # one packing for every virtual pipeline chunk
-            built["train"], built["valid"], stats = build_datasets(args, packed_rows)
-            built["test"] = build_test_dataset(args, packed_rows)
+            packed = packed_rows
+            if packed is None and not args.mock_data:  # ranks but the first: pack it here
+                packed = pack_data(args, with_test=bool(args.eval_iters))
+            built["train"], built["valid"], stats = build_datasets(args, packed)
+            built["test"] = build_test_dataset(args, packed)
             if stats is not None:
                 print_rank_0(f" > packed training data: {describe_packing(stats)}")
             if size > 1 and not args.mock_data and not args.dynamic_cp_sizes:

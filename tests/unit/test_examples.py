@@ -214,7 +214,7 @@ def test_env_overrides_reach_the_command():
     assert args.max_position_embeddings == 2048
     assert args.lr_warmup_iters == 7  # min(10, TRAIN_ITERS): short smoke runs validate
     # One JSONL file, all of it training (not Megatron-LM's 3% validation share), no evaluation.
-    assert args.data_path == "/data/train.jsonl" and not args.mock_data
+    assert args.data_path == ["/data/train.jsonl"] and not args.mock_data
     assert args.split == "100,0,0" and args.eval_iters == 0 and args.valid_data_path is None
     assert args.save == "/ckpt/run1/checkpoints" and args.save_interval == 5
     assert args.metrics_file.startswith("/ckpt/run1/logs/")
@@ -240,7 +240,7 @@ def test_valid_data_path_adds_evaluation():
 
 def test_valid_data_path_launch_line_parses():
     args, _ = validated(_valid_data_line(), world_size=8)
-    assert args.valid_data_path == "/data/valid.jsonl" and args.eval_interval == 50
+    assert args.valid_data_path == ["/data/valid.jsonl"] and args.eval_interval == 50
 
 
 def test_chunk_granularity_from_the_environment():

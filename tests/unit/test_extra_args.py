@@ -693,11 +693,12 @@ def test_router_skew_needs_experts_and_a_reachable_share(args, values, message):
 
 def test_the_forks_argument_code_stays_small():
     """The fork's own argument and validation code (its flags and rules on Megatron-LM's
-    parser and checks) is under 700 lines: new rules replace old ones or go upstream."""
+    parser and checks) is under 750 lines: new rules replace old ones or go upstream."""
     repo = pathlib.Path(__file__).resolve().parents[2]
     files = ["megatron/packed_training/arguments.py", "megatron/packed_training/extra_args.py",
-             "megatron/packed_model/refusals.py"]
-    assert sum(len((repo / f).read_text().splitlines()) for f in files) < 700
+             "megatron/packed_model/refusals.py",
+             "megatron/packed_training/datasets/data_flags.py"]  # the data flags and rules
+    assert sum(len((repo / f).read_text().splitlines()) for f in files) < 750
 
 
 def test_the_stored_flag_names_are_the_parsers():

@@ -19,9 +19,14 @@ from megatron.packed_training.datasets.balance import (
     rank_tokens,
 )
 from megatron.packed_training.datasets.builder import build_datasets, build_test_dataset
-from megatron.packed_training.datasets.packing import PackingStats, pack_documents
+from megatron.packed_training.datasets.packing import PackingStats
 from megatron.packed_training.datasets.preflight import check_data
-from megatron.packed_training.datasets.row_plan import DocumentList, PlannedRows, plan_rows
+from megatron.packed_training.datasets.row_plan import (
+    DocumentList,
+    PlannedRows,
+    pack_documents,
+    plan_rows,
+)
 from megatron.packed_training.datasets.sources import pack_data
 from megatron.packed_training.datasets.token_cache import open_cached_source, tokenizer_fingerprint
 
@@ -230,7 +235,7 @@ def test_a_folder_of_jsonl_files_is_one_source_in_name_order(tmp_path):
 
 def open_cache(path, tmp_path, build=True, vocab=VOCAB, tokenizer=None, **kw):
     return open_cached_source(str(path), vocab_size=vocab, tokenizer=None,
-                              tokenizer_key=tokenizer or {"type": None},
+                              tokenizer_key=tokenizer,
                               cache_root=str(tmp_path / "cache"), build=build, **kw)
 
 
@@ -402,9 +407,60 @@ def test_megatron_data_flags_parse_as_megatron_lm_writes_them(tmp_path, capsys):
     (["--mock-data", "--sequence-packing-scheduler", "dp_balanced", "--rampup-batch-size", "2",
       "2", "8"], "--sequence-packing-scheduler is wrong: dp_balanced.*--rampup-batch-size"),
     (["--mock-data", "--packing-algorithm", "first-fit"], "invalid choice: 'first-fit'"),
+    (["--data-path", "{a}.bin"], "is one file of an indexed dataset. Give its prefix"),
+    (["--data-path", "{a}", "--train-data-path", "{a}"],  # Megatron-LM's own check
+     "A single data source must be provided"),
+    (["--data-path", "{a}", "--valid-data-path", "{a}", "--split", "90,10,0"],
+     "--valid-data-path is wrong: .*--split 90,10,0 already holds validation documents"),
+    (["--per-split-data-args-path", "{listing}", "--valid-data-path", "{a}"],
+     "--per-split-data-args-path is wrong: .*keep one of the two"),
 ])
 def test_bad_data_flags_stop_at_parse_time_naming_value_and_fix(tmp_path, capsys, argv, message):
-    a = write_indexed(tmp_path / "a", documents(5))
-    argv = [v.format(a=a, missing=tmp_path / "missing") for v in argv]
+    a = write_indexed(tmp_path / "a", documents(50))
+    listing = tmp_path / "splits.json"
+    listing.write_text(json.dumps({"train": [a], "valid": [a], "test": []}))
+    argv = [v.format(a=a, missing=tmp_path / "missing", listing=listing) for v in argv]
     args, err = parse(argv, capsys)
     assert args is None and re.search(message, err), err
+
+
+def test_a_token_cache_given_as_indexed_data_with_another_tokenizer_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", documents(20))
+    source, cache = open_cache(path, tmp_path)
+    prefix = os.path.join(cache.folder, "tokens")
+    assert rows_of(pack_data(args_for(data_path=[prefix]))) == rows_of(
+        pack_data(args_for(data_path=[path], data_cache_path=str(tmp_path / "cache"))))
+    with pytest.raises(ValueError, match=re.escape(f"--data-path is wrong: {prefix} is a token "
+                                                   f"cache built with tokenizer")):
+        check_data(args_for(data_path=[prefix], vocab_size=VOCAB + 8))
+
+
+def test_best_fit_rows_stay_within_the_graph_capacity():
+    source = Lengths(lognormal_lengths(20000))
+    free, capped = PackingStats(), PackingStats()
+    plan = plan_rows(source, 4096, stats=free, algorithm="best-fit-decreasing")
+    assert np.diff(plan.row_starts).max() > 32  # best fit alone tucks in dozens
+    plan = plan_rows(source, 4096, stats=capped, algorithm="best-fit-decreasing",
+                     max_documents=15)
+    assert np.diff(plan.row_starts).max() <= 15
+    assert capped.tokens / (capped.tokens + capped.padding_tokens) >= 0.97
+
+    from megatron.packed_training.datasets.sources import max_documents_per_row
+    assert max_documents_per_row(args_for(cuda_graph_max_packed_seqs=64, micro_batch_size=2)) == 31
+    assert max_documents_per_row(args_for(cuda_graph_max_packed_seqs=0)) is None
+
+
+def test_token_ids_without_a_known_vocabulary_ask_for_vocab_size(tmp_path):
+    prefix = write_indexed(tmp_path / "d", documents(5))
+    with pytest.raises(ValueError, match=r"the vocabulary size is not known yet for "
+                                         r"--tokenizer-type GPT2BPETokenizer\. Add --vocab-size"):
+        pack_data(args_for(data_path=[prefix], vocab_size=None, tokenizer_type="GPT2BPETokenizer"))
+
+
+def test_mock_rows_report_their_real_positions_for_balance():
+    from megatron.packed_training.datasets.mock import MockPackedDataset
+    from megatron.packed_training.datasets.packing import row_padding_mask
+
+    rows = MockPackedDataset(16, 256, VOCAB, 3)
+    balanced = DataParallelBalanced(rows, 8, data_parallel_size=2, micro_batch_size=2)
+    assert balanced.real_positions(0) == int((~row_padding_mask(balanced[0])).sum())

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron.packed_training.datasets.jsonl import read_jsonl_documents
-from megatron.packed_training.datasets.packing import pack_documents
+from megatron.packed_training.datasets.row_plan import pack_documents
 
 GOOD_LINE = '{"input_ids": [1, 2, 3]}'
 

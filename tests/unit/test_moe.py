@@ -26,7 +26,8 @@ from megatron.packed_graphs.layers import GraphSafeMoELayer
 from megatron.packed_model.moe import PackedTopKRouter, layer_padding_mask
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
-from megatron.packed_training.datasets.packing import Document, collate_packed_rows, pack_documents
+from megatron.packed_training.datasets.packing import Document, collate_packed_rows
+from megatron.packed_training.datasets.row_plan import pack_documents
 from megatron.packed_training.packed_step import dummy_micro_batch, to_device_micro_batch
 from tests.unit.conftest import tiny_moe_config
 

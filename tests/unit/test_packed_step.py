@@ -1,6 +1,7 @@
 import torch
 
-from megatron.packed_training.datasets.packing import Document, collate_packed_rows, pack_documents
+from megatron.packed_training.datasets.packing import Document, collate_packed_rows
+from megatron.packed_training.datasets.row_plan import pack_documents
 from megatron.packed_training.packed_step import masked_lm_loss, to_device_micro_batch
 
 

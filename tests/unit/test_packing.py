@@ -9,8 +9,8 @@ from megatron.packed_training.datasets.packing import (
     Document,
     PackingStats,
     collate_packed_rows,
-    pack_documents,
 )
+from megatron.packed_training.datasets.row_plan import pack_documents
 
 
 def doc(ids, mask=None, origin="t.jsonl:1"):

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
-from megatron.packed_training.datasets.packing import Document, pack_documents
+from megatron.packed_training.datasets.packing import Document
+from megatron.packed_training.datasets.row_plan import pack_documents
 from megatron.packed_training.datasets.sampler import MicroBatchSampler
 
 

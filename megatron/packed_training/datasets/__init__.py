@@ -15,8 +15,8 @@ from megatron.packed_training.datasets.packing import (
     PackedRow,
     PackingStats,
     collate_packed_rows,
-    pack_documents,
 )
+from megatron.packed_training.datasets.row_plan import pack_documents
 from megatron.packed_training.datasets.sampler import MicroBatchSampler
 
 __all__ = [

@@ -15,12 +15,11 @@ from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches, pack_
 from megatron.packed_training.datasets.mock import MockPackedDataset, mock_documents
 from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
 from megatron.packed_training.datasets.packing import (
-    Document,
     PackingStats,
     collate_packed_rows,
-    pack_documents,
     resolve_long_document_policy,
 )
+from megatron.packed_training.datasets.row_plan import pack_documents
 from megatron.packed_training.datasets.sampler import MicroBatchSampler
 from megatron.packed_training.datasets.sources import SplitRows, pack_data
 
@@ -164,7 +163,7 @@ def split_dataset(split: SplitRows, num_samples: int, seed: int):
     `PackedRowDataset` (weights: the blend's, else the sources' row counts)."""
     if len(split.parts) == 1:
         return PackedRowDataset(split.rows, num_samples, seed)
-    weights = split.weights or [len(rows) for _, rows in split.parts]
+    weights = split.blend_weights or [len(rows) for _, rows in split.parts]
     counts = samples_per_source(weights, num_samples)
     return BlendedRows([PackedRowDataset(rows, count, seed, stream=k)
                         for k, ((_, rows), count) in enumerate(zip(split.parts, counts))],

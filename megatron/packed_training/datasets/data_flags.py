@@ -5,6 +5,7 @@ pipeline reads as Megatron-LM does."""
 import argparse
 
 from megatron.packed_model.refusals import refuse
+from megatron.packed_training.data_paths import DATA_PATHS
 from megatron.packed_training.datasets.balance import DP_SCHEDULERS
 from megatron.packed_training.datasets.packing import LONG_DOCUMENT_POLICIES
 from megatron.packed_training.datasets.row_plan import (
@@ -12,6 +13,7 @@ from megatron.packed_training.datasets.row_plan import (
     DEFAULT_PACKING_WINDOW,
     PACKING_ALGORITHMS,
 )
+from megatron.packed_training.datasets.sources import split_shares
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +27,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                    default=DEFAULT_PACKING_ALGORITHM, help="Fill rows tightly, longest first "
                    "within each shuffled window, or keep documents in source order.")
     g.add_argument("--packing-window", type=int, default=DEFAULT_PACKING_WINDOW, metavar="N",
-                   help="best-fit-decreasing: documents packed together (seeded shuffle).")
+                   help="best-fit-decreasing: documents (pieces of split ones) packed "
+                   "together, after a seeded shuffle.")
     g.add_argument("--sequence-packing-scheduler", choices=DP_SCHEDULERS, default="default",
                    help="dp_balanced: deal each global batch's rows so data-parallel ranks "
                    "get near-equal real tokens.")
@@ -44,10 +47,20 @@ def check_data_args(args) -> None:
                 f"truncation drops and --long-document-policy {args.long_document_policy} drops "
                 "nothing; add --long-document-policy truncate"))
     balanced = args.sequence_packing_scheduler == "dp_balanced"
+    resized = bool(args.rampup_batch_size or getattr(args, "step_batch_size_schedule", None))
+    per_split = [flag for flag, dest in DATA_PATHS[1:] if getattr(args, dest, None)]
     refuse((args.packing_window < 1, "--packing-window", args.packing_window,
             "Give the number of documents packed together, e.g. 20000"),
-           (balanced and bool(args.rampup_batch_size), "--sequence-packing-scheduler",
-            "dp_balanced", "It deals whole global batches, which --rampup-batch-size resizes; "
-            "drop one of the two"),
+           (balanced and resized, "--sequence-packing-scheduler", "dp_balanced",
+            "It deals whole global batches, which --rampup-batch-size (a step batch-size "
+            "schedule) resizes; drop one of the two"),
+           (bool(args.per_split_data_args_path and per_split), "--per-split-data-args-path",
+            args.per_split_data_args_path, f"It lists every split's data, and {per_split[:1]} "
+            "gives one again; keep one of the two"),
+           (bool(args.data_path and args.valid_data_path and args.split
+                 and split_shares(args.split)[1] > 0), "--valid-data-path",
+            " ".join(args.valid_data_path or []), f"--split {args.split} already holds "
+            "validation documents of --data-path; make the split's validation share 0 "
+            "(e.g. 100,0,0) or drop --valid-data-path"),
            (balanced and bool(args.dynamic_cp_sizes), "--sequence-packing-scheduler",
             "dp_balanced", "Dynamic CP deals its own turns per rank; drop one of the two"))

@@ -20,9 +20,9 @@ from megatron.packed_training.datasets.packing import (
     PackingStats,
     admit_document,
     collate_packed_rows,
-    pack_documents,
     resolve_long_document_policy,
 )
+from megatron.packed_training.datasets.row_plan import pack_documents
 
 
 def pack_rows_for_dynamic_cp(documents: Iterable[Document], cp_sizes: Sequence[int],

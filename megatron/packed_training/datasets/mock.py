@@ -24,6 +24,7 @@ from megatron.packed_training.datasets.packing import (
     check_long_document_policy,
     check_seq_length,
     pad_to_multiple,
+    row_padding_mask,
     segment_position_ids,
 )
 
@@ -192,6 +193,10 @@ class MockPackedDataset(torch.utils.data.Dataset):
     def document_lengths(self, index: int) -> np.ndarray:
         """Token lengths (int64) of the documents packed into row ``index``."""
         return self._row_lengths(self._rng(index), index)
+
+    def real_positions(self, index: int) -> int:
+        """Positions of row ``index`` that hold document tokens (balance.py)."""
+        return int((~row_padding_mask(self[index])).sum())
 
     def __getitem__(self, index: int) -> PackedRow:
         rng = self._rng(index)

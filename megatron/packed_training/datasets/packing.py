@@ -12,7 +12,7 @@ training loop.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ DEFAULT_LONG_DOCUMENT_POLICY = "split"
 
 @dataclass
 class PackingStats:
-    """Counters filled by `pack_documents` (they accumulate if one object is reused).
+    """Counters filled by the packer (`row_plan.plan_rows`) (they accumulate if one object is reused).
 
     Attributes:
         documents: documents packed into rows (a split document counts once per piece,
@@ -297,51 +297,6 @@ def admit_document(document: Document, max_positions: int, *, policy: str, stats
         mask = None if document.loss_mask is None else document.loss_mask[start:end]
         pieces.append(Document(document.input_ids[start:end], mask, origin))
     return pieces
-
-
-def pack_documents(
-    documents: Iterable[Document],
-    seq_length: int,
-    *,
-    long_document_policy: str | None = None,
-    reject_long_documents: bool = False,
-    stats: PackingStats | None = None,
-    segment_multiple: int = 1,
-) -> Iterator[PackedRow]:
-    """Greedily pack documents, in order, into rows of ``seq_length`` positions.
-
-    A document goes into the current row if its ``L - 1`` positions fit, else the row is closed
-    (padded) and a new one starts. Documents with fewer than 2 tokens are skipped and counted.
-    A document with more than ``seq_length`` positions follows ``long_document_policy``
-    (`admit_lengths`; default ``split``): cut into row-sized pieces, each packed as a document
-    of its own (``split``), cut to ``seq_length + 1`` tokens (``truncate``), or a ValueError
-    naming its origin (``reject``; ``reject_long_documents=True`` is the older spelling).
-    ``stats`` is complete once the iterator is exhausted. A bad ``seq_length`` or policy
-    raises at call time; document errors raise while iterating.
-
-    ``segment_multiple`` (context parallelism: ``2 * cp``) pads every document's segment with
-    pad positions (loss 0) to a multiple of it; ``seq_length`` must be a multiple too. The
-    rows then carry ``cu_seqlens_actual`` (see `PackedRow`); padding counts in
-    ``stats.padding_tokens``.
-    """
-    check_seq_length(seq_length)
-    if segment_multiple < 1 or seq_length % segment_multiple:
-        raise ValueError(f"segment multiple is wrong: {segment_multiple} for seq_length "
-                         f"{seq_length}. It must be >= 1 and divide --seq-length.")
-    policy = resolve_long_document_policy(long_document_policy, reject_long_documents)
-    stats = stats if stats is not None else PackingStats()
-    return _planned(documents, seq_length, policy, stats, segment_multiple)
-
-
-def _planned(documents, seq_length: int, policy: str, stats: PackingStats,
-             segment_multiple: int) -> Iterator[PackedRow]:
-    # The one packer is row_plan's (imported here: it builds on this module's layout).
-    from megatron.packed_training.datasets.row_plan import DocumentList, PlannedRows, plan_rows
-
-    source = DocumentList(documents)
-    plan = plan_rows(source, seq_length, long_document_policy=policy, stats=stats,
-                     segment_multiple=segment_multiple, algorithm="in-order")
-    yield from PlannedRows(source, plan)
 
 
 def join_row_boundaries(per_row: Sequence[np.ndarray]) -> np.ndarray:

@@ -13,7 +13,6 @@ prints one summary line, the packer's own statistics (`builder.describe_packing`
 later anyway.
 """
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -53,7 +52,7 @@ def _describe(stats: PackingStats) -> str:
     return describe_packing(stats).removeprefix("packing: ")
 
 
-def check_data(args) -> DataCheck:
+def check_data(args, print_fn: Callable[[str], None] | None = None) -> DataCheck:
     """Check the run's data from its parsed arguments and return the statistics; raises
     ValueError (naming the flag or ``file:line`` and the fix) on the first problem."""
     if args.mock_data:
@@ -64,7 +63,7 @@ def check_data(args) -> DataCheck:
         for path in each.paths:
             check_data_path(path, each.flag)
     # Every split the run can read, test included: errors name file:line.
-    packed = pack_data(args, with_test=has_split_data(args, "test"))
+    packed = pack_data(args, with_test=has_split_data(args, "test"), print_fn=print_fn)
     parts = [f"{split.name}: {_describe(split.stats)}" for split in packed.values()]
     return DataCheck(packed["train"].stats, packed["valid"].stats if "valid" in packed else None,
                      "data check: " + "; ".join(parts), packed,
@@ -90,8 +89,8 @@ def run_data_check(args, print_fn: Callable[[str], None] | None = None,
     the `DataCheck`. On other ranks: nothing, returns None."""
     if not is_first_rank(environ):
         return None
-    result = check_data(args)
     print_fn = print_fn or (lambda line: print(line, flush=True))
+    result = check_data(args, print_fn)
     for line in result.caches:
         print_fn(line)
     print_fn(result.line)

@@ -17,12 +17,13 @@ Two algorithms (``--packing-algorithm``):
 
 import bisect
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from megatron.packed_training.datasets.packing import (
     PAD_TOKEN_ID,
+    Document,
     PackedRow,
     PackingStats,
     admit_lengths,
@@ -131,8 +132,8 @@ def _in_order(sizes: np.ndarray, seq_length: int) -> list[list[int]]:
     return rows
 
 
-def _best_fit_decreasing(sizes: np.ndarray, seq_length: int, window: int,
-                         seed: int) -> list[list[int]]:
+def _best_fit_decreasing(sizes: np.ndarray, seq_length: int, window: int, seed: int,
+                         max_documents: int | None) -> list[list[int]]:
     order = np.random.default_rng([seed, 0x9ac]).permutation(len(sizes))
     rows = []
     for begin in range(0, len(order), window):
@@ -151,7 +152,8 @@ def _best_fit_decreasing(sizes: np.ndarray, seq_length: int, window: int,
                 left, index = free.pop(at)
                 bins[index].append(piece)
                 left -= size
-            if left > 0:
+            # A row stays open while it has room and holds fewer than max_documents pieces.
+            if left > 0 and (max_documents is None or len(bins[index]) < max_documents):
                 bisect.insort(free, (left, index))
         rows.extend(bins)
     return rows
@@ -160,9 +162,14 @@ def _best_fit_decreasing(sizes: np.ndarray, seq_length: int, window: int,
 def plan_rows(source: DocumentSource, seq_length: int, *, long_document_policy: str | None = None,
               stats: PackingStats | None = None, segment_multiple: int = 1,
               algorithm: str = "in-order", window: int = DEFAULT_PACKING_WINDOW, seed: int = 0,
-              documents: Sequence[int] | None = None) -> RowPlan:
+              documents: Sequence[int] | None = None,
+              max_documents: int | None = None) -> RowPlan:
     """Pack ``source``'s documents (or the ``documents`` chosen) into rows of ``seq_length``
     positions; fills ``stats`` (`PackingStats`). Host-only, on lengths: no token is read.
+
+    ``max_documents`` (best-fit-decreasing): at most that many pieces per row, so that rows
+    stay within a CUDA-graph capacity (best fit tucks short documents into every gap; without
+    a limit a row can collect dozens). ``in-order`` keeps its rows as they always were.
 
     Raises ValueError for a bad ``seq_length``, policy, algorithm or segment multiple, and for
     a too-long document under the ``reject`` policy (naming ``source.origin``)."""
@@ -175,6 +182,8 @@ def plan_rows(source: DocumentSource, seq_length: int, *, long_document_policy: 
                          f"to one of {', '.join(PACKING_ALGORITHMS)}.")
     if window < 1:
         raise ValueError(f"packing window is wrong: {window}. Set --packing-window >= 1.")
+    if max_documents is not None and max_documents < 1:
+        raise ValueError(f"documents per row is wrong: {max_documents}. It must be >= 1.")
     policy = resolve_long_document_policy(long_document_policy)
     stats = stats if stats is not None else PackingStats()
     docs, starts, ends = _admitted(source, seq_length, policy, stats, documents)
@@ -183,7 +192,7 @@ def plan_rows(source: DocumentSource, seq_length: int, *, long_document_policy: 
     if algorithm == "in-order":
         rows = _in_order(sizes, seq_length)
     else:
-        rows = _best_fit_decreasing(sizes, seq_length, window, seed)
+        rows = _best_fit_decreasing(sizes, seq_length, window, seed, max_documents)
     flat = np.asarray([piece for row in rows for piece in row], dtype=np.int64)
     row_starts = np.concatenate([[0], np.cumsum([len(row) for row in rows])]).astype(np.int64)
     plan = RowPlan(seq_length, segment_multiple, row_starts, docs[flat], starts[flat], ends[flat])
@@ -248,3 +257,45 @@ class DocumentList:
     def origin(self, document: int) -> str:
         return self.documents[document].origin
 
+
+def pack_documents(
+    documents: Iterable[Document],
+    seq_length: int,
+    *,
+    long_document_policy: str | None = None,
+    reject_long_documents: bool = False,
+    stats: PackingStats | None = None,
+    segment_multiple: int = 1,
+) -> Iterator[PackedRow]:
+    """Pack documents in memory, in order, into rows of ``seq_length`` positions (`plan_rows`
+    with ``in-order`` over a `DocumentList`).
+
+    A document goes into the current row if its ``L - 1`` positions fit, else the row is closed
+    (padded) and a new one starts. Documents with fewer than 2 tokens are skipped and counted.
+    A document with more than ``seq_length`` positions follows ``long_document_policy``
+    (`admit_lengths`; default ``split``): cut into row-sized pieces, each packed as a document
+    of its own (``split``), cut to ``seq_length + 1`` tokens (``truncate``), or a ValueError
+    naming its origin (``reject``; ``reject_long_documents=True`` is the older spelling).
+    ``stats`` is complete once the iterator is exhausted. A bad ``seq_length`` or policy
+    raises at call time; document errors raise while iterating.
+
+    ``segment_multiple`` (context parallelism: ``2 * cp``) pads every document's segment with
+    pad positions (loss 0) to a multiple of it; ``seq_length`` must be a multiple too. The
+    rows then carry ``cu_seqlens_actual`` (see `PackedRow`); padding counts in
+    ``stats.padding_tokens``.
+    """
+    check_seq_length(seq_length)
+    if segment_multiple < 1 or seq_length % segment_multiple:
+        raise ValueError(f"segment multiple is wrong: {segment_multiple} for seq_length "
+                         f"{seq_length}. It must be >= 1 and divide --seq-length.")
+    policy = resolve_long_document_policy(long_document_policy, reject_long_documents)
+    stats = stats if stats is not None else PackingStats()
+    return _planned(documents, seq_length, policy, stats, segment_multiple)
+
+
+def _planned(documents, seq_length: int, policy: str, stats: PackingStats,
+             segment_multiple: int) -> Iterator[PackedRow]:
+    source = DocumentList(documents)
+    plan = plan_rows(source, seq_length, long_document_policy=policy, stats=stats,
+                     segment_multiple=segment_multiple, algorithm="in-order")
+    yield from PlannedRows(source, plan)

@@ -12,6 +12,7 @@ rows are built from the mapped files when read. `pack_data` is what the data che
 before any GPU work) and training both call, so the check's numbers are the run's.
 """
 
+import json
 import os
 import re
 from argparse import Namespace
@@ -102,13 +103,13 @@ class SplitRows:
 
     Attributes:
         parts: one ``(name, rows)`` per source of the split's blend; ``rows`` a `PlannedRows`.
-        weights: the blend's weights (None: one source, or weighted by rows).
+        blend_weights: the blend's weights (None: one source, or weighted by rows).
         stats: packing statistics of all its sources together.
         name: how the data check names the split's data.
     """
 
     parts: list = field(default_factory=list)
-    weights: list | None = None
+    blend_weights: list | None = None
     stats: PackingStats = field(default_factory=PackingStats)
     name: str = ""
 
@@ -143,6 +144,11 @@ def open_source(path: str, args: Namespace, flag: str, build: bool,
     naming ``flag`` and the fix for a path that is none of them."""
     from megatron.packed_training.tokenizer import tokenizer_from_args
 
+    if args.vocab_size is None:  # Megatron-LM's own tokenizers learn it later, at start-up
+        raise ValueError(
+            f"{flag} is wrong: {path} holds token ids, and the vocabulary size is not known yet "
+            f"for --tokenizer-type {getattr(args, 'tokenizer_type', None)}. Add --vocab-size "
+            f"(the tokenizer's vocabulary size) so the ids can be checked.")
     if os.path.isfile(path) or os.path.isdir(path):
         source, cache = open_cached_source(
             path, vocab_size=args.vocab_size, tokenizer=tokenizer_from_args(args),
@@ -154,12 +160,32 @@ def open_source(path: str, args: Namespace, flag: str, build: bool,
             source.loss_masks = None
         return source, cache
     if is_indexed_prefix(path):
+        check_cache_tokenizer(path, args, flag)
         source = IndexedSource(path, flag)
         if build:  # the first rank checks every token once, in the data check
             source.check_token_ids(args.vocab_size, flag)
         return source, None
     check_data_path(path, flag)  # raises: neither a file, a folder nor a prefix
     raise AssertionError(path)
+
+
+def check_cache_tokenizer(prefix: str, args: Namespace, flag: str) -> None:
+    """A token cache's ``tokens`` prefix given as indexed data: refused when the cache was built
+    with another tokenizer or vocabulary than this run's (its ids would mean other tokens)."""
+    meta = os.path.join(os.path.dirname(os.path.abspath(prefix)), "meta.json")
+    if os.path.basename(prefix) != "tokens" or not os.path.isfile(meta):
+        return
+    with open(meta) as stream:
+        built = json.load(stream)
+    wanted = tokenizer_fingerprint(getattr(args, "tokenizer_type", None),
+                                   getattr(args, "tokenizer_model", None))
+    if built.get("tokenizer") != wanted or built.get("vocab_size") != args.vocab_size:
+        raise ValueError(
+            f"{flag} is wrong: {prefix} is a token cache built with tokenizer "
+            f"{built.get('tokenizer')} (vocabulary {built.get('vocab_size')}), and this run uses "
+            f"{wanted} (vocabulary {args.vocab_size}). Pass the JSONL source itself as the data "
+            f"path (its cache is rebuilt for this tokenizer), or train with the tokenizer the "
+            f"cache was built with.")
 
 
 def _plan(source, args: Namespace, stats: PackingStats, documents=None, stream: int = 0):
@@ -179,7 +205,18 @@ def _plan(source, args: Namespace, stats: PackingStats, documents=None, stream: 
         source, args.seq_length, long_document_policy=policy, stats=stats, segment_multiple=2 * cp if cp > 1 else 1,
         algorithm=getattr(args, "packing_algorithm", None) or DEFAULT_PACKING_ALGORITHM,
         window=getattr(args, "packing_window", None) or DEFAULT_PACKING_WINDOW,
-        seed=args.seed + stream, documents=documents))
+        seed=args.seed + stream, documents=documents,
+        max_documents=max_documents_per_row(args)))
+
+
+def max_documents_per_row(args: Namespace) -> int | None:
+    """Pieces a row may hold so that a micro-batch of ``--micro-batch-size`` rows, each with
+    its padding tail, fits the graph capacity ``--cuda-graph-max-packed-seqs`` (None: no
+    graphs, no limit)."""
+    capacity = getattr(args, "cuda_graph_max_packed_seqs", 0) or 0
+    if capacity <= 0:
+        return None
+    return max(1, capacity // getattr(args, "micro_batch_size", 1) - 1)
 
 
 def _check_rows(split: SplitRows, args: Namespace) -> None:
@@ -215,10 +252,10 @@ def pack_data(args: Namespace, with_valid: bool = True, with_test: bool = False,
     packed: dict[str, SplitRows] = {}
 
     def add(split: str, blend_: Blend, name: str, path: str, weight, rows) -> None:
-        part = packed.setdefault(split, SplitRows(name=name))
-        part.parts.append((path, rows))
+        rows_of_split = packed.setdefault(split, SplitRows(name=name))
+        rows_of_split.parts.append((path, rows))
         if blend_.weights is not None:
-            part.weights = (part.weights or []) + [weight]
+            rows_of_split.blend_weights = (rows_of_split.blend_weights or []) + [weight]
 
     if blend is not None:
         shares = _shares(args)

@@ -47,10 +47,22 @@ def source_files(path: str, flag: str = "--data-path") -> list[str]:
     return files
 
 
-def tokenizer_fingerprint(tokenizer_type: str | None, tokenizer_model: str | None) -> dict:
-    """What of the tokenizer a cache depends on: its type and a hash of its files."""
+def first_jsonl(path: str) -> str | None:
+    """The file that stands for source ``path``'s format: itself, or a folder's first
+    ``.jsonl`` file; None for an indexed prefix or an empty folder."""
+    if os.path.isfile(path):
+        return path
+    if os.path.isdir(path):
+        files = [f for f in sorted(os.listdir(path)) if f.endswith(".jsonl")]
+        return os.path.join(path, files[0]) if files else None
+    return None
+
+
+def tokenizer_fingerprint(tokenizer_type: str | None, tokenizer_model: str | None) -> dict | None:
+    """What of the tokenizer a cache depends on: its type and a hash of its files; None without
+    a tokenizer model (pre-tokenized data depends on the vocabulary size alone)."""
     if tokenizer_model is None:
-        return {"type": tokenizer_type}
+        return None
     model = os.path.abspath(tokenizer_model)
     digest = hashlib.sha256()
     names = [model] if os.path.isfile(model) else [
@@ -62,7 +74,7 @@ def tokenizer_fingerprint(tokenizer_type: str | None, tokenizer_model: str | Non
     return {"type": tokenizer_type, "model": model, "sha256": digest.hexdigest()}
 
 
-def fingerprint(files: list[str], vocab_size: int, tokenizer: dict) -> dict:
+def fingerprint(files: list[str], vocab_size: int, tokenizer: dict | None) -> dict:
     """What a cache was built from; equal fingerprints mean equal contents."""
     stats = [os.stat(f) for f in files]
     return {"format": CACHE_FORMAT, "vocab_size": int(vocab_size), "tokenizer": tokenizer,
@@ -124,9 +136,10 @@ def _read_meta(folder: str) -> dict | None:
 
 
 def _build(files: list[str], folder: str, vocab_size: int, tokenizer, print_fn,
-           flag: str) -> dict:
-    """Stream ``files`` into a new cache at ``folder``; returns its counts. Nothing is left at
-    ``folder`` if a line is bad (the ValueError names it)."""
+           flag: str) -> tuple[dict, str]:
+    """Stream ``files`` into a new cache beside ``folder``; returns its counts and the folder
+    it was built in (renamed by the caller). Nothing is left if a line is bad (the ValueError
+    names it)."""
     import torch
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -171,7 +184,7 @@ def _build(files: list[str], folder: str, vocab_size: int, tokenizer, print_fn,
         raise
 
 
-def open_cached_source(path: str, *, vocab_size: int, tokenizer, tokenizer_key: dict,
+def open_cached_source(path: str, *, vocab_size: int, tokenizer, tokenizer_key: dict | None,
                        cache_root: str | None, build: bool, flag: str = "--data-path",
                        print_fn=None, wait_seconds: float = 3600.0) -> tuple[IndexedSource, CacheInfo]:
     """The cached documents of JSONL source ``path`` (`IndexedSource` with loss masks and
