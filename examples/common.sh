@@ -214,12 +214,14 @@ build_python_args() {
   PY_ARGS=("${MODEL_ARGS[@]}" --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
            --vocab-size "$VOCAB_SIZE" "${FORK_NUMERICS[@]}")
   if [ -n "$DATA_PATH" ]; then
-    PY_ARGS+=(--data-path "$DATA_PATH")
+    read -r -a data_blend <<< "$DATA_PATH"  # a path, or a blend "0.3 A 0.7 B"
+    PY_ARGS+=(--data-path "${data_blend[@]}")
   else
     PY_ARGS+=(--mock-data)
   fi
   if [ -n "$VALID_DATA_PATH" ]; then
-    PY_ARGS+=(--valid-data-path "$VALID_DATA_PATH" --eval-interval "$EVAL_INTERVAL"
+    read -r -a valid_blend <<< "$VALID_DATA_PATH"
+    PY_ARGS+=(--valid-data-path "${valid_blend[@]}" --eval-interval "$EVAL_INTERVAL"
               --eval-iters "$EVAL_ITERS")
   else
     # No validation: every --data-path document trains (said explicitly: Megatron-LM's own

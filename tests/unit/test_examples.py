@@ -592,3 +592,11 @@ def test_capacity_advisor_help_shows_defaults(capsys):
 def test_cuda_graph_scope_knob_is_the_older_name_of_cuda_graph_modules():
     line = launch_line(dry_run(SBATCH["gpt"], {"CUDA_GRAPH_SCOPE": "attn"}))
     assert "--cuda-graph-modules attn" in line and "--cuda-graph-scope" not in line
+
+
+def test_a_blend_in_data_path_reaches_the_command_as_megatron_lm_takes_it():
+    env = {"DATA_PATH": "0.3 /data/a_text_document 0.7 /data/b.jsonl"}
+    _, _, argv = split_launch(launch_line(dry_run(SBATCH["gpt"], env)))
+    at = argv.index("--data-path")
+    assert argv[at:at + 5] == ["--data-path", "0.3", "/data/a_text_document", "0.7",
+                               "/data/b.jsonl"]
