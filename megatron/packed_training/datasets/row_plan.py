@@ -91,17 +91,19 @@ class RowPlan:
 
 def _admitted(source: DocumentSource, seq_length: int, policy: str, stats: PackingStats,
               documents: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pieces of the chosen ``documents`` (default all), in order, after the long-document
-    policy (`admit_lengths`)."""
-    docs, starts, ends = [], [], []
-    indices = range(len(source.lengths)) if documents is None else documents
-    for document in indices:
-        document = int(document)
-        num_tokens = int(source.lengths[document])
-        if 2 <= num_tokens <= seq_length + 1:  # the common case, without a call
-            stats.longest = max(stats.longest, num_tokens)
-            docs.append(document), starts.append(0), ends.append(num_tokens)
-            continue
+    """Pieces of the chosen ``documents`` (default all), in document order, after the
+    long-document policy (`admit_lengths`). Vectorised over the documents that fit a row;
+    only longer ones (and the empty, for their count) go through `admit_lengths` one by one."""
+    indices = (np.arange(len(source.lengths), dtype=np.int64) if documents is None
+               else np.asarray(documents, dtype=np.int64))
+    lengths = np.asarray(source.lengths, dtype=np.int64)[indices]
+    fits = (lengths >= 2) & (lengths <= seq_length + 1)
+    at = [np.flatnonzero(fits)]  # each piece's place in ``indices``: the order to keep
+    starts, ends = [np.zeros(len(at[0]), np.int64)], [lengths[fits]]
+    if len(lengths):
+        stats.longest = max(stats.longest, int(lengths.max()))
+    for place in np.flatnonzero(~fits).tolist():
+        document, num_tokens = int(indices[place]), int(lengths[place])
 
         def too_long(n: int, document=document) -> str:
             return (f"document length is wrong: {source.origin(document)} has {n} tokens "
@@ -109,11 +111,14 @@ def _admitted(source: DocumentSource, seq_length: int, policy: str, stats: Packi
                     f"--long-document-policy split (row-sized pieces) or truncate, or raise "
                     f"--seq-length to at least {n - 1}.")
 
-        for start, end in admit_lengths(num_tokens, seq_length, policy=policy, stats=stats,
-                                        too_long=too_long):
-            docs.append(document), starts.append(start), ends.append(end)
-    return (np.asarray(docs, dtype=np.int64), np.asarray(starts, dtype=np.int64),
-            np.asarray(ends, dtype=np.int64))
+        bounds = admit_lengths(num_tokens, seq_length, policy=policy, stats=stats,
+                               too_long=too_long)
+        at.append(np.full(len(bounds), place, np.int64))
+        starts.append(np.asarray([b[0] for b in bounds], np.int64))
+        ends.append(np.asarray([b[1] for b in bounds], np.int64))
+    at, starts, ends = (np.concatenate(part) for part in (at, starts, ends))
+    order = np.lexsort((starts, at))
+    return indices[at[order]], starts[order], ends[order]
 
 
 def _in_order(sizes: np.ndarray, seq_length: int) -> list[list[int]]:
