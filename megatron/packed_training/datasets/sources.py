@@ -202,7 +202,8 @@ def _plan(source, args: Namespace, stats: PackingStats, documents=None, stream: 
                                         args.dynamic_cp_tokens_per_rank,
                                         long_document_policy=policy, stats=stats)
     return PlannedRows(source, plan_rows(
-        source, args.seq_length, long_document_policy=policy, stats=stats, segment_multiple=2 * cp if cp > 1 else 1,
+        source, args.seq_length, long_document_policy=policy, stats=stats,
+        segment_multiple=2 * cp if cp > 1 else 1,
         algorithm=getattr(args, "packing_algorithm", None) or DEFAULT_PACKING_ALGORITHM,
         window=getattr(args, "packing_window", None) or DEFAULT_PACKING_WINDOW,
         seed=args.seed + stream, documents=documents,
@@ -240,8 +241,8 @@ class PackedData(dict):
 
 def pack_data(args: Namespace, with_valid: bool = True, with_test: bool = False,
               print_fn=None) -> PackedData:
-    """`PackedData`, ``{split: SplitRows}`` of the run's data, splits "train", "valid" and "test" where the
-    run has them (``with_valid`` / ``with_test`` False: that split is not read). The first rank
+    """`PackedData`, ``{split: SplitRows}`` of the run's data: splits "train", "valid" and
+    "test" where the run has them (``with_valid`` / ``with_test`` False: that split is not read). The first rank
     (`is_first_rank`) builds missing token caches; others wait for them.
 
     ``--data-path``'s blend is divided by ``--split`` (per source, in document order); the
@@ -274,7 +275,7 @@ def pack_data(args: Namespace, with_valid: bool = True, with_test: bool = False,
                     f"{len(source.lengths)} documents of {path}. Raise the validation share, "
                     f"or make it 0 to train without validation")
             begin = 0
-            for index, (split, end) in enumerate(zip(SPLITS, bounds)):
+            for split, end in zip(SPLITS, bounds):
                 if end > begin and wanted[split] and split not in per_split:
                     name = split_name(args, blend, split)
                     stats = packed.setdefault(split, SplitRows(name=name)).stats
