@@ -445,7 +445,7 @@ def main(argv=None) -> int:
             if line is not None:
                 raise ValueError(
                     f"{path}:{line}: data is wrong: a chat conversation (\"messages\"), and "
-                    f"the advisor reads pre-tokenized data. Pre-tokenize it first: python "
+                    f"the advisor reads pre-tokenized JSONL. Pre-tokenize it first: python "
                     f"tools/preprocess_sft.py --input {path} --output train.jsonl "
                     f"--tokenizer-model <tokenizer folder>, then pass --data-path train.jsonl.")
         # The training data path: the token cache (built or reused), the blend, the packer.
