@@ -408,6 +408,7 @@ def test_megatron_data_flags_parse_as_megatron_lm_writes_them(tmp_path, capsys):
       "2", "8"], "--sequence-packing-scheduler is wrong: dp_balanced.*--rampup-batch-size"),
     (["--mock-data", "--packing-algorithm", "first-fit"], "invalid choice: 'first-fit'"),
     (["--data-path", "{a}.bin"], "is one file of an indexed dataset. Give its prefix"),
+    (["--mock-data", "--packing-max-documents", "-1"], "--packing-max-documents is wrong: -1"),
     (["--data-path", "{a}", "--train-data-path", "{a}"],  # Megatron-LM's own check
      "A single data source must be provided"),
     (["--data-path", "{a}", "--valid-data-path", "{a}", "--split", "90,10,0"],
@@ -445,9 +446,12 @@ def test_best_fit_rows_stay_within_the_graph_capacity():
     assert np.diff(plan.row_starts).max() <= 15
     assert capped.tokens / (capped.tokens + capped.padding_tokens) >= 0.97
 
-    from megatron.packed_training.datasets.sources import max_documents_per_row
-    assert max_documents_per_row(args_for(cuda_graph_max_packed_seqs=64, micro_batch_size=2)) == 31
-    assert max_documents_per_row(args_for(cuda_graph_max_packed_seqs=0)) is None
+    # The run's rows do not depend on the graph flags: eager and graphs pack alike.
+    eager = args_for(data_path=None, packing_algorithm="best-fit-decreasing", seq_length=4096)
+    graphs = argparse.Namespace(**vars(eager), cuda_graph_max_packed_seqs=16)
+    from megatron.packed_training.datasets.sources import _plan
+    assert np.array_equal(_plan(source, eager, PackingStats()).plan.documents,
+                          _plan(source, graphs, PackingStats()).plan.documents)
 
 
 def test_token_ids_without_a_known_vocabulary_ask_for_vocab_size(tmp_path):
@@ -464,3 +468,14 @@ def test_mock_rows_report_their_real_positions_for_balance():
     rows = MockPackedDataset(16, 256, VOCAB, 3)
     balanced = DataParallelBalanced(rows, 8, data_parallel_size=2, micro_batch_size=2)
     assert balanced.real_positions(0) == int((~row_padding_mask(balanced[0])).sum())
+
+
+def test_a_graph_capacity_below_the_rows_document_limit_is_noted_with_the_fix(capsys):
+    graphs = ["--mock-data", "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16"]
+    args, _ = parse(graphs, capsys)
+    (note,) = [n for n in args.packed_notes if "--packing-max-documents" in n]
+    assert note.startswith("rows may hold 63 documents, so a micro-batch of 1 row(s) can "
+                           "outgrow --cuda-graph-max-packed-seqs 16 and run eager; "
+                           "--packing-max-documents 15 keeps")
+    args, _ = parse(graphs + ["--packing-max-documents", "15"], capsys)
+    assert not [n for n in args.packed_notes if "--packing-max-documents" in n]

@@ -36,6 +36,9 @@ from megatron.packed_training.datasets.packing import (
 PACKING_ALGORITHMS = ("best-fit-decreasing", "in-order")
 DEFAULT_PACKING_ALGORITHM = "best-fit-decreasing"
 DEFAULT_PACKING_WINDOW = 20_000
+DEFAULT_PACKING_MAX_DOCUMENTS = 63
+"""Pieces per best-fit row (``--packing-max-documents``): a row and its padding tail fit one
+graph capacity of 64, whatever the graph flags, so eager and graphed runs pack the same rows."""
 
 
 class DocumentSource(Protocol):

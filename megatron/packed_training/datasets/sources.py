@@ -30,6 +30,7 @@ from megatron.packed_training.datasets.packing import (
 )
 from megatron.packed_training.datasets.row_plan import (
     DEFAULT_PACKING_ALGORITHM,
+    DEFAULT_PACKING_MAX_DOCUMENTS,
     DEFAULT_PACKING_WINDOW,
     PlannedRows,
     plan_rows,
@@ -207,17 +208,8 @@ def _plan(source, args: Namespace, stats: PackingStats, documents=None, stream: 
         algorithm=getattr(args, "packing_algorithm", None) or DEFAULT_PACKING_ALGORITHM,
         window=getattr(args, "packing_window", None) or DEFAULT_PACKING_WINDOW,
         seed=args.seed + stream, documents=documents,
-        max_documents=max_documents_per_row(args)))
-
-
-def max_documents_per_row(args: Namespace) -> int | None:
-    """Pieces a row may hold so that a micro-batch of ``--micro-batch-size`` rows, each with
-    its padding tail, fits the graph capacity ``--cuda-graph-max-packed-seqs`` (None: no
-    graphs, no limit)."""
-    capacity = getattr(args, "cuda_graph_max_packed_seqs", 0) or 0
-    if capacity <= 0:
-        return None
-    return max(1, capacity // getattr(args, "micro_batch_size", 1) - 1)
+        max_documents=getattr(args, "packing_max_documents", DEFAULT_PACKING_MAX_DOCUMENTS)
+        or None))
 
 
 def _check_rows(split: SplitRows, args: Namespace) -> None:
