@@ -48,6 +48,7 @@ with warnings.catch_warnings():  # megatron-core's notes about optional packages
     )
     from megatron.packed_training.datasets.row_plan import (  # noqa: E402
         DEFAULT_PACKING_ALGORITHM,
+        DEFAULT_PACKING_MAX_DOCUMENTS,
         DEFAULT_PACKING_WINDOW,
         PACKING_ALGORITHMS,
     )
@@ -383,6 +384,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=DEFAULT_PACKING_ALGORITHM, help="training's packer")
     parser.add_argument("--packing-window", type=int, default=DEFAULT_PACKING_WINDOW,
                         help="training's --packing-window")
+    parser.add_argument("--packing-max-documents", type=int,
+                        default=DEFAULT_PACKING_MAX_DOCUMENTS,
+                        help="training's --packing-max-documents")
     parser.add_argument("--data-cache-path", default=None,
                         help="training's --data-cache-path: where JSONL's token cache lives")
     parser.add_argument("--seed", type=int, default=1234, help="training's --seed")
@@ -453,6 +457,7 @@ def main(argv=None) -> int:
             data_path=args.data_path, vocab_size=args.vocab_size, seq_length=args.seq_length,
             seed=args.seed, sft=True, long_document_policy=args.long_document_policy,
             packing_algorithm=args.packing_algorithm, packing_window=args.packing_window,
+            packing_max_documents=args.packing_max_documents,
             data_cache_path=args.data_cache_path, tokenizer_type=None, tokenizer_model=None,
             max_truncated_token_fraction=1.0),  # the advisor reports truncation, never stops
             with_valid=False)["train"]
