@@ -557,3 +557,24 @@ def test_the_model_config_gets_what_megatron_lms_train_sets_before_its_loop():
     assert (overlapped.config.no_sync_func, overlapped.config.grad_sync_func) == (
         "no_sync", "grad_sync")
     assert overlapped.config.finalize_model_grads_func == "a builder's"
+
+
+def test_an_empty_micro_batch_runs_and_changes_nothing(cpu_dist):
+    """A rank dealt fewer micro-batches runs empty ones (deal_micro_batches): log-probs of
+    nothing, a loss of 0 over 0 tokens, and the step the other micro-batches make."""
+    from megatron.packed_training.rl import deal_micro_batches
+
+    mbs = rollouts(2, advantages=lambda n: torch.linspace(-1, 1, n))
+    (padded,) = deal_micro_batches(mbs + [PackedSequences.empty(["advantages"])], 1)
+    policy, alone = make_policy(), make_policy()
+    logprobs = policy.logprobs(padded)
+    assert logprobs[-1].numel() == 0
+    for got, want in zip(logprobs, alone.logprobs(mbs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    def summed_advantage(inputs):
+        return -(inputs.logprobs * inputs["advantages"] * inputs.weights).sum()
+
+    with_empty = policy.train_step(padded, summed_advantage)
+    without = alone.train_step(mbs, summed_advantage)
+    assert torch.isfinite(with_empty.loss) and with_empty.num_tokens == without.num_tokens

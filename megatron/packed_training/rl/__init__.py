@@ -6,10 +6,10 @@ graphs, and swaps or reloads weights in place.
     from megatron.packed_training.rl.losses import clipped_policy_loss
 """
 
-from megatron.packed_training.rl.batches import PackedSequences, pack_sequences
+from megatron.packed_training.rl.batches import PackedSequences, deal_micro_batches, pack_sequences
 from megatron.packed_training.rl.policy import PackedPolicy, PolicyConfig, TrainResult
 from megatron.packed_training.rl.steps import LossInputs
 from megatron.packed_training.rl.weights import WeightStore, policy_weights
 
 __all__ = ["LossInputs", "PackedPolicy", "PackedSequences", "PolicyConfig", "TrainResult",
-           "WeightStore", "pack_sequences", "policy_weights"]
+           "WeightStore", "deal_micro_batches", "pack_sequences", "policy_weights"]

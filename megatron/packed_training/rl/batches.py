@@ -45,6 +45,12 @@ class PackedSequences:
         tensors: per-token loss tensors by name, each float (or bool) ``[N]``, token aligned
             like ``loss_weights``: advantages, old and reference log-probs, masks. They reach
             the loss function position aligned (`LossInputs`).
+        indices: which of the caller's sequences these are, in order (`pack_sequences` sets
+            it: the order it packed them in), or None.
+
+    A micro-batch of no sequence (``lengths=[]``, no tokens) is allowed: it runs a row of
+    padding that weighs nothing, so that data-parallel ranks with fewer sequences still run
+    as many micro-batches as the others (`deal_micro_batches`).
     """
 
     tokens: Tensor
@@ -52,6 +58,15 @@ class PackedSequences:
     cu_seqlens: Optional[Sequence[int]] = None
     loss_weights: Optional[Tensor] = None
     tensors: Dict[str, Tensor] = field(default_factory=dict)
+    indices: Optional[Sequence[int]] = None
+
+    @classmethod
+    def empty(cls, tensor_names: Sequence[str] = (), device=None) -> "PackedSequences":
+        """A micro-batch of no sequence, carrying empty ``tensor_names`` tensors."""
+        return cls(torch.zeros(0, dtype=torch.long, device=device), lengths=[],
+                   loss_weights=torch.zeros(0, device=device),
+                   tensors={name: torch.zeros(0, device=device) for name in tensor_names},
+                   indices=[])
 
 
 @dataclass(frozen=True)
@@ -99,13 +114,13 @@ def _boundaries(mb: PackedSequences, where: str, num_tokens: int) -> np.ndarray:
                          f"Give a 1-D list of integers.")
     array = array.astype(np.int64)
     if name == "lengths":
-        if array.size == 0 or (array < 1).any():
-            raise ValueError(f"{where}: lengths is wrong: {array.tolist()[:8]}. Give at least "
-                             f"one sequence, each of at least one token.")
-        cu = np.concatenate([[0], np.cumsum(array)])
+        if (array < 1).any():
+            raise ValueError(f"{where}: lengths is wrong: {array.tolist()[:8]}. Give each "
+                             f"sequence's tokens, at least one each.")
+        cu = np.concatenate([[0], np.cumsum(array)]).astype(np.int64)
     else:
         cu = array
-        if cu.size < 2 or cu[0] != 0 or (np.diff(cu) < 1).any():
+        if cu.size < 1 or cu[0] != 0 or (np.diff(cu) < 1).any():
             raise ValueError(f"{where}: cu_seqlens is wrong: {cu.tolist()[:8]}. It starts at "
                              f"0 and rises by at least one token per sequence.")
     if cu[-1] != num_tokens:
@@ -156,9 +171,9 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
                          f"(tokens minus one per sequence), more than a packed row's "
                          f"{row_positions} (micro_batch_size x seq_length). Split it across "
                          f"more micro-batches, or raise seq_length.")
-    if positions == 0:
+    if positions == 0 and len(lengths):
         raise ValueError(f"{where} is wrong: no sequence has two tokens, so nothing is "
-                         f"predicted. Leave it out.")
+                         f"predicted. Leave it out (or pass PackedSequences.empty()).")
     tensors = {LOSS_WEIGHTS: (mb.loss_weights if mb.loss_weights is not None
                               else torch.ones(num_tokens))}
     tensors |= dict(mb.tensors)
@@ -173,7 +188,8 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
                for name, value in tensors.items()}
 
     starts = cu[:-1][lengths > 1]
-    inputs = torch.from_numpy(np.repeat(starts, used) + segment_position_ids(used))
+    inputs = torch.from_numpy((np.repeat(starts, used) + segment_position_ids(used))
+                              .astype(np.int64))
     layout = RowLayout(inputs, inputs + 1, num_tokens, row_positions)
     pad = row_positions - positions
     segments = np.append(used, pad) if pad else used
@@ -218,44 +234,85 @@ def lay_out_all(micro_batches: Sequence[PackedSequences], row_positions: int) ->
     return [lay_out(mb, index, row_positions, names) for index, mb in enumerate(micro_batches)]
 
 
+class _SequenceLengths:
+    """Sequence lengths as the packer's document source (it reads nothing else)."""
+
+    def __init__(self, lengths: Sequence[int]):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+
+    def origin(self, index: int) -> str:
+        return f"sequence {index}"
+
+
 def pack_sequences(tokens: Sequence[Tensor], row_positions: int, *,
                    loss_weights: Optional[Sequence[Tensor]] = None,
-                   tensors: Optional[Mapping[str, Sequence[Tensor]]] = None
-                   ) -> List[PackedSequences]:
-    """Whole sequences -> micro-batches: greedily, in order, as many sequences per
-    micro-batch as fit a row of ``row_positions`` positions (a sequence of ``L`` tokens takes
-    ``L - 1``). ``tokens``: one 1-D tensor per sequence; ``loss_weights`` and each of
-    ``tensors`` (name -> one tensor per sequence): token aligned, one per sequence. A
-    sequence longer than a row raises naming it. Host bookkeeping; the tensors are
-    concatenated where they are."""
+                   tensors: Optional[Mapping[str, Sequence[Tensor]]] = None,
+                   algorithm: str = "best-fit-decreasing", max_sequences: Optional[int] = None,
+                   seed: int = 0) -> List[PackedSequences]:
+    """Whole sequences -> micro-batches of one row of ``row_positions`` positions each (a
+    sequence of ``L`` tokens takes ``L - 1``), by the data path's packer (`row_plan`):
+    ``best-fit-decreasing`` (seeded; nearly no padding) or ``in-order`` (as many sequences
+    per micro-batch as fit, in order). ``max_sequences``: at most that many per micro-batch
+    (give the policy's graph capacity minus one, so every micro-batch replays a graph).
+
+    ``tokens``: one 1-D tensor per sequence; ``loss_weights`` and each of ``tensors`` (name
+    -> one tensor per sequence): token aligned, one per sequence. Each micro-batch's
+    ``indices`` says which sequences it holds, in order: results per micro-batch (log-probs)
+    map back through it. A sequence longer than a row raises naming it. Host bookkeeping;
+    the tensors are concatenated where they are."""
+    from megatron.packed_training.datasets.row_plan import plan_rows
+
     tensors = dict(tensors or {})
     for name, values in [("loss_weights", loss_weights), *tensors.items()]:
         if values is not None and len(values) != len(tokens):
             raise ValueError(f"{name} is wrong: {len(values)} tensors for {len(tokens)} "
                              f"sequences. Give one per sequence.")
-    groups, current, used = [], [], 0
-    for index, sequence in enumerate(tokens):
-        positions = max(len(sequence) - 1, 0)
-        if positions > row_positions:
-            raise ValueError(f"sequence {index} is wrong: {len(sequence)} tokens, more than a "
+    lengths = [len(sequence) for sequence in tokens]
+    for index, length in enumerate(lengths):
+        if length - 1 > row_positions:
+            raise ValueError(f"sequence {index} is wrong: {length} tokens, more than a "
                              f"packed row's {row_positions} positions + 1. Truncate it, or "
                              f"raise seq_length.")
-        if current and used + positions > row_positions:
-            groups.append(current)
-            current, used = [], 0
-        current.append(index)
-        used += positions
-    if current:
-        groups.append(current)
+    # One-token sequences predict nothing but are kept (their log-prob is 0): size 1 here.
+    plan = plan_rows(_SequenceLengths([max(n, 2) for n in lengths]), row_positions,
+                     long_document_policy="reject", algorithm=algorithm, seed=seed,
+                     max_documents=max_sequences)
+    groups = [plan.documents[plan.row_starts[k]:plan.row_starts[k + 1]].tolist()
+              for k in range(len(plan))]
 
     def joined(values, group):
         return torch.cat([values[i] for i in group])
 
     return [PackedSequences(
-        joined(tokens, group), lengths=[len(tokens[i]) for i in group],
+        joined(tokens, group), lengths=[lengths[i] for i in group],
         loss_weights=None if loss_weights is None else joined(loss_weights, group),
-        tensors={name: joined(values, group) for name, values in tensors.items()})
+        tensors={name: joined(values, group) for name, values in tensors.items()},
+        indices=group)
         for group in groups]
+
+
+def deal_micro_batches(micro_batches: Sequence[PackedSequences], data_parallel_size: int
+                       ) -> List[List[PackedSequences]]:
+    """Each data-parallel rank's micro-batches: the same number on every rank, near-equal
+    tokens (longest first, each to the rank with the fewest tokens that has room), ranks with
+    fewer padded with `PackedSequences.empty` micro-batches, so no rank waits in a collective
+    (the expert-parallel all-to-all) for another that has run out. Host bookkeeping."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size is wrong: {data_parallel_size}. Give >= 1.")
+    per_rank = -(-len(micro_batches) // data_parallel_size)
+    sizes = [int(mb.tokens.numel()) for mb in micro_batches]
+    ranks = [[] for _ in range(data_parallel_size)]
+    totals = [0] * data_parallel_size
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min((r for r in range(data_parallel_size) if len(ranks[r]) < per_rank),
+                   key=lambda r: (totals[r], r))
+        ranks[rank].append(micro_batches[index])
+        totals[rank] += sizes[index]
+    names = sorted(micro_batches[0].tensors) if micro_batches else []
+    device = micro_batches[0].tokens.device if micro_batches else None
+    for taken in ranks:
+        taken.extend(PackedSequences.empty(names, device) for _ in range(per_rank - len(taken)))
+    return ranks
 
 
 def check_values(batches: Sequence[dict], vocab_size: int) -> None:
