@@ -118,8 +118,10 @@ def rollout_micro_batches(rollouts: dict, row_positions: int):
 
     advantages = group_advantages(rollouts["rewards"], rollouts["groups"])
     per_token = [mask * value for mask, value in zip(rollouts["masks"], advantages)]
+    # At most 15 sequences a micro-batch: with its padding tail it fits the graph capacity of
+    # 16, and the eager run packs the same micro-batches.
     return pack_sequences(rollouts["tokens"], row_positions, loss_weights=rollouts["masks"],
-                          tensors={"advantages": per_token})
+                          tensors={"advantages": per_token}, max_sequences=15)
 
 
 class PhaseTimer:
