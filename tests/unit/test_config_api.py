@@ -144,3 +144,11 @@ def test_a_rule_refusal_surfaces(pinned):
     with pytest.raises(ValueError, match="--cuda-graph-max-packed-seqs is wrong: 32. .*add "
                                          "--cuda-graph-impl local"):
         load_training_config(dict(GPT, cuda_graph_max_packed_seqs=32))
+
+
+def test_the_policy_config_normalizes_per_token_over_the_step_unless_told_otherwise(pinned):
+    from megatron.packed_training.rl import PolicyConfig
+
+    assert PolicyConfig(GPT).args().calculate_per_token_loss is True
+    told = PolicyConfig(dict(GPT, calculate_per_token_loss=False)).args()
+    assert told.calculate_per_token_loss is False

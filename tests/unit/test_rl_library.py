@@ -367,6 +367,144 @@ def test_a_train_step_runs_the_loss_on_the_micro_batches_tensors_and_steps(cpu_d
     assert policy.runtime.iterations == 2
 
 
+def test_an_empty_micro_batch_runs_and_changes_nothing(cpu_dist):
+    """A rank dealt fewer micro-batches runs empty ones (deal_micro_batches): log-probs of
+    nothing, a loss of 0 over 0 tokens, and the step the other micro-batches make."""
+    from megatron.packed_training.rl import deal_micro_batches
+
+    mbs = rollouts(2, advantages=lambda n: torch.linspace(-1, 1, n))
+    (padded,) = deal_micro_batches(mbs + [PackedSequences.empty(["advantages"])], 1)
+    policy, alone = make_policy(), make_policy()
+    logprobs = policy.logprobs(padded)
+    assert logprobs[-1].numel() == 0
+    for got, want in zip(logprobs, alone.logprobs(mbs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    def summed_advantage(inputs):
+        return -(inputs.logprobs * inputs["advantages"] * inputs.weights).sum()
+
+    with_empty = policy.train_step(padded, summed_advantage)
+    without = alone.train_step(mbs, summed_advantage)
+    assert torch.isfinite(with_empty.loss) and with_empty.num_tokens == without.num_tokens
+
+
+# -- loss normalization and metrics ------------------------------------------------------------
+
+def per_count_schedule(*, forward_step_func, data_iterator, model, num_microbatches,
+                       forward_only, **kwargs):
+    """megatron-core's schedule with calculate_per_token_loss: each micro-batch's summed loss
+    backward as it is, the gradients divided by the step's total count at the end."""
+    reports, total = [], 0
+    for _ in range(num_microbatches):
+        output, loss_func = forward_step_func(data_iterator, model[0])
+        loss, count, report = loss_func(output)
+        if not forward_only:
+            loss.backward()
+        total += int(count)
+        reports.append(report)
+    if not forward_only:
+        for parameter in model[0].parameters():
+            if parameter.grad is not None:
+                parameter.grad /= max(total, 1)
+    return reports
+
+
+def weighted_advantage_loss(inputs):
+    return -(inputs.logprobs * inputs["advantages"] * inputs.weights).sum()
+
+
+def sequence_advantage_loss(inputs):
+    from megatron.packed_training.rl.steps import per_sequence_means
+
+    return per_sequence_means(-inputs.logprobs * inputs["advantages"], inputs).sum()
+
+
+SEQUENCES = [(5, 3), (9,), (2, 6, 4), (3, 3, 3, 3)]  # 10 sequences, 31 positions
+
+
+def advantage_rollouts(groups):
+    """The same 10 sequences packed into the given groups of ``SEQUENCES``' lengths."""
+    lengths = [n for shape in SEQUENCES for n in shape]
+    generator = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(1, VOCAB, (n,), generator=generator) for n in lengths]
+    advantages = [torch.full((n,), (-1.0) ** i * (1 + i / 10)) for i, n in enumerate(lengths)]
+    out = []
+    for group in groups:
+        out.append(PackedSequences(torch.cat([tokens[i] for i in group]),
+                                   lengths=[lengths[i] for i in group],
+                                   tensors={"advantages": torch.cat([advantages[i]
+                                                                     for i in group])}))
+    return out, tokens, advantages
+
+
+@pytest.mark.parametrize("normalization, loss_fn", [("token", weighted_advantage_loss),
+                                                    ("sequence", sequence_advantage_loss)])
+def test_uneven_micro_batches_step_like_one_micro_batch_and_like_plain_torch(
+        cpu_dist, normalization, loss_fn):
+    one, tokens, advantages = advantage_rollouts([list(range(10))])
+    uneven, _, _ = advantage_rollouts([[0], [1, 2, 3, 4], [5, 6, 7, 8, 9]])
+    results = {}
+    for name, mbs in (("one", one), ("uneven", uneven)):
+        policy = make_policy(schedule=per_count_schedule, capacity=16)
+        results[name] = (policy.train_step(mbs, loss_fn, normalization=normalization),
+                         policy_weights(policy.model))
+    # Plain torch: each sequence alone in a row through the same initial model, the loss
+    # written out per sequence.
+    reference = build_gpt(0)
+    per_sequence, per_token_sum, weight_sum = [], 0.0, 0.0
+    for sequence, advantage in zip(tokens, advantages):
+        staged = to_device_micro_batch(lay_out(PackedSequences(sequence, lengths=[len(sequence)]),
+                                               0, ROW), with_seq_idx=False,
+                                       static_max_seqlen=True, device=torch.device("cpu"))
+        logits = reference(staged.tokens, staged.position_ids, None, labels=None,
+                           packed_seq_params=staged.params)
+        logprobs = torch.log_softmax(logits.float(), -1).gather(
+            -1, staged.labels[..., None])[0, :len(sequence) - 1, 0]
+        terms = -logprobs * advantage[1:]
+        per_sequence.append(terms.mean())
+        per_token_sum, weight_sum = per_token_sum + terms.sum(), weight_sum + terms.numel()
+    loss = (torch.stack(per_sequence).mean() if normalization == "sequence"
+            else per_token_sum / weight_sum)
+    loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    for name in ("one", "uneven"):
+        result, weights = results[name]
+        assert result.loss.item() == pytest.approx(loss.item(), rel=1e-5), name
+        assert result.num_tokens.item() == (10 if normalization == "sequence" else weight_sum)
+        for (key, got), want in zip(weights.items(), reference.parameters()):
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-6, msg=f"{name} {key}")
+
+
+def test_metrics_come_back_reduced_over_micro_batches_by_the_count(cpu_dist):
+    mbs, _, _ = advantage_rollouts([[0, 1], [2, 3, 4], [5, 6, 7, 8, 9]])
+
+    def with_metrics(inputs):
+        positive = ((inputs["advantages"] > 0) * inputs.weights).sum()
+        return weighted_advantage_loss(inputs), {"positive": positive,
+                                                 "weight": inputs.weights.sum()}
+
+    result = make_policy(capacity=16).train_step(mbs, with_metrics)
+    assert sorted(result.metrics) == ["positive", "weight"]
+    assert result.metrics["weight"].item() == pytest.approx(1.0)
+    lengths = [n for shape in SEQUENCES for n in shape]
+    positive = sum(n - 1 for i, n in enumerate(lengths) if i % 2 == 0)
+    assert result.metrics["positive"].item() == pytest.approx(positive / sum(
+        n - 1 for n in lengths))
+
+
+@pytest.mark.parametrize("result, message", [
+    (lambda loss: (loss, 0.5), r"loss_fn's metrics are wrong: a float"),
+    (lambda loss: (loss, {"kl": 0.5}), r"loss_fn's metric 'kl' is wrong: a float\. Give a "
+                                       r"0-dim tensor on cpu"),
+    (lambda loss: (loss, {"kl": loss.new_zeros(3)}), r"metric 'kl' is wrong: shape \(3,\)"),
+    (lambda loss: (loss, loss, loss), r"loss_fn's result is wrong: a tuple"),
+])
+def test_a_loss_function_returning_something_else_is_named(cpu_dist, result, message):
+    mbs, _, _ = advantage_rollouts([[0, 1]])
+    with pytest.raises(ValueError, match=message):
+        make_policy().train_step(mbs, lambda inputs: result(weighted_advantage_loss(inputs)))
+
+
 def test_a_nan_advantage_stops_the_step_before_anything_is_trained(cpu_dist):
     policy = make_policy()
     before = WeightStore.snapshot(policy.model)
@@ -504,10 +642,12 @@ def test_a_full_iteration_graph_keeps_one_loss_function(cpu_dist):
                                                iteration_micro_batches=2)
     first = grpo_loss()
     assert policy._loss_step(first) is policy._loss_step(first)
-    with pytest.raises(ValueError, match="loss_fn is wrong: another function than the earlier "
-                                         "steps'. A full-iteration graph runs the loss it was "
-                                         "captured with"):
+    with pytest.raises(ValueError, match=r"loss_fn is wrong: another function \(or "
+                                         r"normalization\) than the earlier steps'\. A "
+                                         r"full-iteration graph runs the loss it was captured"):
         policy._loss_step(negative_log_likelihood)
+    with pytest.raises(ValueError, match=r"another function \(or normalization\)"):
+        policy._loss_step(first, "sequence")
 
 
 def test_the_library_runs_pipeline_and_context_parallel_size_one():
@@ -558,23 +698,3 @@ def test_the_model_config_gets_what_megatron_lms_train_sets_before_its_loop():
         "no_sync", "grad_sync")
     assert overlapped.config.finalize_model_grads_func == "a builder's"
 
-
-def test_an_empty_micro_batch_runs_and_changes_nothing(cpu_dist):
-    """A rank dealt fewer micro-batches runs empty ones (deal_micro_batches): log-probs of
-    nothing, a loss of 0 over 0 tokens, and the step the other micro-batches make."""
-    from megatron.packed_training.rl import deal_micro_batches
-
-    mbs = rollouts(2, advantages=lambda n: torch.linspace(-1, 1, n))
-    (padded,) = deal_micro_batches(mbs + [PackedSequences.empty(["advantages"])], 1)
-    policy, alone = make_policy(), make_policy()
-    logprobs = policy.logprobs(padded)
-    assert logprobs[-1].numel() == 0
-    for got, want in zip(logprobs, alone.logprobs(mbs)):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-    def summed_advantage(inputs):
-        return -(inputs.logprobs * inputs["advantages"] * inputs.weights).sum()
-
-    with_empty = policy.train_step(padded, summed_advantage)
-    without = alone.train_step(mbs, summed_advantage)
-    assert torch.isfinite(with_empty.loss) and with_empty.num_tokens == without.num_tokens

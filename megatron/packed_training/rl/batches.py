@@ -28,6 +28,7 @@ from torch import Tensor
 from megatron.packed_training.datasets.packing import PAD_TOKEN_ID, segment_position_ids
 
 LOSS_WEIGHTS = "loss_weights"
+SEQUENCE_IDS = "sequence_ids"  # each position's sequence in the micro-batch (-1: padding)
 
 
 @dataclass
@@ -177,9 +178,10 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
     tensors = {LOSS_WEIGHTS: (mb.loss_weights if mb.loss_weights is not None
                               else torch.ones(num_tokens))}
     tensors |= dict(mb.tensors)
-    if LOSS_WEIGHTS in mb.tensors:
-        raise ValueError(f"{where}: tensors is wrong: it names {LOSS_WEIGHTS!r}. Pass the "
-                         f"weights as loss_weights.")
+    for reserved in (LOSS_WEIGHTS, SEQUENCE_IDS):
+        if reserved in mb.tensors:
+            raise ValueError(f"{where}: tensors is wrong: it names {reserved!r}, which the "
+                             f"library fills itself. Rename it.")
     if names is not None and sorted(mb.tensors) != sorted(names):
         raise ValueError(f"{where}: tensors is wrong: {sorted(mb.tensors)}, other micro-batches "
                          f"carry {sorted(names)}. Every micro-batch of a call carries the same "
@@ -204,6 +206,10 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
         return torch.cat([picked, tail]).reshape(1, row_positions)
 
     weights = tensors.pop(LOSS_WEIGHTS)
+    # Float, as every loss tensor (exact below 2**24 sequences a micro-batch).
+    sequence_ids = torch.full((1, row_positions), -1.0)
+    sequence_ids[0, :positions] = torch.from_numpy(
+        np.repeat(np.flatnonzero(lengths > 1), used).astype(np.float32))
     padding_mask = torch.zeros(1, row_positions, dtype=torch.bool)
     padding_mask[0, positions:] = True
     return {
@@ -216,7 +222,8 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
         "num_documents": len(used),
         "padding_mask": padding_mask,
         "max_seqlen": int(segments.max()),
-        "loss_tensors": {name: row(value, layout.targets, 0.0) for name, value in tensors.items()},
+        "loss_tensors": {name: row(value, layout.targets, 0.0) for name, value in tensors.items()}
+        | {SEQUENCE_IDS: sequence_ids},
         "layout": layout,
     }
 

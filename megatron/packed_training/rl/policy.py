@@ -26,13 +26,14 @@ arguments, timers and parallel state in process globals.
 import argparse
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
@@ -43,6 +44,7 @@ from megatron.packed_training.rl.batches import PackedSequences, check_values, l
 from megatron.packed_training.rl.steps import (
     INV_TEMPERATURE,
     LOGPROBS,
+    METRIC_NAMES,
     LogProbStep,
     LossFunction,
     PolicyLossStep,
@@ -62,7 +64,8 @@ class PolicyConfig:
     dest names (docs/config-api.md, `load_training_config`), or arguments it already gave.
     ``model``: "gpt" or "hybrid". ``check_inputs``: run the input health check on every call
     (`batches.check_values`: one host read per call; token ids in the vocabulary, loss tensors
-    finite).
+    finite). A config that does not set ``calculate_per_token_loss`` gets it on: RL's global
+    token-level normalization (the count over every micro-batch and data-parallel rank).
     """
 
     training: Union[str, os.PathLike, Mapping, argparse.Namespace]
@@ -76,9 +79,11 @@ class PolicyConfig:
                              f"'hybrid'.")
         if isinstance(self.training, argparse.Namespace):
             return self.training
-        from megatron.packed_training.config import load_training_config
+        from megatron.packed_training.config import _read_mapping, load_training_config
 
-        return load_training_config(self.training, self.model)
+        training = _read_mapping(self.training)
+        training.setdefault("calculate_per_token_loss", True)
+        return load_training_config(training, self.model)
 
 
 def check_library_layout(args) -> None:
@@ -101,8 +106,10 @@ def check_library_layout(args) -> None:
 class TrainResult:
     """One `PackedPolicy.train_step`.
 
-    ``loss``: 0-dim device tensor, this rank's loss summed over its micro-batches divided by
-    their token count; ``num_tokens``: that count (device). ``grad_norm``: the optimizer's
+    ``loss``: 0-dim device tensor, the loss summed over the micro-batches of every
+    data-parallel rank divided by their count (tokens, or sequences under
+    ``normalization="sequence"``); ``num_tokens``: that count (device). ``metrics``: the loss
+    function's metrics by name, reduced the same way (device tensors). ``grad_norm``: the optimizer's
     (a device tensor, a float, or None); ``update_successful``: False when the optimizer
     skipped the step (fp16 overflow). ``stats``: the graph runtime's counters of the
     iteration (``eager <reason>``, ``graph fallbacks``, capture time and memory). Reading a
@@ -114,6 +121,7 @@ class TrainResult:
     grad_norm: object
     update_successful: bool
     stats: dict
+    metrics: Dict[str, Tensor] = field(default_factory=dict)
 
 
 class PackedPolicy:
@@ -137,7 +145,7 @@ class PackedPolicy:
         self.lr_increment, self.check_inputs = lr_increment, check_inputs
         self._step_options = dict(step_options)
         self._logprob_step = LogProbStep(**self._step_options)
-        self._loss_steps: Dict[LossFunction, PolicyLossStep] = {}
+        self._loss_steps: Dict[tuple, PolicyLossStep] = {}  # by (loss_fn, normalization)
         self.last_stats: dict = {}  # the graph runtime's counters of the latest call
         schedule.listeners.append(self._record)
 
@@ -193,9 +201,11 @@ class PackedPolicy:
     # -- calls ---------------------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[PackedSequences], loss_fn: LossFunction, *,
-                   temperature: float = 1.0) -> TrainResult:
+                   temperature: float = 1.0, normalization: str = "token") -> TrainResult:
         """One optimizer step over ``micro_batches`` with the loss ``loss_fn`` (`LossInputs`
-        -> the micro-batch's loss summed over positions; rl/losses.py).
+        -> the micro-batch's loss summed over positions, or over sequences of their means
+        with ``normalization="sequence"``, optionally with metrics; `PolicyLossStep`,
+        rl/losses.py).
 
         Gradients are zeroed, the micro-batches run through megatron-core's schedule under
         their graph plans (forward, ``loss_fn``, backward; the data-parallel reduction), then
@@ -205,9 +215,15 @@ class PackedPolicy:
         before the optimizer steps, where megatron-core's rerun state machine rejects a
         result of the step and asks to end the process (`_forward_backward`)."""
         batches = self._prepare(micro_batches, temperature)
-        losses = self._forward_backward(self._loss_step(loss_fn), batches)
-        # Reduced now: under a full-iteration graph the reports are graph-owned.
-        total = torch.stack([report["loss"].reshape(-1)[:2] for report in losses]).sum(dim=0)
+        losses = self._forward_backward(self._loss_step(loss_fn, normalization), batches)
+        # Reduced now: under a full-iteration graph the reports are graph-owned. One
+        # collective over the data-parallel ranks; nothing is read back to the host.
+        total = torch.stack([report["loss"].reshape(-1) for report in losses]).sum(dim=0)
+        if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        count = total[1].clamp(min=1)
+        metrics = {name: total[2 + k] / count
+                   for k, name in enumerate(losses[0][METRIC_NAMES])} if losses else {}
         stepped = self.optimizer.step()
         self.schedule.close_iteration()  # a no-op where the step closed it (pretrain.py wraps it)
         if self.scheduler is not None:
@@ -215,9 +231,9 @@ class PackedPolicy:
         update_successful, grad_norm = True, None
         if isinstance(stepped, tuple):  # megatron-core: (update_successful, grad_norm, zeros)
             update_successful, grad_norm = bool(stepped[0]), stepped[1]
-        return TrainResult(loss=total[0] / total[1].clamp(min=1), num_tokens=total[1],
+        return TrainResult(loss=total[0] / count, num_tokens=total[1],
                            grad_norm=grad_norm, update_successful=update_successful,
-                           stats=dict(self.last_stats))
+                           stats=dict(self.last_stats), metrics=metrics)
 
     def logprobs(self, micro_batches: Sequence[PackedSequences], *, temperature: float = 1.0,
                  eager: bool = False) -> List[Tensor]:
@@ -281,11 +297,18 @@ class PackedPolicy:
         machine = get_rerun_state_machine()
         losses = None
         # No data iterator for the machine to rewind: a rerun reads the list again.
-        while machine.should_run_forward_backward(None):
-            self._zero_grads()
-            losses = self.schedule(forward_step_func=step, data_iterator=iter(batches),
-                                   model=self.model, num_microbatches=len(batches),
-                                   forward_only=False)
+        try:
+            while machine.should_run_forward_backward(None):
+                self._zero_grads()
+                losses = self.schedule(forward_step_func=step, data_iterator=iter(batches),
+                                       model=self.model, num_microbatches=len(batches),
+                                       forward_only=False)
+        except BaseException:
+            # A loss function that raised (bad output) must not leave the machine mid-run
+            # (the next step would find its run over and run nothing) nor the iteration open.
+            machine.should_run_forward_backward(None)
+            self.schedule.close_iteration()
+            raise
         stop = rerun_stop(machine)
         if stop is not None:
             self.schedule.close_iteration()  # no optimizer step will close it
@@ -300,19 +323,20 @@ class PackedPolicy:
                 chunk.zero_grad(set_to_none=True)
         self.optimizer.zero_grad()
 
-    def _loss_step(self, loss_fn: LossFunction) -> PolicyLossStep:
+    def _loss_step(self, loss_fn: LossFunction, normalization: str = "token") -> PolicyLossStep:
         if not callable(loss_fn):
             raise ValueError(f"loss_fn is wrong: a {type(loss_fn).__name__}. Pass a function "
                              f"of LossInputs (megatron.packed_training.rl.losses).")
-        step = self._loss_steps.get(loss_fn)
+        step = self._loss_steps.get((loss_fn, normalization))
         if step is not None:
             return step
         if self._loss_steps and self.runtime.config.full_iteration:
-            raise ValueError("loss_fn is wrong: another function than the earlier steps'. A "
-                             "full-iteration graph runs the loss it was captured with; bind "
-                             "the loss's settings once (functools.partial) and pass the same "
-                             "object every step.")
-        step = self._loss_steps[loss_fn] = PolicyLossStep(loss_fn, **self._step_options)
+            raise ValueError("loss_fn is wrong: another function (or normalization) than the "
+                             "earlier steps'. A full-iteration graph runs the loss it was "
+                             "captured with; bind the loss's settings once "
+                             "(functools.partial) and pass the same object every step.")
+        step = PolicyLossStep(loss_fn, normalization, **self._step_options)
+        self._loss_steps[(loss_fn, normalization)] = step
         return step
 
     def _record(self, split: str, stats: dict, losses) -> None:

@@ -27,9 +27,11 @@ from torch import Tensor
 from megatron.core import tensor_parallel
 
 from megatron.packed_training.packed_step import PackedForwardStep, PackedMicroBatch
+from megatron.packed_training.rl.batches import SEQUENCE_IDS
 
 INV_TEMPERATURE = "inv_temperature"  # the collated micro-batch's host key (a float)
 LOGPROBS = "logprobs"  # the report key of a LogProbStep micro-batch
+METRIC_NAMES = "metric_names"  # a PolicyLossStep report's host list: the metrics after loss, count
 
 
 @dataclass
@@ -53,12 +55,14 @@ class LossInputs:
     temperature (differentiable; padding positions hold the log-prob of a pad token: their
     weight is 0). ``weights``: the loss weights (0 on padding and on a sequence's first
     token). ``tensors``: the micro-batch's per-token tensors by name (``advantages``,
-    ``old_logprobs``, ...).
+    ``old_logprobs``, ...). ``sequence_ids``: each position's sequence within the
+    micro-batch (0, 1, ...; -1 on padding), float32, for per-sequence reductions.
     """
 
     logprobs: Tensor
     weights: Tensor
     tensors: Dict[str, Tensor]
+    sequence_ids: Optional[Tensor] = None
 
     def __getitem__(self, name: str) -> Tensor:
         """``inputs["advantages"]``; a missing name raises naming the ones there are."""
@@ -125,40 +129,86 @@ def report_logprobs(output: Tensor):
     return zero, one, {LOGPROBS: output.detach().reshape(-1).clone()}
 
 
-LossFunction = Callable[[LossInputs], Tensor]
+LossFunction = Callable[[LossInputs], object]
+LOSS_NORMALIZATIONS = ("token", "sequence")
+
+
+def per_sequence_means(per_token: Tensor, inputs: LossInputs) -> Tensor:
+    """Each sequence's weighted mean of ``per_token`` (``[T]``): float32 ``[T]``, one value per
+    sequence id (sequences without weight: 0). Device work only."""
+    ids = inputs.sequence_ids.clamp(min=0).long()
+    size = per_token.numel()  # at most one sequence per position: no host read of the count
+    sums = torch.zeros(size, dtype=torch.float32, device=per_token.device).index_add(
+        0, ids, (per_token * inputs.weights).float())
+    counts = torch.zeros(size, dtype=torch.float32, device=per_token.device).index_add(
+        0, ids, inputs.weights.float())
+    return torch.where(counts > 0, sums / counts.clamp(min=1e-12), 0.0)
 
 
 class PolicyLossStep(LogProbStep):
     """Forward step of `train_step`: log-probs, then ``loss_fn`` of them.
 
-    ``loss_fn(inputs: LossInputs) -> Tensor``: the micro-batch's loss, a 0-dim tensor, the
-    **sum** over its positions (weighted, e.g. ``(per_token * inputs.weights).sum()``).
-    megatron-core divides by the token count (with ``calculate_per_token_loss``, the global
+    ``loss_fn(inputs: LossInputs)`` returns the micro-batch's loss, a 0-dim tensor, or
+    ``(loss, {name: 0-dim device tensor})`` with metrics. Both are **sums**, as megatron-core
+    divides by a count (with ``calculate_per_token_loss``, the policy's default, the global
     count over micro-batches and data-parallel ranks; else each micro-batch's, averaged over
-    micro-batches). The token count is the number of positions of positive weight.
+    micro-batches), and `PackedPolicy.train_step` divides the metrics by the same count:
+
+    * ``normalization="token"``: the loss summed over positions (weighted, e.g.
+      ``(per_token * inputs.weights).sum()``); the count is the positions of positive weight.
+    * ``normalization="sequence"``: the loss summed over sequences of each sequence's mean
+      (`per_sequence_means`, then ``.sum()``: GSPO / Dr. GRPO style); the count is the
+      sequences with a position of positive weight.
     """
 
     carries_loss_tensors = True
 
-    def __init__(self, loss_fn: LossFunction, **kwargs):
+    def __init__(self, loss_fn: LossFunction, normalization: str = "token", **kwargs):
         super().__init__(**kwargs)
-        self.loss_fn = loss_fn
+        if normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(f"normalization is wrong: {normalization!r}. Use one of "
+                             f"{', '.join(LOSS_NORMALIZATIONS)}.")
+        self.loss_fn, self.normalization = loss_fn, normalization
 
     def run(self, model, mb: PolicyMicroBatch):
         return self.logprobs(model, mb), partial(self.loss, mb)
 
     def loss(self, mb: PolicyMicroBatch, logprobs: Tensor):
         weights = mb.loss_mask.reshape(-1).float()
-        inputs = LossInputs(logprobs.reshape(-1), weights,
-                            {name: value.reshape(-1) for name, value in mb.loss_tensors.items()})
-        loss = self.loss_fn(inputs)
+        tensors = {name: value.reshape(-1) for name, value in mb.loss_tensors.items()}
+        sequence_ids = tensors.pop(SEQUENCE_IDS, None)
+        inputs = LossInputs(logprobs.reshape(-1), weights, tensors, sequence_ids)
+        loss, metrics = self._checked(self.loss_fn(inputs), logprobs.device)
+        if self.normalization == "token":
+            num_tokens = (weights > 0).sum().to(torch.int)
+        else:  # sequences with a weighted position (a scatter: no host read)
+            per_sequence = torch.zeros_like(weights).index_add(
+                0, sequence_ids.clamp(min=0).long(), weights)
+            num_tokens = (per_sequence > 0).sum().to(torch.int)
+        values = [loss.detach().float().view(1), num_tokens.float().view(1)]
+        values += [metrics[name].detach().float().view(1) for name in sorted(metrics)]
+        return loss, num_tokens, {"loss": torch.cat(values), METRIC_NAMES: sorted(metrics)}
+
+    @staticmethod
+    def _checked(result, device) -> tuple:
+        """``(loss, metrics)`` of a loss function's result; ValueError naming what is wrong."""
+        loss, metrics = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
         if not torch.is_tensor(loss) or loss.numel() != 1 or not loss.is_floating_point():
             shown = (f"shape {tuple(loss.shape)}, dtype {loss.dtype}" if torch.is_tensor(loss)
                      else f"a {type(loss).__name__}")
             raise ValueError(f"loss_fn's result is wrong: {shown}. Return the micro-batch's "
                              f"loss summed over its positions, a 0-dim floating tensor of "
-                             f"the log-probs (e.g. (per_token * inputs.weights).sum()).")
-        loss = loss.reshape(())
-        num_tokens = (weights > 0).sum().to(torch.int)
-        report = torch.cat([loss.detach().float().view(1), num_tokens.float().view(1)])
-        return loss, num_tokens, {"loss": report}
+                             f"the log-probs (e.g. (per_token * inputs.weights).sum()), or "
+                             f"(loss, {{name: 0-dim tensor}}) with metrics.")
+        if not isinstance(metrics, dict):
+            raise ValueError(f"loss_fn's metrics are wrong: a {type(metrics).__name__}. "
+                             f"Return (loss, {{name: 0-dim device tensor}}).")
+        for name, value in metrics.items():
+            if (not isinstance(name, str) or not torch.is_tensor(value) or value.numel() != 1
+                    or value.device != device):
+                shown = (f"shape {tuple(value.shape)} on {value.device}"
+                         if torch.is_tensor(value) else f"a {type(value).__name__}")
+                raise ValueError(f"loss_fn's metric {name!r} is wrong: {shown}. Give a 0-dim "
+                                 f"tensor on {device}, summed over the micro-batch like the "
+                                 f"loss (a float would read the device back: a host sync).")
+        return loss.reshape(()), metrics
