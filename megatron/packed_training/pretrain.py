@@ -73,8 +73,8 @@ def packed_data_provider(packed_rows: dict | None):
             built["test"] = build_test_dataset(args, packed)
             if stats is not None:
                 print_rank_0(f" > packed training data: {describe_packing(stats)}")
-            if size > 1 and not args.mock_data and not args.dynamic_cp_sizes:
-                print_rank_0(f" > {describe_balance(built['train'], args, size)}")
+            if size > 1 and args.rank == 0 and not args.mock_data and not args.dynamic_cp_sizes:
+                print(f" > {describe_balance(built['train'], args, size)}", flush=True)
         train, valid = build_rank_iterators(built["train"], built["valid"], args, rank, size)
         test = None if built["test"] is None else build_data_iterator(
             built["test"], 0, args.micro_batch_size, rank, size)

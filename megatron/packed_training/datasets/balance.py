@@ -9,6 +9,8 @@ longest-processing-time rule). Every rank computes the same order from the same 
 so no communication is needed, and resuming at a step boundary continues exactly.
 """
 
+import heapq
+
 import numpy as np
 import torch
 
@@ -23,13 +25,13 @@ def balanced_order(tokens: np.ndarray, data_parallel_size: int, micro_batch_size
     ``r``'s ``t``-th row goes to position ``(t // mbs) * mbs * dp + r * mbs + t % mbs``."""
     size = len(tokens)
     per_rank = size // data_parallel_size
-    totals = np.zeros(data_parallel_size, dtype=np.int64)
     rows = [[] for _ in range(data_parallel_size)]
+    open_ranks = [(0, rank) for rank in range(data_parallel_size)]  # (tokens, rank), a heap
     for row in np.lexsort((np.arange(size), -tokens)).tolist():
-        open_ranks = [r for r in range(data_parallel_size) if len(rows[r]) < per_rank]
-        rank = min(open_ranks, key=lambda r: (totals[r], r))
+        total, rank = heapq.heappop(open_ranks)
         rows[rank].append(row)
-        totals[rank] += tokens[row]
+        if len(rows[rank]) < per_rank:  # a full rank leaves the heap
+            heapq.heappush(open_ranks, (total + int(tokens[row]), rank))
     order = np.empty(size, dtype=np.int64)
     for rank, taken in enumerate(rows):
         for t, row in enumerate(taken):
@@ -83,7 +85,7 @@ class DataParallelBalanced(torch.utils.data.Dataset):
 
 
 def balance_report(dataset, global_batch_size: int, data_parallel_size: int,
-                   micro_batch_size: int, max_steps: int = 1000) -> tuple[float, float]:
+                   micro_batch_size: int, max_steps: int = 100) -> tuple[float, float]:
     """``(mean, worst)`` over the first ``max_steps`` global batches of ``dataset`` of the
     largest rank's real tokens over the ranks' mean: 1.0 is perfect balance."""
     ratios = []
