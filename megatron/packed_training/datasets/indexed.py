@@ -1,8 +1,9 @@
 """Megatron-LM's indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``) as a packer's document source.
 
 The files are what Megatron-LM's ``tools/preprocess_data.py`` and megatron-core's
-``IndexedDatasetBuilder`` write; megatron-core's ``IndexedDataset`` reads them, memory-mapped,
-so a rank holds only the index (12 bytes per sequence) and the pages it touches. A document is
+``IndexedDatasetBuilder`` write; megatron-core's ``IndexedDataset`` reads them: the index
+memory-mapped (12 bytes per sequence), the tokens by file reads of what a row needs, so a
+rank's memory does not grow as it reads on. A document is
 Megatron's: the sequences between two entries of the document index, back to back (one
 sequence per document unless the data was split into sentences).
 
@@ -84,7 +85,9 @@ class IndexedSource:
         if sequences == 0:  # nothing to map (numpy cannot map an empty .bin)
             self.tokens, self.lengths = None, np.zeros(0, dtype=np.int64)
             return
-        self.tokens = IndexedDataset(prefix)
+        # File reads, not a mapping of the .bin: rows gather documents from all over it, and
+        # mapped pages (with read-ahead) would count in every rank's memory as it reads on.
+        self.tokens = IndexedDataset(prefix, mmap=False)
         bounds = np.asarray(self.tokens.document_indices, dtype=np.int64)
         sequence_lengths = np.asarray(self.tokens.sequence_lengths, dtype=np.int64)
         self._bounds = bounds
@@ -103,7 +106,7 @@ class IndexedSource:
                     f"{flag} is wrong: {prefix}.bin is {os.path.getsize(prefix + '.bin')} bytes, "
                     f"but its index points to {needed}: the file is truncated. {REBUILD}.")
         if loss_mask_prefix is not None:
-            self.loss_masks = IndexedDataset(loss_mask_prefix)
+            self.loss_masks = IndexedDataset(loss_mask_prefix, mmap=False)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -125,7 +128,7 @@ class IndexedSource:
 
     def read(self, document: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Tokens ``[start, end)`` of ``document`` (int64) and their loss mask (float32, or None:
-        every token counts). Reads the mapped file: no copy of the dataset is held."""
+        every token counts). Reads the files: no copy of the dataset is held."""
         ids = self._read(self.tokens, document, start, end).astype(np.int64)
         if self.loss_masks is None:
             return ids, None
@@ -134,19 +137,23 @@ class IndexedSource:
     def check_token_ids(self, vocab_size: int, flag: str = "--data-path",
                         chunk: int = 1 << 26) -> None:
         """ValueError naming the first document holding a token id outside ``[0, vocab_size)``.
-        Scans the mapped ``.bin`` in chunks of ``chunk`` tokens (host memory: one chunk)."""
+        Reads the ``.bin`` in chunks of ``chunk`` tokens (host memory: one chunk)."""
         if self.tokens is None:
             return
-        buffer = np.memmap(self.name + ".bin", dtype=self.tokens.index.dtype, mode="r")
-        for start in range(0, len(buffer), chunk):
-            part = buffer[start:start + chunk]
-            if len(part) == 0 or (int(part.max()) < vocab_size and int(part.min()) >= 0):
-                continue
-            bad = start + int(np.flatnonzero((part >= vocab_size) | (part < 0))[0])
-            sequence = int(np.searchsorted(
-                self.tokens.index.sequence_pointers // buffer.itemsize, bad, side="right")) - 1
-            document = int(np.searchsorted(self._bounds, sequence, side="right")) - 1
-            raise ValueError(
-                f"{flag} is wrong: {self.origin(document)} holds token id {int(buffer[bad])}, "
-                f"not below the vocabulary size {vocab_size}. Set --vocab-size (or the tokenizer "
-                f"flags) to the tokenizer the data was written with.")
+        dtype = np.dtype(self.tokens.index.dtype)
+        with open(self.name + ".bin", "rb") as stream:
+            start = 0
+            while len(part := np.fromfile(stream, dtype=dtype, count=chunk)):
+                if int(part.max()) >= vocab_size or int(part.min()) < 0:
+                    break
+                start += len(part)
+            else:
+                return
+        bad = int(np.flatnonzero((part >= vocab_size) | (part < 0))[0])
+        sequence = int(np.searchsorted(self.tokens.index.sequence_pointers // dtype.itemsize,
+                                       start + bad, side="right")) - 1
+        document = int(np.searchsorted(self._bounds, sequence, side="right")) - 1
+        raise ValueError(
+            f"{flag} is wrong: {self.origin(document)} holds token id {int(part[bad])}, not "
+            f"below the vocabulary size {vocab_size}. Set --vocab-size (or the tokenizer flags) "
+            f"to the tokenizer the data was written with.")
