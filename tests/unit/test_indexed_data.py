@@ -234,7 +234,7 @@ def test_a_folder_of_jsonl_files_is_one_source_in_name_order(tmp_path):
 
 
 def open_cache(path, tmp_path, build=True, vocab=VOCAB, tokenizer=None, **kw):
-    return open_cached_source(str(path), vocab_size=vocab, tokenizer=None,
+    return open_cached_source(str(path), vocab_size=vocab, load_tokenizer=lambda: None,
                               tokenizer_key=tokenizer,
                               cache_root=str(tmp_path / "cache"), build=build, **kw)
 

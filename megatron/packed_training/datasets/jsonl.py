@@ -123,6 +123,15 @@ def _decode_line(raw: bytes, path: str, line_number: int) -> str:
 
 
 def _parse_input_ids(value, where: str, vocab_size: int) -> np.ndarray:
+    # The common case at C speed (a list of JSON integers in range); anything else takes the
+    # element-wise checks below, which name the first bad element.
+    if isinstance(value, list) and value and set(map(type, value)) == {int}:
+        try:
+            ids = np.array(value, dtype=np.int64)
+        except OverflowError:
+            ids = None
+        if ids is not None and ids.min() >= 0 and ids.max() < vocab_size:
+            return ids
     if not isinstance(value, list):
         raise ValueError(
             f"{where}: input_ids is wrong: a JSON {type(value).__name__}. Write a list of token ids."
@@ -161,6 +170,10 @@ def _parse_loss_mask(value, where: str, num_tokens: int) -> np.ndarray | None:
             f"{where}: loss_mask is wrong: {len(value)} values for {num_tokens} input_ids. "
             f"Give one 0/1 per token."
         )
+    if set(map(type, value)) <= {int, bool}:  # the common case, checked at C speed
+        mask = np.array(value, dtype=np.int64)
+        if ((mask == 0) | (mask == 1)).all():
+            return mask.astype(np.float32)
     for index, flag in enumerate(value):
         if type(flag) not in (int, bool) or flag not in (0, 1):
             raise ValueError(

@@ -152,7 +152,7 @@ def open_source(path: str, args: Namespace, flag: str, build: bool,
             f"(the tokenizer's vocabulary size) so the ids can be checked.")
     if os.path.isfile(path) or os.path.isdir(path):
         source, cache = open_cached_source(
-            path, vocab_size=args.vocab_size, tokenizer=tokenizer_from_args(args),
+            path, vocab_size=args.vocab_size, load_tokenizer=lambda: tokenizer_from_args(args),
             tokenizer_key=tokenizer_fingerprint(getattr(args, "tokenizer_type", None),
                                                 getattr(args, "tokenizer_model", None)),
             cache_root=getattr(args, "data_cache_path", None), build=build, flag=flag,

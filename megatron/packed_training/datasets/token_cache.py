@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -135,7 +136,7 @@ def _read_meta(folder: str) -> dict | None:
         return None
 
 
-def _build(files: list[str], folder: str, vocab_size: int, tokenizer, print_fn,
+def _build(files: list[str], folder: str, vocab_size: int, load_tokenizer, print_fn,
            flag: str) -> tuple[dict, str]:
     """Stream ``files`` into a new cache beside ``folder``; returns its counts and the folder
     it was built in (renamed by the caller). Nothing is left if a line is bad (the ValueError
@@ -160,6 +161,7 @@ def _build(files: list[str], folder: str, vocab_size: int, tokenizer, print_fn,
                                        dtype=DType.optimal_dtype(vocab_size))
         masks = IndexedDatasetBuilder(os.path.join(building, "loss_mask.bin"), dtype=np.uint8)
         lines, file_of, chat, total, started = [], [], ChatStats(), 0, time.time()
+        tokenizer = load_tokenizer()
         for index, path in enumerate(files):
             for document in read_documents(path, vocab_size, tokenizer, chat):
                 ids = document.input_ids
@@ -184,14 +186,16 @@ def _build(files: list[str], folder: str, vocab_size: int, tokenizer, print_fn,
         raise
 
 
-def open_cached_source(path: str, *, vocab_size: int, tokenizer, tokenizer_key: dict | None,
+def open_cached_source(path: str, *, vocab_size: int, load_tokenizer: Callable[[], object],
+                       tokenizer_key: dict | None,
                        cache_root: str | None, build: bool, flag: str = "--data-path",
                        print_fn=None, wait_seconds: float = 3600.0) -> tuple[IndexedSource, CacheInfo]:
     """The cached documents of JSONL source ``path`` (`IndexedSource` with loss masks and
     ``file:line`` origins) and the `CacheInfo`.
 
     ``build``: this rank builds or rebuilds a missing or stale cache (the first rank); the
-    others wait up to ``wait_seconds`` for one whose fingerprint matches, then fail naming it."""
+    others wait up to ``wait_seconds`` for one whose fingerprint matches, then fail naming it.
+    ``load_tokenizer``: called only to build (a reused cache needs no tokenizer)."""
     files = source_files(path, flag)
     wanted = fingerprint(files, vocab_size, tokenizer_key)
     folder = cache_folder(path, cache_root)
@@ -199,7 +203,7 @@ def open_cached_source(path: str, *, vocab_size: int, tokenizer, tokenizer_key: 
     if meta is None or _stale_reason(meta, wanted):
         if build:
             why = _stale_reason(meta, wanted)
-            counts, building = _build(files, folder, vocab_size, tokenizer, print_fn, flag)
+            counts, building = _build(files, folder, vocab_size, load_tokenizer, print_fn, flag)
             meta = wanted | counts
             with open(os.path.join(building, "meta.json"), "w") as stream:
                 json.dump(meta, stream, indent=1)
