@@ -82,6 +82,7 @@ class IndexedSource:
         self.name = prefix
         self.origins = origins
         self.loss_masks = None
+        self._files = {}  # (prefix, pid) -> descriptor of the .bin
         if sequences == 0:  # nothing to map (numpy cannot map an empty .bin)
             self.tokens, self.lengths = None, np.zeros(0, dtype=np.int64)
             return
@@ -120,11 +121,17 @@ class IndexedSource:
         return f"{self.name} document {document}"
 
     def _read(self, dataset, document: int, start: int, end: int) -> np.ndarray:
-        if self._one_sequence_each:
-            return dataset.get(int(document), offset=start, length=end - start)
-        first, last = int(self._bounds[document]), int(self._bounds[document + 1])
-        whole = np.concatenate([dataset.get(i) for i in range(first, last)])
-        return whole[start:end]
+        """Tokens ``[start, end)`` of ``document``: one positioned read of the ``.bin`` (a
+        document's sequences lie back to back there), on a descriptor kept per process."""
+        index = dataset.index
+        dtype = np.dtype(index.dtype)
+        first = int(self._bounds[document]) if not self._one_sequence_each else document
+        offset = int(index.sequence_pointers[first]) + start * dtype.itemsize
+        key = (dataset.path_prefix, os.getpid())  # DataLoader workers fork: their own
+        if key not in self._files:
+            self._files[key] = os.open(dataset.path_prefix + ".bin", os.O_RDONLY)
+        data = os.pread(self._files[key], (end - start) * dtype.itemsize, offset)
+        return np.frombuffer(data, dtype=dtype)
 
     def read(self, document: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Tokens ``[start, end)`` of ``document`` (int64) and their loss mask (float32, or None:
