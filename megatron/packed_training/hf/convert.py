@@ -6,14 +6,11 @@ one layer at a time and writes Hugging Face shards. Neither holds the model in m
 """
 
 import argparse
-import dataclasses
 import os
 import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Sequence
-
-import torch
 
 from megatron.packed_training.hf import torch_dist
 from megatron.packed_training.hf.config import ConversionError, HFConfig
@@ -21,7 +18,9 @@ from megatron.packed_training.hf.families import describe
 from megatron.packed_training.hf.mapping import (
     TensorEntry,
     checkpoint_layout,
-    hf_shapes,
+    export_groups,
+    export_layout,
+    hf_tensors,
     megatron_shape,
     with_dims,
 )
@@ -284,31 +283,6 @@ def _volume(shape) -> int:
     return volume
 
 
-def _export_layout(mapping, metadata: dict):
-    """The mapping's checkpoint layout, stacked or per layer as the checkpoint is, with every
-    entry's shape and dtype from the checkpoint; a `ConversionError` where they differ."""
-    first = mapping.layers[0].rules[0].megatron if mapping.layers else None
-    if first is not None:
-        stacked = f"decoder.layers.{first}" in metadata
-        if stacked and len(set(mapping.layers)) > 1:
-            raise ConversionError("the checkpoint stacks its layers, but the config.json "
-                                  "describes layers of different kinds")
-        mapping = dataclasses.replace(mapping, stacked=stacked)
-    entries, _ = checkpoint_layout(mapping)
-    for entry in entries.values():
-        if entry.key not in metadata:
-            raise ConversionError(
-                f"the checkpoint has no {entry.key}, which the model of this config.json has; "
-                "pass the --hf-config of the model the checkpoint was trained from")
-        shape, dtype = metadata[entry.key]
-        stacked = len(entry.stacked_axes)
-        if shape[:stacked] != entry.stacked_axes:
-            raise ConversionError(f"{entry.key} stacks {shape[:stacked]} layers / experts in "
-                                  f"the checkpoint, {entry.stacked_axes} in the config.json")
-        entry.shape, entry.dtype = tuple(shape[stacked:]), dtype
-    return mapping, entries
-
-
 def export_hf(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
               hf_config: str | os.PathLike | None = None,
               max_shard_bytes: int = 5 * 10 ** 9) -> ConversionResult:
@@ -336,59 +310,22 @@ def export_hf(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
     with torch_dist.single_process_group():
         metadata = torch_dist.tensor_metadata(folder)
         rows = metadata.get("embedding.word_embeddings.weight", ((0,), None))[0][0]
-        mapping, entries = _export_layout(
+        mapping, entries = export_layout(
             with_dims(converted.mapping, padded_vocab_size=rows), metadata)
         if rows < mapping.dims.vocab_size:
             notes.append(f"the checkpoint has {rows} vocabulary rows, config.json "
                          f"{mapping.dims.vocab_size}: the missing rows are written as zeros")
-        for group in _read_groups(entries.values()):
+        for group in export_groups(entries.values()):
             requests = {f"{entry.key}@{piece.index}": torch_dist.Request(
                 entry.key, entry.global_shape, entry.dtype, piece.index)
                 for entry, piece in group}
-            loaded = torch_dist.read_tensors(folder, requests)
-            sections: dict[str, list] = {}
-            for entry, piece in group:
-                tensor = loaded[f"{entry.key}@{piece.index}"]
-                hf = piece.rule.transform.to_hf(tensor, mapping.dims)
-                if piece.rule.transform.rows is not None:  # a section of one HF tensor
-                    sections.setdefault(piece.hf[0], []).append(
-                        (piece.rule.transform.rows, hf[0]))
-                    continue
-                expected = hf_shapes(piece, entry.shape, entry.dtype, mapping.dims)
-                for name, value, shape in zip(piece.hf, hf, expected):
-                    assert tuple(value.shape) == shape, (name, value.shape, shape)
-                    writer.add(name, value)
-            for name, parts in sections.items():
-                writer.add(name, _join_sections(name, parts))
+            loaded = torch_dist.read_tensors(folder, requests)  # one layer at a time
+            read = ((entry, piece, loaded[f"{entry.key}@{piece.index}"]) for entry, piece in group)
+            for name, value in hf_tensors(read, mapping.dims):
+                writer.add(name, value)
             del loaded
     writer.close()
     copy_side_files(config_folder, output)
     parameters = sum(_volume(entry.global_shape) for entry in entries.values())
     return ConversionResult(converted.family, converted.script, checkpoint, output,
                             parameters=parameters, bytes=writer.total_bytes, notes=notes)
-
-
-def _join_sections(name: str, parts: list) -> torch.Tensor:
-    """The Hugging Face tensor ``name`` from its row sections [((start, stop), rows)]."""
-    parts = sorted(parts, key=lambda part: part[0][0])
-    position = 0
-    for (start, stop), rows in parts:
-        if start != position or rows.shape[0] != stop - start:
-            raise ConversionError(f"{name}: its sections do not tile it (rows {start}:{stop} "
-                                  f"after {position})")
-        position = stop
-    return torch.cat([rows for _, rows in parts])
-
-
-def _read_groups(entries):
-    """(entry, piece) pairs grouped for one read each: every model-wide tensor alone, then
-    each layer's tensors (experts included) together: one layer in memory at a time."""
-    by_layer: dict = {}
-    for entry in entries:
-        for piece in entry.pieces:
-            if piece.layer is None:
-                yield [(entry, piece)]
-            else:
-                by_layer.setdefault(piece.layer, []).append((entry, piece))
-    for layer in sorted(by_layer):
-        yield by_layer[layer]

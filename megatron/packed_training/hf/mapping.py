@@ -24,14 +24,21 @@ a block with unlike layers (--moe-layer-freq as a list, every hybrid stack) stor
 layer (``decoder.layers.3.mlp.linear_fc1.weight``) with experts as the first axis. Full,
 unsharded tensors under these keys load at any TP / PP / EP through dist_checkpointing,
 which reads each rank's part.
+
+The export direction, one function per step for both exporters (`convert.export_hf` reading a
+torch_dist checkpoint, `rl.export.export_weights` gathering a policy's live parameters):
+`export_layout` (the layout as the source stores it), `export_groups` (pieces in export order,
+by layer) and `hf_tensors` (each piece's whole Megatron tensor -> its Hugging Face tensors).
 """
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
+from torch import Tensor
 
+from megatron.packed_training.hf.config import ConversionError
 from megatron.packed_training.hf.transforms import IDENTITY, Dims, Transform
 
 MODEL, LAYER, EXPERT = "model", "layer", "expert"
@@ -257,3 +264,90 @@ def hf_shapes(piece: Piece, shape: tuple, dtype: torch.dtype, dims: Dims) -> lis
 
 def with_dims(mapping: ModelMapping, **changes) -> ModelMapping:
     return dataclasses.replace(mapping, dims=dataclasses.replace(mapping.dims, **changes))
+
+
+# -- the export direction: shared by `convert.export_hf` (a torch_dist checkpoint on disk) and
+# -- `rl.export.export_weights` (a policy's live parameters)
+
+CHECKPOINT_FIX = "pass the --hf-config of the model the checkpoint was trained from"
+
+
+def export_layout(mapping: ModelMapping, metadata: dict, *, holder: str = "the checkpoint",
+                  fix: str = CHECKPOINT_FIX) -> tuple[ModelMapping, dict[str, TensorEntry]]:
+    """The mapping's layout as ``holder`` stores it: stacked or one key per layer, whichever
+    its keys are, every entry's shape and dtype from ``metadata`` ({key: (global shape,
+    dtype)}); a `ConversionError` ending in ``fix`` where the two differ."""
+    first = mapping.layers[0].rules[0].megatron if mapping.layers else None
+    if first is not None:
+        stacked = f"{LAYER_PREFIX}{first}" in metadata
+        if stacked and len(set(mapping.layers)) > 1:
+            raise ConversionError(f"{holder} stacks its layers, but the config.json describes "
+                                  "layers of different kinds")
+        mapping = dataclasses.replace(mapping, stacked=stacked)
+    entries, _ = checkpoint_layout(mapping)
+    for entry in entries.values():
+        if entry.key not in metadata:
+            raise ConversionError(f"{holder} has no {entry.key}, which the model of this "
+                                  f"config.json has; {fix}")
+        shape, dtype = metadata[entry.key]
+        stacked = len(entry.stacked_axes)
+        if tuple(shape[:stacked]) != entry.stacked_axes:
+            raise ConversionError(f"{entry.key} stacks {tuple(shape[:stacked])} layers / experts "
+                                  f"in {holder}, {entry.stacked_axes} in the config.json")
+        entry.shape, entry.dtype = tuple(shape[stacked:]), dtype
+    return mapping, entries
+
+
+def export_groups(entries: Iterable[TensorEntry]) -> Iterator[list[tuple[TensorEntry, Piece]]]:
+    """(entry, piece) pairs in export order, grouped: every model-wide tensor alone, then each
+    layer's tensors (experts included) together. A group holds every row section of its
+    Hugging Face tensors (`hf_tensors` joins them at its end)."""
+    by_layer: dict = {}
+    for entry in entries:
+        for piece in entry.pieces:
+            if piece.layer is None:
+                yield [(entry, piece)]
+            else:
+                by_layer.setdefault(piece.layer, []).append((entry, piece))
+    for layer in sorted(by_layer):
+        yield by_layer[layer]
+
+
+def hf_tensors(pieces: Iterable[tuple[TensorEntry, Piece, Tensor]],
+               dims: Dims) -> Iterator[tuple[str, Tensor]]:
+    """The Hugging Face tensors ``(name, tensor)`` of one `export_groups` group, from each
+    piece's whole Megatron tensor (``entry.shape``, every layer / expert axis taken off): the
+    piece's transform in the export direction, each result of the shape the mapping gives.
+
+    Lazy, one piece at a time: ``pieces`` is read as the tensors are asked for, and only row
+    sections of one Hugging Face tensor (Mamba's in_proj and conv1d) wait, to be joined after
+    the group's last piece. A tensor the transform passes through unchanged is the given
+    tensor itself (no copy)."""
+    sections: dict[str, list] = {}
+    for entry, piece, tensor in pieces:
+        if tuple(tensor.shape) != entry.shape:
+            raise ConversionError(f"{entry.key} of {', '.join(piece.hf)}: a "
+                                  f"{tuple(tensor.shape)} tensor, the mapping's is {entry.shape}")
+        transform = piece.rule.transform
+        hf = transform.to_hf(tensor, dims)
+        if transform.rows is not None:  # a section of one Hugging Face tensor
+            sections.setdefault(piece.hf[0], []).append((transform.rows, hf[0]))
+            continue
+        expected = hf_shapes(piece, entry.shape, entry.dtype, dims)
+        for name, value, shape in zip(piece.hf, hf, expected):
+            assert tuple(value.shape) == shape, (name, value.shape, shape)
+            yield name, value
+    for name, parts in sections.items():
+        yield name, join_sections(name, parts)
+
+
+def join_sections(name: str, parts: list) -> Tensor:
+    """The Hugging Face tensor ``name`` from its row sections [((start, stop), rows)]."""
+    parts = sorted(parts, key=lambda part: part[0][0])
+    position = 0
+    for (start, stop), rows in parts:
+        if start != position or rows.shape[0] != stop - start:
+            raise ConversionError(f"{name}: its sections do not tile it (rows {start}:{stop} "
+                                  f"after {position})")
+        position = stop
+    return torch.cat([rows for _, rows in parts])

@@ -7,6 +7,8 @@
     old_lp = policy.logprobs(rollouts)
     result = policy.train_step(micro_batches, loss_fn)        # training graphs + optimizer
     policy.load_weights(new_weights)                          # a refit, in place
+    for name, tensor in policy.export_weights():              # Hugging Face names: an engine
+        ...
 
 Everything runs through the one graph runtime of the run (megatron/packed_graphs/runtime.py)
 behind the seam (`GraphRuntimeSchedule`, megatron-core's forward-backward function with
@@ -66,11 +68,17 @@ class PolicyConfig:
     (`batches.check_values`: one host read per call; token ids in the vocabulary, loss tensors
     finite). A config that does not set ``calculate_per_token_loss`` gets it on: RL's global
     token-level normalization (the count over every micro-batch and data-parallel rank).
+    ``hf_config``: a folder holding the model's Hugging Face config.json, which names its
+    family for `PackedPolicy.export_weights` (rl/export.py); unset, the converted checkpoint
+    the training config starts from (``pretrained_checkpoint`` or ``load``, where
+    tools/convert_hf.py import put config.json beside megatron_flags.txt), else none (the
+    policy exports nothing). A family the converter does not map is refused at `build`.
     """
 
     training: Union[str, os.PathLike, Mapping, argparse.Namespace]
     model: str = "gpt"
     check_inputs: bool = True
+    hf_config: Optional[Union[str, os.PathLike]] = None
 
     def args(self) -> argparse.Namespace:
         """The validated training arguments."""
@@ -132,13 +140,17 @@ class PackedPolicy:
     for ``runtime``; ``step_options``: the forward steps' settings (`LogProbStep` keywords);
     ``row_positions``: positions of a packed row, micro_batch_size x seq_length;
     ``lr_increment``: samples the learning-rate schedule advances per step (Megatron-LM's:
-    the global batch size).
+    the global batch size). ``hf_config``: the model's Hugging Face family for
+    `export_weights` (anything `export.hf_mapping` takes: a config.json folder, a family's
+    ``Converted``), or None.
     """
 
     def __init__(self, model: Sequence[torch.nn.Module], optimizer, runtime, schedule, *,
                  row_positions: int, vocab_size: int, step_options: dict,
-                 scheduler=None, lr_increment: int = 1, check_inputs: bool = True):
+                 scheduler=None, lr_increment: int = 1, check_inputs: bool = True,
+                 hf_config=None):
         self.model = list(model)
+        self.hf_mapping = None if hf_config is None else export_module().hf_mapping(hf_config)
         self.optimizer, self.scheduler, self.runtime = optimizer, scheduler, runtime
         self.schedule = schedule
         self.row_positions, self.vocab_size = row_positions, vocab_size
@@ -158,6 +170,7 @@ class PackedPolicy:
         Needs a CUDA device; under torchrun each rank builds its part."""
         args = config.args()
         check_library_layout(args)
+        family = hf_family(config, args)  # before any GPU work: a family it cannot export
         if not torch.cuda.is_available():
             raise RuntimeError("PackedPolicy.build needs a CUDA device (megatron-core's DDP, "
                                "optimizer and graphs are CUDA-only); none is visible.")
@@ -196,7 +209,7 @@ class PackedPolicy:
                    row_positions=args.micro_batch_size * args.seq_length,
                    vocab_size=args.padded_vocab_size, scheduler=scheduler,
                    lr_increment=args.global_batch_size, check_inputs=config.check_inputs,
-                   step_options=step_options(args, config.model))
+                   step_options=step_options(args, config.model), hf_config=family)
 
     # -- calls ---------------------------------------------------------------------------------
 
@@ -272,6 +285,24 @@ class PackedPolicy:
         reload = getattr(self.optimizer, "reload_model_params", None)  # megatron-core's
         if reload is not None:
             reload()
+
+    def export_weights(self, bucket_bytes: Optional[int] = None):
+        """The live weights under Hugging Face names, in the Hugging Face layout of the
+        policy's family, for an inference engine's refit: ``(name, tensor)`` pairs, or with
+        ``bucket_bytes`` lists of them of about that many bytes (`export.export_weights`,
+        docs/rl.md "Weights for an inference engine"). Whole tensors (tensor, expert and
+        pipeline parallel parts gathered on the fly), on the GPU, one (or one bucket) at a
+        time; every rank yields every pair and must iterate to the end (collectives).
+        A tensor may be the live parameter itself: use it before the next `train_step`.
+        Raises ValueError where the policy has no family (`PolicyConfig.hf_config`)."""
+        if self.hf_mapping is None:
+            raise ValueError("export_weights has no Hugging Face family to map the policy to: "
+                             "build it with PolicyConfig(hf_config=FOLDER), FOLDER holding the "
+                             "model's config.json (tools/convert_hf.py import writes one), or "
+                             "from a converted checkpoint (pretrained_checkpoint or load).")
+        finish_param_gather(self.model)
+        return export_module().export_weights(self.model, self.hf_mapping,
+                                              bucket_bytes=bucket_bytes)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -369,6 +400,42 @@ def rerun_stop(machine) -> Optional[str]:
             f"the previous step's. End the process and resume from your last checkpoint; "
             f"rerun_mode disabled in the training config raises at the first rejected result "
             f"instead.")
+
+
+def export_module():
+    """rl/export.py, which reads the converter's tables (its [hf] extra: safetensors)."""
+    try:
+        from megatron.packed_training.rl import export
+    except ImportError as err:
+        if err.name != "safetensors":
+            raise
+        raise ImportError("export_weights and PolicyConfig.hf_config read the converter's "
+                          "tables, which need the safetensors package: pip install -e "
+                          "\".[hf]\"") from None
+    return export
+
+
+def hf_family(config: PolicyConfig, args):
+    """The policy's Hugging Face family (`export.policy_family`; a ValueError for one the
+    converter does not map), or None; None also without the converter's package, unless
+    ``hf_config`` asks for a family."""
+    try:
+        export = export_module()
+    except ImportError:
+        if config.hf_config is not None:
+            raise
+        return None
+    return export.policy_family(config.hf_config, args, config.model)
+
+
+def finish_param_gather(model: Sequence[torch.nn.Module]) -> None:
+    """With ``--overlap-param-gather`` the distributed optimizer's updated parameters reach
+    the model in the next forward pass: gather them now, synchronously, as Megatron-LM does
+    before it saves a checkpoint (its ``disable_forward_pre_hook``). A no-op otherwise."""
+    for chunk in model:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and getattr(ddp_config, "overlap_param_gather", False):
+            chunk.start_param_sync(force_sync=True)
 
 
 def prepare_training_loop(args, model: Sequence[torch.nn.Module], optimizer) -> None:
