@@ -6,6 +6,7 @@ one layer at a time and writes Hugging Face shards. Neither holds the model in m
 """
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -261,8 +262,8 @@ def import_hf(hf_folder: str | os.PathLike, output: str | os.PathLike, *,
     return ConversionResult(
         converted.family, converted.script, hf_folder, output,
         tokens + [f"--pretrained-checkpoint={output}"],
-        parameters=sum(_volume(t.global_shape) for t in stored),
-        bytes=sum(_volume(t.global_shape) * t.dtype.itemsize for t in stored), notes=notes)
+        parameters=sum(math.prod(t.global_shape) for t in stored),
+        bytes=sum(math.prod(t.global_shape) * t.dtype.itemsize for t in stored), notes=notes)
 
 
 def _unsqueezed(produce, axes: int):
@@ -274,13 +275,6 @@ def _unsqueezed(produce, axes: int):
         tensor = produce()
         return tensor.reshape((1,) * axes + tuple(tensor.shape))
     return stacked
-
-
-def _volume(shape) -> int:
-    volume = 1
-    for size in shape:
-        volume *= size
-    return volume
 
 
 def export_hf(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
@@ -326,6 +320,6 @@ def export_hf(checkpoint: str | os.PathLike, output: str | os.PathLike, *,
             del loaded
     writer.close()
     copy_side_files(config_folder, output)
-    parameters = sum(_volume(entry.global_shape) for entry in entries.values())
+    parameters = sum(math.prod(entry.global_shape) for entry in entries.values())
     return ConversionResult(converted.family, converted.script, checkpoint, output,
                             parameters=parameters, bytes=writer.total_bytes, notes=notes)

@@ -33,6 +33,7 @@ collectives of every piece: all ranks iterate the export to its end, together.
 
 import dataclasses
 import itertools
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -368,11 +369,11 @@ class LiveExport:
         if all(_whole(holder.parts, entry.shape) for holder in holders):
             return
         name = "etp" if piece.rule.scope == EXPERT else "tp"
-        size = _numel(entry.shape)
+        size = math.prod(entry.shape)
         unique = {(part.offset, part.shape) for holder in holders for part in holder.parts}
-        shares = {sum(_numel(part.shape) for part in holder.parts) for holder in holders}
+        shares = {sum(math.prod(part.shape) for part in holder.parts) for holder in holders}
         if ([holder.rank for holder in holders] != list(range(self.groups.size(name)))
-                or len(shares) != 1 or sum(_numel(shape) for _, shape in unique) != size):
+                or len(shares) != 1 or sum(math.prod(shape) for _, shape in unique) != size):
             raise ConversionError(f"{entry.key} {piece.index}: its parts on the ranks do not "
                                   f"tile the {entry.shape} tensor in equal tensor-parallel "
                                   f"shares; export_weights cannot gather it")
@@ -414,7 +415,7 @@ class LiveExport:
         received, position = [], 0
         for holder in holders:
             for part in holder.parts:
-                count = _numel(part.shape)
+                count = math.prod(part.shape)
                 received.append((part, gathered[position:position + count].view(part.shape)))
                 position += count
         if _in_order(received, entry.shape):  # rank-major along dim 0: the buffer is it
@@ -431,13 +432,6 @@ class LiveExport:
         tensor = tensor.contiguous()
         torch.distributed.broadcast(tensor, group=group, group_src=source)
         return tensor
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _whole(parts, shape) -> bool:
