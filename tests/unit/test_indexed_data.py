@@ -470,8 +470,10 @@ def test_mock_rows_report_their_real_positions_for_balance():
     assert balanced.real_positions(0) == int((~row_padding_mask(balanced[0])).sum())
 
 
-def test_a_graph_capacity_below_the_rows_document_limit_is_noted_with_the_fix(capsys):
-    graphs = ["--mock-data", "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16"]
+def test_a_graph_capacity_below_the_rows_document_limit_is_noted_with_the_fix(tmp_path, capsys):
+    data = write_indexed(tmp_path / "a", documents(50))
+    graphs = ["--data-path", data, "--split", "100,0,0", "--cuda-graph-impl", "local",
+              "--cuda-graph-max-packed-seqs", "16"]
     args, _ = parse(graphs, capsys)
     (note,) = [n for n in args.packed_notes if "--packing-max-documents" in n]
     assert note.startswith("rows may hold 63 documents, so a micro-batch of 1 row(s) can "

@@ -70,8 +70,8 @@ def check_data_args(args) -> None:
             "validation documents of --data-path; make its validation share 0 (e.g. 100,0,0) "
             "or drop --valid-data-path"))
     capacity, most = args.cuda_graph_max_packed_seqs or 0, args.packing_max_documents
-    if capacity and args.packing_algorithm == "best-fit-decreasing" and (
-            not most or (most + 1) * args.micro_batch_size > capacity):
+    if capacity and not args.mock_data and args.packing_algorithm == "best-fit-decreasing" and (
+            not most or (most + 1) * args.micro_batch_size > capacity):  # mock rows: not packed
         args.packed_notes.append(
             f"rows may hold {most or 'any number of'} documents, so a micro-batch of "
             f"{args.micro_batch_size} row(s) can outgrow --cuda-graph-max-packed-seqs "
