@@ -21,7 +21,7 @@ from megatron.packed_training.datasets.packing import (
 )
 from megatron.packed_training.datasets.row_plan import pack_documents
 from megatron.packed_training.datasets.sampler import MicroBatchSampler
-from megatron.packed_training.datasets.sources import SplitRows, pack_data
+from megatron.packed_training.datasets.sources import SplitRows, has_split_data, pack_data
 
 
 def _sample_counts(args: Namespace) -> tuple[int, int]:
@@ -148,12 +148,10 @@ def build_test_dataset(args: Namespace, packed_rows: dict | None = None):
     """The test split's dataset (``--test-data-path``, or a test share of ``--split``), of
     ``--eval-iters x --global-batch-size`` samples, Megatron-LM's test evaluation after
     training; None without test data or evaluation."""
-    if args.mock_data or not args.eval_iters:
+    if args.mock_data or not args.eval_iters or not has_split_data(args, "test"):
         return None
     packed = packed_rows if packed_rows and "test" in packed_rows else None
     packed = packed or pack_data(args, with_valid=False, with_test=True)
-    if "test" not in packed:
-        return None
     return split_dataset(packed["test"], args.eval_iters * args.global_batch_size, args.seed + 2)
 
 
