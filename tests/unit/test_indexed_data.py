@@ -449,9 +449,9 @@ def test_best_fit_rows_stay_within_the_graph_capacity():
     # The run's rows do not depend on the graph flags: eager and graphs pack alike.
     eager = args_for(data_path=None, packing_algorithm="best-fit-decreasing", seq_length=4096)
     graphs = argparse.Namespace(**vars(eager), cuda_graph_max_packed_seqs=16)
-    from megatron.packed_training.datasets.sources import _plan
-    assert np.array_equal(_plan(source, eager, PackingStats()).plan.documents,
-                          _plan(source, graphs, PackingStats()).plan.documents)
+    from megatron.packed_training.datasets.sources import pack_source
+    assert np.array_equal(pack_source(source, eager, PackingStats()).plan.documents,
+                          pack_source(source, graphs, PackingStats()).plan.documents)
 
 
 def test_token_ids_without_a_known_vocabulary_ask_for_vocab_size(tmp_path):

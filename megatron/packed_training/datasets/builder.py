@@ -11,17 +11,23 @@ import torch
 from megatron.packed_training.data_paths import DATA_PATHS
 from megatron.packed_training.datasets.balance import DataParallelBalanced, balance_report
 from megatron.packed_training.datasets.blend import BlendedRows, samples_per_source
-from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches, pack_rows_for_dynamic_cp
+from megatron.packed_training.datasets.dynamic_cp import DynamicCPBatches
 from megatron.packed_training.datasets.mock import MockPackedDataset, mock_documents
 from megatron.packed_training.datasets.packed_row_dataset import PackedRowDataset
 from megatron.packed_training.datasets.packing import (
     PackingStats,
     collate_packed_rows,
-    resolve_long_document_policy,
 )
-from megatron.packed_training.datasets.row_plan import pack_documents
+from megatron.packed_training.datasets.row_plan import DocumentList
 from megatron.packed_training.datasets.sampler import MicroBatchSampler
-from megatron.packed_training.datasets.sources import SplitRows, has_split_data, pack_data
+from megatron.packed_training.datasets.sources import (
+    SplitRows,
+    has_split_data,
+    long_document_policy,
+    pack_data,
+    pack_source,
+    segment_multiple,
+)
 
 
 def _sample_counts(args: Namespace) -> tuple[int, int]:
@@ -50,29 +56,6 @@ def _sample_counts(args: Namespace) -> tuple[int, int]:
         evaluations = iterations // args.eval_interval + 1
         return train_samples, args.eval_iters * args.global_batch_size * evaluations
     return train_samples, 0
-
-
-def _segment_multiple(args: Namespace) -> int:
-    """Context parallelism splits every document into 2 * cp equal chunks: pad to that."""
-    cp = getattr(args, "context_parallel_size", 1)
-    return 2 * cp if cp > 1 else 1
-
-
-def _long_document_policy(args: Namespace) -> str:
-    """--long-document-policy (--reject-long-documents is its older spelling of reject)."""
-    return resolve_long_document_policy(getattr(args, "long_document_policy", None),
-                                        getattr(args, "reject_long_documents", False))
-
-
-def _pack(documents, args: Namespace, stats: PackingStats) -> list:
-    """Rows of the run's layout: ``--seq-length`` rows, or dynamic-CP rows of every size."""
-    policy = _long_document_policy(args)
-    if getattr(args, "dynamic_cp_sizes", None):
-        return pack_rows_for_dynamic_cp(
-            documents, args.dynamic_cp_sizes, args.dynamic_cp_tokens_per_rank,
-            long_document_policy=policy, stats=stats)
-    return list(pack_documents(documents, args.seq_length, long_document_policy=policy,
-                               stats=stats, segment_multiple=_segment_multiple(args)))
 
 
 def build_datasets(args: Namespace, packed_rows: dict | None = None):
@@ -113,7 +96,8 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
             documents = mock_documents(
                 positions, args.seq_length, args.vocab_size, seed,
                 args.mock_doc_length_median, args.mock_doc_length_sigma)
-            return PackedRowDataset(_pack(documents, args, stats), num_samples, seed)
+            return PackedRowDataset(pack_source(DocumentList(documents), args, stats),
+                                    num_samples, seed)
 
         valid = mock(valid_samples, args.seed + 1, PackingStats()) if valid_samples > 0 else None
         stats = PackingStats()  # of the training pool
@@ -128,8 +112,8 @@ def build_datasets(args: Namespace, packed_rows: dict | None = None):
                 seed,
                 doc_length_median=args.mock_doc_length_median,
                 doc_length_sigma=args.mock_doc_length_sigma,
-                segment_multiple=_segment_multiple(args),
-                long_document_policy=_long_document_policy(args),
+                segment_multiple=segment_multiple(args),
+                long_document_policy=long_document_policy(args),
             )
 
         valid = mock(valid_samples, args.seed + 1) if valid_samples > 0 else None

@@ -189,12 +189,22 @@ def check_cache_tokenizer(prefix: str, args: Namespace, flag: str) -> None:
             f"cache was built with.")
 
 
-def _plan(source, args: Namespace, stats: PackingStats, documents=None, stream: int = 0):
+def segment_multiple(args: Namespace) -> int:
+    """Context parallelism splits every document into 2 * cp equal chunks: pad to that."""
+    cp = getattr(args, "context_parallel_size", 1)
+    return 2 * cp if cp > 1 else 1
+
+
+def long_document_policy(args: Namespace) -> str:
+    """--long-document-policy (--reject-long-documents is its older spelling of reject)."""
+    return resolve_long_document_policy(getattr(args, "long_document_policy", None),
+                                        getattr(args, "reject_long_documents", False))
+
+
+def pack_source(source, args: Namespace, stats: PackingStats, documents=None, stream: int = 0):
     """The rows of ``source``'s ``documents`` (default all), packed as the run asks: planned
     rows read on demand, or (dynamic CP) rows of every CP size, packed in memory."""
-    cp = getattr(args, "context_parallel_size", 1)
-    policy = resolve_long_document_policy(getattr(args, "long_document_policy", None),
-                                          getattr(args, "reject_long_documents", False))
+    policy = long_document_policy(args)
     if getattr(args, "dynamic_cp_sizes", None):
         indices = range(len(source.lengths)) if documents is None else documents
         read = (Document(*source.read(d, 0, int(source.lengths[d])), source.origin(d))
@@ -204,7 +214,7 @@ def _plan(source, args: Namespace, stats: PackingStats, documents=None, stream: 
                                         long_document_policy=policy, stats=stats)
     return PlannedRows(source, plan_rows(
         source, args.seq_length, long_document_policy=policy, stats=stats,
-        segment_multiple=2 * cp if cp > 1 else 1,
+        segment_multiple=segment_multiple(args),
         algorithm=getattr(args, "packing_algorithm", None) or DEFAULT_PACKING_ALGORITHM,
         window=getattr(args, "packing_window", None) or DEFAULT_PACKING_WINDOW,
         seed=args.seed + stream, documents=documents,
@@ -272,7 +282,7 @@ def pack_data(args: Namespace, with_valid: bool = True, with_test: bool = False,
                     name = split_name(args, blend, split)
                     stats = packed.setdefault(split, SplitRows(name=name)).stats
                     add(split, blend, name, path, weight,
-                        _plan(source, args, stats, range(begin, end), stream=k))
+                        pack_source(source, args, stats, range(begin, end), stream=k))
                 begin = end
     for split, split_blend in per_split.items():
         if not wanted[split]:
@@ -284,7 +294,7 @@ def pack_data(args: Namespace, with_valid: bool = True, with_test: bool = False,
             if cache is not None:
                 stats.skipped_no_target += cache.skipped_no_target
             weight = None if split_blend.weights is None else split_blend.weights[k]
-            add(split, split_blend, name, path, weight, _plan(source, args, stats, stream=k))
+            add(split, split_blend, name, path, weight, pack_source(source, args, stats, stream=k))
     for split in packed.values():
         _check_rows(split, args)
     return PackedData(packed, caches=sources.caches)
