@@ -17,6 +17,21 @@ import torch
 DP_SCHEDULERS = ("default", "dp_balanced")
 
 
+def deal_to_ranks(sizes, num_ranks: int, per_rank: int) -> list[list[int]]:
+    """Indices of ``sizes`` for each of ``num_ranks`` ranks, at most ``per_rank`` each (their
+    total must fit): longest first (ties by index), each to the rank with the smallest total
+    that has room, ties to the lower rank (the longest-processing-time rule). Host only."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    ranks = [[] for _ in range(num_ranks)]
+    open_ranks = [(0, rank) for rank in range(num_ranks)]  # (total, rank), a heap
+    for index in np.lexsort((np.arange(len(sizes)), -sizes)).tolist():
+        total, rank = heapq.heappop(open_ranks)
+        ranks[rank].append(index)
+        if len(ranks[rank]) < per_rank:  # a full rank leaves the heap
+            heapq.heappush(open_ranks, (total + int(sizes[index]), rank))
+    return ranks
+
+
 def balanced_order(tokens: np.ndarray, data_parallel_size: int, micro_batch_size: int) -> np.ndarray:
     """The order (int64 indices into ``tokens``, one global batch of real-token counts) whose
     reading by `sampler.MicroBatchSampler` gives every rank near-equal real tokens.
@@ -24,14 +39,7 @@ def balanced_order(tokens: np.ndarray, data_parallel_size: int, micro_batch_size
     Rank ``r`` reads positions ``k * mbs * dp + r * mbs + j`` at micro step ``k``; so rank
     ``r``'s ``t``-th row goes to position ``(t // mbs) * mbs * dp + r * mbs + t % mbs``."""
     size = len(tokens)
-    per_rank = size // data_parallel_size
-    rows = [[] for _ in range(data_parallel_size)]
-    open_ranks = [(0, rank) for rank in range(data_parallel_size)]  # (tokens, rank), a heap
-    for row in np.lexsort((np.arange(size), -tokens)).tolist():
-        total, rank = heapq.heappop(open_ranks)
-        rows[rank].append(row)
-        if len(rows[rank]) < per_rank:  # a full rank leaves the heap
-            heapq.heappush(open_ranks, (total + int(tokens[row]), rank))
+    rows = deal_to_ranks(tokens, data_parallel_size, size // data_parallel_size)
     order = np.empty(size, dtype=np.int64)
     for rank, taken in enumerate(rows):
         for t, row in enumerate(taken):

@@ -25,7 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from megatron.packed_training.datasets.balance import deal_to_ranks
 from megatron.packed_training.datasets.packing import PAD_TOKEN_ID, segment_position_ids
+from megatron.packed_training.datasets.row_plan import plan_rows
 
 LOSS_WEIGHTS = "loss_weights"
 SEQUENCE_IDS = "sequence_ids"  # each position's sequence in the micro-batch (-1: padding)
@@ -267,8 +269,6 @@ def pack_sequences(tokens: Sequence[Tensor], row_positions: int, *,
     ``indices`` says which sequences it holds, in order: results per micro-batch (log-probs)
     map back through it. A sequence longer than a row raises naming it. Host bookkeeping;
     the tensors are concatenated where they are."""
-    from megatron.packed_training.datasets.row_plan import plan_rows
-
     tensors = dict(tensors or {})
     for name, values in [("loss_weights", loss_weights), *tensors.items()]:
         if values is not None and len(values) != len(tokens):
@@ -307,14 +307,9 @@ def deal_micro_batches(micro_batches: Sequence[PackedSequences], data_parallel_s
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size is wrong: {data_parallel_size}. Give >= 1.")
     per_rank = -(-len(micro_batches) // data_parallel_size)
-    sizes = [int(mb.tokens.numel()) for mb in micro_batches]
-    ranks = [[] for _ in range(data_parallel_size)]
-    totals = [0] * data_parallel_size
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min((r for r in range(data_parallel_size) if len(ranks[r]) < per_rank),
-                   key=lambda r: (totals[r], r))
-        ranks[rank].append(micro_batches[index])
-        totals[rank] += sizes[index]
+    dealt = deal_to_ranks([mb.tokens.numel() for mb in micro_batches], data_parallel_size,
+                          per_rank)
+    ranks = [[micro_batches[index] for index in taken] for taken in dealt]
     names = sorted(micro_batches[0].tensors) if micro_batches else []
     device = micro_batches[0].tokens.device if micro_batches else None
     for taken in ranks:
