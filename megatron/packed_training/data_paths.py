@@ -52,6 +52,11 @@ def parse_blend(values, flag: str) -> Blend:
     return Blend(tuple(values[1::2]), tuple(weights), flag)
 
 
+def is_indexed_prefix(path: str) -> bool:
+    """Whether ``path`` names an indexed dataset (either half exists) rather than a file."""
+    return os.path.exists(path + ".idx") or os.path.exists(path + ".bin")
+
+
 def check_data_path(path: str, flag: str = "--data-path") -> None:
     """ValueError naming ``flag`` and ``path`` unless ``path`` is a file, a folder, or an
     indexed-dataset prefix whose index header is sound (`indexed.check_indexed_prefix`)."""
@@ -62,7 +67,7 @@ def check_data_path(path: str, flag: str = "--data-path") -> None:
                              f"its prefix, {path[:-4]!r}, as Megatron-LM does.")
     if os.path.isfile(path) or os.path.isdir(path):
         return
-    if os.path.exists(path + ".idx") or os.path.exists(path + ".bin"):
+    if is_indexed_prefix(path):
         from megatron.packed_training.datasets.indexed import check_indexed_prefix
 
         check_indexed_prefix(path, flag)

@@ -48,6 +48,15 @@ def balanced_order(tokens: np.ndarray, data_parallel_size: int, micro_batch_size
     return order
 
 
+def batch_tokens(dataset, step: int, global_batch_size: int) -> np.ndarray:
+    """Real tokens (``dataset.real_positions``) of global batch ``step``'s samples, int64
+    (fewer where the dataset ends)."""
+    first = step * global_batch_size
+    return np.asarray([dataset.real_positions(first + i)
+                       for i in range(min(global_batch_size, len(dataset) - first))],
+                      dtype=np.int64)
+
+
 def rank_tokens(tokens: np.ndarray, data_parallel_size: int, micro_batch_size: int) -> np.ndarray:
     """Real tokens each rank reads from one global batch laid out in sample order."""
     steps = tokens.reshape(-1, data_parallel_size, micro_batch_size)
@@ -70,16 +79,10 @@ class DataParallelBalanced(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def window_tokens(self, window: int) -> np.ndarray:
-        first = window * self.batch
-        return np.asarray([self.dataset.real_positions(first + i)
-                           for i in range(min(self.batch, len(self.dataset) - first))],
-                          dtype=np.int64)
-
     def _source_index(self, index: int) -> int:
         window, offset = divmod(int(index), self.batch)
         if window != self._window:
-            tokens = self.window_tokens(window)
+            tokens = batch_tokens(self.dataset, window, self.batch)
             self._order = (balanced_order(tokens, self.dp, self.mbs)
                            if len(tokens) == self.batch else np.arange(len(tokens)))
             self._window = window
@@ -99,9 +102,6 @@ def balance_report(dataset, global_batch_size: int, data_parallel_size: int,
     ratios = []
     steps = min(max_steps, len(dataset) // global_batch_size)
     for step in range(steps):
-        first = step * global_batch_size
-        tokens = np.asarray([dataset.real_positions(first + i) for i in range(global_batch_size)],
-                            dtype=np.int64)
-        per_rank = rank_tokens(tokens, data_parallel_size, micro_batch_size)
+        per_rank = rank_tokens(batch_tokens(dataset, step, global_batch_size), data_parallel_size, micro_batch_size)
         ratios.append(per_rank.max() / max(per_rank.mean(), 1))
     return (float(np.mean(ratios)), float(np.max(ratios))) if ratios else (1.0, 1.0)

@@ -26,11 +26,6 @@ REBUILD = ("Rebuild it with Megatron-LM's tools/preprocess_data.py (or megatron-
            "IndexedDatasetBuilder)")
 
 
-def is_indexed_prefix(path: str) -> bool:
-    """Whether ``path`` names an indexed dataset (either half exists) rather than a file."""
-    return os.path.exists(path + ".idx") or os.path.exists(path + ".bin")
-
-
 def check_indexed_prefix(prefix: str, flag: str = "--data-path") -> tuple[int, int, int]:
     """``(dtype code, sequences, documents)`` of the indexed dataset ``prefix``, after checking
     that both files exist and that their sizes agree with the index header; ValueError naming
@@ -86,8 +81,9 @@ class IndexedSource:
         if sequences == 0:  # nothing to map (numpy cannot map an empty .bin)
             self.tokens, self.lengths = None, np.zeros(0, dtype=np.int64)
             return
-        # File reads, not a mapping of the .bin: rows gather documents from all over it, and
-        # mapped pages (with read-ahead) would count in every rank's memory as it reads on.
+        # The index only: tokens come by positioned reads (`_read`), not a mapping of the .bin
+        # (rows gather documents from all over it; mapped pages, read-ahead included, would
+        # count in every rank's memory as it reads on).
         self.tokens = IndexedDataset(prefix, mmap=False)
         bounds = np.asarray(self.tokens.document_indices, dtype=np.int64)
         sequence_lengths = np.asarray(self.tokens.sequence_lengths, dtype=np.int64)

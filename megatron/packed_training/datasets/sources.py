@@ -18,10 +18,10 @@ import re
 from argparse import Namespace
 from dataclasses import dataclass, field
 
-from megatron.packed_training.data_paths import Blend, check_data_path
+from megatron.packed_training.data_paths import Blend, check_data_path, is_indexed_prefix
 from megatron.packed_training.datasets.blend import SPLITS, blends_from_args
 from megatron.packed_training.datasets.dynamic_cp import pack_rows_for_dynamic_cp
-from megatron.packed_training.datasets.indexed import IndexedSource, is_indexed_prefix
+from megatron.packed_training.datasets.indexed import IndexedSource
 from megatron.packed_training.datasets.packing import (
     Document,
     PackingStats,

@@ -51,12 +51,12 @@ def source_files(path: str, flag: str = "--data-path") -> list[str]:
 def first_jsonl(path: str) -> str | None:
     """The file that stands for source ``path``'s format: itself, or a folder's first
     ``.jsonl`` file; None for an indexed prefix or an empty folder."""
-    if os.path.isfile(path):
-        return path
-    if os.path.isdir(path):
-        files = [f for f in sorted(os.listdir(path)) if f.endswith(".jsonl")]
-        return os.path.join(path, files[0]) if files else None
-    return None
+    if not (os.path.isfile(path) or os.path.isdir(path)):
+        return None
+    try:
+        return source_files(path)[0]
+    except ValueError:  # a folder without .jsonl files: the data check names it
+        return None
 
 
 def tokenizer_fingerprint(tokenizer_type: str | None, tokenizer_model: str | None) -> dict | None:
