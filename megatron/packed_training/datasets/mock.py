@@ -24,7 +24,6 @@ from megatron.packed_training.datasets.packing import (
     check_long_document_policy,
     check_seq_length,
     pad_to_multiple,
-    row_padding_mask,
     segment_position_ids,
 )
 
@@ -196,7 +195,7 @@ class MockPackedDataset(torch.utils.data.Dataset):
 
     def real_positions(self, index: int) -> int:
         """Positions of row ``index`` that hold document tokens (balance.py)."""
-        return int((~row_padding_mask(self[index])).sum())
+        return self[index].real_positions
 
     def __getitem__(self, index: int) -> PackedRow:
         rng = self._rng(index)

@@ -5,7 +5,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megatron.packed_training.datasets.packing import PackedRow, row_padding_mask
+from megatron.packed_training.datasets.packing import PackedRow
 
 
 class PackedRowDataset(torch.utils.data.Dataset):
@@ -63,5 +63,5 @@ class PackedRowDataset(torch.utils.data.Dataset):
         planned rows)."""
         if self._real is None:
             self._real = (self.rows.plan.real_positions() if hasattr(self.rows, "plan") else
-                          np.asarray([int((~row_padding_mask(row)).sum()) for row in self.rows]))
+                          np.asarray([row.real_positions for row in self.rows]))
         return int(self._real[self.row_index(index)])

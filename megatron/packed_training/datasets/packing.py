@@ -83,6 +83,11 @@ class PackedRow:
     def num_segments(self) -> int:
         return len(self.cu_seqlens) - 1
 
+    @property
+    def real_positions(self) -> int:
+        """Positions holding document tokens (not padding): what data-parallel balance weighs."""
+        return int((~row_padding_mask(self)).sum())
+
 
 LONG_DOCUMENT_POLICIES = ("truncate", "split", "reject")
 """What a packer does with a document longer than a row (``--long-document-policy``)."""
