@@ -297,10 +297,10 @@ VARIANTS = {
                             "--cuda-graph-warmup-steps", "2"],
 }
 
-# Mock data, no evaluation (mock data has a validation split of its own, which Megatron-LM
-# would evaluate at the end), the data read in the loop as the old fork did (Megatron-LM's
-# default is two loader workers), and FORK_NUMERICS.
-COMMON = ["--sft", "--mock-data", "--bf16", "--lr", "1e-4", "--micro-batch-size", "1",
+# No evaluation (mock data has a validation split of its own, which Megatron-LM would
+# evaluate at the end), the data read in the loop as the old fork did (Megatron-LM's default
+# is two loader workers), and FORK_NUMERICS. The data: `data_flags`.
+COMMON = ["--sft", "--bf16", "--lr", "1e-4", "--micro-batch-size", "1",
           "--vocab-size", "32000", "--seed", "1234", "--eval-iters", "0", "--num-workers", "0",
           *FORK_NUMERICS]
 
@@ -438,13 +438,21 @@ def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = 
     # Megatron-LM's memory report at the last step (--steps is a multiple of --log-interval).
     flags = [*model_flags, *COMMON, *variant_flags(variant), *moe, *profile,
              "--train-iters", str(args.steps), "--global-batch-size", str(args.global_batch_size),
-             "--mock-doc-length-median", str(args.doc_length_median),
+             *data_flags(args),
              "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
              "--log-interval", str(args.log_interval), "--log-memory-interval", str(args.steps),
              "--metrics-file", metrics, *shlex.split(args.extra_args), *dynamic_cp]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
             "--nproc-per-node", str(args.nproc), os.path.join(REPO, script), *flags,
             *position_limit(flags)]
+
+
+def data_flags(args) -> list:
+    """Mock data of --doc-length-median, or the user's --data-path in its place."""
+    data_path = getattr(args, "data_path", None)
+    if data_path:
+        return ["--data-path", *data_path]
+    return ["--mock-data", "--mock-doc-length-median", str(args.doc_length_median)]
 
 
 def position_limit(flags: list) -> list:
@@ -759,6 +767,9 @@ def main(argv=None) -> int:
                         help="training's --global-batch-size")
     parser.add_argument("--doc-length-median", type=int, default=512,
                         help="median synthetic document length in tokens (--mock-doc-length-median)")
+    parser.add_argument("--data-path", nargs="+", default=None, metavar="PATH",
+                        help="train on this data (Megatron-LM's --data-path: a JSONL file, an "
+                             "indexed prefix or a blend) instead of mock data")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes) per run")
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                         help="pipeline stages (divides --nproc); metrics come from the last stage")

@@ -351,26 +351,40 @@ def measure(kind: str, config: dict, rank: str) -> dict:
     """`worker` ``kind`` in a fresh Python process with ``RANK=rank``; adds ``process_s``
     (spawn to exit) and, for runs that reach a micro-batch, ``to_first_batch_s`` (spawn to
     the first micro-batch dict)."""
-    env = dict(os.environ, RANK=rank, WORLD_SIZE="2" if rank != "0" else "1",
-               PYTHONWARNINGS="ignore")
-    command = [sys.executable, os.path.abspath(__file__), "--worker", kind,
-               "--worker-config", json.dumps(config)]
+    return measure_together(kind, config, [rank])[0]
+
+
+def measure_together(kind: str, config: dict, ranks: list) -> list:
+    """`measure` for several ranks started at once, as torchrun starts a node's ranks: each
+    process's numbers (``process_cpu_s`` is theirs together)."""
     before, load = resource.getrusage(resource.RUSAGE_CHILDREN), os.getloadavg()[0]
-    spawned = time.time()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    ended = time.time()
+    spawned, processes = time.time(), []
+    for rank in ranks:
+        env = dict(os.environ, RANK=rank, WORLD_SIZE=str(max(2, len(ranks) + 1)),
+                   PYTHONWARNINGS="ignore")
+        command = [sys.executable, os.path.abspath(__file__), "--worker", kind,
+                   "--worker-config", json.dumps(config)]
+        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+    outs = []
+    for process in processes:
+        stdout, stderr = process.communicate()
+        ended = time.time()
+        results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        if process.returncode or not results:
+            raise RuntimeError(f"the {kind} process failed (exit status {process.returncode}):"
+                               f"\n{stderr[-4000:]}")
+        out = json.loads(results[-1].removeprefix("RESULT "))
+        out["process_s"] = ended - spawned
+        out["load_at_spawn"] = load
+        if "first_batch_unix" in out:
+            out["to_first_batch_s"] = out["first_batch_unix"] - spawned
+        outs.append(out)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not results:
-        raise RuntimeError(f"the {kind} process failed (exit status {done.returncode}):\n"
-                           f"{done.stderr[-4000:]}")
-    out = json.loads(results[-1].removeprefix("RESULT "))
-    out["process_s"] = ended - spawned
-    out["load_at_spawn"] = load
-    out["process_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    if "first_batch_unix" in out:
-        out["to_first_batch_s"] = out["first_batch_unix"] - spawned
-    return out
+    for out in outs:
+        out["process_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime
+                                                                     + before.ru_stime)
+    return outs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,6 +479,12 @@ def table(corpus: dict, results: dict, args) -> str:
             f"`pack_data` {seconds(warm['pack_s'], warm['pack_cpu_s'])}, `build_datasets` "
             f"{warm['datasets_s']:.2f} s, iterator + first `next()` {warm['first_batch_s']:.3f} s, "
             f"interpreter start {rest:.1f} s; cache {warm['cache_state']} |")
+    together = results.get("warm_ranks")
+    if together:
+        rows.append(
+            f"| Warm start, {together['ranks']} ranks started at once | "
+            f"{together['max_s']:.1f} s (slowest) | mean {together['mean_s']:.1f} s; each "
+            f"process start to its first micro-batch dict |")
     read = results.get("read")
     if read:
         m0, m1, m2, m3 = (read["memory_imported"], read["memory_packed"],
@@ -538,6 +558,9 @@ def main(argv=None) -> int:
                         metavar="RANKSxBATCH",
                         help="data-parallel ranks x global batch of the balance measurements")
     parser.add_argument("--measure", nargs="+", choices=MEASURES, default=list(MEASURES))
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="also time the warm start of this many ranks started at once "
+                             "(as torchrun starts a node's ranks)")
     parser.add_argument("--json", help="also write the numbers to this file")
     parser.add_argument("--worker", choices=("build", "warm", "read", "pack", "balance"),
                         help=argparse.SUPPRESS)
@@ -549,8 +572,8 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         parser.error("--out is missing: give the folder of the corpus, e.g. /tmp/databench/100k")
-    if args.documents < 1 or args.micro_batches < 1:
-        parser.error("--documents and --micro-batches must be >= 1")
+    if args.documents < 1 or args.micro_batches < 1 or args.ranks < 1:
+        parser.error("--documents, --micro-batches and --ranks must be >= 1")
     args.out = os.path.abspath(args.out)
     started, load_at_start = time.time(), os.getloadavg()
 
@@ -590,6 +613,13 @@ def main(argv=None) -> int:
         log("warm start (RANK=1) ...")
         results["warm"] = measure("warm", config, rank="1")
         log(f"  first micro-batch {results['warm']['to_first_batch_s']:.1f} s after spawn")
+        if args.ranks > 1:
+            log(f"warm start, {args.ranks} ranks at once ...")
+            starts = [out["to_first_batch_s"] for out in measure_together(
+                "warm", config, [str(rank) for rank in range(1, args.ranks + 1)])]
+            results["warm_ranks"] = {"ranks": args.ranks, "max_s": max(starts),
+                                     "mean_s": sum(starts) / len(starts)}
+            log(f"  slowest rank's first micro-batch {max(starts):.1f} s after spawn")
     if "read" in args.measure:
         log(f"reading rank (RANK=1), {args.micro_batches} micro-batches ...")
         results["read"] = measure("read", config, rank="1")

@@ -978,3 +978,17 @@ def test_from_metrics_needs_no_gpu(monkeypatch, tmp_path, capsys):
                            f"eager={tmp_path / 'eager.jsonl'}", "--warmup", "10",
                            "--log-interval", "10"]) == 0
     assert "| hybrid-small | eager |" in capsys.readouterr().out
+
+
+def test_a_data_path_takes_the_place_of_mock_data(te_importable, tmp_path):
+    """--data-path trains on the user's data (e.g. the data-parallel balance comparison of
+    docs/benchmarks.md): the launch line carries it and no mock-data flag."""
+    te_importable(False)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    args = _args(data_path=[str(data)], extra_args="--sequence-packing-scheduler dp_balanced")
+    cmd = benchmark.launch_command("gpt-small", "layer-graphs", args, "/tmp/m.jsonl")
+    assert "--mock-data" not in cmd and "--mock-doc-length-median" not in cmd
+    parsed = _validated(cmd, world_size=2)
+    assert parsed.data_path == [str(data)] and not parsed.mock_data
+    assert parsed.sequence_packing_scheduler == "dp_balanced"
