@@ -12,12 +12,15 @@ megatron-core's save writes; megatron-core's own save needs CUDA), laid out as M
 * a checkpoint saved at tensor parallel size 1 reads at TP 2 (two gloo processes): each rank
   gets what megatron-core's own load puts into its shard, and the row- and vocabulary-parallel
   weights are the slices of the whole ones;
+* tools/convert_hf.py import's ``release`` checkpoint (a tiny Llama) reads as the fork's
+  model loaded from it;
 * refusals, before any collective: a path that is no checkpoint (missing, empty, a damaged
   tracker, a tracker naming a missing folder, the torch format) and a checkpoint of another
   model (a wider hidden size, more layers); `save` with a bad path or iteration, or on a
   policy built without Megatron-LM's arguments.
 """
 
+import argparse
 import os
 from types import SimpleNamespace
 
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.packed_training.rl import PackedPolicy, WeightStore, policy_weights
+from tests.unit.test_hf_convert import cpu_rope  # noqa: F401  (fixture)
 
 VOCAB, HIDDEN = 64, 32
 
@@ -53,7 +57,8 @@ def write_checkpoint(model, root, iteration: int = 7) -> str:
     iteration folder."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-    from megatron.packed_training.hf.torch_dist import Chunk, StoredTensor, write_checkpoint as write
+    from megatron.packed_training.hf.torch_dist import Chunk, StoredTensor
+    from megatron.packed_training.hf.torch_dist import write_checkpoint as write
 
     stored = {}
     for item in model.sharded_state_dict().values():
@@ -73,6 +78,7 @@ def write_checkpoint(model, root, iteration: int = 7) -> str:
         [Chunk((0,), (7,), lambda: moment)])
     folder = os.path.join(os.fspath(root), f"iter_{iteration:07d}")
     write(folder, list(stored.values()), [], {
+        "args": argparse.Namespace(num_layers=model.config.num_layers, ckpt_format="torch_dist"),
         "checkpoint_version": 3.0, "iteration": iteration,
         "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}})
     with open(os.path.join(os.fspath(root), "latest_checkpointed_iteration.txt"), "w") as f:
@@ -174,6 +180,24 @@ def test_a_checkpoint_of_tensor_parallel_size_1_reads_at_2(saved, tmp_path):
     weights, run = saved
     mp.spawn(_tensor_parallel_worker, nprocs=2,
              args=(2, os.fspath(run), weights, os.fspath(tmp_path / "store")))
+
+
+def test_a_converted_hugging_face_checkpoint_reads_as_its_loaded_model(cpu_dist, cpu_rope,
+                                                                       tmp_path_factory):
+    """tools/convert_hf.py import's ``release`` checkpoint (a tiny Llama) into the fork's model
+    of it: the store is what megatron-core's load put into the model, bit for bit."""
+    from megatron.packed_training.hf import import_hf
+    from tests.unit.hf_tiny import tiny_llama
+    from tests.unit.test_rl_export import loaded_model
+
+    root = tmp_path_factory.mktemp("llama")
+    import_hf(tiny_llama(root / "hf"), root / "megatron")
+    model = loaded_model("llama", os.fspath(root / "megatron"))
+    expected = copies(model)
+    with torch.no_grad():
+        for value in policy_weights([model]).values():
+            value.zero_()
+    assert bitwise(WeightStore.from_checkpoint(root / "megatron", [model]).tensors, expected)
 
 
 # ------------------------------------------------------------------------------- refusals
