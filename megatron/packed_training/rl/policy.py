@@ -9,6 +9,9 @@
     policy.load_weights(new_weights)                          # a refit, in place
     for name, tensor in policy.export_weights():              # Hugging Face names: an engine
         ...
+    policy.save("runs/rl")                                    # Megatron-LM's checkpoint; resume
+                                                              # with training "load": "runs/rl"
+    reference = policy.weights_from_checkpoint("runs/sft")    # another checkpoint's weights
 
 Everything runs through the one graph runtime of the run (megatron/packed_graphs/runtime.py)
 behind the seam (`GraphRuntimeSchedule`, megatron-core's forward-backward function with
@@ -142,13 +145,15 @@ class PackedPolicy:
     ``lr_increment``: samples the learning-rate schedule advances per step (Megatron-LM's:
     the global batch size). ``hf_config``: the model's Hugging Face family for
     `export_weights` (anything `export.hf_mapping` takes: a config.json folder, a family's
-    ``Converted``), or None.
+    ``Converted``), or None. ``iteration``: the optimizer steps taken so far (a loaded
+    checkpoint's iteration); `train_step` counts on from it, `save` numbers its checkpoint
+    with it.
     """
 
     def __init__(self, model: Sequence[torch.nn.Module], optimizer, runtime, schedule, *,
                  row_positions: int, vocab_size: int, step_options: dict,
                  scheduler=None, lr_increment: int = 1, check_inputs: bool = True,
-                 hf_config=None):
+                 hf_config=None, iteration: int = 0):
         self.model = list(model)
         self.hf_mapping = None if hf_config is None else export_module().hf_mapping(hf_config)
         self.optimizer, self.scheduler, self.runtime = optimizer, scheduler, runtime
@@ -159,6 +164,8 @@ class PackedPolicy:
         self._logprob_step = LogProbStep(**self._step_options)
         self._loss_steps: Dict[tuple, PolicyLossStep] = {}  # by (loss_fn, normalization)
         self.last_stats: dict = {}  # the graph runtime's counters of the latest call
+        self.iteration = iteration
+        self._checkpointing_context: dict = {}  # Megatron-LM's, kept across saves as train() does
         schedule.listeners.append(self._record)
 
     # -- building ------------------------------------------------------------------------------
@@ -209,7 +216,8 @@ class PackedPolicy:
                    row_positions=args.micro_batch_size * args.seq_length,
                    vocab_size=args.padded_vocab_size, scheduler=scheduler,
                    lr_increment=args.global_batch_size, check_inputs=config.check_inputs,
-                   step_options=step_options(args, config.model), hf_config=family)
+                   step_options=step_options(args, config.model), hf_config=family,
+                   iteration=args.iteration)  # a loaded checkpoint's, else 0
 
     # -- calls ---------------------------------------------------------------------------------
 
@@ -244,6 +252,7 @@ class PackedPolicy:
         update_successful, grad_norm = True, None
         if isinstance(stepped, tuple):  # megatron-core: (update_successful, grad_norm, zeros)
             update_successful, grad_norm = bool(stepped[0]), stepped[1]
+        self.iteration += 1  # a skipped update counts, as in Megatron-LM's loop
         return TrainResult(loss=total[0] / count, num_tokens=total[1],
                            grad_norm=grad_norm, update_successful=update_successful,
                            stats=dict(self.last_stats), metrics=metrics)
@@ -286,6 +295,16 @@ class PackedPolicy:
         if reload is not None:
             reload()
 
+    def weights_from_checkpoint(self, path: Union[str, os.PathLike],
+                                device: Optional[torch.device] = None) -> WeightStore:
+        """The model weights of another Megatron-LM checkpoint (a ``--save`` or `save` folder,
+        torch_dist; any parallel layout) as a store for `swapped_weights` or `load_weights`,
+        e.g. the reference policy: this rank's shards, on ``device`` (default: where the
+        weights are). Reads nothing else and builds no model; the live weights are untouched.
+        Every rank calls it (`WeightStore.from_checkpoint`). ValueError for a path that is no
+        such checkpoint or holds another model."""
+        return WeightStore.from_checkpoint(path, self.model, device)
+
     def export_weights(self, bucket_bytes: Optional[int] = None):
         """The live weights under Hugging Face names, in the Hugging Face layout of the
         policy's family, for an inference engine's refit: ``(name, tensor)`` pairs, or with
@@ -303,6 +322,37 @@ class PackedPolicy:
         finish_param_gather(self.model)
         return export_module().export_weights(self.model, self.hf_mapping,
                                               bucket_bytes=bucket_bytes)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, path: Union[str, os.PathLike], iteration: Optional[int] = None) -> None:
+        """Megatron-LM's checkpoint of the policy in the folder ``path``: model, optimizer and
+        learning-rate schedule state, RNG and rerun state, as ``--save`` writes it
+        (megatron.training.checkpointing.save_checkpoint, the training config's
+        ``ckpt_format``: torch_dist by default), numbered ``iteration`` (default: the policy's
+        own, `iteration`). A policy built with the training config's ``load`` set to ``path``
+        resumes from it: the same weights, optimizer state and schedule, so its next
+        `train_step` is the one the saving policy would take.
+
+        Collective: every rank calls it. Returns when the checkpoint is on disk (an async save
+        is finished here). Megatron-LM's ``args.save`` holds ``path`` during the call only.
+        Under ``--overlap-param-gather`` the updated parameters are gathered first."""
+        iteration = self.iteration if iteration is None else iteration
+        check_save_arguments(path, iteration)
+        from megatron.training.async_utils import maybe_finalize_async_save
+        from megatron.training.checkpointing import save_checkpoint
+
+        args = megatron_args("PackedPolicy.save")
+        finish_param_gather(self.model)
+        kept = args.save
+        args.save = os.fspath(path)
+        try:
+            save_checkpoint(iteration, self.model, self.optimizer, self.scheduler,
+                            getattr(args, "num_floating_point_operations_so_far", 0),
+                            checkpointing_context=self._checkpointing_context)
+            maybe_finalize_async_save(blocking=True)  # a no-op unless args.async_save
+        finally:
+            args.save = kept
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -400,6 +450,29 @@ def rerun_stop(machine) -> Optional[str]:
             f"the previous step's. End the process and resume from your last checkpoint; "
             f"rerun_mode disabled in the training config raises at the first rejected result "
             f"instead.")
+
+
+def check_save_arguments(path, iteration) -> None:
+    """Raise ValueError for a `PackedPolicy.save` path or iteration it cannot write."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"save path is wrong: {path!r}. Give the checkpoint folder (str or "
+                         f"os.PathLike), as the training config's save or load names it.")
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"save iteration is wrong: {iteration!r}. Give a non-negative int "
+                         f"(default: policy.iteration, the steps taken).")
+
+
+def megatron_args(caller: str) -> argparse.Namespace:
+    """Megatron-LM's global arguments, which `PackedPolicy.build` set; RuntimeError naming
+    ``caller`` for a policy built otherwise."""
+    from megatron.training.global_vars import get_args
+
+    try:
+        return get_args()
+    except AssertionError:
+        raise RuntimeError(f"{caller} needs Megatron-LM's arguments, which PackedPolicy.build "
+                           f"sets: build the policy with PackedPolicy.build(PolicyConfig(...))."
+                           ) from None
 
 
 def export_module():

@@ -7,7 +7,9 @@ new values on its next replay, exactly as an eager call would.
 
 * `policy_weights(model_chunks)`: the live floating-point tensors by name (parameters and
   persistent buffers, e.g. an MoE router's expert bias; tied tensors once).
-* `WeightStore`: a copy of them (a reference policy, another policy's weights).
+* `WeightStore`: a copy of them (a reference policy, another policy's weights), taken from
+  the model (`WeightStore.snapshot`) or read from a Megatron-LM checkpoint
+  (`WeightStore.from_checkpoint`: the model weights only, in this rank's shards).
 * `load_weights(model_chunks, source)`: copy a store or a ``{name: tensor}`` mapping in
   (a refit from another copy); `swapped_weights(model_chunks, store)`: exchange the live
   weights with a store for the scope (the reference model's log-probs on the policy's
@@ -18,13 +20,17 @@ weight``), prefixed ``chunk<i>.`` when there are several chunks. All copies run 
 current stream, device to device where both sides are on the device; nothing syncs.
 """
 
+import os
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Dict, Iterator, Mapping, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import unwrap_model
 
 
@@ -59,6 +65,29 @@ class WeightStore:
         with torch.no_grad():
             return cls({name: value.detach().to(device or value.device, copy=True)
                         for name, value in policy_weights(model_chunks).items()})
+
+    @classmethod
+    def from_checkpoint(cls, path: Union[str, os.PathLike],
+                        model_chunks: Sequence[torch.nn.Module],
+                        device: Optional[torch.device] = None) -> "WeightStore":
+        """The model weights of the Megatron-LM checkpoint at ``path`` (torch_dist format: a
+        ``--save`` folder, as ``load`` takes it, or one of its ``iter_*`` / ``release``
+        folders), as this rank's shards of ``model_chunks``: the names, shapes and dtypes of
+        `policy_weights`, on ``device`` (default: where each live weight is).
+
+        megatron-core's ``dist_checkpointing.load`` reads the model's sharded state dict into
+        new tensors, so a checkpoint saved at any tensor, pipeline or expert parallel layout
+        loads; the optimizer state is not read, the live weights are untouched and no second
+        model is built. Collective: every rank of the model calls it (the load checks the
+        shards over all ranks). Raises ValueError, before any collective, where ``path`` is no
+        torch_dist checkpoint or holds another model (`checkpoint_folder`,
+        `check_checkpoint_model`)."""
+        folder = checkpoint_folder(path)
+        requests = checkpoint_requests(model_chunks, folder, device)
+        check_checkpoint_model(path, folder, requests)
+        loaded = dist_checkpointing.load(requests, folder)
+        return cls({name: loaded[key][local]
+                    for name, (_, key, local) in _chunk_names(model_chunks).items()})
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -126,3 +155,111 @@ def _copy(destination: Tensor, source: Tensor) -> None:
     # Asynchronous only device to device: a copy to pageable host memory must finish before
     # its source (a temporary) is freed.
     destination.copy_(source, non_blocking=destination.device == source.device)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's: the latest iteration saved
+
+
+def checkpoint_folder(path: Union[str, os.PathLike]) -> str:
+    """The torch_dist folder of the Megatron-LM checkpoint at ``path``: ``path`` itself where
+    it is one (it holds metadata.json), else the folder the tracker of the ``--save`` folder
+    ``path`` names (``iter_0000042`` or ``release``), as ``load`` picks it. Raises ValueError
+    naming ``path``, what it holds instead and the fix."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"checkpoint path is wrong: {path!r}. Give the folder of a Megatron-LM "
+                         f"checkpoint (str or os.PathLike).")
+    root = os.fspath(path)
+    if os.path.isfile(os.path.join(root, "metadata.json")):
+        return root
+    fix = ("give the folder PackedPolicy.save or a training run's --save wrote (or one of its "
+           "iter_* folders)")
+    if not os.path.isdir(root):
+        raise ValueError(f"checkpoint path is wrong: {root} is not a folder: {fix}.")
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        raise ValueError(f"checkpoint path is wrong: {root} is not a Megatron-LM checkpoint (it "
+                         f"has neither {TRACKER} nor metadata.json): {fix}.")
+    with open(tracker) as f:
+        mark = f.read().strip()
+    if mark != "release" and not mark.isdigit():
+        raise ValueError(f"checkpoint path is wrong: {tracker} says {mark!r}, neither an "
+                         f"iteration nor 'release': {fix}.")
+    folder = os.path.join(root, "release" if mark == "release" else f"iter_{int(mark):07d}")
+    if not os.path.isfile(os.path.join(folder, "metadata.json")):
+        held = os.listdir(folder) if os.path.isdir(folder) else []
+        what = ("holds a checkpoint of ckpt_format torch (mp_rank_* folders)"
+                if any(name.startswith("mp_rank_") for name in held) else
+                "is no torch_dist checkpoint folder (no metadata.json)")
+        raise ValueError(f"checkpoint path is wrong: {folder} (named by {tracker}) {what}. "
+                         f"Model weights are read from torch_dist checkpoints, Megatron-LM's "
+                         f"default ckpt_format: save with ckpt_format torch_dist.")
+    return folder
+
+
+def _chunk_names(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, tuple]:
+    """{`policy_weights` name: (chunk index, the chunk's key in Megatron-LM's checkpoint state
+    dict: ``model``, or ``model<i>`` with several chunks, the name in the chunk)}."""
+    chunks = list(model_chunks)
+    if len(chunks) == 1:
+        return {name: (0, "model", name) for name in policy_weights(chunks)}
+    names = {}
+    for name in policy_weights(chunks):
+        prefix, local = name.split(".", 1)  # chunk<i>.
+        index = int(prefix[len("chunk"):])
+        names[name] = (index, f"model{index}", local)
+    return names
+
+
+def checkpoint_requests(model_chunks: Sequence[torch.nn.Module], folder: str,
+                        device: Optional[torch.device] = None) -> dict:
+    """The model's sharded state dict as Megatron-LM's load builds it for ``folder`` (the
+    checkpoint's content metadata, this rank's data-parallel group), keyed as its checkpoints
+    are (``model`` / ``model<i>``), cut to the `policy_weights` tensors, each request's data
+    a new empty tensor on ``device`` (default: the live one's): dist_checkpointing loads into
+    a request's data in place, and must not write the live weights."""
+    metadata = dict(dist_checkpointing.load_content_metadata(folder) or {})
+    metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    chunks = list(model_chunks)
+    sharded = {}  # by chunk index, built once
+    requests: Dict[str, dict] = {}
+    for index, key, local in _chunk_names(chunks).values():
+        if index not in sharded:
+            sharded[index] = unwrap_model(chunks[index]).sharded_state_dict(metadata=metadata)
+        item = sharded[index].get(local)
+        if not isinstance(item, (ShardedTensor, ShardedTensorFactory)):
+            raise RuntimeError(f"the model's sharded_state_dict has no tensor {local} (a weight "
+                               f"of policy_weights): megatron-core cannot read it from a "
+                               f"checkpoint; its module's sharded_state_dict must list it.")
+        fresh = torch.empty_like(item.data, device=device or item.data.device)
+        requests.setdefault(key, {})[local] = replace(item, data=fresh)
+    return requests
+
+
+def check_checkpoint_model(path, folder: str, requests: dict) -> None:
+    """Raise ValueError unless the checkpoint in ``folder`` holds every tensor ``requests``
+    reads, each at the global shape the model's sharded state dict gives it (the whole
+    tensor, layers stacked on a leading axis): else it holds another model. Reads the
+    checkpoint's metadata only; no collective."""
+    stored = dist_checkpointing.load_tensors_metadata(folder)
+    problems: Dict[str, str] = {}  # by checkpoint key: layers share one
+    for item in nested_values(requests):
+        # A factory (fused SwiGLU fc1, Mamba's in_proj) stores the parts its build makes.
+        parts = nested_values([item.build()]) if isinstance(item, ShardedTensorFactory) else [item]
+        for tensor in parts:
+            if not isinstance(tensor, ShardedTensor) or tensor.key in problems:
+                continue
+            found = stored.get(tensor.key)
+            if found is None:
+                problems[tensor.key] = f"{tensor.key} is not in it"
+            elif tuple(found.global_shape) != tuple(tensor.global_shape):
+                problems[tensor.key] = (f"{tensor.key} is {tuple(found.global_shape)} there, "
+                                        f"{tuple(tensor.global_shape)} in this model")
+    if problems:
+        shown = "; ".join(list(problems.values())[:3])
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ValueError(f"checkpoint path is wrong: {os.fspath(path)} holds another model: "
+                         f"{shown}{more}. Give a checkpoint of this model's config (the "
+                         f"policy's training config: layers, sizes, vocabulary); any tensor, "
+                         f"pipeline or expert parallel layout loads.")
