@@ -183,3 +183,25 @@ def test_calls_while_offloaded_are_refused_before_anything_runs(cpu_dist):
     with pytest.raises(RuntimeError, match="offload is refused: the policy is offloaded "
                                            "already"):
         policy.offload()
+
+
+@pytest.mark.parametrize("graphs", ["layer", "full"])
+def test_the_gpu_tests_and_the_benchmarks_configs_pass_the_training_configs_checks(graphs):
+    import importlib.util
+
+    from tests.gpu.rl_offload_worker import config
+
+    spec = importlib.util.spec_from_file_location(
+        "offload_benchmark", os.path.join(os.path.dirname(__file__), "..", "..", "tools",
+                                          "offload_benchmark.py"))
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    options = benchmark.parse(["--graphs", graphs])
+    args = PolicyConfig(benchmark.training_config(options), offloadable=True).args()
+    assert (args.hidden_size, args.ffn_hidden_size, args.num_layers) == (4096, 14336, 4)
+    assert args.padded_vocab_size >= 128256 and args.untie_embeddings_and_output_weights
+    for model in ("gpt", "hybrid"):
+        args = PolicyConfig(config(model, graphs), model=model).args()
+        assert args.packed_graph_impl == {"layer": "local", "full": "full_iteration"}[graphs]
+    with pytest.raises(SystemExit):
+        benchmark.parse(["--cycles", "0"])
