@@ -12,6 +12,8 @@
     policy.save("runs/rl")                                    # Megatron-LM's checkpoint; resume
                                                               # with training "load": "runs/rl"
     reference = policy.weights_from_checkpoint("runs/sft")    # another checkpoint's weights
+    policy.offload(); ...; policy.onload()    # with PolicyConfig(offloadable=True): the GPU
+                                              # to a rollout engine meanwhile (rl/offload.py)
 
 Everything runs through the one graph runtime of the run (megatron/packed_graphs/runtime.py)
 behind the seam (`GraphRuntimeSchedule`, megatron-core's forward-backward function with
@@ -46,6 +48,12 @@ from megatron.core.rerun_state_machine import (
 )
 
 from megatron.packed_training.rl.batches import PackedSequences, check_values, lay_out_all
+from megatron.packed_training.rl.offload import (
+    MemoryMove,
+    PolicyMemory,
+    on_the_gpu,
+    on_the_gpu_iterating,
+)
 from megatron.packed_training.rl.steps import (
     INV_TEMPERATURE,
     LOGPROBS,
@@ -76,12 +84,17 @@ class PolicyConfig:
     the training config starts from (``pretrained_checkpoint`` or ``load``, where
     tools/convert_hf.py import put config.json beside megatron_flags.txt), else none (the
     policy exports nothing). A family the converter does not map is refused at `build`.
+    ``offloadable``: build the policy so that `PackedPolicy.offload` / `onload` can move its
+    GPU memory (parameters, gradient buffers, optimizer state, graph pools) to pinned host
+    memory and back at the same addresses, for a rollout engine on the same GPU (rl/offload.py;
+    needs torch_memory_saver and its preload library, checked at `build` before any GPU work).
     """
 
     training: Union[str, os.PathLike, Mapping, argparse.Namespace]
     model: str = "gpt"
     check_inputs: bool = True
     hf_config: Optional[Union[str, os.PathLike]] = None
+    offloadable: bool = False
 
     def args(self) -> argparse.Namespace:
         """The validated training arguments."""
@@ -147,14 +160,17 @@ class PackedPolicy:
     `export_weights` (anything `export.hf_mapping` takes: a config.json folder, a family's
     ``Converted``), or None. ``iteration``: the optimizer steps taken so far (a loaded
     checkpoint's iteration); `train_step` counts on from it, `save` numbers its checkpoint
-    with it.
+    with it. ``memory``: the `offload.PolicyMemory` of an offloadable policy
+    (`build` makes it), or None.
     """
 
     def __init__(self, model: Sequence[torch.nn.Module], optimizer, runtime, schedule, *,
                  row_positions: int, vocab_size: int, step_options: dict,
                  scheduler=None, lr_increment: int = 1, check_inputs: bool = True,
-                 hf_config=None, iteration: int = 0):
+                 hf_config=None, iteration: int = 0,
+                 memory: Optional[PolicyMemory] = None):
         self.model = list(model)
+        self.memory = memory
         self.hf_mapping = None if hf_config is None else export_module().hf_mapping(hf_config)
         self.optimizer, self.scheduler, self.runtime = optimizer, scheduler, runtime
         self.schedule = schedule
@@ -178,6 +194,7 @@ class PackedPolicy:
         args = config.args()
         check_library_layout(args)
         family = hf_family(config, args)  # before any GPU work: a family it cannot export
+        memory = PolicyMemory.open() if config.offloadable else None  # host checks
         if not torch.cuda.is_available():
             raise RuntimeError("PackedPolicy.build needs a CUDA device (megatron-core's DDP, "
                                "optimizer and graphs are CUDA-only); none is visible.")
@@ -208,19 +225,26 @@ class PackedPolicy:
         run = PackedGraphRun(args, log=False)
         route_training_loop(run, capturable_optimizer=args.packed_optimizer_graph)
         initialize_megatron()
-        model, optimizer, scheduler = training.setup_model_and_optimizer(
-            ModelType.encoder_or_decoder, partial(model_provider, MODEL_BUILDERS[config.model]))
-        prepare_training_loop(args, model, optimizer)
+        # An offloadable policy's model and optimizer are allocated in its memory.
+        with memory.resident("PackedPolicy.build") if memory else nullcontext():
+            model, optimizer, scheduler = training.setup_model_and_optimizer(
+                ModelType.encoder_or_decoder,
+                partial(model_provider, MODEL_BUILDERS[config.model]))
+            prepare_training_loop(args, model, optimizer)
+        if memory is not None:
+            memory.keep_library_workspaces_outside()
         seam = training.get_forward_backward_func()  # megatron-core's, behind the runtime
         return cls(model, optimizer, run.runtime, seam,
                    row_positions=args.micro_batch_size * args.seq_length,
                    vocab_size=args.padded_vocab_size, scheduler=scheduler,
                    lr_increment=args.global_batch_size, check_inputs=config.check_inputs,
                    step_options=step_options(args, config.model), hf_config=family,
-                   iteration=args.iteration)  # a loaded checkpoint's, else 0
+                   iteration=args.iteration,  # a loaded checkpoint's, else 0
+                   memory=memory)
 
     # -- calls ---------------------------------------------------------------------------------
 
+    @on_the_gpu
     def train_step(self, micro_batches: Sequence[PackedSequences], loss_fn: LossFunction, *,
                    temperature: float = 1.0, normalization: str = "token") -> TrainResult:
         """One optimizer step over ``micro_batches`` with the loss ``loss_fn`` (`LossInputs`
@@ -257,6 +281,7 @@ class PackedPolicy:
                            grad_norm=grad_norm, update_successful=update_successful,
                            stats=dict(self.last_stats), metrics=metrics)
 
+    @on_the_gpu
     def logprobs(self, micro_batches: Sequence[PackedSequences], *, temperature: float = 1.0,
                  eager: bool = False) -> List[Tensor]:
         """Per-token log-probs of the given tokens, forward only: one float32 ``[N]`` device
@@ -276,16 +301,19 @@ class PackedPolicy:
 
     # -- weights -------------------------------------------------------------------------------
 
+    @on_the_gpu
     def snapshot_weights(self, device: Optional[torch.device] = None) -> WeightStore:
         """A copy of the policy's weights (e.g. the reference policy), on ``device`` (default:
         where they are; the host costs no GPU memory, a swap then copies over PCIe)."""
         return WeightStore.snapshot(self.model, device)
 
+    @on_the_gpu
     def swapped_weights(self, store: WeightStore):
         """Context manager: the model holds ``store``'s weights within the scope (graphs
         replay with them), its own again after. For the reference policy's log-probs."""
         return swapped_weights(self.model, store)
 
+    @on_the_gpu
     def load_weights(self, source: Union[WeightStore, Mapping[str, Tensor]]) -> None:
         """A refit: copy ``source`` (a `WeightStore` or ``{name: tensor}`` by
         `weights.policy_weights` names) into the model in place, and the optimizer's main
@@ -295,6 +323,7 @@ class PackedPolicy:
         if reload is not None:
             reload()
 
+    @on_the_gpu
     def weights_from_checkpoint(self, path: Union[str, os.PathLike],
                                 device: Optional[torch.device] = None) -> WeightStore:
         """The model weights of another Megatron-LM checkpoint (a ``--save`` or `save` folder,
@@ -305,6 +334,7 @@ class PackedPolicy:
         such checkpoint or holds another model."""
         return WeightStore.from_checkpoint(path, self.model, device)
 
+    @on_the_gpu_iterating
     def export_weights(self, bucket_bytes: Optional[int] = None):
         """The live weights under Hugging Face names, in the Hugging Face layout of the
         policy's family, for an inference engine's refit: ``(name, tensor)`` pairs, or with
@@ -325,6 +355,7 @@ class PackedPolicy:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    @on_the_gpu
     def save(self, path: Union[str, os.PathLike], iteration: Optional[int] = None) -> None:
         """Megatron-LM's checkpoint of the policy in the folder ``path``: model, optimizer and
         learning-rate schedule state, RNG and rerun state, as ``--save`` writes it
@@ -353,6 +384,33 @@ class PackedPolicy:
             maybe_finalize_async_save(blocking=True)  # a no-op unless args.async_save
         finally:
             args.save = kept
+
+    # -- sharing the GPU -----------------------------------------------------------------------
+
+    def offload(self) -> MemoryMove:
+        """Move the policy's GPU memory to pinned host memory, for a rollout engine on the same
+        GPU: parameters, gradient buffers, optimizer state, graph pools and everything else
+        allocated in the policy's build and calls, the device tensors they returned included
+        (read them first). The CUDA context, NCCL's buffers and allocations made outside the
+        policy's calls stay (rl/offload.py). Syncs the device. Until `onload`, every call of
+        the policy is refused (RuntimeError). Returns the MiB released and the seconds taken.
+        Raises RuntimeError for a policy built without ``PolicyConfig(offloadable=True)``."""
+        return self._offloadable("offload").offload()
+
+    def onload(self) -> MemoryMove:
+        """Bring the policy's memory back at the same addresses: the captured graphs replay
+        unchanged, nothing is recaptured. Refused (RuntimeError, nothing changed) while the
+        device has less free memory than the policy needs. Returns the MiB taken back and the
+        seconds taken."""
+        return self._offloadable("onload").onload()
+
+    def _offloadable(self, what: str) -> PolicyMemory:
+        if self.memory is None:
+            raise RuntimeError(f"{what} needs a policy built with PolicyConfig(offloadable=True) "
+                               f"in a process started with torch_memory_saver's preload "
+                               f"library (docs/rl.md, 'Sharing the GPU with a rollout "
+                               f"engine'); this one was built without it.")
+        return self.memory
 
     # -- internals -----------------------------------------------------------------------------
 
