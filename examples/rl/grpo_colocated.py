@@ -2,8 +2,11 @@
 
     python tools/convert_hf.py import Qwen3-0.6B qwen3-converted
     python examples/rl/grpo_colocated.py qwen3-converted --iterations 4
-    LD_PRELOAD=<torch_memory_saver's preload library> \\
+    LD_PRELOAD=.../torch_memory_saver_hook_mode_preload...so \\
         python examples/rl/grpo_colocated.py qwen3-converted --offload
+
+(``--offload`` without the library in LD_PRELOAD stops at the build with the command that
+finds its path.)
 
 The policy (`PackedPolicy`) is built from the converted checkpoint's launch flags
 (``megatron_flags.txt``) and the Hugging Face model from its ``config.json``, both on one GPU
@@ -12,7 +15,8 @@ take ``export_weights``'s pairs, the example copies them into the model's tensor
 Each iteration:
 
 1. **refit**: ``policy.export_weights`` -> the Hugging Face model, in place;
-2. **offload** (``--offload``): the policy's GPU memory released (``policy.offload``);
+2. **offload** (``--offload``): the policy's GPU memory to pinned host memory
+   (``policy.offload``, a policy built with ``PolicyConfig(offloadable=True)``);
 3. **generate**: ``model.generate`` samples ``--group-size`` responses for each of
    ``--prompts`` random prompts, and the generator's log-probs of its samples (an engine
    returns them with the tokens);
@@ -86,7 +90,7 @@ def build_policy(options):
     kind = model_kind(options.flags)
     args = parse_args([*training_flags(options), *options.flags], kind, raise_on_error=True)
     # hf_config unset: the family comes from the config.json beside the checkpoint.
-    config = PolicyConfig(args, model=kind, offload=options.offload)
+    config = PolicyConfig(args, model=kind, offloadable=options.offload)
     return PackedPolicy.build(config)
 
 
@@ -244,7 +248,8 @@ def train(options) -> None:
             note.text = f"{refit(model, policy.export_weights(options.bucket_mib * MIB))} tensors"
         if options.offload:
             with phase(it, "offload") as note:
-                note.text = str(policy.offload())
+                moved = policy.offload()  # every policy call is refused until onload
+                note.text = f"{moved.mib:.0f} MiB released"
         with phase(it, "generate") as note:
             batch = rollouts(model, options, it, vocab)
             torch.cuda.empty_cache()  # the engine's sleep: its cache goes back to the device
@@ -255,7 +260,7 @@ def train(options) -> None:
                             f"{len(micro_batches)} micro-batches")
         if options.offload:
             with phase(it, "onload") as note:
-                note.text = str(policy.onload())
+                note.text = f"{policy.onload().mib:.0f} MiB back"
         with phase(it, "reference log-probs"):
             with policy.swapped_weights(reference):
                 ref = policy.logprobs(micro_batches, temperature=options.temperature)

@@ -8,8 +8,6 @@
   offload and onload lines; skipped where torch_memory_saver is not installed.
 """
 
-import glob
-import importlib.util
 import math
 import os
 import re
@@ -38,14 +36,11 @@ def converted(tmp_path_factory):
 
 def preload_library():
     """torch_memory_saver's preload library, or None where the package is not installed."""
-    spec = importlib.util.find_spec("torch_memory_saver")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        from torch_memory_saver.utils import get_binary_path_from_package
+    except ImportError:
         return None
-    package = list(spec.submodule_search_locations)[0]
-    found = sorted(glob.glob(os.path.join(os.path.dirname(package), "torch_memory_saver*"
-                                          "preload*.so")) +
-                   glob.glob(os.path.join(package, "*preload*.so")))
-    return found[0] if found else None
+    return str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload"))
 
 
 def run_example(converted, tmp_path, *extra, env=None):
