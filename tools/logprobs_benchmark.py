@@ -20,6 +20,16 @@ and ``graph_mem_mib`` (the forward-only graphs'), ``fallback_rate`` (micro-batch
 for overflow, per micro-batch), ``gpu_busy_ms`` (median of the profiled calls; null without
 ``--profile``), ``host_top`` (the cProfile lines; empty without it) and ``stats`` (the graph
 runtime's counters of the last call).
+
+``--entropy`` and ``--top-k K`` ask the calls for those outputs too; ``--vocab-chunk N`` sets
+the head's vocabulary chunk (`PackedPolicy.logprob_vocab_chunk`; 0: the whole shard at once,
+megatron-core's cross entropy). ``--peak-memory`` measures memory instead of time, on the
+first call's micro-batches: the peak allocated above what was allocated before the call, for
+an eager call, for the first graphed call (which captures the forward-only graphs) and for a
+replay, and the graphs' memory (their pool's growth and static inputs). Its JSON:
+``eager_peak_gib``, ``capture_peak_gib``, ``replay_peak_gib``, ``graph_mem_mib``,
+``vocab_chunk``, ``positions``, ``vocab_size``. One configuration per process: graphs of
+several chunk sizes would share one pool.
 """
 
 import argparse
@@ -55,7 +65,31 @@ def synthetic_calls(calls: int, micro_batches: int, row_positions: int, vocab_si
     return out
 
 
-def measure(policy, calls: List[list], warmup: int, profile: bool = False) -> dict:
+def peak_memory(policy, micro_batches: list, **options) -> dict:
+    """Peak allocated memory of `logprobs` calls on ``micro_batches`` (module doc), GiB above
+    what was allocated before each call; ``options``: the calls' keywords."""
+    import torch
+
+    def call_peak(**extra) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        policy.logprobs(micro_batches, **options, **extra)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+    eager = call_peak(eager=True)
+    capture = call_peak()
+    graph_mib = policy.last_stats.get("forward graph memory (MiB)", 0.0)
+    replay = call_peak()
+    return {"eager_peak_gib": eager, "capture_peak_gib": capture, "replay_peak_gib": replay,
+            "graph_mem_mib": graph_mib, "vocab_chunk": policy.logprob_vocab_chunk,
+            "positions": len(micro_batches) * policy.row_positions,
+            "vocab_size": policy.vocab_size, "stats": dict(policy.last_stats)}
+
+
+def measure(policy, calls: List[list], warmup: int, profile: bool = False,
+            **options) -> dict:
     """Time ``policy.logprobs`` over ``calls``; the row's values (module doc)."""
     import torch
 
@@ -65,7 +99,7 @@ def measure(policy, calls: List[list], warmup: int, profile: bool = False) -> di
     for index, micro_batches in enumerate(calls):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        policy.logprobs(micro_batches)
+        policy.logprobs(micro_batches, **options)
         torch.cuda.synchronize()
         if index == 0:
             first = dict(policy.last_stats)
@@ -77,9 +111,9 @@ def measure(policy, calls: List[list], warmup: int, profile: bool = False) -> di
         profiler = StepProfiler(True, 1, 3)
         for index, micro_batches in enumerate(calls[-2:], 1):
             profiler.begin(index)
-            policy.logprobs(micro_batches)
+            policy.logprobs(micro_batches, **options)
             busy.append(profiler.finish(index)["gpu busy (ms)"])
-        host_top = host_profile(policy, calls[-1])
+        host_top = host_profile(policy, calls[-1], **options)
     timed = len(calls) - warmup
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     positions = len(calls[0]) * policy.row_positions
@@ -95,7 +129,7 @@ def measure(policy, calls: List[list], warmup: int, profile: bool = False) -> di
             "stats": dict(policy.last_stats)}
 
 
-def host_profile(policy, micro_batches: list, top: int = 15) -> List[str]:
+def host_profile(policy, micro_batches: list, top: int = 15, **options) -> List[str]:
     """One more call under cProfile: its ``top`` Python functions by own time, one line each
     (own ms, cumulative ms, calls, where). Tells which host code a host-bound call spends its
     time in; time spent waiting for the GPU shows as the synchronize that ends the call (or as
@@ -108,7 +142,7 @@ def host_profile(policy, micro_batches: list, top: int = 15) -> List[str]:
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
     profiler.enable()
-    policy.logprobs(micro_batches)
+    policy.logprobs(micro_batches, **options)
     torch.cuda.synchronize()
     profiler.disable()
     stats = pstats.Stats(profiler)
@@ -129,6 +163,13 @@ def parse(argv=None):
     parser.add_argument("--json", required=True, help="where rank 0 writes the row")
     parser.add_argument("--profile", action="store_true",
                         help="GPU-busy time of the last two calls, run again under the profiler")
+    parser.add_argument("--entropy", action="store_true", help="ask the calls for entropy")
+    parser.add_argument("--top-k", type=int, default=0, help="ask the calls for top-k")
+    parser.add_argument("--vocab-chunk", type=int, default=None,
+                        help="vocabulary columns per chunk of the head (0: the whole shard); "
+                             "default: the policy's")
+    parser.add_argument("--peak-memory", action="store_true",
+                        help="peak memory of one call (eager, capture, replay) instead of time")
     parser.add_argument("flags", nargs=argparse.REMAINDER,
                         help="-- then the training flags (Megatron-LM's command line)")
     options = parser.parse_args(argv)
@@ -138,6 +179,9 @@ def parse(argv=None):
                      f"({options.warmup}).")
     if options.micro_batches < 1:
         parser.error(f"--micro-batches is wrong: {options.micro_batches}. Give at least 1.")
+    if options.vocab_chunk is not None and options.vocab_chunk < 0:
+        parser.error(f"--vocab-chunk is wrong: {options.vocab_chunk}. Give 0 (the whole "
+                     f"shard) or a positive number of columns.")
     return options, flags
 
 
@@ -150,15 +194,27 @@ def main(argv=None) -> int:
 
     args = parse_args(flags, options.model, raise_on_error=True)
     policy = PackedPolicy.build(PolicyConfig(args, model=options.model))
-    calls = synthetic_calls(options.calls, options.micro_batches, policy.row_positions,
-                            args.padded_vocab_size, args.mock_doc_length_median,
-                            args.mock_doc_length_sigma, seed=args.seed)
-    row = measure(policy, calls, options.warmup, options.profile)
+    if options.vocab_chunk is not None:
+        policy.logprob_vocab_chunk = options.vocab_chunk
+    head = {"entropy": options.entropy, "top_k": options.top_k}
+    calls = synthetic_calls(1 if options.peak_memory else options.calls, options.micro_batches,
+                            policy.row_positions, args.padded_vocab_size,
+                            args.mock_doc_length_median, args.mock_doc_length_sigma,
+                            seed=args.seed)
+    if options.peak_memory:
+        row = peak_memory(policy, calls[0], **head)
+        line = (f"logprobs peak memory (vocab chunk {row['vocab_chunk']}, {row['positions']} "
+                f"positions, vocabulary {row['vocab_size']}): eager {row['eager_peak_gib']:.2f} "
+                f"GiB, capture {row['capture_peak_gib']:.2f} GiB, replay "
+                f"{row['replay_peak_gib']:.2f} GiB, graph memory {row['graph_mem_mib']:.0f} MiB")
+    else:
+        row = measure(policy, calls, options.warmup, options.profile, **head)
+        line = (f"logprobs: {row['call_ms']:.1f} ms per call, {row['tokens_per_sec']:,.0f} "
+                f"tokens/s")
     if torch.distributed.get_rank() == 0:
         with open(options.json, "w") as f:
             json.dump(row, f)
-        print(f"logprobs: {row['call_ms']:.1f} ms per call, {row['tokens_per_sec']:,.0f} "
-              f"tokens/s", flush=True)
+        print(line, flush=True)
     torch.distributed.destroy_process_group()
     return 0
 

@@ -47,7 +47,12 @@ from megatron.core.rerun_state_machine import (
     get_rerun_state_machine,
 )
 
-from megatron.packed_training.rl.batches import PackedSequences, check_values, lay_out_all
+from megatron.packed_training.rl.batches import (
+    PackedSequences,
+    RowLayout,
+    check_values,
+    lay_out_all,
+)
 from megatron.packed_training.rl.offload import (
     MemoryMove,
     PolicyMemory,
@@ -55,12 +60,17 @@ from megatron.packed_training.rl.offload import (
     on_the_gpu_iterating,
 )
 from megatron.packed_training.rl.steps import (
+    ENTROPY,
     INV_TEMPERATURE,
     LOGPROBS,
     METRIC_NAMES,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    VOCAB_CHUNK,
     LogProbStep,
     LossFunction,
     PolicyLossStep,
+    check_head_options,
 )
 from megatron.packed_training.rl.weights import (
     WeightStore,
@@ -127,6 +137,24 @@ def check_library_layout(args) -> None:
 
 
 @dataclass
+class LogProbOutputs:
+    """One micro-batch's `PackedPolicy.logprobs` with extras asked, token aligned, on the GPU
+    (``N``: its tokens; 0 at each sequence's first token, predicted by nothing).
+
+    ``logprobs``: float32 ``[N]``; ``entropy``: float32 ``[N]``, the entropy of
+    ``softmax(logits / temperature)`` over the vocabulary at the position that predicts token
+    ``t`` (None unless asked); ``topk_logprobs``: float32 ``[N, k]``, the ``k`` largest
+    log-probs of that distribution, largest first, and ``topk_ids``: int64 ``[N, k]``, their
+    vocabulary ids (None unless ``top_k``).
+    """
+
+    logprobs: Tensor
+    entropy: Optional[Tensor] = None
+    topk_logprobs: Optional[Tensor] = None
+    topk_ids: Optional[Tensor] = None
+
+
+@dataclass
 class TrainResult:
     """One `PackedPolicy.train_step`.
 
@@ -162,7 +190,14 @@ class PackedPolicy:
     checkpoint's iteration); `train_step` counts on from it, `save` numbers its checkpoint
     with it. ``memory``: the `offload.PolicyMemory` of an offloadable policy
     (`build` makes it), or None.
+
+    ``logprob_vocab_chunk``: vocabulary columns per chunk of `logprobs`' head (steps.py,
+    `chunked_head`); 0: the whole vocabulary shard at once through megatron-core's cross
+    entropy, the head `train_step` uses (log-probs only, with a float32 ``[positions, V / TP]``
+    temporary). Read at each call; every rank sets the same.
     """
+
+    logprob_vocab_chunk: int = VOCAB_CHUNK
 
     def __init__(self, model: Sequence[torch.nn.Module], optimizer, runtime, schedule, *,
                  row_positions: int, vocab_size: int, step_options: dict,
@@ -177,7 +212,9 @@ class PackedPolicy:
         self.row_positions, self.vocab_size = row_positions, vocab_size
         self.lr_increment, self.check_inputs = lr_increment, check_inputs
         self._step_options = dict(step_options)
-        self._logprob_step = LogProbStep(**self._step_options)
+        # One forward step per set of head options: the runtime keeps each step's forward-only
+        # graphs apart, so a call never replays a graph captured for other outputs.
+        self._logprob_steps: Dict[tuple, LogProbStep] = {}  # by (entropy, top_k, vocab_chunk)
         self._loss_steps: Dict[tuple, PolicyLossStep] = {}  # by (loss_fn, normalization)
         self.last_stats: dict = {}  # the graph runtime's counters of the latest call
         self.iteration = iteration
@@ -283,21 +320,50 @@ class PackedPolicy:
 
     @on_the_gpu
     def logprobs(self, micro_batches: Sequence[PackedSequences], *, temperature: float = 1.0,
-                 eager: bool = False) -> List[Tensor]:
+                 eager: bool = False, entropy: bool = False,
+                 top_k: int = 0) -> Union[List[Tensor], List[LogProbOutputs]]:
         """Per-token log-probs of the given tokens, forward only: one float32 ``[N]`` device
         tensor per micro-batch, token aligned (value ``t``: log p(token t | the tokens before
         it in its sequence) under ``softmax(logits / temperature)``; 0 at each sequence's first
         token). The model runs in eval mode (no dropout) on forward-only graphs; ``eager``:
         every micro-batch eager (``eager forced``), a reference to compare graphs with.
-        ``loss_weights`` and ``tensors`` of the micro-batches are not used (checked only)."""
+        ``loss_weights`` and ``tensors`` of the micro-batches are not used (checked only).
+
+        ``entropy`` (per-token entropy) or ``top_k`` (1 to 64: the ``k`` largest log-probs and
+        their ids, for distillation) return one `LogProbOutputs` per micro-batch instead. Each
+        set of options replays forward-only graphs of its own, captured at its first call;
+        every rank passes the same options (the head's collectives, the captures). The head
+        runs over vocabulary chunks (``logprob_vocab_chunk``). Bad options raise ValueError
+        before anything runs."""
+        step = self._head_step(entropy, top_k)
         batches = self._prepare(micro_batches, temperature)
         forced = self.runtime.forced_eager() if eager else nullcontext()
         with torch.no_grad(), forced:
-            reports = self.schedule(forward_step_func=self._logprob_step,
-                                    data_iterator=iter(batches), model=self.model,
-                                    num_microbatches=len(batches), forward_only=True)
-        return [batch["layout"].to_tokens(report[LOGPROBS])
-                for batch, report in zip(batches, reports)]
+            reports = self.schedule(forward_step_func=step, data_iterator=iter(batches),
+                                    model=self.model, num_microbatches=len(batches),
+                                    forward_only=True)
+        layouts = [batch["layout"] for batch in batches]
+        if not (entropy or top_k):
+            return [layout.to_tokens(report[LOGPROBS]) for layout, report in zip(layouts, reports)]
+        return [LogProbOutputs(
+            layout.to_tokens(report[LOGPROBS]),
+            layout.to_tokens(report[ENTROPY]) if entropy else None,
+            rows_to_tokens(layout, report[TOPK_LOGPROBS]) if top_k else None,
+            rows_to_tokens(layout, report[TOPK_IDS]) if top_k else None)
+            for layout, report in zip(layouts, reports)]
+
+    def _head_step(self, entropy: bool, top_k: int) -> LogProbStep:
+        """The log-prob step of these head options (made at first ask); ValueError, before any
+        device work, for bad ones."""
+        entropy, top_k, chunk = check_head_options(entropy, top_k, self.logprob_vocab_chunk)
+        if top_k > self.vocab_size:
+            raise ValueError(f"top_k is wrong: {top_k}, more than the vocabulary's "
+                             f"{self.vocab_size} ids. Pass at most {self.vocab_size}.")
+        key = (entropy, top_k, chunk)
+        if key not in self._logprob_steps:
+            self._logprob_steps[key] = LogProbStep(entropy=entropy, top_k=top_k,
+                                                   vocab_chunk=chunk, **self._step_options)
+        return self._logprob_steps[key]
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -480,6 +546,15 @@ class PackedPolicy:
 
     def _record(self, split: str, stats: dict, losses) -> None:
         self.last_stats = dict(stats)
+
+
+def rows_to_tokens(layout: RowLayout, per_position: Tensor) -> Tensor:
+    """``[S, k]`` per-position rows -> ``[N, k]`` per token, token aligned as
+    `RowLayout.to_tokens` (zeros at each sequence's first token). Device work only."""
+    out = per_position.new_zeros((layout.num_tokens, per_position.shape[-1]))
+    used = layout.targets.numel()
+    out.index_copy_(0, layout.targets.to(out.device, non_blocking=True), per_position[:used])
+    return out
 
 
 # Why megatron-core's rerun state machine asks to end the process, by its exit code.
