@@ -24,6 +24,7 @@ start-up allocations before the model is built, the cuBLAS workspace of the proc
 
 import functools
 import gc
+import importlib
 import os
 import time
 from contextlib import contextmanager
@@ -102,7 +103,26 @@ def require_memory_saver():
                               alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if problem is not None:
         raise RuntimeError(problem)
-    return torch_memory_saver
+    return in_preload_mode(torch_memory_saver)
+
+
+def in_preload_mode(saver):
+    """``saver`` set to the preload hook. Megatron-LM 0.19's megatron/training/training.py
+    sets the process-wide saver to its ``torch`` hook when it is imported (a pluggable
+    allocator for its own offloading, which leaves CUDA-graph pools outside the region);
+    the policy needs the preload hook, which maps every cudaMalloc in the region, graph pools
+    included. Set before the saver's first use, after that import has run."""
+    importlib.import_module("megatron.training.training")  # its setting, overridden below
+
+    impl = getattr(saver, "_impl", None)
+    if impl is None:
+        saver.hook_mode = "preload"
+    elif getattr(impl, "_hook_mode", "preload") != "preload":
+        raise RuntimeError(f"torch_memory_saver is already in use with its "
+                           f"{impl._hook_mode!r} hook in this process; an offloadable policy "
+                           f"needs the preload hook. Build the policy before anything else "
+                           f"uses torch_memory_saver.")
+    return saver
 
 
 def _mib(count: int) -> float:
