@@ -1,5 +1,5 @@
-"""Worker of tests/gpu/test_rl_export.py: a policy's weights exported for an inference engine,
-on GPUs, in a process of its own (one policy per process). Run under torchrun:
+"""Worker of tests/gpu/test_rl_export_on_gpus.py: a policy's weights exported for an inference
+engine, on GPUs, in a process of its own (one policy per process). Run under torchrun:
 
     torchrun --nproc-per-node 1 tests/gpu/rl_export_worker.py --family llama \
         --converted CONVERTED --hf HF --out OUT

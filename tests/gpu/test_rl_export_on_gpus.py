@@ -22,8 +22,8 @@ models already reach a log-prob cosine of 0.998. Routing is unscaled (`routed_sc
 alone (a log-prob cosine of 0.997 against its own float32 copy); the converter's flag for it
 is checked on CPU.
 
-Run: ``python -m pytest -q -s tests/gpu/test_rl_export.py`` (the two-GPU cases need the x2
-machine; ``-s`` prints each family's figures).
+Run: ``python -m pytest -q -s tests/gpu/test_rl_export_on_gpus.py`` (the two-GPU cases need
+two GPUs; ``-s`` prints each family's figures).
 """
 
 import json
