@@ -8,9 +8,9 @@ the layers cut (hidden 4096, FFN ``--ffn-hidden-size``, 32 query heads in 8 grou
 128256, untied output layer, bf16, Adam), one process on one GPU. Started without
 torch_memory_saver's preload library, it starts itself again with it. Trains
 ``--warmup-steps`` + 1 steps (the last captures the training graphs) after a log-prob call
-(which captures the forward-only graphs), then ``--cycles`` offload / onload cycles, then one
-more step and log-prob call, which must replay (nothing captured again) and give the
-log-probs of before the cycles bitwise. Prints two Markdown tables: per cycle, what
+(which captures the forward-only graphs), then ``--cycles`` offload / onload cycles, then a
+log-prob call and one more step, which must replay (nothing captured again); the log-probs
+must equal those taken just before the cycles, bitwise. Prints two Markdown tables: per cycle, what
 PyTorch's allocator held, the MiB released and taken back and the seconds each way; and what
 releasing the graphs and capturing them again would cost instead (the capture times the
 runtime reports, and the capturing step's time over a replaying one's).
@@ -104,13 +104,14 @@ def measure(options: argparse.Namespace) -> dict:
     policy = PackedPolicy.build(PolicyConfig(training_config(options), offloadable=True))
     vocab, rows = policy.vocab_size, policy.row_positions
     probe = micro_batches(2, rows, vocab, seed=0)
-    before = policy.logprobs(probe)
+    policy.logprobs(probe)  # captures the forward-only graphs
     forward_stats = dict(policy.last_stats)
     steps = []
     for step in range(options.warmup_steps + 2):  # warm-up, capture, one replay
         steps.append(timed_step(policy, micro_batches(options.micro_batches, rows, vocab,
                                                       seed=1 + step),
                                 negative_log_likelihood))
+    before = policy.logprobs(probe)  # the weights the cycles must keep
     cycles = []
     for _ in range(options.cycles):
         gone = policy.offload()

@@ -98,7 +98,7 @@ def megatron_log_values(log: str) -> dict:
     return values
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port torchrun's rendezvous store can bind: free now, and below Linux's ephemeral
     range (32768-60999), so the outgoing NCCL and gloo connections of runs beside this one
     cannot take it before torchrun binds it (a port the kernel handed out, as bind(0) does,
@@ -125,7 +125,7 @@ STREAM_MISMATCH_WARNING = "AccumulateGrad node's stream does not match"
 def torchrun_command(path: str, args: list, *, nproc: int) -> list:
     """The command line of ``torchrun --nproc-per-node nproc REPO/path args`` on a free port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(_free_port()), os.path.join(REPO, path), *args]
+            "--master-port", str(free_port()), os.path.join(REPO, path), *args]
 
 
 def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
@@ -201,7 +201,7 @@ def find_host_syncs(script: str, args: list, tmp_path, *, iteration: int) -> str
          "--iteration", str(iteration), "--", *args],
         cwd=REPO, capture_output=True, text=True, timeout=900,
         # Its own rendezvous port: this process's one-GPU world may hold MASTER_PORT.
-        env={**os.environ, "MASTER_PORT": str(_free_port())})
+        env={**os.environ, "MASTER_PORT": str(free_port())})
     out = proc.stdout + proc.stderr
     with open(os.path.join(str(tmp_path), "find_host_syncs.log"), "w") as f:
         f.write(out)

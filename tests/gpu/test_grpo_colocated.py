@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.gpu.launch import REPO
+from tests.gpu.launch import REPO, free_port
 
 SCRIPT = os.path.join(REPO, "examples", "rl", "grpo_colocated.py")
 ITERATIONS = 3
@@ -44,6 +44,10 @@ def preload_library():
 
 
 def run_example(converted, tmp_path, *extra, env=None):
+    # A plain `python` process is a world of one on MASTER_PORT (default 29500): a port of
+    # its own, so that runs side by side (pytest-xdist) do not collide.
+    env = dict(os.environ if env is None else env, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
     proc = subprocess.run(
         [sys.executable, SCRIPT, converted, "--iterations", str(ITERATIONS), "--prompts", "4",
          "--group-size", "4", "--prompt-length", "16", "--max-new-tokens", "48",

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch_memory_saver for PolicyConfig(offloadable=True): "
            "pip install -e \".[offload]\"")
 
+CUBLAS_WORKSPACE_MIB = 34  # cuBLAS's workspace and a small block, outside the policy's memory
 _RUNS: dict = {}  # (model, graphs, mode) -> the worker's JSON: a reference run serves twice
 
 
@@ -104,9 +105,11 @@ def test_offload_and_onload_leave_training_bitwise_unchanged(tmp_path, model, gr
             assert stats["graph fallbacks"] == 0 and not any(
                 key.startswith("eager") for key in stats), stats
 
-    # The memory: at least 90% of what the allocator held went, and came back.
+    # The memory: at least 90% of what the allocator held went, and came back. Not counted:
+    # what the process allocates outside the policy's memory by design, cuBLAS's workspace
+    # (32 MiB on Hopper, rl/offload.py), which at these tiny models is ~12% of the total.
     gone, back = memory["offload"], memory["onload"]
-    assert gone["mib"] >= 0.9 * gone["reserved_mib"], gone
+    assert gone["mib"] >= 0.9 * (gone["reserved_mib"] - CUBLAS_WORKSPACE_MIB), gone
     assert back["mib"] >= 0.9 * memory["paused_mib"], (back, memory["paused_mib"])
     assert memory["held_mib"] >= 0.9 * memory["free_when_offloaded_mib"]
     refused = memory["refused"]
