@@ -185,8 +185,9 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
     padded = pad_to_multiple(used, segment_multiple)  # the row positions each sequence takes
     positions = int(padded.sum())
     if positions > row_positions:
-        padding = (f"; each sequence padded to a multiple of {segment_multiple}, 2 x the "
-                   f"context parallel size" if segment_multiple > 1 else "")
+        padding = (f"; {int(used.sum())} before each sequence is padded to a multiple of "
+                   f"{segment_multiple}, 2 x the context parallel size"
+                   if segment_multiple > 1 else "")
         raise ValueError(f"{where} is wrong: its sequences hold {positions} training positions "
                          f"(tokens minus one per sequence{padding}), more than a packed row's "
                          f"{row_positions} (micro_batch_size x seq_length). Split it across "

@@ -152,7 +152,7 @@ def gather_cp_rows(shares: Tensor, cu_seqlens: Sequence[Tensor], row_positions: 
     cp_size = torch.distributed.get_world_size(group)
     count, local = shares.shape
     gathered = torch.empty(cp_size * count * local, dtype=shares.dtype, device=shares.device)
-    torch.distributed.all_gather_into_tensor(gathered, shares.contiguous(), group=group)
+    torch.distributed.all_gather_into_tensor(gathered, shares.reshape(-1), group=group)
     # gathered is [CP, M, S / CP]; row m's values in rank order go to m * S + its order.
     order = torch.stack([cp_row_order(bounds, row_positions, cp_size).view(cp_size, local)
                          for bounds in cu_seqlens], dim=1)
@@ -205,13 +205,13 @@ def step_totals(losses: list, layout: Layout, names: Optional[List[str]],
     last stage then sends them (an object broadcast: a host sync, once per loss function).
     One all-reduce over the data x context parallel group (last stage); at PP > 1 one
     broadcast over the pipeline group."""
-    total = None
+    total, known = None, names
     if losses:  # the last pipeline stage
         total = torch.stack([report["loss"].reshape(-1) for report in losses]).sum(dim=0)
         sent = list(losses[0][name_key])
-        if layout.pipeline_size > 1 and names is not None and sent != names:
+        if layout.pipeline_size > 1 and known is not None and sent != known:
             raise ValueError(f"loss_fn's metrics are wrong: {sent}, earlier steps of this loss "
-                             f"gave {names}. With pipeline parallelism a loss function returns "
+                             f"gave {known}. With pipeline parallelism a loss function returns "
                              f"the same metrics every step; return each one always (0 where "
                              f"it does not apply).")
         names = sent
@@ -219,7 +219,7 @@ def step_totals(losses: list, layout: Layout, names: Optional[List[str]],
             torch.distributed.all_reduce(total, group=layout.dp_cp_group)
     if layout.pipeline_size == 1:
         return total, names
-    if names is None:
+    if known is None:  # every stage alike: the last sends, the others receive
         box = [names]
         torch.distributed.broadcast_object_list(box, src=layout.pipeline_last_rank,
                                                 group=layout.pipeline_group)
