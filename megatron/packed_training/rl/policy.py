@@ -124,11 +124,11 @@ class TrainResult:
     data-parallel (and context parallel) rank divided by their count (tokens, or sequences
     under ``normalization="sequence"``); ``num_tokens``: that count (device). ``metrics``: the
     loss function's metrics by name, reduced the same way (device tensors). The same on
-    every rank, pipeline stages included (broadcast from the last). ``grad_norm``: the optimizer's
-    (a device tensor, a float, or None); ``update_successful``: False when the optimizer
-    skipped the step (fp16 overflow). ``stats``: the graph runtime's counters of the
-    iteration (``eager <reason>``, ``graph fallbacks``, capture time and memory). Reading a
-    device value waits for the step.
+    every rank, pipeline stages included (broadcast from the last). ``grad_norm``: the
+    optimizer's (a device tensor, a float, or None); ``update_successful``: False when the
+    optimizer skipped the step (fp16 overflow). ``stats``: the graph runtime's counters of
+    the iteration (``eager <reason>``, ``graph fallbacks``, capture time and memory). Reading
+    a device value waits for the step.
     """
 
     loss: Tensor
