@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from tests.gpu.launch import torchrun
+from tests.gpu.launch import REPO, torchrun
 
 WORKER = os.path.join("tests", "gpu", "rl_layouts_worker.py")
 LOGPROB_KEYS = ("logprobs", "after_token_step", "after_sequence_step")
@@ -27,9 +27,9 @@ PP_TOLERANCE = (2e-3, 3e-2, 1e-3)
 CP_TOLERANCE = (1e-2, 1.5e-1, 1e-2)
 
 
-def run_worker(tmp_path, name: str, flags: list, nproc: int) -> dict:
+def run_worker(tmp_path, name: str, flags: list, nproc: int, env: dict | None = None) -> dict:
     out = tmp_path / f"{name}.pt"
-    proc = torchrun(WORKER, [*flags, "--out", str(out)], nproc=nproc,
+    proc = torchrun(WORKER, [*flags, "--out", str(out)], nproc=nproc, env=env,
                     log=str(tmp_path / f"{name}.log"))
     assert proc.returncode == 0, proc.stdout[-6000:]
     return torch.load(out)
@@ -93,7 +93,11 @@ def test_context_parallel_logprobs_and_grpo_steps_equal_one_rank(tmp_path, refer
                         reason="context parallelism needs Transformer Engine "
                                "(pip install -e '.[te]')")
     want, ckpt = reference
-    got = run_worker(tmp_path, "cp2", ["--cp", "2", "--load", ckpt], nproc=2)
+    # te_patches: TE's THD context-parallel path without host syncs, as graphs need.
+    path = os.pathsep.join(p for p in (os.path.join(REPO, "te_patches"),
+                                       os.environ.get("PYTHONPATH")) if p)
+    got = run_worker(tmp_path, "cp2", ["--cp", "2", "--load", ckpt], nproc=2,
+                     env={"PYTHONPATH": path})
     assert got["segment_multiple"] == 4 and want["segment_multiple"] == 1
     assert got["logprobs_stats"]["forward graphs"] == 3  # forward-only graphs replay at CP 2
     # Graphs against eager at CP 2 on the same weights, as at CP 1.

@@ -9,7 +9,6 @@ The CUDA runs: tests/gpu/test_rl_layouts.py.
 """
 
 import os
-from functools import partial
 from types import SimpleNamespace
 
 import numpy as np

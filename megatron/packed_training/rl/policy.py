@@ -109,8 +109,7 @@ def check_library_layout(args) -> None:
                          f"{args.dynamic_cp_sizes}. Leave it unset; a static "
                          f"context_parallel_size runs.")
     cp = args.context_parallel_size
-    row = args.micro_batch_size * args.seq_length
-    if cp > 1 and row % (2 * cp):
+    if cp > 1 and (row := args.micro_batch_size * args.seq_length) % (2 * cp):
         raise ValueError(f"context_parallel_size is wrong for the library API: {cp} with a "
                          f"packed row of {row} positions (micro_batch_size x seq_length), not "
                          f"a multiple of 2 x {cp}. Set seq_length to a multiple of {2 * cp}.")
