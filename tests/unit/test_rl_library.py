@@ -32,7 +32,6 @@ from megatron.packed_training.rl import (
 )
 from megatron.packed_training.rl.batches import check_values, lay_out, lay_out_all
 from megatron.packed_training.rl.losses import clipped_policy_loss, negative_log_likelihood
-from megatron.packed_training.rl.policy import check_library_layout
 from megatron.packed_training.rl.steps import token_logprobs
 from megatron.packed_training.rl.weights import load_weights, swapped_weights
 from tests.unit.conftest import replaying_capture
@@ -648,17 +647,6 @@ def test_a_full_iteration_graph_keeps_one_loss_function(cpu_dist):
         policy._loss_step(negative_log_likelihood)
     with pytest.raises(ValueError, match=r"another function \(or normalization\)"):
         policy._loss_step(first, "sequence")
-
-
-def test_the_library_runs_pipeline_and_context_parallel_size_one():
-    ok = SimpleNamespace(pipeline_model_parallel_size=1, context_parallel_size=1,
-                         dynamic_cp_sizes=None)
-    check_library_layout(ok)
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size is wrong for the library "
-                                         "API: 2"):
-        check_library_layout(SimpleNamespace(**(vars(ok) | {"pipeline_model_parallel_size": 2})))
-    with pytest.raises(ValueError, match="context_parallel_size is wrong for the library API: 2"):
-        check_library_layout(SimpleNamespace(**(vars(ok) | {"context_parallel_size": 2})))
 
 
 @pytest.mark.slow

@@ -26,7 +26,11 @@ import torch
 from torch import Tensor
 
 from megatron.packed_training.datasets.balance import deal_to_ranks
-from megatron.packed_training.datasets.packing import PAD_TOKEN_ID, segment_position_ids
+from megatron.packed_training.datasets.packing import (
+    PAD_TOKEN_ID,
+    pad_to_multiple,
+    segment_position_ids,
+)
 from megatron.packed_training.datasets.row_plan import plan_rows
 
 LOSS_WEIGHTS = "loss_weights"
@@ -78,13 +82,17 @@ class RowLayout:
 
     ``inputs``: int64 ``[P]``, the token read at each of the ``P`` used positions;
     ``targets``: int64 ``[P]``, the token each position predicts (``inputs + 1``);
-    ``num_tokens``: ``N``; ``row_positions``: ``S``, positions of the row (``P <= S``).
+    ``num_tokens``: ``N``; ``row_positions``: ``S``, positions of the row (``P <= S``);
+    ``positions``: int64 ``[P]``, the row position of each used position where sequences
+    carry padding of their own (context parallelism: each padded to a multiple of
+    ``2 x CP``), else None (they are the row's first ``P``).
     """
 
     inputs: Tensor
     targets: Tensor
     num_tokens: int
     row_positions: int
+    positions: Optional[Tensor] = None
 
     def to_tokens(self, per_position: Tensor) -> Tensor:
         """``[S]`` (or ``[1, S]``) per-position values -> ``[N]`` per token, token aligned: a
@@ -92,7 +100,11 @@ class RowLayout:
         values = per_position.reshape(-1)
         out = torch.zeros(self.num_tokens, dtype=values.dtype, device=values.device)
         used = self.targets.numel()
-        out.index_copy_(0, self.targets.to(values.device, non_blocking=True), values[:used])
+        if self.positions is None:
+            values = values[:used]
+        else:
+            values = values.index_select(0, self.positions.to(values.device, non_blocking=True))
+        out.index_copy_(0, self.targets.to(values.device, non_blocking=True), values)
         return out
 
 
@@ -148,10 +160,12 @@ def _per_token(name: str, value, where: str, num_tokens: int) -> Tensor:
 
 
 def lay_out(mb: PackedSequences, index: int, row_positions: int,
-            names: Optional[Sequence[str]] = None) -> dict:
+            names: Optional[Sequence[str]] = None, segment_multiple: int = 1) -> dict:
     """Check micro-batch ``index`` and lay it out in a row of ``row_positions`` positions.
 
     ``names``: the per-token tensors every micro-batch of the call must carry (None: any).
+    ``segment_multiple``: each sequence's positions padded to a multiple of it, the padding
+    after its last position (context parallelism: ``2 x CP``, as the packer pads documents).
     Returns the collated micro-batch of the data path (packing.collate_packed_rows' keys, one
     row) plus ``loss_tensors`` (name -> float32 ``[1, S]``, position aligned, 0 on padding)
     and ``layout`` (`RowLayout`). Raises ValueError naming the micro-batch and what is wrong.
@@ -168,10 +182,14 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
     cu = _boundaries(mb, where, num_tokens)
     lengths = np.diff(cu)
     used = lengths[lengths > 1] - 1  # positions per sequence; a one-token one predicts nothing
-    positions = int(used.sum())
+    padded = pad_to_multiple(used, segment_multiple)  # the row positions each sequence takes
+    positions = int(padded.sum())
     if positions > row_positions:
+        padding = (f"; {int(used.sum())} before each sequence is padded to a multiple of "
+                   f"{segment_multiple}, 2 x the context parallel size"
+                   if segment_multiple > 1 else "")
         raise ValueError(f"{where} is wrong: its sequences hold {positions} training positions "
-                         f"(tokens minus one per sequence), more than a packed row's "
+                         f"(tokens minus one per sequence{padding}), more than a packed row's "
                          f"{row_positions} (micro_batch_size x seq_length). Split it across "
                          f"more micro-batches, or raise seq_length.")
     if positions == 0 and len(lengths):
@@ -194,9 +212,14 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
     starts = cu[:-1][lengths > 1]
     inputs = torch.from_numpy((np.repeat(starts, used) + segment_position_ids(used))
                               .astype(np.int64))
-    layout = RowLayout(inputs, inputs + 1, num_tokens, row_positions)
+    # Row positions of the used positions where sequences carry padding (else the first P).
+    in_row = None
+    if (padded != used).any():
+        in_row = torch.from_numpy(np.repeat(np.cumsum(padded) - padded, used)
+                                  + segment_position_ids(used))
+    layout = RowLayout(inputs, inputs + 1, num_tokens, row_positions, in_row)
     pad = row_positions - positions
-    segments = np.append(used, pad) if pad else used
+    segments = np.append(padded, pad) if pad else padded
     cu_seqlens = np.zeros(len(segments) + 1, dtype=np.int32)
     np.cumsum(segments, out=cu_seqlens[1:])
 
@@ -204,16 +227,21 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
         # index_select, not values[index_]: on the host, advanced indexing runs on torch's
         # thread pool even at this size and took ~2 ms a row on a busy 64-core host.
         picked = values.index_select(0, index_.to(values.device, non_blocking=True))
+        if in_row is not None:
+            out = torch.full((row_positions,), fill, dtype=picked.dtype, device=picked.device)
+            return out.index_copy_(0, in_row.to(picked.device, non_blocking=True),
+                                   picked).reshape(1, row_positions)
         tail = torch.full((pad,), fill, dtype=picked.dtype, device=picked.device)
         return torch.cat([picked, tail]).reshape(1, row_positions)
 
     weights = tensors.pop(LOSS_WEIGHTS)
+    used_positions = in_row if in_row is not None else slice(0, positions)
     # Float, as every loss tensor (exact below 2**24 sequences a micro-batch).
     sequence_ids = torch.full((1, row_positions), -1.0)
-    sequence_ids[0, :positions] = torch.from_numpy(
+    sequence_ids[0, used_positions] = torch.from_numpy(
         np.repeat(np.flatnonzero(lengths > 1), used).astype(np.float32))
-    padding_mask = torch.zeros(1, row_positions, dtype=torch.bool)
-    padding_mask[0, positions:] = True
+    padding_mask = torch.ones(1, row_positions, dtype=torch.bool)
+    padding_mask[0, used_positions] = False
     return {
         "tokens": row(tokens.long(), layout.inputs, PAD_TOKEN_ID),
         "labels": row(tokens.long(), layout.targets, PAD_TOKEN_ID),
@@ -230,7 +258,8 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
     }
 
 
-def lay_out_all(micro_batches: Sequence[PackedSequences], row_positions: int) -> List[dict]:
+def lay_out_all(micro_batches: Sequence[PackedSequences], row_positions: int,
+                segment_multiple: int = 1) -> List[dict]:
     """`lay_out` for every micro-batch of a call; they must all carry the same tensors."""
     if isinstance(micro_batches, PackedSequences) or not len(micro_batches):
         raise ValueError("micro_batches is wrong: give a non-empty list of PackedSequences, "
@@ -240,7 +269,8 @@ def lay_out_all(micro_batches: Sequence[PackedSequences], row_positions: int) ->
             raise ValueError(f"micro-batch {index} is wrong: a {type(mb).__name__}. Give "
                              f"megatron.packed_training.rl.PackedSequences.")
     names = sorted(micro_batches[0].tensors)
-    return [lay_out(mb, index, row_positions, names) for index, mb in enumerate(micro_batches)]
+    return [lay_out(mb, index, row_positions, names, segment_multiple)
+            for index, mb in enumerate(micro_batches)]
 
 
 class _SequenceLengths:
@@ -257,12 +287,14 @@ def pack_sequences(tokens: Sequence[Tensor], row_positions: int, *,
                    loss_weights: Optional[Sequence[Tensor]] = None,
                    tensors: Optional[Mapping[str, Sequence[Tensor]]] = None,
                    algorithm: str = "best-fit-decreasing", max_sequences: Optional[int] = None,
-                   seed: int = 0) -> List[PackedSequences]:
+                   seed: int = 0, segment_multiple: int = 1) -> List[PackedSequences]:
     """Whole sequences -> micro-batches of one row of ``row_positions`` positions each (a
     sequence of ``L`` tokens takes ``L - 1``), by the data path's packer (`row_plan`):
     ``best-fit-decreasing`` (seeded; nearly no padding) or ``in-order`` (as many sequences
     per micro-batch as fit, in order). ``max_sequences``: at most that many per micro-batch
     (give the policy's graph capacity minus one, so every micro-batch replays a graph).
+    ``segment_multiple``: each sequence's positions padded to a multiple of it, as the policy
+    lays them out (give ``policy.segment_multiple``: 2 x the context parallel size).
 
     ``tokens``: one 1-D tensor per sequence; ``loss_weights`` and each of ``tensors`` (name
     -> one tensor per sequence): token aligned, one per sequence. Each micro-batch's
@@ -283,7 +315,7 @@ def pack_sequences(tokens: Sequence[Tensor], row_positions: int, *,
     # One-token sequences predict nothing but are kept (their log-prob is 0): size 1 here.
     plan = plan_rows(_SequenceLengths([max(n, 2) for n in lengths]), row_positions,
                      long_document_policy="reject", algorithm=algorithm, seed=seed,
-                     max_documents=max_sequences)
+                     max_documents=max_sequences, segment_multiple=segment_multiple)
     groups = [plan.documents[plan.row_starts[k]:plan.row_starts[k + 1]].tolist()
               for k in range(len(plan))]
 

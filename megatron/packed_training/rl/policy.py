@@ -25,9 +25,11 @@ micro-batches and documents per call: a micro-batch with more sequences than eve
 capacity runs eager (``eager overflow``).
 
 Every rank calls `train_step` and `logprobs` together (they run the model's collectives),
-each with its own micro-batches. Layout: pipeline and context parallel size 1 (tensor,
-data and expert parallelism as configured). One policy per process: Megatron-LM keeps its
-arguments, timers and parallel state in process globals.
+each data-parallel rank with its own micro-batches (the ranks of one pipeline and of one
+context parallel group with the same ones). Layout: tensor, data, expert, pipeline (with
+virtual stages) and static context parallelism as configured; every rank gets the whole
+result (rl/layouts.py). One policy per process: Megatron-LM keeps its arguments, timers and
+parallel state in process globals.
 """
 
 import argparse
@@ -40,7 +42,6 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
@@ -51,8 +52,10 @@ from megatron.packed_training.rl.batches import (
     PackedSequences,
     RowLayout,
     check_values,
+    lay_out,
     lay_out_all,
 )
+from megatron.packed_training.rl.layouts import Layout, schedule_count, step_totals
 from megatron.packed_training.rl.offload import (
     MemoryMove,
     PolicyMemory,
@@ -121,19 +124,17 @@ class PolicyConfig:
 
 
 def check_library_layout(args) -> None:
-    """Raise for a parallel layout the library API does not run (module doc)."""
-    for flag, value, why in (
-            ("pipeline_model_parallel_size", args.pipeline_model_parallel_size,
-             "log-probs would stay on the last stage"),
-            ("context_parallel_size", args.context_parallel_size,
-             "each rank would hold a share of a micro-batch's log-probs"),
-    ):
-        if value != 1:
-            raise ValueError(f"{flag} is wrong for the library API: {value}. It runs "
-                             f"{flag} 1 ({why}); use tensor or data parallelism.")
+    """Raise for a parallel layout the library API does not run (module doc): dynamic
+    context parallelism, and static CP whose packed row does not split into 2 x CP chunks."""
     if getattr(args, "dynamic_cp_sizes", None):
         raise ValueError(f"dynamic_cp_sizes is wrong for the library API: "
-                         f"{args.dynamic_cp_sizes}. Leave it unset (context parallel size 1).")
+                         f"{args.dynamic_cp_sizes}. Leave it unset; a static "
+                         f"context_parallel_size runs.")
+    cp = args.context_parallel_size
+    if cp > 1 and (row := args.micro_batch_size * args.seq_length) % (2 * cp):
+        raise ValueError(f"context_parallel_size is wrong for the library API: {cp} with a "
+                         f"packed row of {row} positions (micro_batch_size x seq_length), not "
+                         f"a multiple of 2 x {cp}. Set seq_length to a multiple of {2 * cp}.")
 
 
 @dataclass
@@ -159,13 +160,14 @@ class TrainResult:
     """One `PackedPolicy.train_step`.
 
     ``loss``: 0-dim device tensor, the loss summed over the micro-batches of every
-    data-parallel rank divided by their count (tokens, or sequences under
-    ``normalization="sequence"``); ``num_tokens``: that count (device). ``metrics``: the loss
-    function's metrics by name, reduced the same way (device tensors). ``grad_norm``: the optimizer's
-    (a device tensor, a float, or None); ``update_successful``: False when the optimizer
-    skipped the step (fp16 overflow). ``stats``: the graph runtime's counters of the
-    iteration (``eager <reason>``, ``graph fallbacks``, capture time and memory). Reading a
-    device value waits for the step.
+    data-parallel (and context parallel) rank divided by their count (tokens, or sequences
+    under ``normalization="sequence"``); ``num_tokens``: that count (device). ``metrics``: the
+    loss function's metrics by name, reduced the same way (device tensors). The same on
+    every rank, pipeline stages included (broadcast from the last). ``grad_norm``: the
+    optimizer's (a device tensor, a float, or None); ``update_successful``: False when the
+    optimizer skipped the step (fp16 overflow). ``stats``: the graph runtime's counters of
+    the iteration (``eager <reason>``, ``graph fallbacks``, capture time and memory). Reading
+    a device value waits for the step.
     """
 
     loss: Tensor
@@ -183,6 +185,8 @@ class PackedPolicy:
     ``schedule``: the `GraphRuntimeSchedule` over megatron-core's forward-backward function
     for ``runtime``; ``step_options``: the forward steps' settings (`LogProbStep` keywords);
     ``row_positions``: positions of a packed row, micro_batch_size x seq_length;
+    ``segment_multiple``: what each sequence's positions are padded to a multiple of in a
+    row (2 x the context parallel size; 1 without CP): pass it to `pack_sequences`;
     ``lr_increment``: samples the learning-rate schedule advances per step (Megatron-LM's:
     the global batch size). ``hf_config``: the model's Hugging Face family for
     `export_weights` (anything `export.hf_mapping` takes: a config.json folder, a family's
@@ -216,6 +220,9 @@ class PackedPolicy:
         # graphs apart, so a call never replays a graph captured for other outputs.
         self._logprob_steps: Dict[tuple, LogProbStep] = {}  # by (entropy, top_k, vocab_chunk)
         self._loss_steps: Dict[tuple, PolicyLossStep] = {}  # by (loss_fn, normalization)
+        self._metric_names: Dict[PolicyLossStep, List[str]] = {}  # PP: known on every stage
+        cp_size = self._step_options.get("cp_size", 1)
+        self.segment_multiple = 2 * cp_size if cp_size > 1 else 1
         self.last_stats: dict = {}  # the graph runtime's counters of the latest call
         self.iteration = iteration
         self._checkpointing_context: dict = {}  # Megatron-LM's, kept across saves as train() does
@@ -297,15 +304,16 @@ class PackedPolicy:
         before the optimizer steps, where megatron-core's rerun state machine rejects a
         result of the step and asks to end the process (`_forward_backward`)."""
         batches = self._prepare(micro_batches, temperature)
-        losses = self._forward_backward(self._loss_step(loss_fn, normalization), batches)
+        step = self._loss_step(loss_fn, normalization)
+        losses = self._forward_backward(step, batches)
         # Reduced now: under a full-iteration graph the reports are graph-owned. One
-        # collective over the data-parallel ranks; nothing is read back to the host.
-        total = torch.stack([report["loss"].reshape(-1) for report in losses]).sum(dim=0)
-        if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
-            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        # collective over the data x context parallel ranks, and at PP > 1 a broadcast from
+        # the last stage; nothing is read back to the host (layouts.step_totals).
+        total, names = step_totals(losses, self._layout(), self._metric_names.get(step),
+                                   METRIC_NAMES)
+        self._metric_names[step] = names
         count = total[1].clamp(min=1)
-        metrics = {name: total[2 + k] / count
-                   for k, name in enumerate(losses[0][METRIC_NAMES])} if losses else {}
+        metrics = {name: total[2 + k] / count for k, name in enumerate(names)}
         stepped = self.optimizer.step()
         self.schedule.close_iteration()  # a no-op where the step closed it (pretrain.py wraps it)
         if self.scheduler is not None:
@@ -339,18 +347,22 @@ class PackedPolicy:
         batches = self._prepare(micro_batches, temperature)
         forced = self.runtime.forced_eager() if eager else nullcontext()
         with torch.no_grad(), forced:
-            reports = self.schedule(forward_step_func=step, data_iterator=iter(batches),
+            reports = self.schedule(forward_step_func=step, data_iterator=self._data(batches),
                                     model=self.model, num_microbatches=len(batches),
                                     forward_only=True)
-        layouts = [batch["layout"] for batch in batches]
+        # Whole rows on every rank: from the last pipeline stage, the CP shares gathered.
+        layout = self._layout()
+        rows = layout.rows([report[LOGPROBS] for report in reports], batches,
+                           self.row_positions)
+        given = [batch["layout"] for batch in batches[:len(micro_batches)]]
         if not (entropy or top_k):
-            return [layout.to_tokens(report[LOGPROBS]) for layout, report in zip(layouts, reports)]
+            return [each.to_tokens(row) for each, row in zip(given, rows)]
         return [LogProbOutputs(
-            layout.to_tokens(report[LOGPROBS]),
-            layout.to_tokens(report[ENTROPY]) if entropy else None,
-            rows_to_tokens(layout, report[TOPK_LOGPROBS]) if top_k else None,
-            rows_to_tokens(layout, report[TOPK_IDS]) if top_k else None)
-            for layout, report in zip(layouts, reports)]
+            each.to_tokens(row),
+            each.to_tokens(report[ENTROPY]) if entropy else None,
+            rows_to_tokens(each, report[TOPK_LOGPROBS]) if top_k else None,
+            rows_to_tokens(each, report[TOPK_IDS]) if top_k else None)
+            for each, row, report in zip(given, rows, reports)]
 
     def _head_step(self, entropy: bool, top_k: int) -> LogProbStep:
         """The log-prob step of these head options (made at first ask); ValueError, before any
@@ -359,6 +371,11 @@ class PackedPolicy:
         if top_k > self.vocab_size:
             raise ValueError(f"top_k is wrong: {top_k}, more than the vocabulary's "
                              f"{self.vocab_size} ids. Pass at most {self.vocab_size}.")
+        if (entropy or top_k) and split_over_ranks():
+            raise ValueError(f"entropy={entropy}, top_k={top_k} is wrong for this layout: the "
+                             f"extra outputs run at pipeline and context parallel size 1. "
+                             f"Ask for log-probs only here, or use tensor and data "
+                             f"parallelism.")
         key = (entropy, top_k, chunk)
         if key not in self._logprob_steps:
             self._logprob_steps[key] = LogProbStep(entropy=entropy, top_k=top_k,
@@ -484,7 +501,8 @@ class PackedPolicy:
         if not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"temperature is wrong: {temperature!r}. Use a positive number "
                              f"(1.0: the model's own distribution).")
-        batches = lay_out_all(micro_batches, self.row_positions)
+        batches = lay_out_all(micro_batches, self.row_positions, self.segment_multiple)
+        batches += self._schedule_padding(micro_batches)
         for batch in batches:
             batch[INV_TEMPERATURE] = 1.0 / temperature
         if self.check_inputs:
@@ -505,7 +523,7 @@ class PackedPolicy:
         try:
             while machine.should_run_forward_backward(None):
                 self._zero_grads()
-                losses = self.schedule(forward_step_func=step, data_iterator=iter(batches),
+                losses = self.schedule(forward_step_func=step, data_iterator=self._data(batches),
                                        model=self.model, num_microbatches=len(batches),
                                        forward_only=False)
         except BaseException:
@@ -519,6 +537,26 @@ class PackedPolicy:
             self.schedule.close_iteration()  # no optimizer step will close it
             raise RuntimeError(stop)
         return losses
+
+    def _schedule_padding(self, micro_batches: Sequence[PackedSequences]) -> list:
+        """Empty micro-batches (laid out) that complete the call's count for megatron-core's
+        interleaved schedule (virtual stages run micro-batches in groups); none without
+        virtual stages. They weigh nothing; their log-probs are dropped."""
+        layout = self._layout()
+        count = len(micro_batches)
+        padding = schedule_count(count, layout.pipeline_size, layout.chunks, layout.group_size)
+        first = micro_batches[0]
+        empty = PackedSequences.empty(sorted(first.tensors), first.tokens.device)
+        return [lay_out(empty, count + k, self.row_positions, sorted(first.tensors),
+                        self.segment_multiple) for k in range(padding - count)]
+
+    def _layout(self) -> Layout:
+        return Layout.current(self.model, self._step_options.get("device") or torch.device(
+            "cuda", torch.cuda.current_device()))
+
+    def _data(self, batches: list):
+        """The schedule's data iterator: one per model chunk with virtual pipeline stages."""
+        return [iter(batches) for _ in self.model] if len(self.model) > 1 else iter(batches)
 
     def _zero_grads(self) -> None:
         for chunk in self.model:
@@ -606,6 +644,17 @@ def megatron_args(caller: str) -> argparse.Namespace:
         raise RuntimeError(f"{caller} needs Megatron-LM's arguments, which PackedPolicy.build "
                            f"sets: build the policy with PackedPolicy.build(PolicyConfig(...))."
                            ) from None
+
+
+def split_over_ranks() -> bool:
+    """Whether a micro-batch's results are split over pipeline stages or context parallel
+    ranks (megatron-core's parallel state; False before it is set)."""
+    from megatron.core import parallel_state
+
+    if not (torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        return False
+    return (parallel_state.get_pipeline_model_parallel_world_size() > 1
+            or parallel_state.get_context_parallel_world_size() > 1)
 
 
 def export_module():

@@ -31,6 +31,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron.packed_training.packed_step import PackedForwardStep, PackedMicroBatch
+from megatron.packed_training.rl import layouts
 from megatron.packed_training.rl.batches import SEQUENCE_IDS
 
 INV_TEMPERATURE = "inv_temperature"  # the collated micro-batch's host key (a float)
@@ -61,7 +62,11 @@ class PolicyMicroBatch(PackedMicroBatch):
 @dataclass
 class LossInputs:
     """What a loss function sees for one micro-batch: position-aligned ``[T]`` tensors over
-    the packed row (``T``: micro_batch_size x seq_length), all float32 on the device.
+    the packed row (``T``: micro_batch_size x seq_length), all float32 on the device. Under
+    context parallelism they are this CP rank's share of the row's positions (``T / CP``;
+    `layouts.py`): token-level sums add up over the CP ranks, and `per_sequence_means`
+    adds each sequence's sums over ``cp_group`` (the CP group; None: the rank holds the
+    whole row).
 
     ``logprobs``: log-probability of each position's target under the policy at the call's
     temperature (differentiable; padding positions hold the log-prob of a pad token: their
@@ -75,6 +80,7 @@ class LossInputs:
     weights: Tensor
     tensors: Dict[str, Tensor]
     sequence_ids: Optional[Tensor] = None
+    cp_group: object = None
 
     def __getitem__(self, name: str) -> Tensor:
         """``inputs["advantages"]``; a missing name raises naming the ones there are."""
@@ -99,8 +105,9 @@ def token_logprobs(logits: Tensor, labels: Tensor, inv_temperature: Tensor) -> T
 class LogProbStep(PackedForwardStep):
     """Forward step of per-token log-probs and their extras (forward only; see module doc).
 
-    Refuses context parallelism: each CP rank would hold a share of the positions, which the
-    library does not gather back."""
+    Under static context parallelism each CP rank stages and runs its share of the
+    positions (its per-token loss tensors too); the policy gathers the log-probs back
+    (`layouts.gather_cp_rows`). Refuses dynamic context parallelism."""
 
     # Whether the staged micro-batch carries the per-token loss tensors (a log-prob pass
     # needs none: its forward-only graphs take the same inputs whatever the call carries).
@@ -117,37 +124,50 @@ class LogProbStep(PackedForwardStep):
                                                                         vocab_chunk)
 
     def stage(self, batch: dict, capacity: Optional[int]) -> PolicyMicroBatch:
-        if self.cp_size > 1 or "cp_turn" in batch:
-            raise ValueError("context parallelism is wrong for the library API: the log-probs "
-                             "of a micro-batch would be split over the CP ranks. Use "
-                             "context_parallel_size 1.")
+        if "cp_turn" in batch:
+            raise ValueError("dynamic context parallelism is wrong for the library API: a "
+                             "micro-batch came with a CP turn. Leave dynamic_cp_sizes unset "
+                             "(static context_parallel_size runs).")
         staged = super().stage(batch, capacity)
         device = staged.tokens.device
         tensors = {}
         if self.carries_loss_tensors:
-            tensors = {name: value.to(device, non_blocking=True).reshape(1, -1)
-                       for name, value in batch.get("loss_tensors", {}).items()}
+            tensors = {name: self._share(value, batch).to(device, non_blocking=True)
+                       .reshape(1, -1) for name, value in batch.get("loss_tensors", {}).items()}
         inv = torch.tensor([batch.get(INV_TEMPERATURE, 1.0)], dtype=torch.float32)
         return PolicyMicroBatch(**{f.name: getattr(staged, f.name)
                                    for f in dataclasses.fields(PackedMicroBatch)},
                                 inv_temperature=inv.to(device, non_blocking=True),
                                 loss_tensors=tensors)
 
+    def _share(self, values: Tensor, batch: dict) -> Tensor:
+        """A ``[1, T]`` row tensor of ``batch``: this CP rank's positions under CP."""
+        if self.cp_size == 1:
+            return values
+        return layouts.cp_share(values, batch["cu_seqlens"], self.cp_size,
+                                parallel_state.get_context_parallel_rank())
+
     def logits(self, model, mb: PolicyMicroBatch) -> Tensor:
-        """The model on ``mb``: logits ``[1, T, V / TP]`` (this rank's vocabulary shard)."""
+        """The model on ``mb``: logits ``[1, T, V / TP]`` (this rank's vocabulary shard); off
+        the last pipeline stage, the chunk's hidden states for the next stage."""
         return model(mb.tokens, mb.position_ids, None, labels=None, packed_seq_params=mb.params)
 
     def logprobs(self, model, mb: PolicyMicroBatch) -> Tensor:
         """float32 ``[1, T]`` log-probs of each position's target, differentiable, through
         megatron-core's cross entropy on the whole shard (`token_logprobs`: the training
-        path, `PolicyLossStep`)."""
-        return token_logprobs(self.logits(model, mb), mb.labels, mb.inv_temperature)
-
-    def head(self, model, mb: PolicyMicroBatch) -> "HeadOutputs":
-        """Forward only: the log-probs and the extras this step was built for (`chunked_head`
-        over the tensor-parallel group; ``vocab_chunk`` 0: the log-probs of `token_logprobs`).
-        No host sync."""
+        path, `PolicyLossStep`); off the last pipeline stage, the hidden states."""
         logits = self.logits(model, mb)
+        if not layouts.is_last_stage_chunk(model):
+            return logits
+        return token_logprobs(logits, mb.labels, mb.inv_temperature)
+
+    def head(self, model, mb: PolicyMicroBatch):
+        """Forward only: the log-probs and the extras this step was built for (`chunked_head`
+        over the tensor-parallel group; ``vocab_chunk`` 0: the log-probs of `token_logprobs`);
+        off the last pipeline stage, the hidden states. No host sync."""
+        logits = self.logits(model, mb)
+        if not layouts.is_last_stage_chunk(model):
+            return logits
         if self.vocab_chunk == 0:
             return HeadOutputs(token_logprobs(logits, mb.labels, mb.inv_temperature))
         return chunked_head(logits, mb.labels, mb.inv_temperature, entropy=self.entropy,
@@ -327,14 +347,22 @@ LOSS_NORMALIZATIONS = ("token", "sequence")
 
 def per_sequence_means(per_token: Tensor, inputs: LossInputs) -> Tensor:
     """Each sequence's weighted mean of ``per_token`` (``[T]``): float32 ``[T]``, one value per
-    sequence id (sequences without weight: 0). Device work only."""
+    sequence id (sequences without weight: 0). Device work only. Under context parallelism
+    (``inputs.cp_group``) the sums and counts are added over the CP group first (one
+    all-reduce, differentiable) and each sequence's mean is kept on one CP rank (0 on the
+    others), so that ``.sum()`` adds up to the sum over sequences across the group."""
     ids = inputs.sequence_ids.clamp(min=0).long()
     size = per_token.numel()  # at most one sequence per position: no host read of the count
     sums = torch.zeros(size, dtype=torch.float32, device=per_token.device).index_add(
         0, ids, (per_token * inputs.weights).float())
     counts = torch.zeros(size, dtype=torch.float32, device=per_token.device).index_add(
         0, ids, inputs.weights.float())
-    return torch.where(counts > 0, sums / counts.clamp(min=1e-12), 0.0)
+    if inputs.cp_group is not None:
+        sums, counts = layouts.cp_sequence_totals(sums, counts, inputs.cp_group)
+    means = torch.where(counts > 0, sums / counts.clamp(min=1e-12), 0.0)
+    if inputs.cp_group is not None:
+        means = layouts.owned_by_this_cp_rank(means, inputs.cp_group)
+    return means
 
 
 class PolicyLossStep(LogProbStep):
@@ -369,14 +397,13 @@ class PolicyLossStep(LogProbStep):
         weights = mb.loss_mask.reshape(-1).float()
         tensors = {name: value.reshape(-1) for name, value in mb.loss_tensors.items()}
         sequence_ids = tensors.pop(SEQUENCE_IDS, None)
-        inputs = LossInputs(logprobs.reshape(-1), weights, tensors, sequence_ids)
+        cp_group = parallel_state.get_context_parallel_group() if self.cp_size > 1 else None
+        inputs = LossInputs(logprobs.reshape(-1), weights, tensors, sequence_ids, cp_group)
         loss, metrics = self._checked(self.loss_fn(inputs), logprobs.device)
         if self.normalization == "token":
             num_tokens = (weights > 0).sum().to(torch.int)
         else:  # sequences with a weighted position (a scatter: no host read)
-            per_sequence = torch.zeros_like(weights).index_add(
-                0, sequence_ids.clamp(min=0).long(), weights)
-            num_tokens = (per_sequence > 0).sum().to(torch.int)
+            num_tokens = layouts.sequence_count(weights, sequence_ids, cp_group)
         values = [loss.detach().float().view(1), num_tokens.float().view(1)]
         values += [metrics[name].detach().float().view(1) for name in sorted(metrics)]
         return loss, num_tokens, {"loss": torch.cat(values), METRIC_NAMES: sorted(metrics)}
