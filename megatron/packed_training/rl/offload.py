@@ -113,15 +113,13 @@ def in_preload_mode(saver):
     the policy needs the preload hook, which maps every cudaMalloc in the region, graph pools
     included. Set before the saver's first use, after that import has run."""
     importlib.import_module("megatron.training.training")  # its setting, overridden below
-
-    impl = getattr(saver, "_impl", None)
-    if impl is None:
-        saver.hook_mode = "preload"
-    elif getattr(impl, "_hook_mode", "preload") != "preload":
-        raise RuntimeError(f"torch_memory_saver is already in use with its "
-                           f"{impl._hook_mode!r} hook in this process; an offloadable policy "
-                           f"needs the preload hook. Build the policy before anything else "
-                           f"uses torch_memory_saver.")
+    try:
+        saver.hook_mode = "preload"  # torch_memory_saver takes it until its first use
+    except (AssertionError, AttributeError):
+        raise RuntimeError("torch_memory_saver is in use already in this process, so its hook "
+                           "can no longer be set; an offloadable policy needs its preload "
+                           "hook. Build the policy before anything else uses "
+                           "torch_memory_saver.") from None
     return saver
 
 
