@@ -146,7 +146,7 @@ def load_training_config(source: str | os.PathLike | dict, model: str = "gpt"
     ``ValueError`` naming it."""
     from megatron.packed_training.arguments import build_parser, parse_args
 
-    raw = _read_mapping(source)
+    raw = read_training_mapping(source)
     actions = {action.dest: action for action in build_parser()._actions
                if action.option_strings and action.dest != "help"}
     unknown = sorted(str(key) for key in raw if key not in actions)
@@ -157,7 +157,9 @@ def load_training_config(source: str | os.PathLike | dict, model: str = "gpt"
     return parse_args(argv, model, raise_on_error=True)
 
 
-def _read_mapping(source) -> dict:
+def read_training_mapping(source) -> dict:
+    """A training config as a ``{dest: value}`` dict (a copy): from a mapping, or read from a
+    YAML file. ValueError where the file holds something else."""
     if isinstance(source, dict):
         return dict(source)
     with open(source) as f:

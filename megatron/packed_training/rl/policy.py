@@ -116,9 +116,9 @@ class PolicyConfig:
                              f"'hybrid'.")
         if isinstance(self.training, argparse.Namespace):
             return self.training
-        from megatron.packed_training.config import _read_mapping, load_training_config
+        from megatron.packed_training.config import load_training_config, read_training_mapping
 
-        training = _read_mapping(self.training)
+        training = read_training_mapping(self.training)
         training.setdefault("calculate_per_token_loss", True)
         return load_training_config(training, self.model)
 
