@@ -51,7 +51,8 @@ def laid_out(multiple, **tensors):
 
 def test_the_library_takes_pipeline_and_static_context_parallelism():
     ok = SimpleNamespace(pipeline_model_parallel_size=2, context_parallel_size=2,
-                         micro_batch_size=1, seq_length=1024, dynamic_cp_sizes=None)
+                         micro_batch_size=1, seq_length=1024, dynamic_cp_sizes=None,
+                         calculate_per_token_loss=True)
     check_library_layout(ok)
     check_library_layout(SimpleNamespace(**(vars(ok) | {"context_parallel_size": 1,
                                                         "seq_length": 1022})))
@@ -63,6 +64,9 @@ def test_the_library_takes_pipeline_and_static_context_parallelism():
                                          r"seq_length to a multiple of 8\."):
         check_library_layout(SimpleNamespace(**(vars(ok) | {"context_parallel_size": 4,
                                                             "seq_length": 1020})))
+    with pytest.raises(ValueError, match=r"calculate_per_token_loss is wrong for "
+                                         r"context_parallel_size 2: False\. Leave it unset"):
+        check_library_layout(SimpleNamespace(**(vars(ok) | {"calculate_per_token_loss": False})))
 
 
 def test_cp_padding_pads_each_sequence_and_maps_positions_back_to_tokens():

@@ -247,7 +247,7 @@ def test_the_whole_shard_equals_one_chunk_bitwise_and_several_chunks_within_roun
         assert torch.equal(a, b)
         torch.testing.assert_close(c, a, rtol=0, atol=2e-6)
     policy.logprob_vocab_chunk = 0
-    with pytest.raises(ValueError, match="vocab_chunk is wrong for entropy=True"):
+    with pytest.raises(ValueError, match=r"policy\.logprob_vocab_chunk is wrong for entropy=True"):
         policy.logprobs(mbs, entropy=True)
 
 

@@ -172,7 +172,7 @@ def test_calls_while_offloaded_are_refused_before_anything_runs(cpu_dist):
     calls = {"train_step": lambda: policy.train_step(mbs, grpo_loss()),
              "logprobs": lambda: policy.logprobs(mbs),
              "snapshot_weights": policy.snapshot_weights,
-             "swapped_weights": lambda: policy.swapped_weights(None),
+             "swapped_weights": lambda: policy.swapped_weights(None).__enter__(),
              "load_weights": lambda: policy.load_weights({}),
              "export_weights": policy.export_weights}
     for name, call in calls.items():
@@ -183,6 +183,19 @@ def test_calls_while_offloaded_are_refused_before_anything_runs(cpu_dist):
     with pytest.raises(RuntimeError, match="offload is refused: the policy is offloaded "
                                            "already"):
         policy.offload()
+
+
+def test_a_weight_swap_exchanges_in_the_region_and_its_body_runs_outside(cpu_dist):
+    """The swap's entry and exit copy the policy's weights: each in the region; the body of
+    the caller's `with` is the caller's code."""
+    policy = make_policy()
+    recorder = RegionRecorder()
+    policy.memory = PolicyMemory(recorder)
+    store = policy.snapshot_weights()
+    before = len(recorder.entered)
+    with policy.swapped_weights(store):
+        assert recorder.open == 0 and len(recorder.entered) == before + 1
+    assert recorder.open == 0 and len(recorder.entered) == before + 2
 
 
 @pytest.mark.parametrize("graphs", ["layer", "full"])

@@ -16,8 +16,10 @@ call's results land; the functions here hand every rank the whole result:
 * Virtual pipeline stages: megatron-core's interleaved schedule runs micro-batches in groups
   per stage (`schedule_count`); a call is padded with empty micro-batches to fit.
 
-Each function issues at most one collective (two for `step_totals` at PP > 1) and reads
-nothing back to the host, unless its doc says otherwise.
+Each function issues one collective per layout dimension it crosses (`Layout.rows` at PP
+and CP > 1: a broadcast and an all-gather; `step_totals`: an all-reduce, a broadcast at
+PP > 1, and at a loss function's first step the metric names) and reads nothing back to
+the host, unless its doc says otherwise.
 """
 
 from dataclasses import dataclass

@@ -27,7 +27,7 @@ import gc
 import importlib
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -253,6 +253,29 @@ def on_the_gpu(method: Callable) -> Callable:
             return method(policy, *args, **kwargs)
         with memory.resident(f"PackedPolicy.{method.__name__}"):
             return method(policy, *args, **kwargs)
+
+    return call
+
+
+def on_the_gpu_scope(method: Callable) -> Callable:
+    """As `on_the_gpu`, for a method returning a context manager: its entry and its exit each
+    run in the policy's memory (and are refused while offloaded); the body of the caller's
+    ``with`` runs outside it, as any code between policy calls."""
+
+    @functools.wraps(method)
+    @contextmanager
+    def call(policy, *args, **kwargs):
+        memory = getattr(policy, "memory", None)
+        what = f"PackedPolicy.{method.__name__}"
+        scope = method(policy, *args, **kwargs)
+        # Entered and left by hand: only those two steps belong in the region.
+        with memory.resident(what) if memory is not None else nullcontext():
+            scope.__enter__()
+        try:
+            yield
+        finally:
+            with memory.resident(what) if memory is not None else nullcontext():
+                scope.__exit__(None, None, None)
 
     return call
 

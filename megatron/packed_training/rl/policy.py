@@ -61,6 +61,7 @@ from megatron.packed_training.rl.offload import (
     PolicyMemory,
     on_the_gpu,
     on_the_gpu_iterating,
+    on_the_gpu_scope,
 )
 from megatron.packed_training.rl.steps import (
     ENTROPY,
@@ -125,7 +126,8 @@ class PolicyConfig:
 
 def check_library_layout(args) -> None:
     """Raise for a parallel layout the library API does not run (module doc): dynamic
-    context parallelism, and static CP whose packed row does not split into 2 x CP chunks."""
+    context parallelism, static CP whose packed row does not split into 2 x CP chunks, and
+    static CP without ``calculate_per_token_loss``."""
     if getattr(args, "dynamic_cp_sizes", None):
         raise ValueError(f"dynamic_cp_sizes is wrong for the library API: "
                          f"{args.dynamic_cp_sizes}. Leave it unset; a static "
@@ -135,6 +137,11 @@ def check_library_layout(args) -> None:
         raise ValueError(f"context_parallel_size is wrong for the library API: {cp} with a "
                          f"packed row of {row} positions (micro_batch_size x seq_length), not "
                          f"a multiple of 2 x {cp}. Set seq_length to a multiple of {2 * cp}.")
+    if cp > 1 and not args.calculate_per_token_loss:
+        # Without it megatron-core divides each CP rank's share by that share's own count, and
+        # the gradient is no longer that of the loss the step reports.
+        raise ValueError(f"calculate_per_token_loss is wrong for context_parallel_size {cp}: "
+                         f"False. Leave it unset (the library's default is True).")
 
 
 @dataclass
@@ -367,7 +374,8 @@ class PackedPolicy:
     def _head_step(self, entropy: bool, top_k: int) -> LogProbStep:
         """The log-prob step of these head options (made at first ask); ValueError, before any
         device work, for bad ones."""
-        entropy, top_k, chunk = check_head_options(entropy, top_k, self.logprob_vocab_chunk)
+        entropy, top_k, chunk = check_head_options(entropy, top_k, self.logprob_vocab_chunk,
+                                                   "policy.logprob_vocab_chunk")
         if top_k > self.vocab_size:
             raise ValueError(f"top_k is wrong: {top_k}, more than the vocabulary's "
                              f"{self.vocab_size} ids. Pass at most {self.vocab_size}.")
@@ -390,7 +398,7 @@ class PackedPolicy:
         where they are; the host costs no GPU memory, a swap then copies over PCIe)."""
         return WeightStore.snapshot(self.model, device)
 
-    @on_the_gpu
+    @on_the_gpu_scope
     def swapped_weights(self, store: WeightStore):
         """Context manager: the model holds ``store``'s weights within the scope (graphs
         replay with them), its own again after. For the reference policy's log-probs."""
@@ -460,6 +468,9 @@ class PackedPolicy:
         finish_param_gather(self.model)
         kept = args.save
         args.save = os.fspath(path)
+        # The samples the steps consumed, as Megatron-LM's loop counts them (a global batch of
+        # lr_increment a step): a training run resuming from the checkpoint starts after them.
+        args.consumed_train_samples = iteration * self.lr_increment
         try:
             save_checkpoint(iteration, self.model, self.optimizer, self.scheduler,
                             getattr(args, "num_floating_point_operations_so_far", 0),
@@ -590,8 +601,11 @@ def rows_to_tokens(layout: RowLayout, per_position: Tensor) -> Tensor:
     """``[S, k]`` per-position rows -> ``[N, k]`` per token, token aligned as
     `RowLayout.to_tokens` (zeros at each sequence's first token). Device work only."""
     out = per_position.new_zeros((layout.num_tokens, per_position.shape[-1]))
-    used = layout.targets.numel()
-    out.index_copy_(0, layout.targets.to(out.device, non_blocking=True), per_position[:used])
+    if layout.positions is None:
+        rows = per_position[:layout.targets.numel()]
+    else:  # sequences padded apart (context parallelism)
+        rows = per_position.index_select(0, layout.positions.to(out.device, non_blocking=True))
+    out.index_copy_(0, layout.targets.to(out.device, non_blocking=True), rows)
     return out
 
 

@@ -214,20 +214,22 @@ class HeadOutputs(NamedTuple):
     topk_ids: Optional[Tensor] = None
 
 
-def check_head_options(entropy, top_k, vocab_chunk) -> Tuple[bool, int, int]:
-    """The head's options, checked on the host: ValueError naming the value and the fix."""
+def check_head_options(entropy, top_k, vocab_chunk,
+                       chunk_name: str = "vocab_chunk") -> Tuple[bool, int, int]:
+    """The head's options, checked on the host: ValueError naming the value and the fix
+    (``chunk_name``: what the caller calls the chunk size)."""
     if not isinstance(entropy, bool):
         raise ValueError(f"entropy is wrong: {entropy!r}. Pass True or False.")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k is wrong: {top_k!r}. Pass an int from 0 (no top-k) to "
                          f"{MAX_TOP_K}.")
     if isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int) or vocab_chunk < 0:
-        raise ValueError(f"vocab_chunk is wrong: {vocab_chunk!r}. Pass a positive int "
+        raise ValueError(f"{chunk_name} is wrong: {vocab_chunk!r}. Pass a positive int "
                          f"(vocabulary columns per chunk), or 0 for the whole shard at once.")
     if vocab_chunk == 0 and (entropy or top_k):
-        raise ValueError(f"vocab_chunk is wrong for entropy={entropy}, top_k={top_k}: 0 (the "
+        raise ValueError(f"{chunk_name} is wrong for entropy={entropy}, top_k={top_k}: 0 (the "
                          f"whole shard through megatron-core's cross entropy, log-probs only). "
-                         f"Use a positive vocab_chunk (default {VOCAB_CHUNK}) for the extras.")
+                         f"Use a positive {chunk_name} (default {VOCAB_CHUNK}) for the extras.")
     return entropy, top_k, vocab_chunk
 
 

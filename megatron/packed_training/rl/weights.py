@@ -79,8 +79,8 @@ class WeightStore:
         new tensors, so a checkpoint saved at any tensor, pipeline or expert parallel layout
         loads; the optimizer state is not read, the live weights are untouched and no second
         model is built. Collective: every rank of the model calls it (the load checks the
-        shards over all ranks). Raises ValueError, before any collective, where ``path`` is no
-        torch_dist checkpoint or holds another model (`checkpoint_folder`,
+        shards over all ranks). Raises ValueError, on every rank before the load, where
+        ``path`` is no torch_dist checkpoint or holds another model (`checkpoint_folder`,
         `check_checkpoint_model`)."""
         folder = checkpoint_folder(path)
         requests = checkpoint_requests(model_chunks, folder, device)
@@ -241,7 +241,9 @@ def check_checkpoint_model(path, folder: str, requests: dict) -> None:
     """Raise ValueError unless the checkpoint in ``folder`` holds every tensor ``requests``
     reads, each at the global shape the model's sharded state dict gives it (the whole
     tensor, layers stacked on a leading axis): else it holds another model. Reads the
-    checkpoint's metadata only; no collective."""
+    checkpoint's metadata only. Every rank raises where any does (each checks only its own
+    shards, and a rank that went on would wait in the load's collectives): one
+    ``all_gather_object`` where a process group is up, a host sync."""
     stored = dist_checkpointing.load_tensors_metadata(folder)
     problems: Dict[str, str] = {}  # by checkpoint key: layers share one
     for item in nested_values(requests):
@@ -256,6 +258,10 @@ def check_checkpoint_model(path, folder: str, requests: dict) -> None:
             elif tuple(found.global_shape) != tuple(tensor.global_shape):
                 problems[tensor.key] = (f"{tensor.key} is {tuple(found.global_shape)} there, "
                                         f"{tuple(tensor.global_shape)} in this model")
+    if torch.distributed.is_initialized():
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, problems)
+        problems = {key: why for each in everyone for key, why in each.items()}
     if problems:
         shown = "; ".join(list(problems.values())[:3])
         more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
