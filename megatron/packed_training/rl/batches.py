@@ -34,7 +34,7 @@ from megatron.packed_training.datasets.packing import (
 from megatron.packed_training.datasets.row_plan import plan_rows
 
 LOSS_WEIGHTS = "loss_weights"
-SEQUENCE_IDS = "sequence_ids"  # each position's sequence in the micro-batch (-1: padding)
+SEQUENCE_IDS = "sequence_ids"  # each position's sequence (of those it predicts; -1: padding)
 
 
 @dataclass
@@ -238,8 +238,11 @@ def lay_out(mb: PackedSequences, index: int, row_positions: int,
     used_positions = in_row if in_row is not None else slice(0, positions)
     # Float, as every loss tensor (exact below 2**24 sequences a micro-batch).
     sequence_ids = torch.full((1, row_positions), -1.0)
+    # Numbered densely over the sequences that hold a position (one-token sequences hold
+    # none): every id stays below the positions of a rank's share, the per-sequence scatters'
+    # size.
     sequence_ids[0, used_positions] = torch.from_numpy(
-        np.repeat(np.flatnonzero(lengths > 1), used).astype(np.float32))
+        np.repeat(np.arange(len(used)), used).astype(np.float32))
     padding_mask = torch.ones(1, row_positions, dtype=torch.bool)
     padding_mask[0, used_positions] = False
     return {

@@ -73,7 +73,8 @@ class LossInputs:
     weight is 0). ``weights``: the loss weights (0 on padding and on a sequence's first
     token). ``tensors``: the micro-batch's per-token tensors by name (``advantages``,
     ``old_logprobs``, ...). ``sequence_ids``: each position's sequence within the
-    micro-batch (0, 1, ...; -1 on padding), float32, for per-sequence reductions.
+    micro-batch (0, 1, ... over the sequences of two or more tokens, in order; -1 on
+    padding), float32, for per-sequence reductions.
     """
 
     logprobs: Tensor
