@@ -281,8 +281,9 @@ def rollouts(count=3, seed=0, **tensors):
             for i in range(count)]
 
 
-def direct_logprobs(model, mb: PackedSequences, temperature=1.0):
-    """The model called on the laid-out micro-batch by hand, log_softmax in torch."""
+def direct_logits(model, mb: PackedSequences):
+    """The model called on the laid-out micro-batch by hand, in eval mode: the laid-out
+    batch, its staged form and the logits ``[1, S, V]``."""
     batch = lay_out(mb, 0, ROW)
     staged = to_device_micro_batch(batch, with_seq_idx=False, static_max_seqlen=True,
                                    device=torch.device("cpu"))
@@ -291,6 +292,12 @@ def direct_logprobs(model, mb: PackedSequences, temperature=1.0):
         logits = model(staged.tokens, staged.position_ids, None, labels=None,
                        packed_seq_params=staged.params)
     model.train()
+    return batch, staged, logits
+
+
+def direct_logprobs(model, mb: PackedSequences, temperature=1.0):
+    """`direct_logits`, log_softmax in torch."""
+    batch, staged, logits = direct_logits(model, mb)
     per_position = torch.log_softmax(logits.float() / temperature, -1).gather(
         -1, staged.labels[..., None])[..., 0]
     return batch["layout"].to_tokens(per_position)

@@ -215,18 +215,9 @@ def test_entropy_and_top_k_come_back_token_aligned_graphed_as_eager(cpu_dist):
 
 def direct_outputs(model, mb, temperature, top_k) -> LogProbOutputs:
     """Entropy and top-k from the model's whole logits by hand (torch, token aligned)."""
-    from megatron.packed_training.packed_step import to_device_micro_batch
-    from megatron.packed_training.rl.batches import lay_out
-    from tests.unit.test_rl_library import ROW
+    from tests.unit.test_rl_library import direct_logits
 
-    batch = lay_out(mb, 0, ROW)
-    staged = to_device_micro_batch(batch, with_seq_idx=False, static_max_seqlen=True,
-                                   device=torch.device("cpu"))
-    model.eval()
-    with torch.no_grad():
-        logits = model(staged.tokens, staged.position_ids, None, labels=None,
-                       packed_seq_params=staged.params)
-    model.train()
+    batch, staged, logits = direct_logits(model, mb)
     want = reference(logits[0], staged.labels[0], temperature, top_k)
     layout = batch["layout"]
     return LogProbOutputs(None, layout.to_tokens(want.entropy),
