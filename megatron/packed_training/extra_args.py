@@ -13,6 +13,7 @@ from megatron.core.transformer.enums import CudaGraphModule
 from megatron.packed_model.refusals import fail, refuse
 from megatron.packed_training.data_paths import DATA_PATHS, parse_blend
 from megatron.packed_training.datasets.data_flags import add_data_args, check_data_args
+from megatron.packed_training.fp8_flags import check_fp8
 
 GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 TE_ATTENTION = ("flash", "fused", "unfused")  # Megatron's TE attention backends
@@ -145,6 +146,7 @@ def validate_packed_args(args, model: str) -> argparse.Namespace:
     check_optimizer_graph(args)
     check_moe_graphs(args)
     check_mla(args, model)
+    check_fp8(args, model, te_attention=uses_te_attention(args))
     check_data_args(args)
     return args
 
