@@ -185,7 +185,7 @@ def check_mamba(args, model: str) -> None:
     refuse((model == "gpt" and args.mamba_conv_kernel_size != 4, "--mamba-conv-kernel-size",
             args.mamba_conv_kernel_size, "A GPT model has no Mamba layers; drop the flag"))
     if model == "hybrid":
-        inner, heads = 2 * args.hidden_size, _mamba_heads(args)
+        inner, heads = 2 * args.hidden_size, mamba_heads(args)
         refuse((args.mamba_num_heads is None and inner % args.mamba_head_dim, "--mamba-head-dim",
                 args.mamba_head_dim, f"It must divide the Mamba inner width 2 x --hidden-size = "
                 f"{inner}, or set --mamba-num-heads"),
@@ -268,7 +268,7 @@ def check_dynamic_cp(args) -> None:
         # What megatron-core's MambaContextParallel asserts: whole heads per CP rank, and the
         # CP size and the B/C groups per TP rank dividing one another.
         tp = args.tensor_model_parallel_size
-        heads, groups = _mamba_heads(args) // tp, max(args.mamba_num_groups // tp, 1)
+        heads, groups = mamba_heads(args) // tp, max(args.mamba_num_groups // tp, 1)
         for size in sizes:
             if heads % size or max(size, groups) % min(size, groups):
                 fail("--dynamic-cp-sizes", shown, f"Mamba CP needs each size to divide the "
@@ -287,7 +287,9 @@ def check_dynamic_cp(args) -> None:
     args.dynamic_cp_tokens_per_rank = args.seq_length // largest
 
 
-def _mamba_heads(args) -> int:
+def mamba_heads(args) -> int:
+    """The hybrid's Mamba heads: --mamba-num-heads, else megatron-core's default
+    (2 x hidden / head dim)."""
     return args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
 
 

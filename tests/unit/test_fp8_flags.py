@@ -1,7 +1,7 @@
 """Megatron-LM's FP8 flags on packed rows (fp8_flags.py): each refusal names the flag, the value
 and a valid one; what passes gets the start-up note on what stays BF16. The rules are called on
-copies of one parsed baseline (as tests/unit/test_extra_args.py does); one launch line goes
-through the whole parser."""
+copies of tests/unit/test_extra_args.py's parsed baseline; one launch line goes through the
+whole parser."""
 
 import copy
 import re
@@ -10,17 +10,9 @@ import pytest
 
 from megatron.packed_training.arguments import parse_args
 from megatron.packed_training.fp8_flags import check_fp8
-from tests.unit.test_extra_args import BASE, pin_importable
+from tests.unit.test_extra_args import BASE, parsed, pin_importable  # noqa: F401  (parsed)
 
 HOPPER, BLACKWELL = (9, 0), (10, 0)
-
-
-@pytest.fixture(scope="module")
-def parsed():
-    with pytest.MonkeyPatch.context() as mp:
-        pin_importable(mp)
-        mp.delenv("WORLD_SIZE", raising=False)
-        return parse_args(BASE)
 
 
 def fp8(parsed, **values):

@@ -84,19 +84,25 @@ def _weights(folder) -> dict:
     return tensors
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """family -> (Hugging Face folder, converted folder), built once per module."""
+def conversions(tmp_path_factory, builders: dict):
+    """family -> (Hugging Face folder, converted folder) of ``builders``' tiny models, each
+    built and converted at its first ask."""
     cache = {}
 
     def get(family):
         if family not in cache:
             root = tmp_path_factory.mktemp(family)
-            hf = BUILDERS[family](root / "hf")
+            hf = builders[family](root / "hf")
             import_hf(hf, root / "megatron")
             cache[family] = (hf, os.fspath(root / "megatron"))
         return cache[family]
     return get
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """`conversions` of the converter's families, built once per module."""
+    return conversions(tmp_path_factory, BUILDERS)
 
 
 @pytest.fixture

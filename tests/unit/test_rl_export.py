@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.packed_training.hf import ConversionError, import_hf
+from megatron.packed_training.hf import ConversionError
 from megatron.packed_training.hf.families import supported_model_types
 from megatron.packed_training.rl import PackedPolicy, PolicyConfig
 from megatron.packed_training.rl.export import buckets, export_weights
@@ -52,6 +52,7 @@ from tests.unit.test_hf_convert import (  # noqa: F401  (fixtures)
     _fork_model,
     _kind,
     _weights,
+    conversions,
     cpu_mamba,
     cpu_rope,
 )
@@ -67,17 +68,8 @@ HEAVY = ("deepseek_v3", "nemotron_h_cpu", "qwen3_moe")  # as test_hf_convert.py 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """family -> (Hugging Face folder, converted folder), built once per module."""
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            root = tmp_path_factory.mktemp(family)
-            hf = BUILDERS[family](root / "hf")
-            import_hf(hf, root / "megatron")
-            cache[family] = (hf, os.fspath(root / "megatron"))
-        return cache[family]
-    return get
+    """`conversions` of this module's builders (the converter's and a 4-layer Qwen3-MoE)."""
+    return conversions(tmp_path_factory, BUILDERS)
 
 
 def loaded_model(family, megatron):
