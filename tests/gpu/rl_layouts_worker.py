@@ -134,7 +134,10 @@ def main():
     if torch.distributed.get_rank() == 0:
         torch.save(result, options.out)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    if options.cp == 1:
+        # At CP > 1 the forward-only graphs captured TE's context-parallel exchanges, and
+        # destroying their NCCL groups hangs (pytorch/pytorch#115388; docs/rl.md, "Layouts").
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
