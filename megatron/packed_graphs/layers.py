@@ -25,6 +25,7 @@ from megatron.packed_upstream import graph_engine
 from megatron.packed_graphs.chunk_graphs import ChunkGraphDispatch, chunk_granularity
 from megatron.packed_model.hybrid_stack import PackedHybridStack
 from megatron.packed_model.moe import PackedMoEMaskMixin
+from megatron.packed_model.padding_rows import ZeroedPaddingRowsLayer
 from megatron.packed_graphs.moe_partial import PartialMoEGraphs
 from megatron.packed_graphs.plan import graphs_bypassed, in_iteration_graph
 from megatron.packed_graphs.te_graphs import TEGraphDispatch
@@ -85,23 +86,25 @@ def recorded_cu_seqlens_shape(runner):
 
 
 class GraphSafeTransformerLayer(LocalGraphDispatch, TEGraphDispatch, PackedMoEMaskMixin,
-                                TransformerLayer):
+                                ZeroedPaddingRowsLayer, TransformerLayer):
     """TransformerLayer with the per-micro-batch eager fallback (local and TE graphs); an MoE
-    MLP gets the micro-batch's padding mask (moe.py)."""
+    MLP gets the micro-batch's padding mask (moe.py); under FP8 its input's padding rows are
+    zero (padding_rows.py)."""
 
 
 class GraphSafeMoELayer(PartialMoEGraphs, LocalGraphDispatch, TEGraphDispatch,
-                        PackedMoEMaskMixin, MoETransformerLayer):
+                        PackedMoEMaskMixin, ZeroedPaddingRowsLayer, MoETransformerLayer):
     """MoE layer (megatron-core's MoETransformerLayer): a GPT layer with --num-experts
     (attention + MoE) or a hybrid 'E' layer (pre-MLP norm + MoE), with the per-micro-batch
     eager fallback, the micro-batch's padding mask and partial MoE graphs (moe_partial.py)."""
 
 
-class GraphSafeMLPLayer(LocalGraphDispatch, TEGraphDispatch, MLPLayer):
+class GraphSafeMLPLayer(LocalGraphDispatch, TEGraphDispatch, ZeroedPaddingRowsLayer, MLPLayer):
     """Hybrid MLP-only layer with the per-micro-batch eager fallback (local and TE graphs)."""
 
 
-class GraphSafeMambaLayer(LocalGraphDispatch, TEGraphDispatch, MambaLayer):
+class GraphSafeMambaLayer(LocalGraphDispatch, TEGraphDispatch, ZeroedPaddingRowsLayer,
+                          MambaLayer):
     """MambaLayer with the per-micro-batch eager fallback (local and TE graphs)."""
 
 

@@ -28,6 +28,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.packed_model.padding_rows import ZeroedProjectionInput
+
 ATTENTION_BACKENDS = ("auto", "te", "flash", "torch")
 
 
@@ -218,7 +220,7 @@ def apply_rotary_per_token(t: Tensor, freqs: Tensor) -> Tensor:
     return torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
 
 
-class PackedSelfAttention(SelfAttention):
+class PackedSelfAttention(ZeroedProjectionInput, SelfAttention):
     """SelfAttention whose THD RoPE is a gather at document-local positions (no host sync).
 
     For THD inputs with a rotary table, ``forward`` gathers per-token angles

@@ -13,11 +13,15 @@ from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
 from megatron.core.ssm.mamba_mixer import MambaMixer
 
 from megatron.packed_model.dynamic_cp import micro_batch_cp_group
+from megatron.packed_model.padding_rows import ZeroedProjectionInput
 from megatron.packed_upstream import model_layers
 
 
-class PackedMambaMixer(MambaMixer):
-    """MambaMixer whose packed ``seq_idx`` and CP group come from the micro-batch's params."""
+class PackedMambaMixer(ZeroedProjectionInput, MambaMixer):
+    """MambaMixer whose packed ``seq_idx`` and CP group come from the micro-batch's params;
+    under FP8 the scan output's padding rows are zero before ``out_proj`` (padding_rows.py)."""
+
+    projection = "out_proj"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

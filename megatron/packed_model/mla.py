@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from megatron.packed_model.dynamic_cp import micro_batch_cp_group
 from megatron.packed_model.mla_rope import GraphSafeYarnRotaryEmbedding, cover_all_rows
+from megatron.packed_model.padding_rows import ZeroedProjectionInput
 from megatron.packed_model.providers import VarlenSpecProvider
 from megatron.packed_upstream import model_layers
 
@@ -126,7 +127,7 @@ class DeepSeekMLASelfAttention(MLASelfAttention):
             set_save_original_input(self.linear_q_proj)
 
 
-class PackedMLASelfAttention(DeepSeekMLASelfAttention):
+class PackedMLASelfAttention(ZeroedProjectionInput, DeepSeekMLASelfAttention):
     """MLASelfAttention for packed micro-batches under CUDA graphs (see module doc).
 
     forward: hidden states ``[T_local (/ TP with SP), 1, H]`` and THD ``packed_seq_params``

@@ -57,6 +57,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron.packed_upstream import model_layers
 from megatron.packed_model.moe_dropless import DroplessMoELayer
 from megatron.packed_model.moe_experts import TorchGroupedMLP
+from megatron.packed_model.padding_rows import layer_padding_mask
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -331,26 +332,6 @@ def build_moe_layer(layer_class, *args, config, submodules: MoESubmodules, **kwa
         submodules.experts = partial(TorchGroupedMLP, init_order=order)
         layer_class = DroplessMoELayer
     return layer_class(*args, config=config, submodules=submodules, **kwargs)
-
-
-def layer_padding_mask(params, num_tokens: int, tp_group, sequence_parallel: bool):
-    """This rank's MoE padding mask, ``[1, num_tokens]`` bool (True = padding), from the
-    micro-batch's ``params.padding_mask`` (``[T]``, one entry per position this rank's
-    layers hold before sequence parallelism); None when the params carry none.
-
-    With sequence parallelism each TP rank holds a contiguous share of the positions.
-    """
-    mask = getattr(params, "padding_mask", None)
-    if mask is None:
-        return None
-    mask = mask.reshape(-1)
-    if sequence_parallel and tp_group.size() > 1:
-        mask = mask.view(tp_group.size(), -1)[tp_group.rank()]
-    if mask.numel() != num_tokens:
-        raise ValueError(f"packed_seq_params.padding_mask has {mask.numel()} entries for "
-                         f"{num_tokens} MoE tokens on this rank; build it from the same "
-                         "micro-batch")
-    return mask.view(1, -1)
 
 
 class PackedMoEMaskMixin:

@@ -43,6 +43,11 @@ class PackedTransformerConfig(TransformerConfig):
     """MoE layers dropless with static shapes, whole-layer graphs capture them
     (--moe-dropless-graphs; packed_model/moe_dropless.py)."""
 
+    zero_padding_rows: bool = False
+    """Padding rows of every layer input and output-projection input held at exactly zero,
+    so that FP8 scales see only document tokens (set with --fp8-format;
+    packed_model/padding_rows.py)."""
+
     moe_router_skew: float = 0.0
     """Benchmarks of unbalanced routing (--moe-router-skew): a fixed logit bias on the first
     eighth of the experts that sends about this fraction of the routed slots there; 0: off
@@ -89,6 +94,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
     config.deallocate_pipeline_outputs = False
     config.moe_dropless_graphs = getattr(args, "moe_dropless_graphs", False)
     config.moe_router_skew = getattr(args, "moe_router_skew", 0.0)
+    config.zero_padding_rows = bool(getattr(args, "fp8", None))
     if args.multi_latent_attention:
         config.mla_pad_v = args.mla_pad_v == "always"
         # Megatron-LM's --yarn-* flags set only non-MLA YaRN fields; MLA's have other names.

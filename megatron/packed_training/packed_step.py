@@ -136,6 +136,12 @@ def masked_lm_loss(loss_mask: Tensor, output_tensor: Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
+def needs_padding_mask(args) -> bool:
+    """Whether micro-batches carry the padding mask: MoE routers route no padding token
+    (packed_model/moe.py) and FP8 holds padding rows at zero (packed_model/padding_rows.py)."""
+    return getattr(args, "num_experts", None) is not None or bool(getattr(args, "fp8", None))
+
+
 class PackedForwardStep:
     """Packed micro-batches for megatron-core's pipeline schedules: host -> device, model call.
 
@@ -155,7 +161,8 @@ class PackedForwardStep:
         self.device = device  # None: the current CUDA device
         # Graphs on: max_seqlen is the packed length for every micro-batch (a host constant).
         self.static_max_seqlen = static_max_seqlen
-        self.with_padding_mask = with_padding_mask  # MoE models: the router's padding mask
+        # MoE routers and FP8's zero padding rows (padding_rows.py) read the padding mask
+        self.with_padding_mask = with_padding_mask
         self.cp_size = cp_size
         self.dynamic_cp_tokens_per_rank = dynamic_cp_tokens_per_rank  # dynamic CP: per rank
 
@@ -164,7 +171,7 @@ class PackedForwardStep:
         return cls(with_seq_idx=with_seq_idx, static_max_seqlen=args.packed_graph_impl != "none",
                    cp_size=args.context_parallel_size,
                    dynamic_cp_tokens_per_rank=getattr(args, "dynamic_cp_tokens_per_rank", 0),
-                   with_padding_mask=getattr(args, "num_experts", None) is not None)
+                   with_padding_mask=needs_padding_mask(args))
 
     def __call__(self, data_iterator, model):
         """Megatron-LM's forward-step contract: the next collated micro-batch of

@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.packed_graphs.layers import GraphSafeMoELayer
-from megatron.packed_model.moe import PackedTopKRouter, layer_padding_mask
+from megatron.packed_model.moe import PackedTopKRouter
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec, hybrid_stack_spec
 from megatron.packed_training.datasets.packing import Document, collate_packed_rows
@@ -91,28 +91,6 @@ def test_params_carry_this_ranks_padding_mask():
     dummy = to_device_micro_batch(dummy_micro_batch(8), with_seq_idx=False,
                                   static_max_seqlen=True, device=cpu, with_padding_mask=True)
     assert dummy.params.padding_mask.all()
-
-
-def test_layer_mask_is_the_sequence_parallel_share():
-    class Group:
-        def __init__(self, size, rank):
-            self._size, self._rank = size, rank
-
-        def size(self):
-            return self._size
-
-        def rank(self):
-            return self._rank
-
-    params = build_packed_batch_params(torch.tensor([0, 5, 8], dtype=torch.int32),
-                                       torch.arange(8), 8, with_seq_idx=False)
-    params.padding_mask = torch.arange(8) >= 5
-    assert layer_padding_mask(params, 8, Group(1, 0), False).tolist() == [[False] * 5 + [True] * 3]
-    assert layer_padding_mask(params, 4, Group(2, 1), True).tolist() == [[False, True, True, True]]
-    with pytest.raises(ValueError, match="padding_mask has 8 entries for 4 MoE tokens"):
-        layer_padding_mask(params, 4, Group(1, 0), False)
-    params.padding_mask = None
-    assert layer_padding_mask(params, 8, Group(1, 0), False) is None
 
 
 # ------------------------------------------------------------------------------ the router

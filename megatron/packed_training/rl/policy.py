@@ -48,6 +48,7 @@ from megatron.core.rerun_state_machine import (
     get_rerun_state_machine,
 )
 
+from megatron.packed_training.packed_step import needs_padding_mask
 from megatron.packed_training.rl.batches import (
     PackedSequences,
     RowLayout,
@@ -740,4 +741,4 @@ def step_options(args, model: str) -> dict:
     return {"with_seq_idx": model == "hybrid",
             "static_max_seqlen": args.packed_graph_impl != "none",
             "cp_size": args.context_parallel_size,
-            "with_padding_mask": getattr(args, "num_experts", None) is not None}
+            "with_padding_mask": needs_padding_mask(args)}
