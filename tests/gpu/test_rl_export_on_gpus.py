@@ -13,7 +13,13 @@ needs CUDA and NCCL, for every family the converter knows.
   fail). The bucketed export holds the same pairs bit for bit.
 * Two GPUs, per family: the export at tensor parallel size 2 (routed experts too), and at
   expert parallel size 2 for the MoE families, equals the one-GPU export of the same
-  checkpoint bit for bit, on both ranks (NCCL gathers and broadcasts).
+  checkpoint bit for bit, on both ranks (NCCL gathers and broadcasts). An MoE family at TP 2
+  runs with ``--sequence-parallel`` (megatron-core's MoE layer needs it to train with TP),
+  whose norms only Transformer Engine's spec has (megatron-core's torch norms refuse it): the
+  families the worker builds TE-free (Qwen3-MoE, Nemotron-H) are built on TE's spec at TP 2,
+  and so is the one-GPU export they are compared with (one variable: the layout).
+  tests/unit/test_rl_export.py builds the TE-free layouts from the worker's flags on CPU
+  (a flag combination the model cannot build fails there first).
 
 The tiny models are built with weights of std 0.1 (`SPREAD`), not transformers' 0.02: at
 0.02 their log-probs sit near -log(vocabulary) with a spread of ~0.15, where two unrelated
@@ -28,6 +34,8 @@ two GPUs; ``-s`` prints each family's figures).
 
 import json
 import os
+import re
+import sys
 
 import pytest
 import torch
@@ -60,6 +68,10 @@ MOE = ("deepseek_v3", "moonlight", "nemotron_h", "qwen3_moe")
 TP2 = ["--tensor-model-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2"]
 LAYOUTS = [(family, "tp2") for family in FAMILIES] + [(family, "ep2") for family in MOE]
+# The worker builds these on the TE-free spec (rl_export_worker.policy_flags: MLA families on
+# TE's); with --sequence-parallel they need TE's (module doc).
+TE_FREE_MOE = ("nemotron_h", "qwen3_moe")
+ON_TE = ["--attention-backend=auto"]  # after the worker's own backend flag: it wins
 
 
 def needs(family: str) -> None:
@@ -72,10 +84,25 @@ def needs(family: str) -> None:
         pytest.skip("needs mamba-ssm and causal-conv1d (pip install -e .[mamba])")
 
 
+def backend_flags(family: str, layout: str) -> list:
+    """The attention backend of a layout where it is not the worker's own: TE's spec for
+    sequence parallelism (module doc)."""
+    return ON_TE if layout == "tp2" and family in TE_FREE_MOE else []
+
+
 def layout_flags(family: str, layout: str) -> list:
-    if layout == "tp2":  # Megatron-LM requires sequence parallelism for MoE with TP
-        return TP2 + (["--sequence-parallel"] if family in MOE else [])
+    """The worker's flags of a parallel layout (after ``--``)."""
+    if layout == "tp2":  # megatron-core's MoE layer trains with TP only under SP
+        return TP2 + (["--sequence-parallel"] if family in MOE else []) + \
+            backend_flags(family, layout)
     return EP2
+
+
+def needs_layout(family: str, layout: str) -> None:
+    needs(family)
+    if backend_flags(family, layout) and not is_importable("transformer_engine"):
+        pytest.skip(f"{family} at {layout} runs --sequence-parallel, whose norms need "
+                    f"Transformer Engine (pip install -e .[te])")
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +129,25 @@ def run_worker(out, family: str, converted_folder: str, *, nproc: int = 1, hf=No
             *(["--hf", hf] if hf else []), *([] if graphs else ["--no-graphs"])]
     proc = torchrun(WORKER, [*args, "--", *flags] if flags else args, nproc=nproc,
                     log=str(out / "worker.log"))
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    if proc.returncode != 0:
+        report = worker_failure(proc.stdout, proc.returncode)
+        # Now, not in pytest's summary: a session cut short (a timeout) never prints that.
+        print(f"\n{report}", file=sys.stderr, flush=True)
+        raise AssertionError(report)
     return str(out)
+
+
+# A Python exception's last line ("AssertionError: ...") or torchrun's per-rank failure line.
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:[\w.]+(?:Error|Exception)\b.*|exitcode .*)$")
+
+
+def worker_failure(log: str, returncode: int, tail: int = 6000) -> str:
+    """What a failed worker run says: its exception lines first (each rank's, once), then the
+    tail of its log (torchrun's summary of which rank failed)."""
+    errors = list(dict.fromkeys(line.strip() for line in log.splitlines()
+                                if _ERROR_LINE.match(line.strip())))
+    return (f"the worker failed (exit {returncode}):\n  " + "\n  ".join(errors[-8:] or ["?"])
+            + f"\n--- the last {tail} characters of its log ---\n{log[-tail:]}")
 
 
 def bucket_facts(out: str, rank: int) -> dict:
@@ -151,15 +195,17 @@ def test_transformers_model_with_the_export_gives_the_policy_logprobs(converted,
 
 @pytest.fixture(scope="module")
 def one_gpu_export(converted, tmp_path_factory):
-    """family -> the one-GPU export of its converted checkpoint (the host pairs)."""
+    """(family, flags: an attention backend or none) -> the one-GPU export of its converted
+    checkpoint (the host pairs)."""
     cache = {}
 
-    def get(family):
-        if family not in cache:
+    def get(family, flags=()):
+        key = (family, tuple(flags))
+        if key not in cache:
             out = run_worker(tmp_path_factory.mktemp(f"{family}_one_gpu"), family,
-                             converted(family)[1], graphs=False)
-            cache[family] = torch.load(os.path.join(out, "export.rank0.pt"))
-        return cache[family]
+                             converted(family)[1], graphs=False, flags=list(flags))
+            cache[key] = torch.load(os.path.join(out, "export.rank0.pt"))
+        return cache[key]
     return get
 
 
@@ -171,8 +217,8 @@ def test_parallel_export_equals_the_one_gpu_export_bit_for_bit(converted, one_gp
     dimensions, fused QKV, SwiGLU halves and Mamba's in_proj sections) and EP 2 (routed
     experts broadcast from their rank): both ranks yield every pair, in the one-GPU order,
     bit for bit."""
-    needs(family)
-    expected = one_gpu_export(family)
+    needs_layout(family, layout)
+    expected = one_gpu_export(family, backend_flags(family, layout))
     out = run_worker(tmp_path / layout, family, converted(family)[1], nproc=2, graphs=False,
                      flags=layout_flags(family, layout))
     for rank in range(2):

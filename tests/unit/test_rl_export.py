@@ -14,6 +14,10 @@ test_hf_convert.py builds it), exported from its live parameters.
 * Tensor, expert and pipeline parallel size 2 (and all three at once on four processes),
   megatron-core's parallel state on a gloo world of CPU processes: every rank's export equals
   the single-process export bit for bit.
+* The two-GPU layouts of tests/gpu/test_rl_export_on_gpus.py that run the TE-free spec, built
+  from its worker's flags as `PackedPolicy.build` parses them (bf16, the layout's
+  ``--sequence-parallel`` included), on two gloo CPU processes: they build, and their exports
+  equal the one-process export of the same flags bit for bit.
 * Refusals: a family the converter does not know, a model of another config, a policy without a
   family, bad ``bucket_bytes``.
 """
@@ -377,3 +381,157 @@ def test_tensor_expert_and_pipeline_parallel_exports_equal_the_single_process_on
 def test_tensor_pipeline_and_expert_parallel_at_once(converted, cpu_moe, cpu_rope, tmp_path):
     """Four CPU processes: TP 2 x PP 2 with EP 2 (experts' TP 1) on one model."""
     _run_parallel(converted, ALL_AT_ONCE, 4, tmp_path)
+
+
+# ------------------------------------------------- the GPU test's parallel layouts, on CPU
+
+def _gpu_flags(family: str, megatron: str, world: int, layout: list) -> list:
+    """The GPU worker's flags (tests/gpu/rl_export_worker.py, an export only) with the GPU
+    test's ``layout`` flags; on CPU, the initial weights (overwritten by the checkpoint) are
+    drawn on the host: the CUDA RNG tracker's states need a GPU."""
+    from tests.gpu.rl_export_worker import policy_flags
+
+    return policy_flags(family, megatron, ["--global-batch-size", str(world), *layout,
+                                           "--use-cpu-initialization"], graphs=False)
+
+
+def _backend(flags: list) -> str:
+    """The ``--attention-backend`` that wins in ``flags`` (argparse: the last)."""
+    return [flag.split("=", 1)[1] for flag in flags if flag.startswith("--attention-backend=")][-1]
+
+
+def _gpu_policy_model(family: str, megatron: str, world: int, layout: list):
+    """The GPU worker's policy model on CPU: its flags parsed as `PackedPolicy.build` parses
+    them, the fork's model built from them (this rank's part), the converted checkpoint
+    loaded, in bf16 under megatron-core's Float16Module as Megatron-LM's setup wraps it (DDP
+    and the optimizer, which the export does not read, left out)."""
+    from megatron.core import parallel_state
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron.packed_training import models
+    from megatron.packed_training.arguments import parse_args
+    from megatron.packed_training.config import transformer_config_from_args
+
+    kind = "hybrid" if family == "nemotron_h" else "gpt"
+    with contextlib.redirect_stdout(io.StringIO()):  # Megatron-LM's argument dump
+        args = parse_args(_gpu_flags(family, megatron, world, layout), kind,
+                          raise_on_error=True)
+    args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args,
+                                                     logging_enabled=False)
+    config = transformer_config_from_args(args)
+    torch.manual_seed(1234)
+    model = models.MODEL_BUILDERS[kind](
+        args, config, pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage())
+    load_release(model, megatron)
+    return Float16Module(config, model) if args.bf16 else model
+
+
+def _on_cpu_stand_ins() -> None:
+    """This process's CPU stand-ins: conftest.cpu_moe, test_hf_convert.cpu_rope and
+    cpu_mamba (Mamba layers built, never run); Megatron-LM's parse asks the GPU's
+    architecture when TP > 1."""
+    from types import SimpleNamespace
+
+    from megatron.core.ssm import mamba_mixer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.training import arguments
+
+    from tests.unit.test_hf_convert import _GatedNormStandIn
+
+    torch.cuda.current_device = lambda: "cpu"
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = (
+        lambda self, point, tokens_per_expert=None: tokens_per_expert)
+    arguments.get_device_arch_version = lambda: 9
+    mamba_mixer.HAVE_MAMBA_SSM = True
+    mamba_mixer.ExtendedRMSNorm = _GatedNormStandIn
+    mamba_mixer.get_cuda_rng_tracker = lambda: SimpleNamespace(fork=contextlib.nullcontext)
+
+
+def _gpu_layout_worker(rank: int, world: int, cases: list, out: str) -> None:
+    """One rank of `test_the_gpu_tests_te_free_layouts_build_and_export_on_cpu`: per case the
+    GPU worker's policy model at the case's layout (megatron-core's parallel state at the
+    sizes its flags parse to), its export saved as ``<case>.rank<r>.pt``; a build that fails
+    is saved as its error (``<case>.rank<r>.error``) and the next case runs."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
+                                         world_size=world)
+    from megatron.core import parallel_state
+
+    _on_cpu_stand_ins()
+    for case, family, megatron, layout in cases:
+        sizes = {"tensor_model_parallel_size": 1, "expert_model_parallel_size": 1}
+        for name in sizes:
+            flag = f"--{name.replace('_', '-')}"
+            if flag in layout:
+                sizes[name] = int(layout[layout.index(flag) + 1])
+        parallel_state.initialize_model_parallel(**sizes)
+        try:
+            model = _gpu_policy_model(family, megatron, world, layout)
+        except Exception as error:  # every rank fails alike: no collective is left waiting
+            with open(f"{out}/{case}.rank{rank}.error", "w") as f:
+                f.write(f"{type(error).__name__}: {error}")
+        else:
+            pairs = [(name, tensor.clone()) for name, tensor in export_weights([model],
+                                                                               megatron)]
+            torch.save(pairs, f"{out}/{case}.rank{rank}.pt")
+        parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gpu_converted(tmp_path_factory):
+    """family -> converted folder of the GPU test's tiny model, converted as it converts it
+    (tests/gpu/test_rl_export_on_gpus.py: its builders, for TP 2)."""
+    from megatron.packed_training.hf import import_hf
+    from tests.gpu.test_rl_export_on_gpus import BUILDERS as GPU_BUILDERS
+
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(f"gpu_{family}")
+            hf = GPU_BUILDERS[family](root / "hf")
+            import_hf(hf, root / "megatron", tensor_parallel_size=2)
+            cache[family] = os.fspath(root / "megatron")
+        return cache[family]
+    return get
+
+
+@pytest.mark.slow
+def test_the_gpu_tests_te_free_layouts_build_and_export_on_cpu(gpu_converted, cpu_moe,
+                                                               cpu_rope, cpu_mamba, tmp_path):
+    """Every two-GPU layout of tests/gpu/test_rl_export_on_gpus.py that runs the TE-free spec
+    (the worker's flags with the layout's: the winning --attention-backend is local), built
+    as its worker builds the policy's model, on two gloo CPU processes: it builds (e.g. no
+    --sequence-parallel on megatron-core's torch norms, which refuse it) and both ranks'
+    exports equal the one-process export of the same flags bit for bit (names, order, dtypes,
+    shapes). The TE layouts need Transformer Engine: the GPU test alone runs them."""
+    import torch.multiprocessing as mp
+
+    from tests.gpu import test_rl_export_on_gpus as on_gpus
+
+    cases = []
+    for family, layout in on_gpus.LAYOUTS:
+        flags = on_gpus.layout_flags(family, layout)
+        megatron = gpu_converted(family)
+        if _backend(_gpu_flags(family, megatron, 2, flags)) == "local":
+            cases.append((f"{family}_{layout}", family, megatron, flags))
+    assert len(cases) >= 4, cases  # the dense families at TP 2, the MoE ones at EP 2
+    mp.spawn(_gpu_layout_worker, nprocs=2, args=(2, cases, str(tmp_path)))
+    failures = {case: (tmp_path / f"{case}.rank{rank}.error").read_text()
+                for case, *_ in cases for rank in range(2)
+                if (tmp_path / f"{case}.rank{rank}.error").exists()}
+    assert not failures, failures
+    for case, family, megatron, layout in cases:
+        backend = [flag for flag in layout if flag.startswith("--attention-backend")]
+        expected = exported([_gpu_policy_model(family, megatron, 1, backend)], megatron)
+        for rank in range(2):
+            got = torch.load(tmp_path / f"{case}.rank{rank}.pt")
+            assert [name for name, _ in got] == [name for name, _ in expected], (case, rank)
+            for (name, tensor), (_, single) in zip(got, expected):
+                assert (tensor.dtype, tensor.shape) == (single.dtype, single.shape), \
+                    (case, rank, name)
+                assert torch.equal(tensor, single), (case, rank, name)
