@@ -177,7 +177,11 @@ def check_attention(args) -> None:
             "install TE and use auto, flash or fused"),
            (name in TE_ATTENTION and not is_importable("transformer_engine"),
             "--attention-backend", name, "It is a Transformer Engine backend and TE is not "
-            "importable: install it (`pip install .[te]`), or use local (PyTorch varlen)"))
+            "importable: install it (`pip install .[te]`), or use local (PyTorch varlen)"),
+           # megatron-core's torch norms (the TE-free spec) assert it away at model build.
+           (args.sequence_parallel and not uses_te_attention(args), "--sequence-parallel",
+            True, f"The TE-free path (--attention-backend {name}) has no sequence-parallel "
+            "norms; use Transformer Engine (--attention-backend auto) or drop the flag"))
 
 
 def check_mamba(args, model: str) -> None:
