@@ -7,6 +7,7 @@ kernels stay BF16. A packed row has a fixed number of positions, so TE's alignme
 FP8 GEMM inputs are checked once here, not per batch.
 """
 
+import math
 import os
 
 from megatron.packed_model.refusals import refuse
@@ -53,6 +54,7 @@ def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
             and capability < (10, 0), "--fp4-format", getattr(args, "fp4", None),
             f"NVFP4 needs a Blackwell GPU (sm100) and this one is {_sm(capability)}; use "
             "--fp8-format e4m3 --fp8-recipe tensorwise"))
+    check_router_padding(args)
     if not args.fp8:
         return
     recipe = args.fp8_recipe
@@ -91,13 +93,27 @@ def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
                                 else ""))
 
 
+def check_router_padding(args) -> None:
+    """Refuse megatron-core's router padding (--moe-router-padding-for-quantization, alias -fp8)
+    where it breaks (docs/moe.md, "FP8"); without it the experts pad their own FP8 rows."""
+    flag = next((f"--moe-router-padding-for-{kind}" for kind in ("quantization", "fp8")
+                 if getattr(args, f"moe_router_padding_for_{kind}", False)), None)
+    modules, local = args.packed_cuda_graph_modules, args.packed_graph_impl == "local"
+    refuse((flag and args.moe_pad_expert_input_to_capacity, flag, True, "Under drop-and-pad "
+            "each expert takes its capacity in rows, which megatron-core's experts pad for FP8 "
+            "themselves; padding the routing map too adds slots past a capacity that is not a "
+            "multiple of 16, and they push routed tokens out: drop it"),
+           (flag and ("moe_preprocess" in modules or local and "moe_router" in modules), flag,
+            True, "It makes the dispatcher's preprocess read the token count on the host, in the "
+            "moe_preprocess graph (moe_router under --cuda-graph-impl local): drop it (megatron-"
+            "core's experts pad for FP8 themselves)"))
+
+
 def fitting_length(args, divisor: int) -> int:
     """The least sequence length from ``--seq-length`` up whose micro-batch positions are a
     multiple of ``divisor``."""
-    length = args.seq_length
-    while (args.micro_batch_size * length) % divisor:
-        length += 1
-    return length
+    step = divisor // math.gcd(args.micro_batch_size, divisor)
+    return -(-args.seq_length // step) * step
 
 
 def torch_cuda_version():

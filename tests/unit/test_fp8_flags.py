@@ -5,14 +5,23 @@ whole parser."""
 
 import copy
 import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron.packed_training.arguments import parse_args
 from megatron.packed_training.fp8_flags import check_fp8
-from tests.unit.test_extra_args import BASE, parsed, pin_importable  # noqa: F401  (parsed)
+from tests.unit.test_extra_args import (  # noqa: F401  (parsed)
+    BASE,
+    MOE,
+    PADDED,
+    parsed,
+    pin_importable,
+)
 
 HOPPER, BLACKWELL = (9, 0), (10, 0)
+ROUTER_PADDING = dict(MOE, moe_router_padding_for_quantization=True)
 
 
 def fp8(parsed, **values):
@@ -45,6 +54,7 @@ def test_tensorwise_blockwise_and_delayed_pass_on_hopper_with_the_bf16_attention
      "a multiple of 128 rows per rank"),
     ({"seq_length": 128, "context_parallel_size": 2, "fp8_recipe": "blockwise"}, "--seq-length",
      128, "use --seq-length 256"),
+    ({"seq_length": 130, "micro_batch_size": 4}, "--seq-length", 130, "use --seq-length 132"),
 ])
 def test_positions_per_rank_must_fill_whole_fp8_blocks(parsed, values, flag, value, fix):
     args = fp8(parsed, **values)
@@ -112,3 +122,112 @@ def test_a_launch_line_with_fp8_on_the_te_free_path_is_refused_at_parse_time(mon
                                          r"Transformer Engine's"):
         parse_args(BASE + ["--fp8-format", "e4m3"], raise_on_error=True)
     assert extra_args.check_fp8 is check_fp8  # the one rule set the parser runs
+
+
+def test_megatron_cores_experts_pad_a_drop_and_pad_capacity_for_fp8_themselves(parsed):
+    """No capacity factor is refused for its capacity: under FP8 megatron-core's SequentialMLP
+    pads each expert's rows to 16 with zero rows of probability zero (TEGroupedMLP with TE's
+    Fp8Padding), eager or graphed (static shapes under drop-and-pad)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    args = check(fp8(parsed, **MOE, **dict(PADDED, moe_expert_capacity_factor=1.1)))
+    rows = torch.randn(71, 8)  # capacity ceil(128 positions x top-2 / 4 experts x 1.1)
+    padded, probs = SequentialMLP._pad_tensor_for_quantization(
+        SimpleNamespace(config=args), rows, torch.rand(71))
+    assert padded.shape == (80, 8) and torch.equal(padded[:71], rows)
+    assert not padded[71:].any() and not probs[71:].any()
+
+
+@pytest.mark.parametrize("kind", ["quantization", "fp8"])  # the flag and its old alias
+def test_router_padding_is_refused_under_drop_and_pad(parsed, kind):
+    flag = f"--moe-router-padding-for-{kind}"
+    args = fp8(parsed, **MOE, **PADDED, **{f"moe_router_padding_for_{kind}": True})
+    with pytest.raises(ValueError, match=re.escape(f"{flag} is wrong: True. Under drop-and-pad "
+                                                   "each expert takes its capacity") +
+                       r".* push routed tokens out: drop it\.$"):
+        check(args)
+    check(fp8(parsed, **MOE, **PADDED))  # the experts pad the capacity themselves
+    check(fp8(parsed, **ROUTER_PADDING))  # dropless, eager: the dispatcher pads the map
+
+
+def test_router_padding_pushes_routed_tokens_out_of_a_drop_and_pad_capacity():
+    """Why: megatron-core's drop-and-pad permutation keeps each expert's first ``capacity``
+    tokens of the routing map, and router padding marks the first unrouted ones, so routed
+    tokens fall out though the capacity holds them all (drop_and_pad permute, pad_routing_map)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        apply_router_token_dropping,
+        get_capacity,
+        pad_routing_map,
+        permute,
+    )
+
+    tokens, experts, topk, factor = 64, 4, 2, 1.1
+    scores = torch.softmax(torch.randn(tokens, experts, generator=torch.Generator().manual_seed(0)),
+                           dim=-1).topk(topk, dim=-1)
+    routing = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, scores.indices, True)
+    probs = torch.zeros(tokens, experts).scatter(1, scores.indices, scores.values)
+    probs, routing = apply_router_token_dropping(probs, routing, router_topk=topk,
+                                                 capacity_factor=factor, pad_to_capacity=True)
+    capacity = get_capacity(tokens * topk, experts, factor)  # 36: room for every routed slot
+    rows = torch.randn(tokens, 16)
+
+    def kept(routing_map):
+        _, kept_probs, *_ = permute(rows, routing_map, probs=probs, drop_and_pad=True,
+                                    num_out_tokens=capacity * experts)
+        return int((kept_probs != 0).sum())
+
+    assert kept(routing) == tokens * topk
+    assert kept(pad_routing_map(routing.clone(), 16)) < tokens * topk  # (in place, hence clone)
+
+
+@pytest.mark.parametrize("impl,modules,refused", [
+    ("local", ["moe_router"], True),  # local graphs the preprocess with the router
+    ("transformer_engine", ["moe_router", "moe_preprocess"], True),
+    ("transformer_engine", ["moe_router"], False),  # the preprocess runs eager
+])
+def test_router_padding_is_refused_in_a_moe_preprocess_graph(parsed, impl, modules, refused):
+    args = fp8(parsed, **ROUTER_PADDING, packed_graph_impl=impl,
+               packed_cuda_graph_modules=modules)
+    if not refused:
+        check(args)
+        return
+    with pytest.raises(ValueError, match=r"--moe-router-padding-for-quantization is wrong: "
+                                         r"True\. It makes the dispatcher's preprocess read the "
+                                         r"token count on the host, in the moe_preprocess graph"):
+        check(args)
+
+
+def test_megatron_core_checks_only_the_router_padding_alias_against_a_preprocess_graph(
+        monkeypatch):
+    """Why the rule above: megatron-core 0.19.2 refuses the preprocess graph for
+    ``moe_router_padding_for_fp8`` but not for the flag it became (transformer_config.py). When
+    this fails, upstream checks both and the fork's rule can go."""
+    from megatron.core.transformer import TransformerConfig, transformer_config
+    from megatron.core.transformer.enums import CudaGraphModule
+
+    monkeypatch.setattr(transformer_config, "is_te_min_version", lambda *_, **__: True)  # no TE
+
+    def config(**padding):
+        return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                 num_moe_experts=4, moe_token_dispatcher_type="alltoall",
+                                 fp8="e4m3", fp8_recipe="tensorwise", bf16=True,
+                                 cuda_graph_impl="local",
+                                 cuda_graph_modules=[CudaGraphModule.moe_router], **padding)
+
+    with pytest.raises(AssertionError, match="moe_preprocess cuda graph is not supported"):
+        config(moe_router_padding_for_fp8=True)
+    assert CudaGraphModule.moe_preprocess in config(
+        moe_router_padding_for_quantization=True).cuda_graph_modules
+
+
+def test_a_launch_line_with_router_padding_under_drop_and_pad_is_refused(monkeypatch):
+    pin_importable(monkeypatch, "transformer_engine")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    te_attention = [value if value != "local" else "auto" for value in BASE]
+    moe = ("--fp8-format e4m3 --fp8-recipe tensorwise --disable-bias-linear --num-experts 4 "
+           "--moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.0 "
+           "--moe-pad-expert-input-to-capacity").split()
+    with pytest.raises(ValueError, match=r"--moe-router-padding-for-quantization is wrong"):
+        parse_args(te_attention + moe + ["--moe-router-padding-for-quantization"],
+                   raise_on_error=True)
+    assert parse_args(te_attention + moe, raise_on_error=True).fp8 == "e4m3"
