@@ -66,6 +66,13 @@ def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
             args.fp8, "FP8 GEMMs are Transformer Engine's, and this run takes the TE-free path; "
             "install Transformer Engine and use --transformer-impl transformer_engine with "
             "--attention-backend auto, or drop --fp8-format"),
+           # Padding rows must reach every FP8 GEMM as zeros (packed_model/padding_rows.py).
+           (args.normalization == "LayerNorm", "--normalization", "LayerNorm", "Under FP8 "
+            "padding rows are held at zero so that no scale sees them, and LayerNorm maps a "
+            "zero row to its bias; use --normalization RMSNorm"),
+           (args.add_bias_linear, "--disable-bias-linear", "not given", "Under FP8 padding "
+            "rows are held at zero so that no scale sees them, and a linear bias (fc1's, through "
+            "the activation) reaches them; pass --disable-bias-linear (--add-qkv-bias is fine)"),
            (recipe in SM100_RECIPES and capability is not None and capability < (10, 0),
             "--fp8-recipe", recipe, f"It needs a Blackwell GPU (sm100) and this one is "
             f"{_sm(capability)}; use --fp8-recipe tensorwise, blockwise or "

@@ -26,8 +26,9 @@ ROUTER_PADDING = dict(MOE, moe_router_padding_for_quantization=True)
 
 def fp8(parsed, **values):
     args = copy.deepcopy(parsed)
-    values = {"fp8": "e4m3", "fp8_recipe": "tensorwise",
-              "transformer_impl": "transformer_engine", "packed_notes": []} | values
+    values = {"fp8": "e4m3", "fp8_recipe": "tensorwise", "normalization": "RMSNorm",
+              "add_bias_linear": False, "transformer_impl": "transformer_engine",
+              "packed_notes": []} | values
     for name, value in values.items():
         setattr(args, name, value)
     return args
@@ -61,6 +62,21 @@ def test_positions_per_rank_must_fill_whole_fp8_blocks(parsed, values, flag, val
     with pytest.raises(ValueError, match=re.escape(f"{flag} is wrong: {value}.")) as error:
         check(args)
     assert fix in str(error.value)
+
+
+@pytest.mark.parametrize("values,flag,value,fix", [
+    ({"normalization": "LayerNorm"}, "--normalization", "LayerNorm", "use --normalization RMSNorm"),
+    ({"add_bias_linear": True}, "--disable-bias-linear", "not given",
+     "pass --disable-bias-linear (--add-qkv-bias is fine)"),
+])
+def test_layers_that_would_carry_values_into_padding_rows_are_refused(parsed, values, flag,
+                                                                       value, fix):
+    """Padding rows reach the FP8 GEMMs as zeros (packed_model/padding_rows.py) only where a
+    zero row stays zero: RMSNorm, no linear bias but QKV's."""
+    with pytest.raises(ValueError, match=re.escape(f"{flag} is wrong: {value}.")) as error:
+        check(fp8(parsed, **values))
+    assert fix in str(error.value)
+    check(fp8(parsed, add_qkv_bias=True))
 
 
 def test_context_parallel_ranks_each_take_whole_blocks(parsed):
@@ -224,7 +240,8 @@ def test_a_launch_line_with_router_padding_under_drop_and_pad_is_refused(monkeyp
     pin_importable(monkeypatch, "transformer_engine")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     te_attention = [value if value != "local" else "auto" for value in BASE]
-    moe = ("--fp8-format e4m3 --fp8-recipe tensorwise --disable-bias-linear --num-experts 4 "
+    moe = ("--fp8-format e4m3 --fp8-recipe tensorwise --disable-bias-linear --normalization "
+           "RMSNorm --num-experts 4 "
            "--moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.0 "
            "--moe-pad-expert-input-to-capacity").split()
     with pytest.raises(ValueError, match=r"--moe-router-padding-for-quantization is wrong"):
