@@ -65,6 +65,8 @@ from megatron.packed_graphs.full_iteration import (
     plan_full_iteration,
 )
 from megatron.packed_graphs.forward_graphs import ForwardGraphs, eval_mode, forward_graph_pool
+from megatron.packed_graphs import fp8_state
+from megatron.packed_graphs.fp8_state import WeightCacheFlag
 from megatron.packed_graphs.graph_memory import capture_graph
 from megatron.packed_graphs.health_check import GraphHealthCheck, HealthCheckConfig
 from megatron.packed_model.moe import moe_accumulators_kept
@@ -101,13 +103,17 @@ def tokens_per_rank(settings: GraphSettings) -> int:
     return tokens // settings.tensor_parallel_size if settings.sequence_parallel else tokens
 
 
-def forward_graphs_unavailable(settings: GraphSettings) -> Optional[str]:
+def forward_graphs_unavailable(settings: GraphSettings,
+                               fp8_recipe: Optional[str] = None) -> Optional[str]:
     """Why forward-only passes of this run cannot replay forward-only graphs (they then run
     eager, `Reason.EVAL`); None when they can. A forward-only graph holds the whole forward
     pass of a model chunk: every part of it must be capturable, and nothing outside it may
-    be needed between micro-batches."""
+    be needed between micro-batches. ``fp8_recipe``: the model's (`fp8_state.fp8_recipe`)."""
     if settings.impl == "none":
         return "--cuda-graph-impl none"
+    fp8_reason = fp8_state.forward_graphs_unavailable(fp8_recipe)
+    if fp8_reason:
+        return fp8_reason
     if settings.pipeline_parallel_size > 1:
         return ("pipeline parallelism (a stage's forward waits on the previous stage's send, "
                 "outside any graph)")
@@ -127,8 +133,8 @@ def forward_graphs_unavailable(settings: GraphSettings) -> Optional[str]:
     return None
 
 
-def runtime_config(settings: GraphSettings,
-                   slots_per_chunk: Sequence[int] = (1,)) -> GraphRuntimeConfig:
+def runtime_config(settings: GraphSettings, slots_per_chunk: Sequence[int] = (1,),
+                   fp8_recipe: Optional[str] = None) -> GraphRuntimeConfig:
     """The runtime's frozen plan settings from the run's graph settings (docs/cuda-graphs.md):
     a full-iteration run plans local layer (or chunk) graphs for its misses, dynamic CP under
     TE graphs one bank per CP size."""
@@ -151,7 +157,7 @@ def runtime_config(settings: GraphSettings,
         slots_per_chunk=tuple(slots_per_chunk), tokens_per_rank=tokens_per_rank(settings),
         full_iteration=full_iteration,
         iteration_micro_batches=settings.num_microbatches if full_iteration else 0,
-        forward_graphs=forward_graphs_unavailable(settings) is None)
+        forward_graphs=forward_graphs_unavailable(settings, fp8_recipe) is None)
 
 
 class GraphRuntime:
@@ -195,6 +201,8 @@ class GraphRuntime:
         # Why forward-only passes run eager (from_settings; None: they replay graphs, or unknown).
         self.forward_eager_reason: Optional[str] = None
         self._forced = False  # inside `forced_eager`
+        # FP8: the writer of TE's weight-cache flag (fp8_state.py); a no-op without FP8.
+        self.fp8_weights = WeightCacheFlag.for_run(model_config)
 
     def add_statistics(self, source: Callable[[], dict]) -> None:
         """Add ``source()`` to every training iteration's statistics (called on the
@@ -209,12 +217,18 @@ class GraphRuntime:
         settings.py), chunk slots from this rank's pipeline schedule (chunk granularity; needs
         the parallel state), TE layer graphs, the health check (``check_guards``: see
         `GraphHealthCheck`)."""
+        recipe = fp8_state.fp8_recipe(model_config)
+        fp8_state.check_fp8_graphs(settings.impl, settings.granularity, recipe)
+        if recipe is not None and settings.impl in ("local", "full_iteration"):
+            from megatron.packed_upstream.patches import graph_runtime_owns_fp8_weight_flag
+
+            graph_runtime_owns_fp8_weight_flag()
         slots = (1,)
         if settings.impl in ("local", "full_iteration") and settings.granularity == "chunk":
             slots = tuple(chunk_slot_count(model_config, chunk) for chunk in range(len(model)))
-        runtime = cls(runtime_config(settings, slots), model, model_config,
+        runtime = cls(runtime_config(settings, slots, recipe), model, model_config,
                       settings.health_check, check_guards)
-        runtime.forward_eager_reason = forward_graphs_unavailable(settings)
+        runtime.forward_eager_reason = forward_graphs_unavailable(settings, recipe)
         if runtime.iteration_graph is not None:
             from megatron.core import parallel_state
 
@@ -319,6 +333,7 @@ class GraphRuntime:
             return
         whole, plans = self.plan_iteration_graph(micro_batches)
         step = GraphIteration(self, forward_step, micro_batches, plans, True, whole)
+        self.fp8_weights.begin_pass(self.model)  # the optimizer stepped since the last pass
         # Layer (or chunk) graphs are recorded only in iterations that are not one graph.
         capturing = (self.config.enabled and not self.captured and not self.graphs_off
                      and not self._forced and not (whole and whole.uses_graph))
@@ -348,6 +363,7 @@ class GraphRuntime:
         collects the pass's statistics."""
         _, plans = self.plan_iteration_graph(micro_batches, False, forward_step)
         step = GraphIteration(self, forward_step, micro_batches, plans, False)
+        self.fp8_weights.begin_pass(self.model)  # weights may be new (a step, an RL refit)
         capture_stats = {}
         if (self.config.forward_graphs and not self.graphs_off and not self._forced
                 and not self._forward_bank(forward_step).captured):
@@ -362,6 +378,8 @@ class GraphRuntime:
         Returns megatron-core's forward-step result ``(output, loss_func)``; a forward-only
         graph's is graph-owned (forward_graphs.py: consume it before the next micro-batch).
         """
+        if plan.uses_graphs:  # captured too, inside a full-iteration graph
+            self.fp8_weights.before_graphed(model)
         if plan.forward_only:
             staged = forward_step.stage(batch, plan.capacity)
             return self._forward_bank(forward_step).run(model, plan.key, staged)
@@ -479,6 +497,7 @@ class GraphRuntime:
         if (not self.config.enabled or self.graphs_off
                 or not check.due(self.iterations + 1, self.config.warmup_iterations)):
             return {}
+        self.fp8_weights.begin_pass(self.model)  # after the optimizer step: re-quantize
         result = check.run(self.iterations + 1, step.micro_batches[0], step.plans[0],
                            partial(self.run_micro_batch, step.forward, self.model[0]))
         step.count_rerun(Reason.HEALTH_CHECK, [result.position])

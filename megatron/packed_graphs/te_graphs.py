@@ -24,6 +24,10 @@ takes only tensors as inputs, while a packed micro-batch reaches the layers as a
   (``plan.key.cp_size``). Every rank captures every bank, in ascending size order, so the
   members of a group meet the capture's collectives together.
 
+* FP8: each layer is captured in the autocast eager runs it in (`fp8_state.te_capture_keywords`);
+  the captured linears read TE's weight-cache flag, which the graph runtime writes per
+  micro-batch (`fp8_state.WeightCacheFlag`).
+
 Pipeline parallelism is not supported here (TE's capture order would have to follow the
 1F1B schedule; the local implementation's layer and chunk graphs cover PP); with PP = 1 a
 micro-batch's backward finishes before the next one's forward, so one graph per layer and one
@@ -42,6 +46,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron.packed_upstream import graph_engine, megatron_ddp
 from megatron.packed_graphs.graph_memory import reserved_without_cache
+from megatron.packed_graphs.fp8_state import te_capture_keywords
 from megatron.packed_graphs.packed_seq import PackedBatchParams
 from megatron.packed_graphs.plan import active_plan, graphs_bypassed
 
@@ -304,7 +309,9 @@ class TELayerGraphs:
             graphed = make_graphed_callables(
                 tuple(layers), sample_args, sample_kwargs=tuple(kwargs for _ in layers),
                 num_warmup_iters=self.warmup_iters, allow_unused_input=True,
-                **graph_engine.te_layer_capture_keywords(make_graphed_callables, len(layers)))
+                **graph_engine.te_layer_capture_keywords(make_graphed_callables, len(layers)),
+                # FP8: the eager autocast (TE's default wraps each layer in a disabled one).
+                **te_capture_keywords(self.config, layers))
         for layer, callable_, earlier in zip(layers, graphed, earlier_banks):
             layer.close_graph_bank(earlier, callable_)
         if self.fused_wgrad:
