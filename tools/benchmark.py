@@ -81,6 +81,25 @@ Qwen3-30B-A3B's shapes (hidden 2048, 32 heads / 4 query groups of 128, qk-layern
 experts top-8 of width 768, TE attention and TE's grouped GEMM: needs Transformer Engine), and
 ``qwen3-moe-small`` (hidden 512, 64 experts top-8 of width 256, TE-free like group ``moe``).
 
+--precisions runs every preset and variant once per precision: ``bf16`` (the default) and
+``fp8-tensorwise``, ``fp8-blockwise``, ``fp8-delayed`` (``--fp8-format e4m3 --fp8-recipe
+<recipe>``: the linear layers' GEMMs in FP8 on Transformer Engine, which such a row needs
+installed; ``--attention-backend auto`` is added where the preset names no TE attention
+backend). With more than ``bf16`` every row's label ends in its precision and the table adds
+*vs bf16*, tokens/s against the bf16 row of the same preset and variant (*speedup* stays
+against eager at the row's own precision); below the table, the fastest variant of each
+precision per preset, against the fastest bf16 one. A preset whose positions per rank
+(micro-batch x sequence / CP ranks) are not a multiple of 16 (128 blockwise), or whose
+Mamba input projection width is not a multiple of 16, is refused before any run (the
+training parser's rules, megatron/packed_training/fp8_flags.py). Dropless-graphs MoE rows stay bf16 (their
+experts run in BF16); full-iteration rows of an MoE preset are left out at every precision
+(training refuses MoE inside full-iteration graphs). Group ``fp8``: ``qwen3-8b-layers``
+(Qwen3-8B's layer shapes, 4 layers), ``nemotron-h-8b-layers`` (Nemotron-H-8B's, 7 layers
+``M-M-M*-``) and ``qwen3-30b-a3b-layers``, all at sequence 8192 but the last (4096):
+
+    python tools/benchmark.py --presets fp8 --variants eager layer-graphs full-iteration \
+        --precisions bf16 fp8-tensorwise fp8-blockwise --steps 15 --warmup 5 --profile
+
 MLA presets (group ``mla``: ``moonlight-small``, a Moonlight-shaped MLA + MoE model,
 docs/mla.md) run on Transformer Engine attention whatever the variant. They are MoE presets
 too (64 experts; --moe-experts and --expert-model-parallel-size apply), outside the TE-free
@@ -129,6 +148,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HYBRID_PATTERN_16 = "M-M-M*-M-M-M*-M-"  # 7 Mamba, 2 attention, 7 MLP layers
 # Nemotron-H-like: hybrid-small with every MLP an MoE layer (7 Mamba, 2 attention, 7 MoE).
 HYBRID_MOE_PATTERN_16 = HYBRID_PATTERN_16.replace("-", "E")
+# Nemotron-H-8B's pattern opens "M-M-M-M*-": three Mamba-MLP pairs and attention, short.
+NEMOTRON_H_PATTERN_7 = "M-M-M*-"
 
 # Drop-and-pad MoE (alltoall dispatcher, every expert padded to its capacity): static shapes
 # and no host read, so graphs capture whole MoE layers. capacity factor x top-k <= experts.
@@ -253,6 +274,22 @@ PRESETS = {
         "2.446", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
         "1e-3", "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor",
         "1.25", "--moe-pad-expert-input-to-capacity", "--attention-backend", "auto"),
+    # Qwen3-8B's layer shapes, 4 layers: hidden 4096, 32 heads of 128 over 8 query groups,
+    # qk-layernorm, SwiGLU FFN 12288, RoPE base 1e6, untied embeddings, sequence 8192.
+    "qwen3-8b-layers": gpt_preset(
+        "--num-layers", "4", "--hidden-size", "4096", "--num-attention-heads", "32",
+        "--num-query-groups", "8", "--kv-channels", "128", "--qk-layernorm", "--swiglu",
+        "--ffn-hidden-size", "12288", "--seq-length", "8192", "--rotary-base", "1000000",
+        "--untie-embeddings-and-output-weights"),
+    # Nemotron-H-8B's layer shapes, 7 layers of its pattern's opening (3 Mamba, 1 attention,
+    # 3 MLP): hidden 4096; Mamba 128 heads of 64, 8 groups, state 128 (input projection
+    # 18560 wide); 32 heads of 128 over 8 query groups; squared-ReLU FFN 21504; sequence 8192.
+    "nemotron-h-8b-layers": hybrid_preset(
+        "--hybrid-layer-pattern", NEMOTRON_H_PATTERN_7, "--hidden-size", "4096",
+        "--mamba-num-heads", "128", "--mamba-head-dim", "64", "--mamba-num-groups", "8",
+        "--mamba-state-dim", "128", "--num-attention-heads", "32", "--num-query-groups", "8",
+        "--kv-channels", "128", "--squared-relu", "--ffn-hidden-size", "21504",
+        "--seq-length", "8192", "--untie-embeddings-and-output-weights"),
 }
 PRESET_GROUPS = {
     "sweep": ["gpt-8x512x2048", "gpt-16x1024x4096", "gpt-24x2048x4096",
@@ -263,6 +300,9 @@ PRESET_GROUPS = {
     "mla": ["moonlight-small"],
     # Qwen3-MoE shapes: 128 experts top-8 on TE (needs Transformer Engine), 64 top-8 TE-free.
     "qwen3-moe": ["qwen3-30b-a3b-layers", "qwen3-moe-small"],
+    # FP8 against BF16 (--precisions) at 8B layer shapes: dense, hybrid and MoE (need
+    # Transformer Engine).
+    "fp8": ["qwen3-8b-layers", "nemotron-h-8b-layers", "qwen3-30b-a3b-layers"],
     # --mode logprobs: forward-only throughput at the launch-bound and the GPU-bound end, and
     # a drop-and-pad MoE hybrid.
     "logprobs": ["gpt-8x512x2048", "gpt-16x1024x4096", "hybrid-8x512x2048",
@@ -323,6 +363,24 @@ MOE_MODES = {
 DEFAULT_MOE_MODE = "drop-and-pad"
 MOE_ROUTERS = {"balanced": [], "skewed": ["--moe-router-skew", "0.5"]}
 
+# Precisions (--precisions): Megatron-LM's FP8 flags for the linear layers' GEMMs (Transformer
+# Engine's; attention and Mamba's scan stay BF16). The first is the default and leaves the row
+# label alone when it is the only one.
+PRECISIONS = {
+    "bf16": [],
+    "fp8-tensorwise": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
+    "fp8-blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+    "fp8-delayed": ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"],
+}
+DEFAULT_PRECISION = "bf16"
+TE_ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")  # auto: TE where importable
+# Megatron-LM's defaults of the flags fp8_flags.check_fp8 reads, where a launch line omits them
+# (a unit test holds them to the parser's).
+FP8_SHAPE_DEFAULTS = {"--transformer-impl": "transformer_engine",
+                      "--tensor-model-parallel-size": "1", "--context-parallel-size": "1",
+                      "--mamba-head-dim": "64", "--mamba-num-groups": "8",
+                      "--mamba-state-dim": "128"}
+
 
 def num_experts(preset: str) -> int | None:
     """--num-experts of a preset; None for a dense one."""
@@ -334,13 +392,15 @@ def is_moe(preset: str) -> bool:
     return preset in PRESETS and num_experts(preset) is not None
 
 
-def needs_transformer_engine(preset: str, variant: str, experts: str = "sequential") -> bool:
+def needs_transformer_engine(preset: str, variant: str, experts: str = "sequential",
+                             precision: str = DEFAULT_PRECISION) -> bool:
     """Whether a run needs Transformer Engine: multi-latent attention (an MLA preset), grouped
-    GEMM experts (asked for, or the preset's own), or TE's graphs. ``--attention-backend auto``
-    would run the others TE-free."""
+    GEMM experts (asked for, or the preset's own), TE's graphs, or FP8 (TE's GEMMs).
+    ``--attention-backend auto`` would run the others TE-free."""
     flags = PRESETS[preset][1]
     return ("--multi-latent-attention" in flags or "--moe-grouped-gemm" in flags
-            or experts == "grouped-gemm" or variant == "te-layer-graphs")
+            or experts == "grouped-gemm" or variant == "te-layer-graphs"
+            or precision != DEFAULT_PRECISION)
 
 
 def transformer_engine_importable() -> bool:
@@ -349,15 +409,22 @@ def transformer_engine_importable() -> bool:
 
 
 def row_label(preset: str, args, cp_set: str = "", experts: str = "sequential", *,
-              router: str = "balanced") -> str:
-    """A row's preset column: the preset, then what this run changes about it."""
+              router: str = "balanced", precision: str = DEFAULT_PRECISION) -> str:
+    """A row's preset column: the preset, then what this run changes about it; last the
+    precision, on every row once --precisions holds more than the default."""
     label = preset
     if is_moe(preset):
         label += "" if experts == "sequential" else f" {experts}"
         label += "" if router == "balanced" else f" {router}"
         ep = args.expert_model_parallel_size
         label += f" ep{ep}" if ep > 1 else ""
-    return f"{label} cp{cp_set}" if cp_set else label
+    label = f"{label} cp{cp_set}" if cp_set else label
+    return f"{label} {precision}" if labels_precision(args) else label
+
+
+def labels_precision(args) -> bool:
+    """Whether row labels name their precision: --precisions is more than the default."""
+    return getattr(args, "precisions", [DEFAULT_PRECISION]) != [DEFAULT_PRECISION]
 
 
 def variant_label(variant: str, mode: str = DEFAULT_MOE_MODE) -> str:
@@ -371,6 +438,29 @@ def moe_mode_applies(variant: str, mode: str) -> bool:
     dropped (no eager runs)."""
     graphed = bool(variant_flags(variant))
     return not ((mode == "dropless" and graphed) or (mode == "rerun" and not graphed))
+
+
+def variant_applies(preset: str, variant: str) -> bool:
+    """Whether training takes ``variant`` for ``preset``: full-iteration graphs hold no MoE
+    layer (host state per micro-batch)."""
+    return not (variant == "full-iteration" and is_moe(preset))
+
+
+def precision_applies(mode: str, precision: str) -> bool:
+    """Whether training takes ``precision`` with MoE ``mode``: dropless graphs' grouped experts
+    run in BF16 only (drop-and-pad and megatron-core's dropless take FP8)."""
+    return not (mode == "dropless-graphs" and precision != DEFAULT_PRECISION)
+
+
+def precision_flags(flags: list, precision: str) -> list:
+    """What a run at ``precision`` (a PRECISIONS key) adds to ``flags`` (its preset's, common
+    and variant flags): the FP8 flags, and ``--attention-backend auto`` where ``flags`` name
+    a non-TE backend or none (FP8 runs on TE's layers; auto is TE where importable, and the
+    row needs TE installed: `needs_transformer_engine`)."""
+    added = list(PRECISIONS[precision])
+    if added and flag_value(flags, "--attention-backend") not in TE_ATTENTION_BACKENDS:
+        added += ["--attention-backend", "auto"]
+    return added
 
 
 def moe_mode_flags(model_flags: list, mode: str, capacity_factor=None) -> list:
@@ -416,12 +506,13 @@ class RunFailed(RuntimeError):
 
 def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = "",
                    experts: str = "sequential", *, mode: str = DEFAULT_MOE_MODE,
-                   router: str = "balanced") -> list:
+                   router: str = "balanced", precision: str = DEFAULT_PRECISION) -> list:
     """The torchrun command of one configuration. ``--standalone``: torchrun's rendezvous
     store binds a free port itself (``localhost:0``) and the ranks reuse that store, so no
     port is chosen before it is bound (benchmarks side by side cannot race for one).
     ``experts`` (a MOE_EXPERTS key), ``mode`` (a MOE_MODES key), ``router`` (a MOE_ROUTERS
-    key) and --expert-model-parallel-size reach MoE presets only."""
+    key) and --expert-model-parallel-size reach MoE presets only; ``precision`` (a PRECISIONS
+    key) every preset (`precision_flags`), before --extra-args."""
     script, model_flags = PRESETS[preset]
     dynamic_cp = dynamic_cp_flags(cp_set, args.tokens_per_rank) if cp_set else []
     moe = []
@@ -434,9 +525,11 @@ def launch_command(preset: str, variant: str, args, metrics: str, cp_set: str = 
                 "--profile-step-end", str(args.steps + 1)] if args.profile else [])
     if args.keep_traces:
         profile += ["--profile-trace-dir", trace_dir(args.keep_traces, preset, variant, args,
-                                                     cp_set, experts, mode=mode, router=router)]
+                                                     cp_set, experts, mode=mode, router=router,
+                                                     precision=precision)]
+    base = [*model_flags, *COMMON, *variant_flags(variant)]
     # Megatron-LM's memory report at the last step (--steps is a multiple of --log-interval).
-    flags = [*model_flags, *COMMON, *variant_flags(variant), *moe, *profile,
+    flags = [*base, *precision_flags(base, precision), *moe, *profile,
              "--train-iters", str(args.steps), "--global-batch-size", str(args.global_batch_size),
              *data_flags(args),
              "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size),
@@ -470,7 +563,7 @@ def logprobs_command(preset: str, variant: str, args, row_file: str,
                      experts: str = "sequential", **moe) -> list:
     """The torchrun command of one --mode logprobs configuration: tools/logprobs_benchmark.py
     with the training flags `launch_command` gives the same configuration (``moe``: its MoE
-    mode and router keywords), less the metrics file; ``--steps`` calls of
+    mode, router and precision keywords), less the metrics file; ``--steps`` calls of
     ``--global-batch-size`` / ``--nproc`` micro-batches each."""
     train = launch_command(preset, variant, args, row_file, "", experts, **moe)
     at = next(i for i, word in enumerate(train) if word.endswith(PRESETS[preset][0]))
@@ -512,10 +605,10 @@ def logprobs_row(preset: str, variant: str, args, row_file: str, log: str = "",
 
 def trace_dir(root: str, preset: str, variant: str, args, cp_set: str = "",
               experts: str = "sequential", *, mode: str = DEFAULT_MOE_MODE,
-              router: str = "balanced") -> str:
+              router: str = "balanced", precision: str = DEFAULT_PRECISION) -> str:
     """Where --keep-traces keeps one configuration's traces: ``root/<row label>/<variant>``,
     the label's spaces as ``_`` (an MoE mode other than the default follows the variant)."""
-    label = row_label(preset, args, cp_set, experts, router=router)
+    label = row_label(preset, args, cp_set, experts, router=router, precision=precision)
     return os.path.join(root, label.replace(" ", "_"),
                         variant_label(variant, mode).replace(" ", "_"))
 
@@ -547,34 +640,37 @@ def failure_summary(output: str, returncode: int) -> str:
 
 def run_one(preset: str, variant: str, args, cp_set: str = "",
             experts: str = "sequential", *, mode: str = DEFAULT_MOE_MODE,
-            router: str = "balanced") -> dict:
+            router: str = "balanced", precision: str = DEFAULT_PRECISION) -> dict:
     """Train one configuration; return its summary row (raises RunFailed on failure)."""
-    if needs_transformer_engine(preset, variant, experts) and not transformer_engine_importable():
+    if (needs_transformer_engine(preset, variant, experts, precision)
+            and not transformer_engine_importable()):
         raise RunFailed("needs Transformer Engine, which is not importable here: install it "
                         "(pip install .[te]) or leave this row out")
     if getattr(args, "mode", "train") == "logprobs":
         with tempfile.TemporaryDirectory() as tmp:
             row_file = os.path.join(tmp, "row.json")
             cmd = logprobs_command(preset, variant, args, row_file, experts, mode=mode,
-                                   router=router)
+                                   router=router, precision=precision)
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
             output = proc.stdout + proc.stderr
             if proc.returncode != 0:
                 raise RunFailed(failure_summary(output, proc.returncode), output[-4000:])
             row = logprobs_row(preset, variant, args, row_file, output[-4000:], experts)
-            return row | {"preset": row_label(preset, args, "", experts, router=router),
-                          "variant": variant_label(variant, mode)}
+            return row | {"preset": row_label(preset, args, "", experts, router=router,
+                                              precision=precision),
+                          "variant": variant_label(variant, mode), "precision": precision}
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = launch_command(preset, variant, args, metrics, cp_set, experts, mode=mode,
-                             router=router)
+                             router=router, precision=precision)
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         output = proc.stdout + proc.stderr
         if proc.returncode != 0:
             raise RunFailed(failure_summary(output, proc.returncode), output[-4000:])
         records = read_metrics(metrics, output[-4000:])
     return summarise(preset, variant, args, records, cp_set, output[-4000:], experts,
-                     memory=memory_reports(output), mode=mode, router=router)
+                     memory=memory_reports(output), mode=mode, router=router,
+                     precision=precision)
 
 
 # Megatron-LM's memory report (report_memory: at the first log points and every
@@ -613,20 +709,23 @@ def read_metrics(path: str, log: str = "") -> list:
 
 def summarise(preset: str, variant: str, args, records: list, cp_set: str = "",
               log: str = "", experts: str = "sequential", memory: list = (), *,
-              mode: str = DEFAULT_MOE_MODE, router: str = "balanced") -> dict:
+              mode: str = DEFAULT_MOE_MODE, router: str = "balanced",
+              precision: str = DEFAULT_PRECISION) -> dict:
     """The summary row of one configuration's metrics records; RunFailed when they lack what
     the row needs (e.g. no record past --warmup). ``memory``: the run's `memory_reports`;
     ``peak_mem_gib`` is the largest max-allocated of them (or of the records, an older metrics
     file's ``mem_max_allocated_bytes``), None with neither. An MoE row (an MoE preset, or
     records with MoE keys) has ``moe`` True, ``dropped_token_fraction`` and ``rerun_rate``
-    (None where the run did not write the key). ``mode`` and ``router`` label the row
-    (`variant_label`, `row_label`)."""
+    (None where the run did not write the key). ``mode``, ``router`` and ``precision`` label
+    the row (`variant_label`, `row_label`); ``precision`` is the row's too (the vs-bf16
+    column's key)."""
     try:
         row = _summarise(preset, variant, args, records, cp_set, experts, memory)
     except (KeyError, IndexError, ValueError, ZeroDivisionError) as error:
         raise RunFailed(f"metrics incomplete ({type(error).__name__}: {error})", log) from None
-    return row | {"preset": row_label(preset, args, cp_set, experts, router=router),
-                  "variant": variant_label(variant, mode)}
+    return row | {"preset": row_label(preset, args, cp_set, experts, router=router,
+                                      precision=precision),
+                  "variant": variant_label(variant, mode), "precision": precision}
 
 
 def _summarise(preset: str, variant: str, args, records: list, cp_set: str,
@@ -687,6 +786,9 @@ def format_table(rows: list) -> str:
     A table with an MoE row adds *dropped tokens* (mean dropped-slot fraction over the timed
     steps) and *rerun rate* (micro-batches rerun per micro-batch); "-" where a row has none.
     *peak mem* is "-" for a row without a memory report (--from-metrics).
+
+    A table with an FP8 row adds *vs bf16*: tokens/s against the bf16 row of the same preset
+    and variant ("-" without one); *speedup* stays against eager at the row's own precision.
     """
     eager = {}
     for baseline in ("eager", variant_label("eager", "dropless")):  # the latter wins
@@ -695,6 +797,9 @@ def format_table(rows: list) -> str:
     columns = ["preset", "variant", "step (ms)", "step IQR (ms)", "tokens/s", "speedup",
                "peak mem (GiB)", "fallback rate", "capture (s)", "graph mem (MiB)",
                "GPU busy (ms)", "step / busy"]
+    fp8 = has_fp8_rows(rows)
+    if fp8:
+        columns.insert(columns.index("speedup") + 1, "vs bf16")
     moe = any(r.get("moe") for r in rows)
     if moe:
         columns += ["dropped tokens", "rerun rate"]
@@ -707,6 +812,7 @@ def format_table(rows: list) -> str:
             continue
         base = eager.get(r["preset"])
         speedup = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
+        speedup += f" | {vs_bf16(r, rows)}" if fp8 else ""
         lines.append(f"| {r['preset']} | {r['variant']} | {r['step_ms']:.1f} | "
                      f"{r['step_iqr_ms']:.1f} | "
                      f"{r['tokens_per_sec']:,.0f} | {speedup} | "
@@ -716,6 +822,57 @@ def format_table(rows: list) -> str:
                         if r.get("gpu_busy_ms") else "- | - |")
                      + (f" {_percent(r.get('dropped_token_fraction'), '.2%')} | "
                         f"{_percent(r.get('rerun_rate'), '.1%')} |" if moe else ""))
+    return "\n".join(lines)
+
+
+def has_fp8_rows(rows: list) -> bool:
+    """Whether a row ran at a precision other than the default (bf16)."""
+    return any(r.get("precision", DEFAULT_PRECISION) != DEFAULT_PRECISION for r in rows)
+
+
+def bf16_label(row: dict) -> str:
+    """The preset column of the bf16 row that ran what ``row`` ran (its precision swapped)."""
+    return f"{row['preset'].removesuffix(' ' + row['precision'])} {DEFAULT_PRECISION}"
+
+
+def vs_bf16(row: dict, rows: list) -> str:
+    """``row``'s tokens/s over those of the bf16 row of the same preset label and variant in
+    ``rows`` ("1.25x"); "-" without such a row (or one that failed) or a precision."""
+    if "precision" not in row:
+        return "-"
+    base = next((r["tokens_per_sec"] for r in rows
+                 if r.get("precision") == DEFAULT_PRECISION and not r.get("error")
+                 and r["variant"] == row["variant"] and r["preset"] == bf16_label(row)), None)
+    return f"{row['tokens_per_sec'] / base:.2f}x" if base else "-"
+
+
+def format_fastest_per_precision(rows: list) -> str:
+    """Below a table with FP8 rows: per preset label, the fastest variant of each precision
+    and its tokens/s against the fastest bf16 variant (graphs at their best on each side,
+    whichever variant that is); "" without FP8 rows."""
+    if not has_fp8_rows(rows):
+        return ""
+    best = {}  # preset label without precision -> precision -> fastest row
+    for r in rows:
+        if r.get("error") or "precision" not in r:
+            continue
+        config = r["preset"].removesuffix(" " + r["precision"])
+        fastest = best.setdefault(config, {}).get(r["precision"])
+        if fastest is None or r["tokens_per_sec"] > fastest["tokens_per_sec"]:
+            best[config][r["precision"]] = r
+    lines = ["\nFastest variant of each precision (tokens/s; against the fastest bf16 "
+             "variant):\n"]
+    for config, by_precision in best.items():
+        bf16 = by_precision.get(DEFAULT_PRECISION)
+        shown = []
+        for precision in PRECISIONS:
+            r = by_precision.get(precision)
+            if r is None:
+                continue
+            ratio = (f" ({r['tokens_per_sec'] / bf16['tokens_per_sec']:.2f}x)"
+                     if bf16 and r is not bf16 else "")
+            shown.append(f"{precision} {r['variant']} {r['tokens_per_sec']:,.0f}{ratio}")
+        lines.append(f"- {config}: " + "; ".join(shown))
     return "\n".join(lines)
 
 
@@ -795,6 +952,18 @@ def main(argv=None) -> int:
                         help="MoE presets only: balanced (randomly initialised) routers, and/or "
                              "skewed ones (--moe-router-skew 0.5: about half the routed slots "
                              "to an eighth of the experts)")
+    parser.add_argument("--precisions", nargs="+", default=[DEFAULT_PRECISION],
+                        metavar="PRECISION",
+                        help=f"run everything once per precision, from {list(PRECISIONS)}: "
+                             "fp8-<recipe> adds --fp8-format e4m3 --fp8-recipe <recipe> (the "
+                             "linear layers' GEMMs in FP8 on Transformer Engine, which the row "
+                             "needs installed) and --attention-backend auto where the preset "
+                             "names no TE attention backend; more than bf16 labels every row "
+                             "with its precision and adds the column vs bf16 (tokens/s against "
+                             "the bf16 row of the same preset and variant). A preset whose "
+                             "positions per rank or Mamba input projection break FP8's "
+                             "alignment is refused before any run; MoE dropless-graphs rows "
+                             "(BF16 experts) stay bf16")
     parser.add_argument("--extra-args", default="",
                         help="more training flags for every run (Megatron-LM's command line), "
                              "one string: --extra-args=\"--no-check-for-nan-in-loss-and-grad\"")
@@ -811,6 +980,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     check_keep_traces(parser, args)
     check_logprobs_mode(parser, args)
+    check_precisions(parser, args)
     if args.from_metrics:
         return tabulate_metrics_files(parser, args)
     presets = [p for name in args.presets for p in PRESET_GROUPS.get(name, [name])]
@@ -834,24 +1004,28 @@ def main(argv=None) -> int:
         parser.error(f"--pipeline-model-parallel-size is wrong: {args.pipeline_model_parallel_size}. "
                      f"It must divide --nproc ({args.nproc}).")
     check_moe_options(parser, args, presets)
+    variants = args.variants + [f"layer-graphs-c{c}" for c in args.capacities]
+    runs = [(preset, variant, cp_set, experts, mode, router, precision) for preset in presets
+            for experts in (args.moe_experts if is_moe(preset) else ["sequential"])
+            for router in (args.moe_routers if is_moe(preset) else ["balanced"])
+            for cp_set in args.dynamic_cp_sets or [""]
+            for precision in args.precisions
+            for mode in (args.moe_modes if is_moe(preset) else [DEFAULT_MOE_MODE])
+            for variant in variants
+            if moe_mode_applies(variant, mode) and variant_applies(preset, variant)
+            and precision_applies(mode, precision)]
+    check_fp8_shapes(parser, args, runs)
     problem = cuda_problem(args.nproc)
     if problem:  # before any torchrun: one line, not a log tail per row
         print(f"tools/benchmark.py: {problem}", file=sys.stderr)
         return 1
-    variants = args.variants + [f"layer-graphs-c{c}" for c in args.capacities]
-    runs = [(preset, variant, cp_set, experts, mode, router) for preset in presets
-            for experts in (args.moe_experts if is_moe(preset) else ["sequential"])
-            for router in (args.moe_routers if is_moe(preset) else ["balanced"])
-            for cp_set in args.dynamic_cp_sets or [""]
-            for mode in (args.moe_modes if is_moe(preset) else [DEFAULT_MOE_MODE])
-            for variant in variants if moe_mode_applies(variant, mode)]
     rows, stopped = [], False
     # A time limit (timeout, Slurm) sends SIGTERM: print the rows measured so far.
     previous = signal.signal(signal.SIGTERM, _raise_time_limit)
     try:
-        for preset, variant, cp_set, experts, mode, router in runs:
+        for preset, variant, cp_set, experts, mode, router, precision in runs:
             rows.append(run_row(preset, variant, args, cp_set, experts, mode=mode,
-                                router=router))
+                                router=router, precision=precision))
             write_json(rows, args.json)
     except TimeLimit:
         stopped = True
@@ -959,6 +1133,71 @@ def check_moe_options(parser, args, presets: list) -> None:
                      f"({', '.join(p for p in PRESETS if is_moe(p))} or group moe) or drop it.")
 
 
+def check_precisions(parser, args) -> None:
+    """--precisions: PRECISIONS keys; more than the default only for runs this tool trains
+    (--from-metrics reads runs whose precision it does not know)."""
+    unknown = [p for p in args.precisions if p not in PRECISIONS]
+    if unknown:
+        parser.error(f"--precisions is wrong: {unknown[0]}. Choose from "
+                     f"{', '.join(PRECISIONS)}.")
+    if args.from_metrics and labels_precision(args):
+        parser.error(f"--precisions is wrong with --from-metrics: {' '.join(args.precisions)}. "
+                     f"It tabulates finished runs as they are; drop it.")
+
+
+def check_fp8_shapes(parser, args, runs: list) -> None:
+    """Refuse, before any run, an FP8 row whose shapes break FP8's alignment: what training's
+    parse-time rules (megatron/packed_training/fp8_flags.py) would refuse after start-up."""
+    seen = set()
+    for preset, variant, cp_set, experts, mode, router, precision in runs:
+        if precision == DEFAULT_PRECISION or (preset, cp_set, precision) in seen:
+            continue
+        seen.add((preset, cp_set, precision))
+        cmd = launch_command(preset, variant, args, "metrics.jsonl", cp_set, experts, mode=mode,
+                             router=router, precision=precision)
+        problem = fp8_shape_problem(cmd, cp_set)
+        if problem:
+            parser.error(f"--precisions is wrong: {precision} for preset {preset}. {problem}")
+
+
+def fp8_shape_problem(cmd: list, cp_set: str = "") -> str | None:
+    """What fp8_flags.check_fp8 refuses in launch command ``cmd`` (positions per rank a
+    multiple of 16, 128 blockwise; the hybrid's Mamba input projection a multiple of 16; TE's
+    layers and attention), or None. The flags' last values win, as in the parser; Megatron-LM's
+    defaults (FP8_SHAPE_DEFAULTS) where the line has none. Under a dynamic CP set every rank
+    holds --seq-length / its largest size. Asks nothing of a GPU (its compute capability is
+    the run's to check) and makes no CUDA context."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from megatron.packed_training.fp8_flags import check_fp8
+
+    def value(flag):
+        found = flag_value(cmd, flag)
+        return found if found is not None else FP8_SHAPE_DEFAULTS.get(flag)
+
+    heads = value("--mamba-num-heads")
+    shape = argparse.Namespace(
+        fp8=value("--fp8-format"), fp8_recipe=value("--fp8-recipe"),
+        transformer_impl=value("--transformer-impl"),
+        micro_batch_size=int(value("--micro-batch-size")),
+        seq_length=int(value("--seq-length")),
+        tensor_model_parallel_size=int(value("--tensor-model-parallel-size")),
+        sequence_parallel="--sequence-parallel" in cmd,
+        context_parallel_size=(max(int(c) for c in cp_set.split(",")) if cp_set
+                               else int(value("--context-parallel-size"))),
+        hidden_size=int(value("--hidden-size")), mamba_num_heads=heads and int(heads),
+        mamba_head_dim=int(value("--mamba-head-dim")),
+        mamba_num_groups=int(value("--mamba-num-groups")),
+        mamba_state_dim=int(value("--mamba-state-dim")), packed_notes=[])
+    model = "hybrid" if any(w.endswith("pretrain_mamba.py") for w in cmd) else "gpt"
+    te_attention = (value("--attention-backend") or "auto") in TE_ATTENTION_BACKENDS
+    try:
+        check_fp8(shape, model, te_attention=te_attention, capability=None)
+    except ValueError as refused:
+        return str(refused)
+    return None
+
+
 def check_logprobs_mode(parser, args) -> None:
     """--mode logprobs runs the library API: PP and CP 1, nothing tabulated from metrics files,
     no kept traces; its micro-batches are --global-batch-size / --nproc per call."""
@@ -979,18 +1218,21 @@ def check_logprobs_mode(parser, args) -> None:
 
 
 def run_row(preset: str, variant: str, args, cp_set: str, experts: str, *,
-            mode: str = DEFAULT_MOE_MODE, router: str = "balanced") -> dict:
+            mode: str = DEFAULT_MOE_MODE, router: str = "balanced",
+            precision: str = DEFAULT_PRECISION) -> dict:
     """Train one configuration; its summary row, or its error row (log tail to stderr)."""
-    label = row_label(preset, args, cp_set, experts, router=router)
+    label = row_label(preset, args, cp_set, experts, router=router, precision=precision)
     shown = variant_label(variant, mode)
     try:
-        row = run_one(preset, variant, args, cp_set, experts, mode=mode, router=router)
+        row = run_one(preset, variant, args, cp_set, experts, mode=mode, router=router,
+                      precision=precision)
         print(f"done: {label}/{shown} {row['step_ms']:.1f} ms/step", flush=True)
         return row
     except RunFailed as failed:
         print(f"failed: {label}/{shown}: {failed.summary}\n{failed.log}", file=sys.stderr,
               flush=True)
-        row = {"preset": label, "variant": shown, "error": failed.summary}
+        row = {"preset": label, "variant": shown, "precision": precision,
+               "error": failed.summary}
         return (row | {"moe": True}) if is_moe(preset) else row
 
 
@@ -1024,6 +1266,9 @@ def write_json(rows: list, path) -> None:
 def report(rows: list, args) -> int:
     """Print the table (and write --json); 1 when a row failed."""
     print(format_table(rows))
+    fastest = format_fastest_per_precision(rows)
+    if fastest:
+        print(fastest)
     host = format_host_profiles(rows)
     if host:
         print(host)

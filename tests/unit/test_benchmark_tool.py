@@ -768,7 +768,9 @@ def test_presets_keep_the_old_forks_model_shape(te_importable, preset):
     if "--num-query-groups" in flags:
         assert args.group_query_attention
         assert args.num_query_groups == int(_flag(preset, "--num-query-groups"))
-    if "--swiglu" in flags:
+    if "--ffn-hidden-size" in flags:  # a real model's width (qwen3-8b-layers)
+        assert args.ffn_hidden_size == int(_flag(preset, "--ffn-hidden-size"))
+    elif "--swiglu" in flags:
         assert args.ffn_hidden_size == 4 * args.hidden_size
     if args.model == "gpt":
         assert args.position_embedding_type == "rope" and "--num-layers" in flags
@@ -992,3 +994,290 @@ def test_a_data_path_takes_the_place_of_mock_data(te_importable, tmp_path):
     parsed = _validated(cmd, world_size=2)
     assert parsed.data_path == [str(data)] and not parsed.mock_data
     assert parsed.sequence_packing_scheduler == "dp_balanced"
+
+
+# -------------------------------------------------------------- FP8 against BF16 (--precisions)
+
+FP8_PRESETS = benchmark.PRESET_GROUPS["fp8"]
+FP8_RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-blockwise": "blockwise",
+               "fp8-delayed": "delayed"}
+
+
+def test_the_fp8_group_holds_8b_layer_shapes_dense_hybrid_and_moe():
+    assert FP8_PRESETS == ["qwen3-8b-layers", "nemotron-h-8b-layers", "qwen3-30b-a3b-layers"]
+    qwen = dict(zip(benchmark.PRESETS["qwen3-8b-layers"][1],
+                    benchmark.PRESETS["qwen3-8b-layers"][1][1:]))
+    assert (qwen["--num-layers"], qwen["--hidden-size"], qwen["--num-attention-heads"],
+            qwen["--num-query-groups"], qwen["--kv-channels"], qwen["--ffn-hidden-size"],
+            qwen["--seq-length"]) == ("4", "4096", "32", "8", "128", "12288", "8192")
+    assert "--swiglu" in qwen and "--qk-layernorm" in qwen
+    nemotron = dict(zip(benchmark.PRESETS["nemotron-h-8b-layers"][1],
+                        benchmark.PRESETS["nemotron-h-8b-layers"][1][1:]))
+    assert (nemotron["--hidden-size"], nemotron["--mamba-num-heads"], nemotron["--mamba-head-dim"],
+            nemotron["--mamba-num-groups"], nemotron["--mamba-state-dim"],
+            nemotron["--num-attention-heads"], nemotron["--num-query-groups"],
+            nemotron["--ffn-hidden-size"], nemotron["--seq-length"]) == (
+        "4096", "128", "64", "8", "128", "32", "8", "21504", "8192")
+    assert "--squared-relu" in nemotron and "--swiglu" not in nemotron
+    assert set(nemotron["--hybrid-layer-pattern"]) == {"M", "*", "-"}
+    assert benchmark.is_moe("qwen3-30b-a3b-layers")
+
+
+@pytest.mark.parametrize("preset", FP8_PRESETS)
+@pytest.mark.parametrize("precision", list(FP8_RECIPES))
+def test_fp8_launch_commands_carry_the_flags_and_pass_the_training_parser(te_importable, preset,
+                                                                         precision):
+    """An FP8 row's launch line: --fp8-format e4m3 --fp8-recipe <recipe> and TE attention
+    (auto), through the training parser with the fork's FP8 rules (TE faked importable; the
+    GPU's checks are the run's); the bf16 row of the same preset carries no FP8 flag."""
+    te_importable(True)
+    assert benchmark.needs_transformer_engine(preset, "eager", precision=precision)
+    cmd = benchmark.launch_command(preset, "eager", _args(nproc=1, profile=True),
+                                   "/tmp/m.jsonl", precision=precision)
+    at = cmd.index("--fp8-format")
+    assert cmd[at:at + 4] == ["--fp8-format", "e4m3", "--fp8-recipe", FP8_RECIPES[precision]]
+    assert benchmark.flag_value(cmd, "--attention-backend") == "auto"
+    assert benchmark.fp8_shape_problem(cmd) is None
+    parsed = _validated(cmd, world_size=1)
+    assert (parsed.fp8, parsed.fp8_recipe) == ("e4m3", FP8_RECIPES[precision])
+    assert parsed.attention_backend.name == "auto" and parsed.seq_length == int(
+        _flag(preset, "--seq-length"))
+    assert any(note.startswith(f"FP8 (e4m3, {FP8_RECIPES[precision]} scaling)")
+               for note in parsed.packed_notes)
+    bf16 = benchmark.launch_command(preset, "eager", _args(nproc=1), "/tmp/m.jsonl")
+    assert "--fp8-format" not in bf16 and "--fp8-recipe" not in bf16
+
+
+@pytest.mark.parametrize("variant", ["full-iteration", "layer-graphs", "te-layer-graphs"])
+def test_fp8_graph_variants_pass_the_training_parser(te_importable, variant):
+    te_importable(True)
+    cmd = benchmark.launch_command("qwen3-8b-layers", variant, _args(nproc=1), "/tmp/m.jsonl",
+                                   precision="fp8-blockwise")
+    parsed = _validated(cmd, world_size=1)
+    assert parsed.fp8_recipe == "blockwise" and parsed.packed_graph_impl != "none"
+
+
+def test_fp8_adds_te_attention_only_where_the_flags_name_none():
+    add = benchmark.precision_flags
+    fp8 = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]
+    assert add(["--hidden-size", "8"], "fp8-tensorwise") == fp8 + ["--attention-backend", "auto"]
+    assert add(["--attention-backend", "local"], "fp8-tensorwise") == fp8 + [
+        "--attention-backend", "auto"]  # the later flag wins in the parser
+    assert add(["--attention-backend", "flash"], "fp8-tensorwise") == fp8
+    assert add(["--attention-backend", "auto"], "fp8-tensorwise") == fp8
+    assert add(["--hidden-size", "8"], "bf16") == []
+    # The MoE preset names auto itself: no second one.
+    cmd = benchmark.launch_command("qwen3-30b-a3b-layers", "eager", _args(), "/m.jsonl",
+                                   precision="fp8-tensorwise")
+    assert cmd.count("--attention-backend") == 1
+
+
+def _fp8_row(preset, variant, tps, precision):
+    return _row(variant, 1000.0 / tps, tps) | {"preset": f"{preset} {precision}",
+                                               "precision": precision}
+
+
+def test_vs_bf16_is_the_same_preset_and_variant_at_bf16():
+    rows = [_fp8_row("q", "eager", 1000.0, "bf16"), _fp8_row("q", "full-iteration", 2000.0, "bf16"),
+            _fp8_row("q", "eager", 1200.0, "fp8-tensorwise"),
+            _fp8_row("q", "full-iteration", 3000.0, "fp8-tensorwise"),
+            _fp8_row("q", "layer-graphs", 2500.0, "fp8-tensorwise"),  # no bf16 layer-graphs row
+            _fp8_row("n", "eager", 900.0, "fp8-blockwise"),
+            {"preset": "n bf16", "variant": "eager", "precision": "bf16", "error": "exit 1"}]
+    lines = benchmark.format_table(rows).splitlines()
+    assert lines[0].startswith("| preset | variant | step (ms) | step IQR (ms) | tokens/s | "
+                               "speedup | vs bf16 | peak mem (GiB) |")
+    cells = {(ln.split("|")[1].strip(), ln.split("|")[2].strip()): ln.split("|")[6:8]
+             for ln in lines[2:] if "failed" not in ln}
+    assert [c.strip() for c in cells["q bf16", "eager"]] == ["1.00x", "1.00x"]
+    assert [c.strip() for c in cells["q bf16", "full-iteration"]] == ["2.00x", "1.00x"]
+    # speedup against eager at its own precision, vs bf16 against the same variant at bf16
+    assert [c.strip() for c in cells["q fp8-tensorwise", "eager"]] == ["1.00x", "1.20x"]
+    assert [c.strip() for c in cells["q fp8-tensorwise", "full-iteration"]] == ["2.50x", "1.50x"]
+    assert [c.strip() for c in cells["q fp8-tensorwise", "layer-graphs"]] == ["2.08x", "-"]
+    assert [c.strip() for c in cells["n fp8-blockwise", "eager"]] == ["1.00x", "-"]  # bf16 failed
+    assert lines[-1] == "| n bf16 | eager | failed: exit 1 |" + " - |" * 10
+    fastest = benchmark.format_fastest_per_precision(rows).splitlines()
+    assert "- q: bf16 full-iteration 2,000; fp8-tensorwise full-iteration 3,000 (1.50x)" in fastest
+    assert "- n: fp8-blockwise eager 900" in fastest
+
+
+def test_a_bf16_only_table_has_no_vs_bf16_column_and_no_fastest_lines():
+    rows = [_row("eager", 1.0, 1.0) | {"precision": "bf16"}]
+    assert "vs bf16" not in benchmark.format_table(rows)
+    assert benchmark.format_fastest_per_precision(rows) == ""
+    assert benchmark.row_label("qwen3-8b-layers", _args(precisions=["bf16"])) == "qwen3-8b-layers"
+    assert benchmark.row_label("qwen3-8b-layers", _args(precisions=["bf16", "fp8-delayed"]),
+                               precision="bf16") == "qwen3-8b-layers bf16"
+
+
+def test_precision_rows_are_labelled_and_compared_in_one_table(monkeypatch, capsys,
+                                                               te_importable):
+    te_importable(True)
+    launched = []
+    tokens = {("eager", False): 1000.0, ("eager", True): 1200.0,
+              ("full-iteration", False): 2000.0, ("full-iteration", True): 3000.0}
+
+    def fake_run(cmd, **kwargs):
+        launched.append(cmd)
+        variant = "full-iteration" if "full_iteration" in cmd else "eager"
+        _metrics(cmd[cmd.index("--metrics-file") + 1], tokens[variant, "--fp8-format" in cmd])
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    assert benchmark.main(["--presets", "qwen3-8b-layers", "--variants", "eager",
+                           "full-iteration", "--precisions", "bf16", "fp8-tensorwise",
+                           "--steps", "10", "--json", "/dev/null"]) == 0
+    out = capsys.readouterr().out
+    assert len(launched) == 4 and sum("--fp8-format" in cmd for cmd in launched) == 2
+    assert "| vs bf16 |" in out
+    assert "| qwen3-8b-layers bf16 | eager | 100.0 | 0.0 | 1,000 | 1.00x | 1.00x |" in out
+    assert ("| qwen3-8b-layers fp8-tensorwise | full-iteration | 100.0 | 0.0 | 3,000 | 2.50x "
+            "| 1.50x |") in out
+    assert ("- qwen3-8b-layers: bf16 full-iteration 2,000; fp8-tensorwise full-iteration "
+            "3,000 (1.50x)") in out
+
+
+def test_fp8_rows_without_transformer_engine_fail_at_once(monkeypatch, capsys, te_importable):
+    launched = []
+
+    def fake_run(cmd, **kwargs):
+        launched.append(cmd)
+        _metrics(cmd[cmd.index("--metrics-file") + 1], 1000.0)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    assert benchmark.main(["--presets", "gpt-small", "--precisions", "bf16", "fp8-tensorwise",
+                           "--steps", "10"]) == 1
+    out = capsys.readouterr().out
+    assert len(launched) == 1 and "--fp8-format" not in launched[0]
+    assert "| gpt-small fp8-tensorwise | eager | failed: needs Transformer Engine" in out
+
+
+def test_moe_fp8_rows_leave_out_dropless_graphs_and_full_iteration(monkeypatch, capsys,
+                                                                   te_importable):
+    """Dropless graphs' grouped experts are BF16 only and full-iteration graphs hold no MoE
+    layer: those rows are left out, the others run."""
+    te_importable(True)
+    launched = []
+
+    def fake_run(cmd, **kwargs):
+        launched.append(cmd)
+        _moe_metrics(cmd[cmd.index("--metrics-file") + 1], [0.0] * 10)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    assert benchmark.main(["--presets", "qwen3-30b-a3b-layers", "--variants", "eager",
+                           "layer-graphs", "full-iteration", "--moe-modes", "dropless-graphs",
+                           "drop-and-pad", "--precisions", "bf16", "fp8-blockwise",
+                           "--steps", "10"]) == 0
+    # bf16: eager and layer-graphs in both modes; FP8: drop-and-pad's two.
+    assert len(launched) == 6
+    assert not any("full_iteration" in cmd for cmd in launched)
+    assert not any("--fp8-format" in cmd and "--moe-dropless-graphs" in cmd for cmd in launched)
+    out = capsys.readouterr().out
+    assert "| qwen3-30b-a3b-layers fp8-blockwise | layer-graphs | " in out
+    assert "| qwen3-30b-a3b-layers bf16 | layer-graphs dropless-graphs | " in out
+    assert benchmark.variant_applies("gpt-small", "full-iteration")
+    assert benchmark.precision_applies("dropless", "fp8-tensorwise")
+
+
+def _refused(argv, capsys, monkeypatch):
+    launched = []
+    monkeypatch.setattr(benchmark.subprocess, "run", lambda cmd, **kw: launched.append(cmd))
+    with pytest.raises(SystemExit):
+        benchmark.main(["--steps", "10", *argv])
+    assert launched == []
+    return " ".join(capsys.readouterr().err.split())
+
+
+def test_an_unknown_precision_is_named_with_the_valid_ones(capsys, monkeypatch):
+    err = _refused(["--precisions", "bf16", "fp16"], capsys, monkeypatch)
+    assert ("--precisions is wrong: fp16. Choose from bf16, fp8-tensorwise, fp8-blockwise, "
+            "fp8-delayed.") in err
+
+
+def test_precisions_do_not_apply_to_finished_runs(capsys, monkeypatch):
+    err = _refused(["--precisions", "fp8-tensorwise", "--from-metrics", "eager=m.jsonl"],
+                   capsys, monkeypatch)
+    assert "--precisions is wrong with --from-metrics: fp8-tensorwise." in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    # 4000 positions: whole 16-row blocks, not 128-row ones
+    (["--presets", "qwen3-8b-layers", "--precisions", "bf16", "fp8-blockwise",
+      "--extra-args=--seq-length 4000"],
+     "--precisions is wrong: fp8-blockwise for preset qwen3-8b-layers. --seq-length is wrong: "
+     "4000. FP8 (blockwise) GEMMs take a multiple of 128 rows per rank"),
+    (["--presets", "gpt-small", "--precisions", "fp8-tensorwise",
+      "--extra-args=--seq-length 4100"],
+     "--precisions is wrong: fp8-tensorwise for preset gpt-small. --seq-length is wrong: 4100. "
+     "FP8 (tensorwise) GEMMs take a multiple of 16 rows per rank"),
+    # Dynamic CP: every rank holds the set's tokens per rank
+    (["--presets", "gpt-small", "--precisions", "fp8-blockwise", "--nproc", "2",
+      "--dynamic-cp-sets", "1,2", "--tokens-per-rank", "2000", "--variants", "te-layer-graphs"],
+     "--precisions is wrong: fp8-blockwise for preset gpt-small. --seq-length is wrong: 4000. "
+     "FP8 (blockwise) GEMMs take a multiple of 128 rows per rank and a micro-batch's 4000 "
+     "positions split over 2 rank(s)"),
+    (["--presets", "gpt-small", "--precisions", "fp8-tensorwise",
+      "--extra-args=--attention-backend local"],
+     "--precisions is wrong: fp8-tensorwise for preset gpt-small. --fp8-format is wrong: e4m3. "
+     "FP8 GEMMs are Transformer Engine's"),
+])
+def test_fp8_rows_breaking_the_alignment_are_refused_before_any_run(argv, message, capsys,
+                                                                     monkeypatch):
+    assert message in _refused(argv, capsys, monkeypatch)
+
+
+def test_a_hybrid_whose_mamba_projection_breaks_fp8_alignment_is_refused(capsys, monkeypatch):
+    """24 Mamba heads of 64: the input projection is 2 x 1536 + 2 x 8 x 128 + 24 = 5144 wide,
+    not a multiple of 16; bf16 rows of it are not checked."""
+    monkeypatch.setitem(benchmark.PRESETS, "odd-mamba", benchmark.hybrid_preset(
+        "--hybrid-layer-pattern", "M*", "--hidden-size", "512", "--mamba-num-heads", "24",
+        "--num-attention-heads", "8", "--seq-length", "2048"))
+    err = _refused(["--presets", "odd-mamba", "--precisions", "bf16", "fp8-delayed"], capsys,
+                   monkeypatch)
+    assert ("--precisions is wrong: fp8-delayed for preset odd-mamba. --mamba-num-heads is "
+            "wrong: 24. Mamba's FP8 input projection is 5144 wide") in err
+    cmd = benchmark.launch_command("odd-mamba", "eager", _args(), "/m.jsonl")
+    assert benchmark.fp8_shape_problem(cmd) is None  # bf16: no FP8 flag, nothing to check
+
+
+@pytest.mark.parametrize("preset,precision,extra", [
+    ("qwen3-8b-layers", "fp8-blockwise", "--seq-length 4000"),
+    ("odd-mamba", "fp8-tensorwise", ""),
+])
+def test_the_tools_refusal_is_the_training_parsers(te_importable, monkeypatch, preset, precision,
+                                                  extra):
+    """The same line through the training parser fails with the same message: the tool runs
+    fp8_flags' rule on the line's flags and Megatron-LM's defaults."""
+    te_importable(True)
+    monkeypatch.setitem(benchmark.PRESETS, "odd-mamba", benchmark.hybrid_preset(
+        "--hybrid-layer-pattern", "M*", "--hidden-size", "512", "--mamba-num-heads", "24",
+        "--num-attention-heads", "8", "--seq-length", "2048"))
+    cmd = benchmark.launch_command(preset, "eager", _args(nproc=1, extra_args=extra),
+                                   "/m.jsonl", precision=precision)
+    problem = benchmark.fp8_shape_problem(cmd)
+    assert problem
+    with pytest.raises(ValueError) as refused:
+        _validated(cmd, world_size=1)
+    assert str(refused.value) == problem
+
+
+def test_the_fp8_shape_defaults_are_megatrons():
+    from megatron.packed_training.arguments import build_parser
+
+    defaults = {option: action.default for action in build_parser()._actions
+                for option in action.option_strings}
+    for flag, value in benchmark.FP8_SHAPE_DEFAULTS.items():
+        assert str(defaults[flag]) == value, flag
+
+
+def test_fp8_traces_and_logprobs_lines_carry_the_precision():
+    args = _args(precisions=["bf16", "fp8-tensorwise"], mode="logprobs")
+    assert (benchmark.trace_dir("/t", "qwen3-8b-layers", "eager", args, precision="fp8-tensorwise")
+            == "/t/qwen3-8b-layers_fp8-tensorwise/eager")
+    cmd = benchmark.logprobs_command("qwen3-8b-layers", "eager", args, "/r.json",
+                                     precision="fp8-tensorwise")
+    flags = cmd[cmd.index("--") + 1:]
+    assert benchmark.flag_value(flags, "--fp8-recipe") == "tensorwise"
