@@ -374,14 +374,6 @@ PRECISIONS = {
 }
 DEFAULT_PRECISION = "bf16"
 TE_ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")  # auto: TE where importable
-# Megatron-LM's defaults of the flags fp8_flags.check_fp8 reads, where a launch line omits them
-# (a unit test holds them to the parser's).
-FP8_SHAPE_DEFAULTS = {"--transformer-impl": "transformer_engine",
-                      "--tensor-model-parallel-size": "1", "--context-parallel-size": "1",
-                      "--mamba-head-dim": "64", "--mamba-num-groups": "8",
-                      "--mamba-state-dim": "128"}
-
-
 def num_experts(preset: str) -> int | None:
     """--num-experts of a preset; None for a dense one."""
     flags = PRESETS[preset][1]
@@ -1163,34 +1155,26 @@ def check_fp8_shapes(parser, args, runs: list) -> None:
 def fp8_shape_problem(cmd: list, cp_set: str = "") -> str | None:
     """What fp8_flags.check_fp8 refuses in launch command ``cmd`` (positions per rank a
     multiple of 16, 128 blockwise; the hybrid's Mamba input projection a multiple of 16; TE's
-    layers and attention), or None. The flags' last values win, as in the parser; Megatron-LM's
-    defaults (FP8_SHAPE_DEFAULTS) where the line has none. Under a dynamic CP set every rank
-    holds --seq-length / its largest size. Asks nothing of a GPU (its compute capability is
-    the run's to check) and makes no CUDA context."""
+    layers and attention; the layers that put values into padding rows), or None. The flags
+    go through the training parser unvalidated (Megatron-LM's defaults where the line has
+    none). Under a dynamic CP set every rank holds --seq-length / its largest size. Asks
+    nothing of a GPU (its compute capability is the run's to check) and makes no CUDA
+    context."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
+    from megatron.packed_training.arguments import build_parser
+    from megatron.packed_training.extra_args import module_names
     from megatron.packed_training.fp8_flags import check_fp8
 
-    def value(flag):
-        found = flag_value(cmd, flag)
-        return found if found is not None else FP8_SHAPE_DEFAULTS.get(flag)
-
-    heads = value("--mamba-num-heads")
-    shape = argparse.Namespace(
-        fp8=value("--fp8-format"), fp8_recipe=value("--fp8-recipe"),
-        transformer_impl=value("--transformer-impl"),
-        micro_batch_size=int(value("--micro-batch-size")),
-        seq_length=int(value("--seq-length")),
-        tensor_model_parallel_size=int(value("--tensor-model-parallel-size")),
-        sequence_parallel="--sequence-parallel" in cmd,
-        context_parallel_size=(max(int(c) for c in cp_set.split(",")) if cp_set
-                               else int(value("--context-parallel-size"))),
-        hidden_size=int(value("--hidden-size")), mamba_num_heads=heads and int(heads),
-        mamba_head_dim=int(value("--mamba-head-dim")),
-        mamba_num_groups=int(value("--mamba-num-groups")),
-        mamba_state_dim=int(value("--mamba-state-dim")), packed_notes=[])
-    model = "hybrid" if any(w.endswith("pretrain_mamba.py") for w in cmd) else "gpt"
-    te_attention = (value("--attention-backend") or "auto") in TE_ATTENTION_BACKENDS
+    script = next(i for i, word in enumerate(cmd) if word.endswith(".py"))
+    shape, _ = build_parser().parse_known_args([str(word) for word in cmd[script + 1:]])
+    shape.packed_graph_impl = shape.cuda_graph_impl
+    shape.packed_cuda_graph_modules = module_names(shape)
+    shape.packed_notes = []
+    if cp_set:
+        shape.context_parallel_size = max(int(c) for c in cp_set.split(","))
+    model = "hybrid" if cmd[script].endswith("pretrain_mamba.py") else "gpt"
+    te_attention = shape.attention_backend.name in TE_ATTENTION_BACKENDS
     try:
         check_fp8(shape, model, te_attention=te_attention, capability=None)
     except ValueError as refused:

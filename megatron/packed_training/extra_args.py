@@ -233,7 +233,7 @@ def check_dynamic_cp(args) -> None:
             fail("--dynamic-cp-max-packed-seqs", _shown(capacities),
                  "It sizes the graph banks of dynamic CP; add --dynamic-cp-sizes or drop it")
         return
-    impl, modules = args.packed_graph_impl, _module_names(args)
+    impl, modules = args.packed_graph_impl, module_names(args)
     uneven = "Ranks run different numbers of micro-batches under dynamic CP"
     one_size = "Dynamic CP places whole global batches of one size; drop it"
     ramp = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
@@ -302,7 +302,7 @@ def _shown(values) -> str:
     return " ".join(map(str, values)) if isinstance(values, (list, tuple)) else str(values)
 
 
-def _module_names(args) -> list:
+def module_names(args) -> list:
     """``--cuda-graph-modules`` as names (upstream parses them into CudaGraphModule members)."""
     return [getattr(m, "name", str(m)) for m in args.cuda_graph_modules or []]
 
@@ -312,7 +312,7 @@ def check_graphs(args, model: str) -> None:
     impl, capacity = args.packed_graph_impl, args.cuda_graph_max_packed_seqs
     refuse((capacity < 0, "--cuda-graph-max-packed-seqs", capacity,
             "Use 0 (graphs off) or a positive document capacity"))
-    modules = args.packed_cuda_graph_modules = _module_names(args)
+    modules = args.packed_cuda_graph_modules = module_names(args)
     ladder = list(args.cuda_graph_capacity_ladder or [])
     if impl == "none":
         ignored = "It would be ignored without graphs; add --cuda-graph-impl local"

@@ -1264,15 +1264,6 @@ def test_the_tools_refusal_is_the_training_parsers(te_importable, monkeypatch, p
     assert str(refused.value) == problem
 
 
-def test_the_fp8_shape_defaults_are_megatrons():
-    from megatron.packed_training.arguments import build_parser
-
-    defaults = {option: action.default for action in build_parser()._actions
-                for option in action.option_strings}
-    for flag, value in benchmark.FP8_SHAPE_DEFAULTS.items():
-        assert str(defaults[flag]) == value, flag
-
-
 def test_fp8_traces_and_logprobs_lines_carry_the_precision():
     args = _args(precisions=["bf16", "fp8-tensorwise"], mode="logprobs")
     assert (benchmark.trace_dir("/t", "qwen3-8b-layers", "eager", args, precision="fp8-tensorwise")
