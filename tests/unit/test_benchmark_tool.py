@@ -419,14 +419,7 @@ def test_mla_presets_are_refused_without_transformer_engine(te_importable, monke
 def test_the_mla_group_runs_moonlight_small_with_its_experts_and_label(monkeypatch, capsys,
                                                                        te_importable):
     te_importable(True)
-    commands = []
-
-    def fake_run(cmd, **kwargs):
-        commands.append(cmd)
-        _moe_metrics(cmd[cmd.index("--metrics-file") + 1], [0.0] * 10)
-        return _Completed(0)
-
-    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    commands = _launched_moe_runs(monkeypatch)
     assert benchmark.main(["--presets", "mla", "--steps", "10", "--nproc", "4",
                            "--global-batch-size", "16", "--expert-model-parallel-size", "4",
                            "--moe-experts", "grouped-gemm"]) == 0
@@ -518,14 +511,7 @@ def test_graphed_moe_presets_take_the_rerun_mode_through_extra_args(te_importabl
 def test_grouped_gemm_rows_need_transformer_engine(te_importable, monkeypatch, capsys):
     """Without TE a grouped-gemm row fails before training (auto attention would not give it
     TE's layer spec); the sequential row of the same preset still trains."""
-    launched = []
-
-    def fake_run(cmd, **kwargs):
-        launched.append(cmd)
-        _moe_metrics(cmd[cmd.index("--metrics-file") + 1], [0.0] * 10)
-        return _Completed(0)
-
-    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    launched = _launched_moe_runs(monkeypatch)
     assert benchmark.main(["--presets", "gpt-moe-small", "--steps", "10", "--moe-experts",
                            "sequential", "grouped-gemm"]) == 1
     out = capsys.readouterr().out
@@ -554,6 +540,20 @@ def test_moe_options_need_an_moe_preset(flag, capsys):
         benchmark.main(["--presets", "gpt-small", "hybrid-small", *flag])
     assert f"{flag[0]} is wrong: no MoE preset in ['gpt-small', 'hybrid-small']" in \
         capsys.readouterr().err
+
+
+def _launched_moe_runs(monkeypatch) -> list:
+    """The benchmark's training launches, faked: each writes a finished MoE run's metrics
+    (nothing dropped) and succeeds; returns the list the launched commands go into."""
+    launched = []
+
+    def fake_run(cmd, **kwargs):
+        launched.append(cmd)
+        _moe_metrics(cmd[cmd.index("--metrics-file") + 1], [0.0] * 10)
+        return _Completed(0)
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    return launched
 
 
 def _moe_metrics(path, dropped, reruns=None):
@@ -1159,14 +1159,7 @@ def test_moe_fp8_rows_leave_out_dropless_graphs_and_full_iteration(monkeypatch, 
     """Dropless graphs' grouped experts are BF16 only and full-iteration graphs hold no MoE
     layer: those rows are left out, the others run."""
     te_importable(True)
-    launched = []
-
-    def fake_run(cmd, **kwargs):
-        launched.append(cmd)
-        _moe_metrics(cmd[cmd.index("--metrics-file") + 1], [0.0] * 10)
-        return _Completed(0)
-
-    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    launched = _launched_moe_runs(monkeypatch)
     assert benchmark.main(["--presets", "qwen3-30b-a3b-layers", "--variants", "eager",
                            "layer-graphs", "full-iteration", "--moe-modes", "dropless-graphs",
                            "drop-and-pad", "--precisions", "bf16", "fp8-blockwise",
