@@ -251,14 +251,7 @@ def test_help_shows_the_defaults(capsys):
 
 
 def test_kept_traces_go_to_one_directory_per_row_label_and_variant(monkeypatch, tmp_path):
-    launched = []
-
-    def fake_run(cmd, **kwargs):
-        launched.append(cmd)
-        _metrics(cmd[cmd.index("--metrics-file") + 1], 1000.0)
-        return _Completed(0)
-
-    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    launched = _launched_runs(monkeypatch)
     root = tmp_path / "traces"
     assert benchmark.main(["--presets", "gpt-small", "--variants", "eager", "layer-graphs",
                            "--steps", "10", "--profile", "--keep-traces", str(root)]) == 0
@@ -419,7 +412,7 @@ def test_mla_presets_are_refused_without_transformer_engine(te_importable, monke
 def test_the_mla_group_runs_moonlight_small_with_its_experts_and_label(monkeypatch, capsys,
                                                                        te_importable):
     te_importable(True)
-    commands = _launched_moe_runs(monkeypatch)
+    commands = _launched_runs(monkeypatch, moe=True)
     assert benchmark.main(["--presets", "mla", "--steps", "10", "--nproc", "4",
                            "--global-batch-size", "16", "--expert-model-parallel-size", "4",
                            "--moe-experts", "grouped-gemm"]) == 0
@@ -511,7 +504,7 @@ def test_graphed_moe_presets_take_the_rerun_mode_through_extra_args(te_importabl
 def test_grouped_gemm_rows_need_transformer_engine(te_importable, monkeypatch, capsys):
     """Without TE a grouped-gemm row fails before training (auto attention would not give it
     TE's layer spec); the sequential row of the same preset still trains."""
-    launched = _launched_moe_runs(monkeypatch)
+    launched = _launched_runs(monkeypatch, moe=True)
     assert benchmark.main(["--presets", "gpt-moe-small", "--steps", "10", "--moe-experts",
                            "sequential", "grouped-gemm"]) == 1
     out = capsys.readouterr().out
@@ -542,14 +535,19 @@ def test_moe_options_need_an_moe_preset(flag, capsys):
         capsys.readouterr().err
 
 
-def _launched_moe_runs(monkeypatch) -> list:
-    """The benchmark's training launches, faked: each writes a finished MoE run's metrics
-    (nothing dropped) and succeeds; returns the list the launched commands go into."""
+def _launched_runs(monkeypatch, moe: bool = False) -> list:
+    """The benchmark's training launches, faked: each writes a finished run's metrics (1000
+    tokens/s; ``moe``: an MoE run's, nothing dropped) and succeeds; returns the list the
+    launched commands go into."""
     launched = []
 
     def fake_run(cmd, **kwargs):
         launched.append(cmd)
-        _moe_metrics(cmd[cmd.index("--metrics-file") + 1], [0.0] * 10)
+        metrics = cmd[cmd.index("--metrics-file") + 1]
+        if moe:
+            _moe_metrics(metrics, [0.0] * 10)
+        else:
+            _metrics(metrics, 1000.0)
         return _Completed(0)
 
     monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
@@ -1139,14 +1137,7 @@ def test_precision_rows_are_labelled_and_compared_in_one_table(monkeypatch, caps
 
 
 def test_fp8_rows_without_transformer_engine_fail_at_once(monkeypatch, capsys, te_importable):
-    launched = []
-
-    def fake_run(cmd, **kwargs):
-        launched.append(cmd)
-        _metrics(cmd[cmd.index("--metrics-file") + 1], 1000.0)
-        return _Completed(0)
-
-    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    launched = _launched_runs(monkeypatch)
     assert benchmark.main(["--presets", "gpt-small", "--precisions", "bf16", "fp8-tensorwise",
                            "--steps", "10"]) == 1
     out = capsys.readouterr().out
@@ -1159,7 +1150,7 @@ def test_moe_fp8_rows_leave_out_dropless_graphs_and_full_iteration(monkeypatch, 
     """Dropless graphs' grouped experts are BF16 only and full-iteration graphs hold no MoE
     layer: those rows are left out, the others run."""
     te_importable(True)
-    launched = _launched_moe_runs(monkeypatch)
+    launched = _launched_runs(monkeypatch, moe=True)
     assert benchmark.main(["--presets", "qwen3-30b-a3b-layers", "--variants", "eager",
                            "layer-graphs", "full-iteration", "--moe-modes", "dropless-graphs",
                            "drop-and-pad", "--precisions", "bf16", "fp8-blockwise",
