@@ -25,7 +25,7 @@ weight update" tensor, at every replay: 1 reuses the workspace, 0 re-quantizes i
   itself captured, so each replay re-quantizes at its first micro-batch.
 
 megatron-core's own replay writes (per-runner memo, stale with several runners per layer)
-are switched off by ``packed_upstream.patches.graph_runtime_owns_fp8_weight_flag``.
+are switched off by ``packed_upstream.graph_engine.graph_runtime_owns_fp8_weight_flag``.
 
 Delayed scaling keeps amax histories and scales that TE updates on the host side of an
 autocast's exit. Inside a chunk or full-iteration capture that exit is captured (the update

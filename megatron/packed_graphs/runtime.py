@@ -220,7 +220,7 @@ class GraphRuntime:
         recipe = fp8_state.fp8_recipe(model_config)
         fp8_state.check_fp8_graphs(settings.impl, settings.granularity, recipe)
         if recipe is not None and settings.impl in ("local", "full_iteration"):
-            from megatron.packed_upstream.patches import graph_runtime_owns_fp8_weight_flag
+            from megatron.packed_upstream.graph_engine import graph_runtime_owns_fp8_weight_flag
 
             graph_runtime_owns_fp8_weight_flag()
         slots = (1,)

@@ -14,6 +14,8 @@ Patches (installed once by `patches.apply_core_patches`):
 * `warm_up_graphs_on_recorded_layouts`: the capture's warm-up passes run on the recorded
   call's integer inputs (packed boundaries) instead of zero-filled buffers.
 * `check_arg_types_without_reimporting`, `record_capture_statistics`: host time and statistics.
+* `graph_runtime_owns_fp8_weight_flag` (installed by the graph runtime of an FP8 run): the
+  replays stop writing TE's weight-cache flag, which the runtime writes per micro-batch.
 
 Reaches (called where a subclass cannot do the job): the order of a manager's runners
 (`replay_runner_first`, `rotate_runners`, `sort_runners`), upstream's private "graphs
@@ -567,3 +569,27 @@ def te_replay_hooks(layer) -> list:
     """``(hook, args)`` pairs run before each TE replay (``cuda_graph_manual_hooks``, filled by
     `megatron_ddp.ddp_param_gather_before_te_replays`)."""
     return layer.cuda_graph_manual_hooks
+
+
+# megatron-core's writer of TE's skip-weight-update flag, kept for tests and a later revert.
+UPSTREAM_SET_SKIP_FP8_WEIGHT_UPDATE = cuda_graphs._set_skip_fp8_weight_update_tensor
+
+
+@patch
+def graph_runtime_owns_fp8_weight_flag() -> None:
+    """megatron-core's local graphs stop writing TE's skip-weight-update flag; the graph runtime
+    writes it (megatron.packed_graphs.fp8_state.WeightCacheFlag). Installed by FP8 runs only.
+
+    Why: 0.19.2's replay node writes the flag from its manager's ``is_first_microbatch`` only
+    when it differs from what *that runner* last wrote (``cuda_graphs.py:803-805``, the
+    ``fp8_param_cache_updated`` memo), and every runner creation resets it
+    (``:976-984``). The flag is process-global, so a layer with several runners (pipeline
+    round-robin, a capacity ladder, chunk slots) skips the write that the first micro-batch
+    after an optimizer step needs and replays weights quantized before the step; a chunk
+    manager made after ``set_is_first_microbatch`` listed its holders (HybridStack's) never
+    sees True at all. TE issue #3298 (one global flag for every capture) is the same family.
+    """
+    def _set_skip_fp8_weight_update_tensor(skip: bool) -> None:
+        del skip  # written per micro-batch by the graph runtime
+
+    cuda_graphs._set_skip_fp8_weight_update_tensor = _set_skip_fp8_weight_update_tensor

@@ -8,14 +8,11 @@ condition is known: `training_loop.route_training_loop` (the seam into Megatron-
 `model_layers.megatron_core_linears_unfused_without_apex` (the model builders) and
 `megatron_ddp.ddp_keeps_fused_wgrad_flags` (TE layer graphs with fused weight gradients).
 `training_loop.megatron_parser_flaws_fixed` changes one parser, not the process: no patch.
-`graph_runtime_owns_fp8_weight_flag` (below) is installed by the graph runtime of an FP8 run.
+`graph_engine.graph_runtime_owns_fp8_weight_flag` is installed by the graph runtime of an FP8 run.
 docs/architecture.md lists every patch with its reason and its test.
 """
 
-from megatron.core.transformer import cuda_graphs
-
 from megatron.packed_upstream import graph_engine, megatron_optimizer, model_layers, training_loop
-from megatron.packed_upstream.gate import patch
 
 PROCESS_PATCHES = (
     graph_engine.keep_forward_inputs_until_backward_captured,
@@ -40,26 +37,3 @@ def apply_core_patches() -> dict:
     """
     return {patch.__name__: patch() for patch in PROCESS_PATCHES}
 
-
-# megatron-core's writer of TE's skip-weight-update flag, kept for tests and a later revert.
-UPSTREAM_SET_SKIP_FP8_WEIGHT_UPDATE = cuda_graphs._set_skip_fp8_weight_update_tensor
-
-
-@patch
-def graph_runtime_owns_fp8_weight_flag() -> None:
-    """megatron-core's local graphs stop writing TE's skip-weight-update flag; the graph runtime
-    writes it (megatron.packed_graphs.fp8_state.WeightCacheFlag). Installed by FP8 runs only.
-
-    Why: 0.19.2's replay node writes the flag from its manager's ``is_first_microbatch`` only
-    when it differs from what *that runner* last wrote (``cuda_graphs.py:803-805``, the
-    ``fp8_param_cache_updated`` memo), and every runner creation resets it
-    (``:976-984``). The flag is process-global, so a layer with several runners (pipeline
-    round-robin, a capacity ladder, chunk slots) skips the write that the first micro-batch
-    after an optimizer step needs and replays weights quantized before the step; a chunk
-    manager made after ``set_is_first_microbatch`` listed its holders (HybridStack's) never
-    sees True at all. TE issue #3298 (one global flag for every capture) is the same family.
-    """
-    def _set_skip_fp8_weight_update_tensor(skip: bool) -> None:
-        del skip  # written per micro-batch by the graph runtime
-
-    cuda_graphs._set_skip_fp8_weight_update_tensor = _set_skip_fp8_weight_update_tensor

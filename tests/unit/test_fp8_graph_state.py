@@ -17,7 +17,7 @@ from megatron.packed_graphs.plan import GraphRuntimeConfig
 from megatron.packed_graphs.runtime import (GraphRuntime, forward_graphs_unavailable,
                                             runtime_config)
 from megatron.packed_graphs.settings import GraphSettings
-from megatron.packed_upstream import patches
+from megatron.packed_upstream import graph_engine
 from tests.unit.conftest import TINY_LAYER
 from tests.unit.test_graph_runtime import batches, run
 
@@ -172,8 +172,8 @@ def test_upstream_still_memoizes_the_flag_per_runner():
 
 def test_patch_leaves_the_flag_to_the_runtime(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "_set_skip_fp8_weight_update_tensor",
-                        patches.UPSTREAM_SET_SKIP_FP8_WEIGHT_UPDATE)
-    patches.graph_runtime_owns_fp8_weight_flag.body()
+                        graph_engine.UPSTREAM_SET_SKIP_FP8_WEIGHT_UPDATE)
+    graph_engine.graph_runtime_owns_fp8_weight_flag.body()
     patched = cuda_graphs._set_skip_fp8_weight_update_tensor
-    assert patched is not patches.UPSTREAM_SET_SKIP_FP8_WEIGHT_UPDATE
+    assert patched is not graph_engine.UPSTREAM_SET_SKIP_FP8_WEIGHT_UPDATE
     assert patched(True) is None  # upstream's would need TE and a GPU here
