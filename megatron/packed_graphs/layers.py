@@ -25,7 +25,8 @@ from megatron.packed_upstream import graph_engine
 from megatron.packed_graphs.chunk_graphs import ChunkGraphDispatch, chunk_granularity
 from megatron.packed_model.hybrid_stack import PackedHybridStack
 from megatron.packed_model.moe import PackedMoEMaskMixin
-from megatron.packed_model.padding_rows import ZeroedPaddingRowsLayer
+from megatron.packed_model.padding_rows import (ZeroedPaddingRowsLayer,
+                                                  ZeroedPaddingRowsMambaLayer)
 from megatron.packed_graphs.moe_partial import PartialMoEGraphs
 from megatron.packed_graphs.plan import graphs_bypassed, in_iteration_graph
 from megatron.packed_graphs.te_graphs import TEGraphDispatch
@@ -103,7 +104,7 @@ class GraphSafeMLPLayer(LocalGraphDispatch, TEGraphDispatch, ZeroedPaddingRowsLa
     """Hybrid MLP-only layer with the per-micro-batch eager fallback (local and TE graphs)."""
 
 
-class GraphSafeMambaLayer(LocalGraphDispatch, TEGraphDispatch, ZeroedPaddingRowsLayer,
+class GraphSafeMambaLayer(LocalGraphDispatch, TEGraphDispatch, ZeroedPaddingRowsMambaLayer,
                           MambaLayer):
     """MambaLayer with the per-micro-batch eager fallback (local and TE graphs)."""
 

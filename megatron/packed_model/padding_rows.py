@@ -11,8 +11,9 @@ buffer that held NaN) would move the scale of every document token.
 With ``config.zero_padding_rows`` (set with ``--fp8-format``; fp8_flags.py refuses the
 layer types whose padding rows could not be held at zero):
 
-* `ZeroedPaddingRowsLayer`: a layer's input rows that are padding are zero (a `torch.where`,
-  so NaN or 1e30 left in a static buffer become 0 too), whatever produced them;
+* `ZeroedPaddingRowsLayer` (`ZeroedPaddingRowsMambaLayer`): a layer's input rows that are
+  padding are zero (a `torch.where`, so NaN or 1e30 left in a static buffer become 0 too),
+  whatever produced them;
 * `zero_padding_rows_before`: the input of an output projection is zeroed the same way:
   attention's core output (CP padding attends to its document; a QKV bias reaches padding
   rows through V) and Mamba's scan output (the conv bias and the D skip reach them).
@@ -72,23 +73,9 @@ def zeroes_padding_rows(config) -> bool:
     return bool(getattr(config, "zero_padding_rows", False))
 
 
-class ZeroedPaddingRowsLayer:
-    """Mixin for a TransformerLayer (attention, MLP or MoE) or a MambaLayer: under
-    ``config.zero_padding_rows`` the padding rows of the layer's input are zero.
-
-    A TransformerLayer takes its input in ``_forward_attention``, which every path of
-    megatron-core's layer runs first (``forward``, and the replay of partial MoE graphs);
-    a MambaLayer in ``forward``. Put the mixin before the layer class in the bases."""
-
-    def _forward_attention(self, hidden_states, *args, **kwargs):
-        return super()._forward_attention(
-            self._zeroed_input(hidden_states, kwargs.get("packed_seq_params")), *args, **kwargs)
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if hasattr(super(), "_forward_attention"):  # zeroed there, on every path
-            return super().forward(hidden_states, *args, **kwargs)
-        return super().forward(
-            self._zeroed_input(hidden_states, kwargs.get("packed_seq_params")), *args, **kwargs)
+class ZeroedLayerInput:
+    """What the layer mixins below share: the layer input with its padding rows zeroed under
+    ``config.zero_padding_rows`` (this rank's rows: its sequence-parallel share)."""
 
     def _zeroed_input(self, hidden_states: Tensor, params) -> Tensor:
         if not zeroes_padding_rows(self.config):
@@ -98,6 +85,25 @@ class ZeroedPaddingRowsLayer:
         mask = layer_padding_mask(params, hidden_states.shape[0], tp_group,
                                   self.config.sequence_parallel)
         return zero_padding_rows(hidden_states, mask)
+
+
+class ZeroedPaddingRowsLayer(ZeroedLayerInput):
+    """Mixin for a TransformerLayer (attention, MLP or MoE): under ``config.zero_padding_rows``
+    the padding rows of the layer's input are zero. The layer takes its input in
+    ``_forward_attention``, which every path of megatron-core's layer runs first (``forward``,
+    and the replay of partial MoE graphs). Put the mixin before the layer class in the bases."""
+
+    def _forward_attention(self, hidden_states, *args, **kwargs):
+        return super()._forward_attention(
+            self._zeroed_input(hidden_states, kwargs.get("packed_seq_params")), *args, **kwargs)
+
+
+class ZeroedPaddingRowsMambaLayer(ZeroedLayerInput):
+    """`ZeroedPaddingRowsLayer` for a MambaLayer, which takes its input in ``forward``."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return super().forward(
+            self._zeroed_input(hidden_states, kwargs.get("packed_seq_params")), *args, **kwargs)
 
 
 class PaddingRowsOfThisCall:
