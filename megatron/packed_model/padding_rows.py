@@ -80,6 +80,11 @@ class ZeroedLayerInput:
     def _zeroed_input(self, hidden_states: Tensor, params) -> Tensor:
         if not zeroes_padding_rows(self.config):
             return hidden_states
+        if params is not None and getattr(params, "padding_mask", None) is None:
+            raise ValueError("packed_seq_params.padding_mask is None under FP8: padding rows "
+                             "would reach the FP8 scales. Stage the micro-batch with the "
+                             "padding mask (packed_step.needs_padding_mask(args) is True for "
+                             "FP8 runs)")
         # TransformerLayer keeps its process groups, MambaLayer only its TP group.
         tp_group = self.pg_collection.tp if hasattr(self, "pg_collection") else self.tp_group
         mask = layer_padding_mask(params, hidden_states.shape[0], tp_group,

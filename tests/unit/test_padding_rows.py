@@ -132,3 +132,12 @@ def test_the_mask_of_a_sequence_parallel_rank_is_its_share():
         zero_padding_rows(torch.ones(2, 4), torch.tensor([True, False, True]))
     packed.padding_mask = None
     assert layer_padding_mask(packed, 16) is None
+
+
+def test_fp8_layers_refuse_a_micro_batch_without_its_padding_mask(cpu_dist):
+    stack = layers(zero_padding_rows=True, count=1)
+    packed = params()
+    packed.padding_mask = None
+    with pytest.raises(ValueError, match="padding_mask is None under FP8"):
+        stack[0](torch.zeros(len(PADDING), 1, HIDDEN), attention_mask=None,
+                 packed_seq_params=packed)
