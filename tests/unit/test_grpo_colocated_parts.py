@@ -4,24 +4,16 @@ models: the refit by name, sampling, the generator's log-probs, the rollouts and
 back from micro-batches. The loop itself needs a GPU: tests/gpu/test_grpo_colocated.py runs
 it."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from tests.unit.hf_tiny import VOCAB, tiny_llama, tiny_qwen3
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(REPO, "examples", "rl", "grpo_colocated.py")
+from tests.unit.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("grpo_colocated", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples", "rl", "grpo_colocated.py")
 
 
 @pytest.fixture(scope="module")

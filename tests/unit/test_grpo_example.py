@@ -2,7 +2,6 @@
 micro-batches, the comparison's table and checks, and its three runs (with the runs stood
 in for: each needs a GPU; tests/gpu/test_rl_policy.py runs the script)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from megatron.packed_training.rl.batches import lay_out_all
+from tests.unit.scripts import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "examples", "rl", "grpo_packed.py")
@@ -18,10 +18,7 @@ SCRIPT = os.path.join(REPO, "examples", "rl", "grpo_packed.py")
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("grpo_packed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples", "rl", "grpo_packed.py")
 
 
 def test_rollouts_vary_in_length_and_repeat_for_a_step(example):

@@ -47,6 +47,7 @@ from tests.unit.hf_tiny import (
     tiny_qwen3,
     tiny_qwen3_moe,
 )
+from tests.unit.scripts import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILDERS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe,
@@ -499,13 +500,7 @@ def test_export_refuses_a_checkpoint_of_another_model(converted, tmp_path):
 # -------------------------------------------------------------------------------- the tool
 
 def _tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "convert_hf", os.path.join(REPO, "tools", "convert_hf.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools", "convert_hf.py")
 
 
 @pytest.mark.slow
@@ -531,13 +526,7 @@ def test_tool_converts_both_ways_and_measures(converted, tmp_path, capsys):
 # ------------------------------------------------------------------- the SFT example, on CPU
 
 def load_example():
-    import importlib.util
-
-    path = os.path.join(REPO, "examples", "hf", "sft_from_hugging_face.py")
-    spec = importlib.util.spec_from_file_location("sft_from_hugging_face", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples", "hf", "sft_from_hugging_face.py")
 
 
 @pytest.mark.slow

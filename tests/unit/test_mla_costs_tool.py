@@ -1,7 +1,6 @@
 """tools/mla_costs.py on CPU: the moonlight-small flag set and the tool's own arguments (the
 measurement itself needs a GPU with Transformer Engine)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,11 +13,10 @@ import torch
 from megatron.packed_model import attention
 from megatron.packed_training import extra_args
 from megatron.packed_training.arguments import parse_args
+from tests.unit.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("mla_costs", REPO / "tools" / "mla_costs.py")
-mla_costs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mla_costs)
+mla_costs = load_script("tools", "mla_costs.py")
 
 
 def _parse(argv):

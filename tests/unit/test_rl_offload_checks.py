@@ -19,6 +19,7 @@ from megatron.packed_training.rl.offload import (
     PolicyMemory,
     preload_problem,
 )
+from tests.unit.scripts import load_script
 from tests.unit.test_rl_library import (  # noqa: F401 (no_rng_tracker: an autouse fixture)
     grpo_loss,
     make_policy,
@@ -200,15 +201,9 @@ def test_a_weight_swap_exchanges_in_the_region_and_its_body_runs_outside(cpu_dis
 
 @pytest.mark.parametrize("graphs", ["layer", "full"])
 def test_the_gpu_tests_and_the_benchmarks_configs_pass_the_training_configs_checks(graphs):
-    import importlib.util
-
     from tests.gpu.rl_offload_worker import config
 
-    spec = importlib.util.spec_from_file_location(
-        "offload_benchmark", os.path.join(os.path.dirname(__file__), "..", "..", "tools",
-                                          "offload_benchmark.py"))
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_script("tools", "offload_benchmark.py")
     options = benchmark.parse(["--graphs", graphs])
     args = PolicyConfig(benchmark.training_config(options), offloadable=True).args()
     assert (args.hidden_size, args.ffn_hidden_size, args.num_layers) == (4096, 14336, 4)

@@ -1,25 +1,17 @@
 """`pack_sequences` on the data path's packer, and `deal_micro_batches`: host bookkeeping of
 the RL library's micro-batches (the training it feeds: test_rl_library.py)."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from megatron.packed_training.rl import PackedSequences, deal_micro_batches, pack_sequences
 from megatron.packed_training.rl.batches import lay_out
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.unit.scripts import load_script
 
 
 def grpo_rollouts(prompts: int) -> dict:
     """The GRPO example's synthetic rollouts (its length distribution)."""
-    spec = importlib.util.spec_from_file_location(
-        "grpo_packed", os.path.join(REPO, "examples", "rl", "grpo_packed.py"))
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example.make_rollouts(0, prompts, 4, 1024)
+    return load_script("examples", "rl", "grpo_packed.py").make_rollouts(0, prompts, 4, 1024)
 
 
 def fill(micro_batches, row_positions) -> float:
