@@ -374,6 +374,8 @@ PRECISIONS = {
 }
 DEFAULT_PRECISION = "bf16"
 TE_ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")  # auto: TE where importable
+
+
 def num_experts(preset: str) -> int | None:
     """--num-experts of a preset; None for a dense one."""
     flags = PRESETS[preset][1]
