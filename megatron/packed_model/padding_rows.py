@@ -152,10 +152,13 @@ class ZeroedProjectionInput:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._padding_rows = PaddingRowsOfThisCall()
+        self._padding_rows = None  # BF16: no hook, and forward passes straight through
         if zeroes_padding_rows(self.config):
+            self._padding_rows = PaddingRowsOfThisCall()
             zero_padding_rows_before(getattr(self, self.projection), self._padding_rows)
 
     def forward(self, *args, **kwargs):
+        if self._padding_rows is None:
+            return super().forward(*args, **kwargs)
         with self._padding_rows.of(kwargs.get("packed_seq_params")):
             return super().forward(*args, **kwargs)
