@@ -14,7 +14,7 @@ layer types whose padding rows could not be held at zero):
 * `ZeroedPaddingRowsLayer` (`ZeroedPaddingRowsMambaLayer`): a layer's input rows that are
   padding are zero (a `torch.where`, so NaN or 1e30 left in a static buffer become 0 too),
   whatever produced them;
-* `zero_padding_rows_before`: the input of an output projection is zeroed the same way:
+* `ZeroedProjectionInput` (`ZeroedPaddingRowsInput`): the input of an output projection is zeroed the same way:
   attention's core output (CP padding attends to its document; a QKV bias reaches padding
   rows through V) and Mamba's scan output (the conv bias and the D skip reach them).
 
@@ -28,6 +28,7 @@ The mask is ``packed_seq_params.padding_mask`` (bool ``[T]``, True = padding, bu
 micro-batch by the training step), so it travels into every graph kind as a graph input.
 """
 
+import functools
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -113,7 +114,7 @@ class ZeroedPaddingRowsMambaLayer(ZeroedLayerInput):
 
 class PaddingRowsOfThisCall:
     """The padding mask of the forward in flight of a module whose output projection reads
-    it (`zero_padding_rows_before`): set by the module's forward, cleared after."""
+    it (`ZeroedPaddingRowsInput`): set by the module's forward, cleared after."""
 
     def __init__(self):
         self.mask: Optional[Tensor] = None
@@ -129,17 +130,29 @@ class PaddingRowsOfThisCall:
             self.mask = None
 
 
-def zero_padding_rows_before(projection: torch.nn.Module, rows: PaddingRowsOfThisCall) -> None:
-    """Zero the padding rows of ``projection``'s input (``[N, ...]``, all of this rank's
-    positions: before a row-parallel projection's reduce-scatter) from ``rows.mask`` on every
-    call; a forward pre-hook, so it runs inside whatever graph captures the call."""
+class ZeroedPaddingRowsInput:
+    """Mixed before an output projection's class by `ZeroedProjectionInput`: the padding rows
+    of the projection's input (``[N, ...]``, all of this rank's positions: before a
+    row-parallel projection's reduce-scatter) are zero, from ``padding_rows.mask``. A subclass
+    and not a forward pre-hook: megatron-core's layer graphs refuse every pre-forward hook but
+    DDP's (``CudaGraphManager.call_ddp_preforward_hook``). Runs inside whatever graph captures
+    the call."""
 
-    def hook(module, args):
-        if rows.mask is None:
-            return None
-        return (zero_padding_rows(args[0], rows.mask), *args[1:])
+    padding_rows: PaddingRowsOfThisCall
 
-    projection.register_forward_pre_hook(hook)
+    def forward(self, input_, *args, **kwargs):
+        return super().forward(self.gemm_input(input_), *args, **kwargs)
+
+    def gemm_input(self, input_: Tensor) -> Tensor:
+        """``input_`` as the projection's GEMM reads it: this call's padding rows zero."""
+        return zero_padding_rows(input_, self.padding_rows.mask)
+
+
+@functools.cache
+def zeroed_input_class(cls: type) -> type:
+    """``cls`` (a linear module class) with `ZeroedPaddingRowsInput` mixed in; one class per
+    ``cls``, so every projection of a model shares it."""
+    return type(f"ZeroedInput{cls.__name__}", (ZeroedPaddingRowsInput, cls), {})
 
 
 class ZeroedProjectionInput:
@@ -152,10 +165,13 @@ class ZeroedProjectionInput:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._padding_rows = None  # BF16: no hook, and forward passes straight through
+        self._padding_rows = None  # BF16: the projection as built, and forward passes straight through
         if zeroes_padding_rows(self.config):
             self._padding_rows = PaddingRowsOfThisCall()
-            zero_padding_rows_before(getattr(self, self.projection), self._padding_rows)
+            projection = getattr(self, self.projection)
+            # The same module, parameters and checkpoint keys; only its forward zeroes rows.
+            projection.__class__ = zeroed_input_class(type(projection))
+            projection.padding_rows = self._padding_rows
 
     def forward(self, *args, **kwargs):
         if self._padding_rows is None:

@@ -61,9 +61,9 @@ def build(kind: str, recipe: str, zero_padding_rows: bool) -> torch.nn.ModuleLis
 
     cfg = config(recipe, zero_padding_rows)
     torch.manual_seed(0)
-    specs = [gpt_layer_spec("auto")] * 2
+    specs = [gpt_layer_spec("te")] * 2
     if kind == "hybrid":
-        specs[0] = hybrid_stack_spec("auto").submodules.mamba_layer
+        specs[0] = hybrid_stack_spec("te").submodules.mamba_layer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     groups = ProcessGroupCollection.use_mpu_process_groups()

@@ -15,9 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
 from megatron.packed_graphs.packed_seq import build_packed_batch_params
 from megatron.packed_graphs.specs import gpt_layer_spec
-from megatron.packed_model.padding_rows import layer_padding_mask, zero_padding_rows
+from megatron.packed_model.padding_rows import (ZeroedPaddingRowsInput, layer_padding_mask,
+                                                zero_padding_rows)
 from megatron.packed_training.config import PackedTransformerConfig
 
 # Segments [0, 8) and [8, 12): a document of 5 tokens padded to 8 (CP-style), then a padding
@@ -64,10 +67,20 @@ def run(stack, padding_value: float):
     def record_grad(module, grad_input, grad_output):
         seen["output_grads"].append(grad_output[0].detach().clone())
 
+    def record_gemm_input(gemm_input):
+        def recorded(input_):
+            out = gemm_input(input_)
+            seen["inputs"].append(out.detach().clone())
+            return out
+        return recorded
+
     handles = []
     for module in stack.modules():
-        if type(module).__name__ in ("ColumnParallelLinear", "RowParallelLinear"):
-            handles.append(module.register_forward_pre_hook(record_input))
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(module, ZeroedPaddingRowsInput):  # zeroes its input in forward
+                module.gemm_input = record_gemm_input(module.gemm_input)
+            else:
+                handles.append(module.register_forward_pre_hook(record_input))
             handles.append(module.register_full_backward_hook(record_grad))
     torch.manual_seed(1)
     hidden = torch.randn(len(PADDING), 1, HIDDEN)
@@ -81,6 +94,8 @@ def run(stack, padding_value: float):
     (torch.nan_to_num(out) * weights).sum().backward()
     for handle in handles:
         handle.remove()
+    for module in stack.modules():
+        module.__dict__.pop("gemm_input", None)
     return seen, out.detach(), hidden.grad
 
 
@@ -109,6 +124,16 @@ def test_without_the_flag_padding_rows_reach_the_linears(cpu_dist):
     assert all(t[pad].abs().sum() > 0 for t in proj_inputs)
     _, zeroed_out, _ = run(layers(zero_padding_rows=True), 0.0)
     assert torch.allclose(out[~pad], zeroed_out[~pad], rtol=0, atol=1e-6)
+
+
+def test_zeroing_leaves_no_hook_and_the_checkpoint_keys_alone(cpu_dist):
+    """megatron-core's layer graphs refuse a module with a pre-forward hook other than DDP's,
+    and a checkpoint must load with or without FP8: the projections keep their names."""
+    zeroed, plain = layers(zero_padding_rows=True), layers(zero_padding_rows=False)
+    assert not any(module._forward_pre_hooks for module in zeroed.modules())
+    assert zeroed.state_dict().keys() == plain.state_dict().keys()
+    assert isinstance(zeroed[0].self_attention.linear_proj, ZeroedPaddingRowsInput)
+    assert not isinstance(plain[0].self_attention.linear_proj, ZeroedPaddingRowsInput)
 
 
 def test_the_mask_of_a_sequence_parallel_rank_is_its_share():
