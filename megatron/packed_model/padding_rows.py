@@ -28,12 +28,13 @@ The mask is ``packed_seq_params.padding_mask`` (bool ``[T]``, True = padding, bu
 micro-batch by the training step), so it travels into every graph kind as a graph input.
 """
 
-import functools
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
+
+from megatron.packed_upstream import model_layers
 
 
 def layer_padding_mask(params, num_tokens: int, tp_group=None,
@@ -131,7 +132,7 @@ class PaddingRowsOfThisCall:
 
 
 class ZeroedPaddingRowsInput:
-    """Mixed before an output projection's class by `ZeroedProjectionInput`: the padding rows
+    """Mixed into an output projection by `ZeroedProjectionInput`: the padding rows
     of the projection's input (``[N, ...]``, all of this rank's positions: before a
     row-parallel projection's reduce-scatter) are zero, from ``padding_rows.mask``. A subclass
     and not a forward pre-hook: megatron-core's layer graphs refuse every pre-forward hook but
@@ -148,13 +149,6 @@ class ZeroedPaddingRowsInput:
         return zero_padding_rows(input_, self.padding_rows.mask)
 
 
-@functools.cache
-def zeroed_input_class(cls: type) -> type:
-    """``cls`` (a linear module class) with `ZeroedPaddingRowsInput` mixed in; one class per
-    ``cls``, so every projection of a model shares it."""
-    return type(f"ZeroedInput{cls.__name__}", (ZeroedPaddingRowsInput, cls), {})
-
-
 class ZeroedProjectionInput:
     """Mixin for a module with an output projection (attention: ``linear_proj``; Mamba's
     mixer: ``out_proj``, set `projection`): under ``config.zero_padding_rows`` the padding
@@ -169,8 +163,7 @@ class ZeroedProjectionInput:
         if zeroes_padding_rows(self.config):
             self._padding_rows = PaddingRowsOfThisCall()
             projection = getattr(self, self.projection)
-            # The same module, parameters and checkpoint keys; only its forward zeroes rows.
-            projection.__class__ = zeroed_input_class(type(projection))
+            model_layers.mix_into_linear(projection, ZeroedPaddingRowsInput)
             projection.padding_rows = self._padding_rows
 
     def forward(self, *args, **kwargs):

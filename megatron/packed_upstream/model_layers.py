@@ -13,7 +13,8 @@
   where upstream keeps them private.
 * per-call swaps of a field upstream builds once at init (`field_for_this_call`), a
   megatron-core class's method skipped on the way to its parent's, and the norm that saves
-  TE's ``_extra_state`` (`norm_saving_te_extra_state`).
+  TE's ``_extra_state`` (`norm_saving_te_extra_state`), a mixin put ahead of a built linear's
+  class (`mix_into_linear`).
 """
 
 import contextlib
@@ -212,3 +213,16 @@ def norm_saving_te_extra_state(norm, norm_classes: dict):
     whose state_dict gains TE's ``_extra_state`` entry."""
     norm.__class__ = norm_classes[type(norm)]
     return norm
+
+
+@functools.cache
+def _mixed_class(mixin: type, cls: type) -> type:
+    return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+
+
+def mix_into_linear(linear, mixin: type) -> None:
+    """Put ``mixin`` ahead of a built ``linear``'s class, in place: the same module, parameters
+    and checkpoint keys, with the mixin's ``forward`` first. For a change to a linear's input
+    that megatron-core's layer graphs would refuse as a forward pre-hook (they allow DDP's
+    only: ``CudaGraphManager.call_ddp_preforward_hook``). One class per (mixin, linear class)."""
+    linear.__class__ = _mixed_class(mixin, type(linear))
