@@ -477,6 +477,18 @@ def keep_runner_buffers(runner, own_pool: bool = False) -> None:
     runner.keep_buffers_private = True
 
 
+def set_runner_fp8_recipe(runner, recipe) -> None:
+    """Give a local-graph runner of an FP8 model the run's TE ``recipe``.
+
+    0.19.2's runner reads the recipe from TE's global state when it is built, which for its
+    own layer graphs happens inside the layer's FP8 autocast. A chunk's runner is built
+    outside any autocast (the block enters one per layer), where TE answers its default,
+    delayed scaling; its capture would then save delayed-scaling state from current-scaling
+    layers (``save_fp8_tensors``: AttributeError on ``scale``)."""
+    if runner.fp8_enabled:
+        runner.fp8_recipe = recipe
+
+
 def route_graphed_function(module, name: str, call: Callable) -> None:
     """Replace the graphed ``module.<name>`` that a ``CudaGraphManager`` installed with ``call``.
 

@@ -117,12 +117,10 @@ def test_padding_rows_move_no_fp8_scale(dist, kind, recipe):
     if recipe == "blockwise" and torch.version.cuda and \
             tuple(map(int, torch.version.cuda.split(".")[:2])) < (12, 9):
         pytest.skip("blockwise FP8 needs CUDA 12.9 or newer")
-    layers = build(kind, recipe, zero_padding_rows=True)
-    state = {k: v.clone() for k, v in layers.state_dict().items() if torch.is_tensor(v)}
-    clean = run(layers, recipe, True, 0.0)
+    # Fresh layers per run (seeded alike): delayed scaling's amax history starts the same.
+    clean = run(build(kind, recipe, zero_padding_rows=True), recipe, True, 0.0)
     for value in (float("nan"), 1e30):
-        layers.load_state_dict(state, strict=False)  # the same FP8 state to start from
-        got = run(layers, recipe, True, value)
+        got = run(build(kind, recipe, zero_padding_rows=True), recipe, True, value)
         assert torch.equal(got[0], clean[0]), (kind, recipe, value, "output")
         assert torch.equal(got[1], clean[1]), (kind, recipe, value, "input gradient")
         assert got[2].keys() == clean[2].keys() and len(clean[2]) > 4
