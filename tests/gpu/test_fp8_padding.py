@@ -53,7 +53,7 @@ def config(recipe: str, zero_padding_rows: bool):
 
 
 def build(kind: str, recipe: str, zero_padding_rows: bool) -> torch.nn.ModuleList:
-    """Two GPT layers (TE attention) or a Mamba layer and a GPT layer, seeded alike."""
+    """Two GPT layers (TE attention) or a Mamba layer and a GPT layer."""
     from megatron.core.fp8_utils import get_fp8_context
     from megatron.core.transformer.spec_utils import build_module
 
@@ -117,10 +117,20 @@ def test_padding_rows_move_no_fp8_scale(dist, kind, recipe):
     if recipe == "blockwise" and torch.version.cuda and \
             tuple(map(int, torch.version.cuda.split(".")[:2])) < (12, 9):
         pytest.skip("blockwise FP8 needs CUDA 12.9 or newer")
-    # Fresh layers per run (seeded alike): delayed scaling's amax history starts the same.
-    clean = run(build(kind, recipe, zero_padding_rows=True), recipe, True, 0.0)
+    # Fresh layers per run, given the first one's weights: delayed scaling's amax history
+    # lives in the modules and starts empty (a state_dict taken before any FP8 forward holds
+    # none, and megatron-core's RNG tracker would initialise a second build differently).
+    first = build(kind, recipe, zero_padding_rows=True)
+    weights = {k: v.clone() for k, v in first.state_dict().items() if "_extra_state" not in k}
+
+    def fresh():
+        layers = build(kind, recipe, zero_padding_rows=True)
+        layers.load_state_dict(weights, strict=False)
+        return layers
+
+    clean = run(first, recipe, True, 0.0)
     for value in (float("nan"), 1e30):
-        got = run(build(kind, recipe, zero_padding_rows=True), recipe, True, value)
+        got = run(fresh(), recipe, True, value)
         assert torch.equal(got[0], clean[0]), (kind, recipe, value, "output")
         assert torch.equal(got[1], clean[1]), (kind, recipe, value, "input gradient")
         assert got[2].keys() == clean[2].keys() and len(clean[2]) > 4
