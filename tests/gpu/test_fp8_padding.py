@@ -9,7 +9,9 @@ zeros before the layers run (as a static graph buffer may hold anything there). 
 gradient and every parameter gradient are bit for bit those of zero padding: a padding
 value that reached an amax (tensorwise: one per GEMM input; delayed: the amax history;
 blockwise: the weight gradient's 128-token blocks) would move every document token. The
-control: without the flag, NaN padding reaches the scales and the document rows change.
+control: without the flag, NaN padding reaches the scales and the document rows change. And
+the same documents in a row with 128 more padding positions give the same document outputs
+and delayed-scaling state, bit for bit.
 
 Run: ``python -m pytest -q tests/gpu/test_fp8_padding.py`` (one GPU, TE, mamba-ssm).
 """
@@ -78,24 +80,32 @@ def build(kind: str, recipe: str, zero_padding_rows: bool) -> torch.nn.ModuleLis
     return layers
 
 
-def run(layers, recipe: str, zero_padding_rows: bool, padding_value: float):
+def run(layers, recipe: str, zero_padding_rows: bool, padding_value: float, tail: int = 0):
     """Two steps' forward and backward (delayed scaling's history moves between them) on the
-    row with ``padding_value`` in its padding rows: the document rows' output and input
-    gradient, and every parameter gradient, of the second."""
+    row with ``padding_value`` in its padding rows, ``tail`` more padding positions at its
+    end: the document rows' output and input gradient, every parameter gradient, and the
+    TE modules' delayed-scaling state (amax histories and scales; empty for the other
+    recipes), of the second."""
     from megatron.core.fp8_utils import get_fp8_context
 
     cfg = config(recipe, zero_padding_rows)
-    cu = torch.tensor(CU_SEQLENS, dtype=torch.int32, device="cuda")
-    positions = torch.cat([torch.arange(b - a) for a, b in zip(CU_SEQLENS, CU_SEQLENS[1:])])
-    params = build_packed_batch_params(cu, positions.cuda(), ROW, with_seq_idx=True)
-    pad = padding().cuda()
+    cu_seqlens = CU_SEQLENS[:-1] + [ROW + tail]  # the tail segment grows
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu_seqlens, cu_seqlens[1:])])
+    params = build_packed_batch_params(cu, positions.cuda(), ROW + tail, with_seq_idx=True)
+    pad = torch.cat([padding(), torch.ones(tail, dtype=torch.bool)]).cuda()
     params.padding_mask = pad
     generator = torch.Generator(device="cuda").manual_seed(1)
+
+    def rows(shape):  # the same values at every tail length; zero in the tail
+        values = torch.randn(ROW, *shape, device="cuda", dtype=torch.bfloat16,
+                             generator=generator)
+        return torch.cat([values, values.new_zeros(tail, *shape)])
+
     for _ in range(2):
         for p in layers.parameters():
             p.grad = None
-        hidden = torch.randn(ROW, 1, HIDDEN, device="cuda", dtype=torch.bfloat16,
-                             generator=generator)
+        hidden = rows((1, HIDDEN))
         hidden[pad] = padding_value
         hidden.requires_grad_(True)
         out = hidden
@@ -103,23 +113,21 @@ def run(layers, recipe: str, zero_padding_rows: bool, padding_value: float):
             for layer in layers:
                 out = layer(out, attention_mask=None, packed_seq_params=params)
                 out = out[0] if isinstance(out, tuple) else out
-        weights = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=generator)
+        weights = rows(out.shape[1:])
         (torch.nan_to_num(out.float()) * weights.float() * (~pad).view(-1, 1, 1)).sum().backward()
     grads = {name: p.grad.clone() for name, p in layers.named_parameters() if p.grad is not None}
-    return out.detach()[~pad], hidden.grad[~pad], grads
+    delayed_state = [getattr(meta, field).clone()
+                     for module in layers.modules() if recipe == "delayed"
+                     for key, meta in sorted(getattr(module, "fp8_meta", {}).items())
+                     if key.startswith("scaling_") for field in ("amax_history", "scale")]
+    return out.detach()[~pad], hidden.grad[~pad], grads, delayed_state
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hybrid"])
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_padding_rows_move_no_fp8_scale(dist, kind, recipe):
-    if kind == "hybrid" and not (is_importable("mamba_ssm") and is_importable("causal_conv1d")):
-        pytest.skip("needs mamba-ssm and causal-conv1d (pip install -e .[mamba])")
-    if recipe == "blockwise" and torch.version.cuda and \
-            tuple(map(int, torch.version.cuda.split(".")[:2])) < (12, 9):
-        pytest.skip("blockwise FP8 needs CUDA 12.9 or newer")
-    # Fresh layers per run, given the first one's weights: delayed scaling's amax history
-    # lives in the modules and starts empty (a state_dict taken before any FP8 forward holds
-    # none, and megatron-core's RNG tracker would initialise a second build differently).
+def same_weights(kind: str, recipe: str):
+    """The first build of ``kind``'s layers, and a function that builds fresh ones with its
+    weights: delayed scaling's amax history lives in the modules and starts empty in each (a
+    state_dict taken before any FP8 forward holds none, and megatron-core's RNG tracker
+    initialises a second build differently)."""
     first = build(kind, recipe, zero_padding_rows=True)
     weights = {k: v.clone() for k, v in first.state_dict().items() if "_extra_state" not in k}
 
@@ -128,6 +136,22 @@ def test_padding_rows_move_no_fp8_scale(dist, kind, recipe):
         layers.load_state_dict(weights, strict=False)
         return layers
 
+    return first, fresh
+
+
+def skip_unrunnable(kind: str, recipe: str) -> None:
+    if kind == "hybrid" and not (is_importable("mamba_ssm") and is_importable("causal_conv1d")):
+        pytest.skip("needs mamba-ssm and causal-conv1d (pip install -e .[mamba])")
+    if recipe == "blockwise" and torch.version.cuda and \
+            tuple(map(int, torch.version.cuda.split(".")[:2])) < (12, 9):
+        pytest.skip("blockwise FP8 needs CUDA 12.9 or newer")
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hybrid"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_padding_rows_move_no_fp8_scale(dist, kind, recipe):
+    skip_unrunnable(kind, recipe)
+    first, fresh = same_weights(kind, recipe)
     clean = run(first, recipe, True, 0.0)
     for value in (float("nan"), 1e30):
         got = run(fresh(), recipe, True, value)
@@ -136,6 +160,7 @@ def test_padding_rows_move_no_fp8_scale(dist, kind, recipe):
         assert got[2].keys() == clean[2].keys() and len(clean[2]) > 4
         for name, grad in clean[2].items():
             assert torch.equal(got[2][name], grad), (kind, recipe, value, name)
+        assert all(torch.equal(a, b) for a, b in zip(got[3], clean[3], strict=True))
     assert all(torch.isfinite(t).all() for t in (clean[0], clean[1], *clean[2].values()))
 
     # The control: without the flag, NaN padding reaches the scales and the documents.
@@ -143,3 +168,20 @@ def test_padding_rows_move_no_fp8_scale(dist, kind, recipe):
     moved = run(plain, recipe, False, float("nan"))
     assert not (torch.isfinite(moved[0]).all() and torch.isfinite(moved[1]).all()
                 and all(torch.isfinite(g).all() for g in moved[2].values()))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hybrid"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_more_padding_moves_no_fp8_scale(dist, kind, recipe):
+    """The same documents in a row of 128 and of 256 positions (128 more padding): the same
+    document outputs and input gradients bit for bit, the same delayed-scaling amax history
+    and scales; parameter gradients sum zero rows more (a longer reduction)."""
+    skip_unrunnable(kind, recipe)
+    first, fresh = same_weights(kind, recipe)
+    short = run(first, recipe, True, 0.0)
+    long = run(fresh(), recipe, True, 0.0, tail=ROW)
+    assert torch.equal(long[0], short[0]) and torch.equal(long[1], short[1]), (kind, recipe)
+    for name, grad in short[2].items():
+        torch.testing.assert_close(long[2][name], grad, msg=lambda m: f"{name}: {m}")
+    assert all(torch.equal(a, b) for a, b in zip(long[3], short[3], strict=True)), recipe
+    assert bool(short[3]) == (recipe == "delayed")
