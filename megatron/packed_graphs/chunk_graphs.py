@@ -34,7 +34,6 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import MakeViewlessTensor
 
 from megatron.packed_upstream import graph_engine, model_layers
-from megatron.packed_graphs.fp8_state import eager_fp8_recipe
 from megatron.packed_graphs.plan import (
     Mode,
     StepGraphPlan,
@@ -88,7 +87,7 @@ class ChunkGraphDispatch:
         manager = graph_engine.chunk_graph_manager(self)
         if plan.mode is Mode.CAPTURE:
             output = manager(self, args, graph_engine.unshare_cached_graph_inputs(kwargs))
-            slots.record(manager, plan.key.slot, eager_fp8_recipe(self.config))
+            slots.record(manager, plan.key.slot)
         else:
             slots.select(manager, plan.key.slot)
             output = manager(self, args, kwargs)
@@ -122,9 +121,9 @@ class ChunkSlots:
     def recorded(self) -> int:
         return len(self.runners)
 
-    def record(self, manager, slot: int, fp8_recipe=None) -> None:
+    def record(self, manager, slot: int) -> None:
         """After a recording call for ``slot``: the runner it created gets that slot and a pool
-        (and ``fp8_recipe``, the run's TE recipe, under FP8).
+        (and no FP8 bookkeeping of its own: the layers inside keep theirs).
 
         At PP == 1 megatron-core reuses one runner (matched by arguments), created once.
         """
@@ -136,8 +135,7 @@ class ChunkSlots:
                                "slots; the capture iteration records slots in order")
         # A pool of the slot's own, buffers kept: slots replay out of capture order.
         graph_engine.keep_runner_buffers(runner, own_pool=True)
-        if fp8_recipe is not None:
-            graph_engine.set_runner_fp8_recipe(runner, fp8_recipe)
+        graph_engine.drop_chunk_runner_fp8_bookkeeping(runner)
         self.runners.append(runner)
 
     def select(self, manager, slot: int) -> Optional[int]:

@@ -74,17 +74,6 @@ def forward_graphs_unavailable(recipe: Optional[str]) -> Optional[str]:
     return None
 
 
-def eager_fp8_recipe(model_config):
-    """The TE recipe object eager runs use (megatron-core ``get_fp8_recipe``), None without
-    FP8. A graph built outside TE's autocast must be given it: there TE answers its default,
-    delayed scaling."""
-    if fp8_recipe(model_config) is None:
-        return None
-    from megatron.core.fp8_utils import get_fp8_recipe
-
-    return get_fp8_recipe(model_config)
-
-
 def te_capture_keywords(model_config, layers) -> dict:
     """The FP8 keywords of TE's ``make_graphed_callables`` for ``layers`` (in order): the
     autocast eager runs them in (megatron-core ``get_fp8_context``: its recipe, its amax
@@ -95,7 +84,7 @@ def te_capture_keywords(model_config, layers) -> dict:
     if fp8_recipe(model_config) is None:
         return {}
     from megatron.core import parallel_state
-    from megatron.core.fp8_utils import is_first_last_bf16_layer
+    from megatron.core.fp8_utils import get_fp8_recipe, is_first_last_bf16_layer
 
     group = None
     if parallel_state.model_parallel_is_initialized():
@@ -103,7 +92,7 @@ def te_capture_keywords(model_config, layers) -> dict:
             with_context_parallel=True, tp_only_amax_red=model_config.tp_only_amax_red)
     enabled = tuple(not is_first_last_bf16_layer(model_config, layer.layer_number - 1)
                     for layer in layers)
-    return {"enabled": enabled, "recipe": eager_fp8_recipe(model_config),
+    return {"enabled": enabled, "recipe": get_fp8_recipe(model_config),
             "amax_reduction_group": group}
 
 

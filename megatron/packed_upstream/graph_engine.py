@@ -477,16 +477,21 @@ def keep_runner_buffers(runner, own_pool: bool = False) -> None:
     runner.keep_buffers_private = True
 
 
-def set_runner_fp8_recipe(runner, recipe) -> None:
-    """Give a local-graph runner of an FP8 model the run's TE ``recipe``.
+def drop_chunk_runner_fp8_bookkeeping(runner) -> None:
+    """Switch off a chunk runner's FP8 bookkeeping (its ``fp8_enabled`` / ``fp4_enabled``).
 
-    0.19.2's runner reads the recipe from TE's global state when it is built, which for its
-    own layer graphs happens inside the layer's FP8 autocast. A chunk's runner is built
-    outside any autocast (the block enters one per layer), where TE answers its default,
-    delayed scaling; its capture would then save delayed-scaling state from current-scaling
-    layers (``save_fp8_tensors``: AttributeError on ``scale``)."""
-    if runner.fp8_enabled:
-        runner.fp8_recipe = recipe
+    0.19.2's runner keys that bookkeeping on TE's global recipe, read where the runner runs:
+    delayed-scaling state saved around capture, the modules registered in TE's delayed
+    buffers before each replay, amaxes reduced after each backward replay. Its own layer
+    runners run inside the layer's FP8 autocast. A chunk's runner runs outside any autocast,
+    where TE answers its default, delayed scaling, and would treat current-scaling layers as
+    delayed (``save_fp8_tensors`` fails on ``scale``, the replay's registration on
+    ``amax_history``, and it would overwrite each module's recipe). The chunk's layers enter
+    their own autocast inside the graph, and delayed scaling is refused under chunk graphs
+    (fp8_state.check_fp8_graphs): there is nothing for the runner to keep. Call before the
+    runner's capture."""
+    runner.fp8_enabled = False
+    runner.fp4_enabled = False
 
 
 def route_graphed_function(module, name: str, call: Callable) -> None:

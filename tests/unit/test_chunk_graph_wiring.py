@@ -46,9 +46,11 @@ def test_slots_record_one_runner_each_then_replay_the_planned_slot(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
     slots, manager = ChunkSlots(), _Manager(reuse=False)
     for slot, name in enumerate(("r0", "r1")):  # the capture iteration: a runner per call
-        manager.cudagraph_runners.append(SimpleNamespace(name=name))
+        manager.cudagraph_runners.append(SimpleNamespace(name=name, fp8_enabled=True))
         slots.record(manager, slot)
     assert slots.recorded == 2 and [r.mempool for r in slots.runners] == [0, 1]  # own pools
+    # The layers inside keep their FP8 state; the runner, outside TE's autocast, keeps none.
+    assert not any(r.fp8_enabled or r.fp4_enabled for r in slots.runners)
     picked = []
     for slot in (0, 1, 1, 0):  # whatever slots the plans name
         assert slots.select(manager, slot) == slot
