@@ -16,7 +16,8 @@ Tolerances: GPT under local layer graphs is bitwise eager in BF16 (docs/cuda-gra
 FP8 GEMMs are deterministic, so its losses must be equal; other kinds and the hybrid (Mamba's
 kernels are not bitwise run to run) within `DLOSS`. One BF16 run per model checks FP8 stays
 within `FP8_VS_BF16` of it. Delayed scaling runs under local layer graphs only (others are
-refused at start-up: checked here too). Select with ``-k``, e.g. ``-k "gpt and tensorwise"``.
+refused at start-up: checked here too). Under a capacity ladder the graphs of several
+capacities share one quantized copy of the weights per iteration. Select with ``-k``, e.g. ``-k "gpt and tensorwise"``.
 """
 
 import os
@@ -93,6 +94,21 @@ def test_fp8_graphs_follow_eager_fp8(tmp_path, model, recipe):
         assert any(r.get("forward graphs") for r in graphs[1]), f"{kind}: validation eager"
         assert_follows(eager, graphs, exact=(model == "gpt" and kind == "layer"),
                        label=f"{model} {recipe} {kind}")
+
+
+def test_quantized_weights_are_shared_by_the_capacity_ladder(tmp_path):
+    """Local layer graphs at several capacities: an iteration's micro-batches replay different
+    capacities' graphs, and only the first re-quantizes the weights; the later ones, in other
+    graphs, must read that copy (a stale or separate one would leave eager from iteration 4)."""
+    script, shape = MODELS["gpt"]
+    common = shape + TRAIN + TE + STEPS + fp8("tensorwise")
+    eager = train_and_validate(tmp_path, script, common, "eager")
+    ladder = train_and_validate(tmp_path, script, common + [
+        "--cuda-graph-impl", "local", "--cuda-graph-max-packed-seqs", "16",
+        "--cuda-graph-capacity-ladder", "4", "8", "--cuda-graph-warmup-steps", "2"], "ladder")
+    captured = [r["graph capacities"] for r in ladder[0] if r.get("graph capacities")]
+    assert captured and len(captured[-1].split(",")) >= 2, captured
+    assert_follows(eager, ladder, exact=False, label="gpt tensorwise ladder")
 
 
 def test_delayed_scaling_under_local_layer_graphs(tmp_path):
