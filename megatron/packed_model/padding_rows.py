@@ -14,9 +14,10 @@ layer types whose padding rows could not be held at zero):
 * `ZeroedPaddingRowsLayer` (`ZeroedPaddingRowsMambaLayer`): a layer's input rows that are
   padding are zero (a `torch.where`, so NaN or 1e30 left in a static buffer become 0 too),
   whatever produced them;
-* `ZeroedProjectionInput` (`ZeroedPaddingRowsInput`): the input of an output projection is zeroed the same way:
-  attention's core output (CP padding attends to its document; a QKV bias reaches padding
-  rows through V) and Mamba's scan output (the conv bias and the D skip reach them).
+* `ZeroedProjectionInput` (`ZeroedPaddingRowsInput`): the input of an output projection is
+  zeroed the same way: attention's core output (CP padding attends to its document; a QKV
+  bias reaches padding rows through V) and Mamba's scan output (the conv bias and the D
+  skip reach them).
 
 With RMSNorm and no linear bias but QKV's, every other GEMM then reads zero padding rows:
 the norm, the projections and the MLP activations map zero rows to zero rows. The loss mask
@@ -132,10 +133,10 @@ class PaddingRowsOfThisCall:
 
 
 class ZeroedPaddingRowsInput:
-    """Mixed into an output projection by `ZeroedProjectionInput`: the padding rows
-    of the projection's input (``[N, ...]``, all of this rank's positions: before a
-    row-parallel projection's reduce-scatter) are zero, from ``padding_rows.mask``. A subclass
-    and not a forward pre-hook: megatron-core's layer graphs refuse every pre-forward hook but
+    """Mixed into an output projection by `ZeroedProjectionInput`: the padding rows of the
+    projection's input (``[N, ...]``, all of this rank's positions: before a row-parallel
+    projection's reduce-scatter) are zero, from ``padding_rows.mask``. A mixin and not a
+    forward pre-hook: megatron-core's layer graphs refuse every pre-forward hook but
     DDP's (``CudaGraphManager.call_ddp_preforward_hook``). Runs inside whatever graph captures
     the call."""
 
@@ -159,7 +160,7 @@ class ZeroedProjectionInput:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._padding_rows = None  # BF16: the projection as built, and forward passes straight through
+        self._padding_rows = None  # BF16: the projection as built; forward passes through
         if zeroes_padding_rows(self.config):
             self._padding_rows = PaddingRowsOfThisCall()
             projection = getattr(self, self.projection)

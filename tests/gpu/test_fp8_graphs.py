@@ -17,7 +17,8 @@ FP8 GEMMs are deterministic, so its losses must be equal; other kinds and the hy
 kernels are not bitwise run to run) within `DLOSS`. One BF16 run per model checks FP8 stays
 within `FP8_VS_BF16` of it. Delayed scaling runs under local layer graphs only (others are
 refused at start-up: checked here too). Under a capacity ladder the graphs of several
-capacities share one quantized copy of the weights per iteration. Select with ``-k``, e.g. ``-k "gpt and tensorwise"``.
+capacities share one quantized copy of the weights per iteration. Select with ``-k``, e.g.
+``-k "gpt and tensorwise"``.
 """
 
 import os
