@@ -31,9 +31,7 @@ def ranks_sharing_a_row(args) -> int:
 def mamba_in_proj_width(args) -> int:
     """The hybrid's Mamba input projection's output width: 2 x d_inner + 2 x groups x state
     + heads (megatron-core's MambaMixer)."""
-    from megatron.packed_training.extra_args import mamba_heads  # extra_args imports us
-
-    heads = mamba_heads(args)
+    heads = args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
     inner = heads * args.mamba_head_dim
     return 2 * inner + 2 * args.mamba_num_groups * args.mamba_state_dim + heads
 
