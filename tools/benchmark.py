@@ -805,17 +805,19 @@ def format_table(rows: list) -> str:
                          + " - |" * (len(columns) - 3))
             continue
         base = eager.get(r["preset"])
-        speedup = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
-        speedup += f" | {vs_bf16(r, rows)}" if fp8 else ""
-        lines.append(f"| {r['preset']} | {r['variant']} | {r['step_ms']:.1f} | "
-                     f"{r['step_iqr_ms']:.1f} | "
-                     f"{r['tokens_per_sec']:,.0f} | {speedup} | "
-                     f"{_number(r.get('peak_mem_gib'), '.2f')} | "
-                     f"{r['fallback_rate']:.1%} | {r['capture_s']:.2f} | {r['graph_mem_mib']:.0f} | "
-                     + (f"{r['gpu_busy_ms']:.1f} | {r['step_ms'] / r['gpu_busy_ms']:.2f} |"
-                        if r.get("gpu_busy_ms") else "- | - |")
-                     + (f" {_percent(r.get('dropped_token_fraction'), '.2%')} | "
-                        f"{_percent(r.get('rerun_rate'), '.1%')} |" if moe else ""))
+        cells = [r["preset"], r["variant"], f"{r['step_ms']:.1f}", f"{r['step_iqr_ms']:.1f}",
+                 f"{r['tokens_per_sec']:,.0f}",
+                 f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"]
+        if fp8:
+            cells.append(vs_bf16(r, rows))
+        cells += [_number(r.get("peak_mem_gib"), ".2f"), f"{r['fallback_rate']:.1%}",
+                  f"{r['capture_s']:.2f}", f"{r['graph_mem_mib']:.0f}"]
+        busy = r.get("gpu_busy_ms")
+        cells += [f"{busy:.1f}", f"{r['step_ms'] / busy:.2f}"] if busy else ["-", "-"]
+        if moe:
+            cells += [_percent(r.get("dropped_token_fraction"), ".2%"),
+                      _percent(r.get("rerun_rate"), ".1%")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
