@@ -36,4 +36,3 @@ def apply_core_patches() -> dict:
     (`gate.applied_patches` holds every patch installed in the process).
     """
     return {patch.__name__: patch() for patch in PROCESS_PATCHES}
-
