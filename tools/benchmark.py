@@ -826,9 +826,14 @@ def has_fp8_rows(rows: list) -> bool:
     return any(r.get("precision", DEFAULT_PRECISION) != DEFAULT_PRECISION for r in rows)
 
 
+def configuration_label(row: dict) -> str:
+    """``row``'s preset column without its precision: what it ran, at any precision."""
+    return row["preset"].removesuffix(" " + row["precision"])
+
+
 def bf16_label(row: dict) -> str:
     """The preset column of the bf16 row that ran what ``row`` ran (its precision swapped)."""
-    return f"{row['preset'].removesuffix(' ' + row['precision'])} {DEFAULT_PRECISION}"
+    return f"{configuration_label(row)} {DEFAULT_PRECISION}"
 
 
 def vs_bf16(row: dict, rows: list) -> str:
@@ -852,7 +857,7 @@ def format_fastest_per_precision(rows: list) -> str:
     for r in rows:
         if r.get("error") or "precision" not in r:
             continue
-        config = r["preset"].removesuffix(" " + r["precision"])
+        config = configuration_label(r)
         fastest = best.setdefault(config, {}).get(r["precision"])
         if fastest is None or r["tokens_per_sec"] > fastest["tokens_per_sec"]:
             best[config][r["precision"]] = r
