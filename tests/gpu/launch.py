@@ -159,6 +159,25 @@ def torchrun(path: str, args: list, *, nproc: int, env: dict | None = None,
     return proc
 
 
+# A Python exception's last line ("AssertionError: ...") or torchrun's per-rank failure line.
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:[\w.]+(?:Error|Exception)\b.*|exitcode .*)$")
+
+
+def assert_succeeded(name: str, returncode: int, output: str, tail: int = 6000) -> None:
+    """Raise AssertionError when the run ``name`` failed: its exception lines first (each
+    rank's, once), then the tail of its output (torchrun's summary of which rank failed).
+    The report goes to stderr at once too: a session cut short (a timeout) never prints
+    pytest's failure summary."""
+    if returncode == 0:
+        return
+    errors = list(dict.fromkeys(line.strip() for line in output.splitlines()
+                                if _ERROR_LINE.match(line.strip())))
+    report = (f"{name} failed (exit {returncode}):\n  " + "\n  ".join(errors[-8:] or ["?"])
+              + f"\n--- the last {tail} characters of its output ---\n{output[-tail:]}")
+    print(f"\n{report}", file=sys.stderr, flush=True)
+    raise AssertionError(report)
+
+
 def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str = "run",
                  env: dict | None = None) -> list:
     """Train with ``torchrun --nproc-per-node nproc script args``; return train records: the
@@ -167,14 +186,13 @@ def run_training(script: str, args: list, tmp_path, *, nproc: int = 1, name: str
     losses), which the metrics file does not hold.
 
     The output is kept in ``tmp_path/<name>.log``, written as it comes (a run cut by a test
-    timeout leaves it). Raises with the run's output if it fails.
+    timeout leaves it). Raises with the run's errors and output if it fails (`assert_succeeded`).
     """
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     proc = torchrun(script, [*map(str, args), "--metrics-file", metrics], nproc=nproc, env=env,
                     log=os.path.join(str(tmp_path), f"{name}.log"))
     output = proc.stdout
-    if proc.returncode != 0:
-        raise AssertionError(f"{name} failed ({proc.returncode}):\n{output[-6000:]}")
+    assert_succeeded(name, proc.returncode, output)
     logged = megatron_log_values(output)
     return [logged.get(r["iteration"], {}) | r for r in read_metrics(metrics)]
 
@@ -205,8 +223,7 @@ def find_host_syncs(script: str, args: list, tmp_path, *, iteration: int) -> str
     out = proc.stdout + proc.stderr
     with open(os.path.join(str(tmp_path), "find_host_syncs.log"), "w") as f:
         f.write(out)
-    if proc.returncode != 0:
-        raise AssertionError(f"find_host_syncs failed ({proc.returncode}):\n{out[-6000:]}")
+    assert_succeeded("find_host_syncs", proc.returncode, out)
     print(out[out.find("host syncs in iteration"):][:3000])
     return out
 

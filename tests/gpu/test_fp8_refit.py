@@ -13,7 +13,7 @@ import os
 import pytest
 
 from megatron.packed_training.extra_args import is_importable
-from tests.gpu.launch import torchrun
+from tests.gpu.launch import assert_succeeded, torchrun
 
 WORKER = os.path.join("tests", "gpu", "fp8_refit_worker.py")
 # Graphed against eager: the same kernels on the same quantized weights, up to the order of
@@ -29,7 +29,7 @@ def test_graphs_follow_refits_swaps_and_steps(tmp_path, recipe):
     out = tmp_path / "result.json"
     proc = torchrun(WORKER, ["--recipe", recipe, "--out", str(out)], nproc=1,
                     log=str(tmp_path / "worker.log"))
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert_succeeded("the worker", proc.returncode, proc.stdout)
     result = json.loads(out.read_text())
     print(f"{recipe}: {json.dumps(result)}")
     for name in ("start", "after_refit", "inside_swap", "after_swap", "after_steps"):

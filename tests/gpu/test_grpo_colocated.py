@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.gpu.launch import REPO, free_port
+from tests.gpu.launch import REPO, assert_succeeded, free_port
 
 SCRIPT = os.path.join(REPO, "examples", "rl", "grpo_colocated.py")
 ITERATIONS = 3
@@ -56,7 +56,7 @@ def run_example(converted, tmp_path, *extra, env=None):
         env=env)
     with open(str(tmp_path / "grpo_colocated.log"), "w") as f:
         f.write(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert_succeeded("examples/rl/grpo_colocated.py", proc.returncode, proc.stdout)
     lines = [line.split() for line in proc.stdout.splitlines() if re.match(r"\d+  ", line)]
     print("\n".join(line for line in proc.stdout.splitlines() if re.match(r"(\d+|iter)  ", line)))
     return proc.stdout, lines

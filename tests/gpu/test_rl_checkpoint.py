@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from tests.gpu.launch import torchrun
+from tests.gpu.launch import assert_succeeded, torchrun
 
 WORKER = os.path.join("tests", "gpu", "rl_checkpoint_worker.py")
 
@@ -26,7 +26,7 @@ def run_worker(tmp_path, phase: str, checkpoint) -> tuple:
     proc = torchrun(WORKER, ["--phase", phase, "--checkpoint", str(checkpoint),
                              "--out", str(tmp_path)], nproc=1,
                     log=str(tmp_path / f"{phase}.log"))
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert_succeeded("the worker", proc.returncode, proc.stdout)
     with open(tmp_path / f"{phase}.json") as f:
         result = json.load(f)
     return result, torch.load(tmp_path / f"{phase}.pt", weights_only=False)

@@ -34,15 +34,13 @@ two GPUs; ``-s`` prints each family's figures).
 
 import json
 import os
-import re
-import sys
 
 import pytest
 import torch
 
 from megatron.packed_training.extra_args import is_importable
 from megatron.packed_training.hf import import_hf
-from tests.gpu.launch import torchrun
+from tests.gpu.launch import assert_succeeded, torchrun
 from tests.unit.hf_tiny import (
     tiny_deepseek_v3,
     tiny_llama,
@@ -129,25 +127,8 @@ def run_worker(out, family: str, converted_folder: str, *, nproc: int = 1, hf=No
             *(["--hf", hf] if hf else []), *([] if graphs else ["--no-graphs"])]
     proc = torchrun(WORKER, [*args, "--", *flags] if flags else args, nproc=nproc,
                     log=str(out / "worker.log"))
-    if proc.returncode != 0:
-        report = worker_failure(proc.stdout, proc.returncode)
-        # Now, not in pytest's summary: a session cut short (a timeout) never prints that.
-        print(f"\n{report}", file=sys.stderr, flush=True)
-        raise AssertionError(report)
+    assert_succeeded("the worker", proc.returncode, proc.stdout)
     return str(out)
-
-
-# A Python exception's last line ("AssertionError: ...") or torchrun's per-rank failure line.
-_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:[\w.]+(?:Error|Exception)\b.*|exitcode .*)$")
-
-
-def worker_failure(log: str, returncode: int, tail: int = 6000) -> str:
-    """What a failed worker run says: its exception lines first (each rank's, once), then the
-    tail of its log (torchrun's summary of which rank failed)."""
-    errors = list(dict.fromkeys(line.strip() for line in log.splitlines()
-                                if _ERROR_LINE.match(line.strip())))
-    return (f"the worker failed (exit {returncode}):\n  " + "\n  ".join(errors[-8:] or ["?"])
-            + f"\n--- the last {tail} characters of its log ---\n{log[-tail:]}")
 
 
 def bucket_facts(out: str, rank: int) -> dict:

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from tests.gpu.launch import REPO, torchrun
+from tests.gpu.launch import REPO, assert_succeeded, torchrun
 
 WORKER = os.path.join("tests", "gpu", "rl_layouts_worker.py")
 LOGPROB_KEYS = ("logprobs", "after_token_step", "after_sequence_step")
@@ -31,7 +31,7 @@ def run_worker(tmp_path, name: str, flags: list, nproc: int, env: dict | None = 
     out = tmp_path / f"{name}.pt"
     proc = torchrun(WORKER, [*flags, "--out", str(out)], nproc=nproc, env=env,
                     log=str(tmp_path / f"{name}.log"))
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert_succeeded("the worker", proc.returncode, proc.stdout)
     return torch.load(out)
 
 

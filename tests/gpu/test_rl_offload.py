@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import pytest
 
 from megatron.packed_training.extra_args import is_importable
-from tests.gpu.launch import torchrun
+from tests.gpu.launch import assert_succeeded, torchrun
 
 WORKER = os.path.join("tests", "gpu", "rl_offload_worker.py")
 pytestmark = pytest.mark.skipif(
@@ -49,7 +49,7 @@ def run_worker(tmp_path, model: str, graphs: str, mode: str) -> dict:
         proc = torchrun(WORKER, ["--model", model, "--graphs", graphs, "--mode", mode,
                                  "--out", out], nproc=1, env={"MAMBA_DETERMINISTIC": "1"},
                         log=str(tmp_path / f"{model}-{graphs}-{mode}.log"))
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert_succeeded("the worker", proc.returncode, proc.stdout)
     with open(out) as f:
         _RUNS[key] = json.load(f)
     return _RUNS[key]

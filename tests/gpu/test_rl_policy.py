@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.gpu.launch import REPO, STREAM_MISMATCH_WARNING, torchrun
+from tests.gpu.launch import REPO, STREAM_MISMATCH_WARNING, assert_succeeded, torchrun
 
 WORKER = os.path.join("tests", "gpu", "rl_policy_worker.py")
 
@@ -29,7 +29,7 @@ def run_worker(tmp_path, model: str) -> dict:
     proc = torchrun(WORKER, ["--model", model, "--out", out], nproc=1)
     with open(str(tmp_path / f"{model}.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert_succeeded("the worker", proc.returncode, proc.stdout + proc.stderr)
     with open(out) as f:
         return json.load(f)
 
@@ -77,7 +77,7 @@ def test_the_grpo_example_passes_its_checks(tmp_path, model):
     with open(str(tmp_path / "grpo.log"), "w") as f:
         f.write(output)
     print(output[-3000:])  # the report: table and checks
-    assert proc.returncode == 0, output[-6000:]
+    assert_succeeded("the GRPO example", proc.returncode, output)
     assert "| train step |" in output and "| reference log-probs |" in output
     assert output.count("ok  ") == 2 and "FAIL" not in output
     # DDP on the stream backward runs on (megatron_ddp.ddp_on_the_process_stream)
