@@ -168,7 +168,11 @@ def main():
     if torch.distributed.get_rank() == 0:
         with open(options.out, "w") as f:
             json.dump(result, f, indent=1)
-    torch.distributed.destroy_process_group()
+    torch.distributed.barrier()
+    if options.tp == 1:
+        # At TP > 1 the forward-only graphs captured the tensor-parallel all-reduces, and
+        # destroying their NCCL groups hangs (pytorch/pytorch#115388; docs/rl.md, "Layouts").
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
