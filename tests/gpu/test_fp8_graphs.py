@@ -17,8 +17,15 @@ FP8 GEMMs are deterministic, so its losses must be equal; other kinds and the hy
 kernels are not bitwise run to run) within `DLOSS`. One BF16 run per model checks FP8 stays
 within `FP8_VS_BF16` of it. Delayed scaling runs under local layer graphs only (others are
 refused at start-up: checked here too). Under a capacity ladder the graphs of several
-capacities share one quantized copy of the weights per iteration. Select with ``-k``, e.g.
-``-k "gpt and tensorwise"``.
+capacities share one quantized copy of the weights per iteration.
+
+The MoE and MLA models (drop-and-pad experts: TE's grouped GEMM for GPT, sequential TE linears
+for the hybrid; MLA alone and with Moonlight-style MoE) follow eager FP8 under local layer,
+chunk and TE layer graphs (MoE has no full-iteration graphs), losses and the load-balancing
+loss within `DLOSS`. Megatron-LM's ``--first-last-layers-bf16`` (the first and last layer in
+BF16) and ``--fp8-param-gather`` (FP8 weights kept by the distributed optimizer) follow eager
+under graphs too, and each must change eager FP8's losses (the flag acts). Select with ``-k``,
+e.g. ``-k "gpt and tensorwise"``.
 """
 
 import os
@@ -29,21 +36,33 @@ from megatron.packed_training.extra_args import is_importable
 from megatron.packed_training.metrics import read_metrics
 from tests.gpu.launch import (
     CHUNK_GRAPHS,
+    DROP_AND_PAD,
     LAYER_GRAPHS,
     TE,
     TE_GRAPHS,
     TINY_GPT,
+    TINY_GPT_MOE,
     TINY_HYBRID,
+    TINY_HYBRID_MOE,
     TRAIN,
     losses,
     run_training,
     torchrun,
 )
+from tests.gpu.test_mla_graphs import MOE as MLA_MOE
+from tests.gpu.test_mla_graphs import TINY_MLA_GPT
 
 pytestmark = pytest.mark.skipif(not is_importable("transformer_engine"),
                                 reason="needs Transformer Engine (pip install -e '.[te]')")
 
 MODELS = {"gpt": ("pretrain_gpt.py", TINY_GPT), "hybrid": ("pretrain_mamba.py", TINY_HYBRID)}
+# Drop-and-pad MoE (whole-layer graphs need it) and MLA; TINY_MLA_GPT brings TE attention.
+MOE_AND_MLA_MODELS = {
+    "gpt-moe": ("pretrain_gpt.py", TINY_GPT_MOE + DROP_AND_PAD + ["--moe-grouped-gemm"]),
+    "hybrid-moe": ("pretrain_mamba.py", TINY_HYBRID_MOE + DROP_AND_PAD),
+    "mla": ("pretrain_gpt.py", TINY_MLA_GPT),
+    "mla-moe": ("pretrain_gpt.py", TINY_MLA_GPT + MLA_MOE),
+}
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration", "--cuda-graph-max-packed-seqs", "16",
                   "--cuda-graph-warmup-steps", "2", "--no-check-for-nan-in-loss-and-grad"]
 KINDS = {"layer": LAYER_GRAPHS, "chunk": CHUNK_GRAPHS, "te": TE_GRAPHS,
@@ -75,6 +94,24 @@ def assert_follows(eager, graphs, *, exact, label):
         assert losses(valid_g) == losses(valid_e), (losses(valid_e), losses(valid_g))
     assert dtrain < DLOSS, (losses(train_e), losses(train_g))
     assert dvalid < DLOSS, (losses(valid_e), losses(valid_g))
+    if "load_balancing_loss" in train_e[0]:  # MoE: the router saw the same scores
+        daux = max(abs(e["load_balancing_loss"] - g["load_balancing_loss"])
+                   for e, g in zip(train_e, train_g))
+        print(f"{label}: max |d load-balancing loss| {daux:.2e}")
+        assert daux < DLOSS, [(e["load_balancing_loss"], g["load_balancing_loss"])
+                              for e, g in zip(train_e, train_g)]
+
+
+def assert_graphs_follow(tmp_path, script, common, eager, kinds, label, exact_kind=None):
+    """Train ``common`` under each of ``kinds`` (KINDS names) and compare with ``eager``: the
+    graphs captured, validation replayed forward-only graphs, losses within `DLOSS` (equal
+    under ``exact_kind``)."""
+    for kind in kinds:
+        graphs = train_and_validate(tmp_path, script, common + KINDS[kind], kind)
+        assert any(r.get("graph capture (s)") or r.get("iteration graphs")
+                   for r in graphs[0]), f"{kind}: nothing was captured"
+        assert any(r.get("forward graphs") for r in graphs[1]), f"{kind}: validation eager"
+        assert_follows(eager, graphs, exact=(kind == exact_kind), label=f"{label} {kind}")
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
@@ -88,13 +125,37 @@ def test_fp8_graphs_follow_eager_fp8(tmp_path, model, recipe):
         gap = max(abs(a - b) for a, b in zip(losses(eager[0]), losses(bf16)))
         print(f"{model}: max |FP8 - BF16| {gap:.3f}")
         assert gap < FP8_VS_BF16, (losses(eager[0]), losses(bf16))
-    for kind, flags in KINDS.items():
-        graphs = train_and_validate(tmp_path, script, common + flags, kind)
-        assert any(r.get("graph capture (s)") or r.get("iteration graphs")
-                   for r in graphs[0]), f"{kind}: nothing was captured"
-        assert any(r.get("forward graphs") for r in graphs[1]), f"{kind}: validation eager"
-        assert_follows(eager, graphs, exact=(model == "gpt" and kind == "layer"),
-                       label=f"{model} {recipe} {kind}")
+    assert_graphs_follow(tmp_path, script, common, eager, list(KINDS), f"{model} {recipe}",
+                         exact_kind="layer" if model == "gpt" else None)
+
+
+@pytest.mark.parametrize("model, recipe", [("gpt-moe", "tensorwise"), ("gpt-moe", "blockwise"),
+                                           ("hybrid-moe", "tensorwise"), ("mla", "tensorwise"),
+                                           ("mla-moe", "blockwise")])
+def test_fp8_moe_and_mla_graphs_follow_eager_fp8(tmp_path, model, recipe):
+    script, shape = MOE_AND_MLA_MODELS[model]
+    common = shape + TRAIN + TE + STEPS + fp8(recipe)
+    eager = train_and_validate(tmp_path, script, common, "eager")
+    assert_graphs_follow(tmp_path, script, common, eager, ["layer", "chunk", "te"],
+                         f"{model} {recipe}")
+
+
+@pytest.mark.parametrize("option", ["first_last_layers_bf16", "fp8_param_gather"])
+def test_megatron_fp8_options_act_and_follow_eager_under_graphs(tmp_path, option):
+    """``--first-last-layers-bf16`` (one layer at each end in BF16: every graph kind must
+    capture those layers outside FP8) and ``--fp8-param-gather`` (the distributed optimizer
+    keeps FP8 weights: the graphs must read the weights it writes after each step)."""
+    script, shape = MODELS["gpt"]
+    common = shape + TRAIN + TE + STEPS + fp8("tensorwise") + ["--use-distributed-optimizer"]
+    plain = run_training(script, common, tmp_path, name="plain")
+    flags = {"first_last_layers_bf16": ["--first-last-layers-bf16"],
+             "fp8_param_gather": ["--fp8-param-gather"]}[option]
+    eager = train_and_validate(tmp_path, script, common + flags, "eager")
+    assert losses(eager[0]) != losses(plain), f"{option} changed nothing"
+    assert max(abs(a - b) for a, b in zip(losses(eager[0]), losses(plain))) < FP8_VS_BF16
+    kinds = {"first_last_layers_bf16": list(KINDS),
+             "fp8_param_gather": ["layer", "chunk", "full_iteration"]}[option]
+    assert_graphs_follow(tmp_path, script, common + flags, eager, kinds, option)
 
 
 def test_quantized_weights_are_shared_by_the_capacity_ladder(tmp_path):
