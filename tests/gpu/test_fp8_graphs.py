@@ -22,10 +22,10 @@ capacities share one quantized copy of the weights per iteration.
 The MoE and MLA models (drop-and-pad experts: TE's grouped GEMM for GPT, sequential TE linears
 for the hybrid; MLA alone and with Moonlight-style MoE) follow eager FP8 under local layer,
 chunk and TE layer graphs (MoE has no full-iteration graphs), losses and the load-balancing
-loss within `DLOSS`. Megatron-LM's ``--first-last-layers-bf16`` (the first and last layer in
-BF16) and ``--fp8-param-gather`` (FP8 weights kept by the distributed optimizer) follow eager
-under graphs too, and each must change eager FP8's losses (the flag acts). Select with ``-k``,
-e.g. ``-k "gpt and tensorwise"``.
+loss within `DLOSS`. Megatron-LM's FP8 options (`FP8_OPTIONS`: the first and last layer in
+BF16, FP8 weights kept by the distributed optimizer, the routed experts in BF16 through a
+per-module precision file) follow eager under graphs too, and each must change eager FP8's
+losses (the option acts). Select with ``-k``, e.g. ``-k "gpt and tensorwise"``.
 """
 
 import os
@@ -38,6 +38,7 @@ from tests.gpu.launch import (
     CHUNK_GRAPHS,
     DROP_AND_PAD,
     LAYER_GRAPHS,
+    REPO,
     TE,
     TE_GRAPHS,
     TINY_GPT,
@@ -140,21 +141,27 @@ def test_fp8_moe_and_mla_graphs_follow_eager_fp8(tmp_path, model, recipe):
                          f"{model} {recipe}")
 
 
-@pytest.mark.parametrize("option", ["first_last_layers_bf16", "fp8_param_gather"])
+# Megatron-LM's FP8 options: (model, flags, graph kinds). ``--first-last-layers-bf16``: one
+# layer at each end in BF16, which every graph kind must capture outside FP8;
+# ``--fp8-param-gather``: the distributed optimizer keeps FP8 weights, which the graphs must
+# read after each step; the per-module precision file that keeps the routed experts in BF16.
+FP8_OPTIONS = {
+    "first_last_layers_bf16": ("gpt", ["--first-last-layers-bf16"], list(KINDS)),
+    "fp8_param_gather": ("gpt", ["--fp8-param-gather"], ["layer", "chunk", "full_iteration"]),
+    "moe_experts_bf16": ("gpt-moe", ["--te-precision-config-file", os.path.join(
+        REPO, "examples", "fp8", "moe_experts_bf16.yaml")], ["layer", "chunk", "te"]),
+}
+
+
+@pytest.mark.parametrize("option", list(FP8_OPTIONS))
 def test_megatron_fp8_options_act_and_follow_eager_under_graphs(tmp_path, option):
-    """``--first-last-layers-bf16`` (one layer at each end in BF16: every graph kind must
-    capture those layers outside FP8) and ``--fp8-param-gather`` (the distributed optimizer
-    keeps FP8 weights: the graphs must read the weights it writes after each step)."""
-    script, shape = MODELS["gpt"]
+    model, flags, kinds = FP8_OPTIONS[option]
+    script, shape = (MODELS | MOE_AND_MLA_MODELS)[model]
     common = shape + TRAIN + TE + STEPS + fp8("tensorwise") + ["--use-distributed-optimizer"]
     plain = run_training(script, common, tmp_path, name="plain")
-    flags = {"first_last_layers_bf16": ["--first-last-layers-bf16"],
-             "fp8_param_gather": ["--fp8-param-gather"]}[option]
     eager = train_and_validate(tmp_path, script, common + flags, "eager")
     assert losses(eager[0]) != losses(plain), f"{option} changed nothing"
     assert max(abs(a - b) for a, b in zip(losses(eager[0]), losses(plain))) < FP8_VS_BF16
-    kinds = {"first_last_layers_bf16": list(KINDS),
-             "fp8_param_gather": ["layer", "chunk", "full_iteration"]}[option]
     assert_graphs_follow(tmp_path, script, common + flags, eager, kinds, option)
 
 

@@ -4,6 +4,7 @@ copies of tests/unit/test_extra_args.py's parsed baseline; one launch line goes 
 whole parser."""
 
 import copy
+import os
 import re
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from tests.unit.test_extra_args import (  # noqa: F401  (parsed)
     pin_importable,
 )
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOPPER, BLACKWELL = (9, 0), (10, 0)
 ROUTER_PADDING = dict(MOE, moe_router_padding_for_quantization=True)
 
@@ -248,3 +250,53 @@ def test_a_launch_line_with_router_padding_under_drop_and_pad_is_refused(monkeyp
         parse_args(te_attention + moe + ["--moe-router-padding-for-quantization"],
                    raise_on_error=True)
     assert parse_args(te_attention + moe, raise_on_error=True).fp8 == "e4m3"
+
+
+# -- examples/fp8/moe_experts_bf16.yaml: Megatron-LM's per-module precision file ---------------
+
+EXPERTS_BF16 = os.path.join(REPO, "examples", "fp8", "moe_experts_bf16.yaml")
+
+
+def test_the_experts_bf16_file_matches_the_routed_experts_only():
+    """megatron-core resolves each TE linear's precision from the file by module path
+    (``GPTModel`` / ``HybridModel`` ``finish_init``): the routed experts' linears, grouped and
+    sequential, get a BF16 training recipe; shared experts, attention, dense MLPs and the
+    output layer keep the run's FP8."""
+    from megatron.core.extensions.transformer_engine import TEQuantizationParams
+    from megatron.core.quantization.utils import get_quant_config_or_none, load_quantization_recipe
+
+    recipe = load_quantization_recipe(EXPERTS_BF16)
+    for path in ("decoder.layers.0.mlp.experts.linear_fc1",
+                 "decoder.layers.3.mlp.experts.linear_fc2",
+                 "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1"):
+        params = TEQuantizationParams.parse_from_config(get_quant_config_or_none(path, recipe))
+        assert params.evaluation_recipe is None, path  # forward-only passes: the same
+        training = params.training_recipe
+        assert training.fp8_quantization_recipe is None and training.fp4_quantization_recipe is None
+        assert training.override_quantized_autocast, path  # switches FP8 off inside an autocast
+    for path in ("decoder.layers.0.mlp.shared_experts.linear_fc1",
+                 "decoder.layers.0.self_attention.linear_qkv",
+                 "decoder.layers.0.self_attention.linear_proj", "decoder.layers.0.mlp.linear_fc1",
+                 "decoder.layers.2.mixer.in_proj", "output_layer"):
+        assert get_quant_config_or_none(path, recipe) is None, path
+
+
+def test_a_launch_line_with_the_experts_bf16_file_reaches_the_model_config(monkeypatch):
+    from megatron.core.transformer import transformer_config
+
+    from megatron.packed_training.config import transformer_config_from_args
+
+    pin_importable(monkeypatch, "transformer_engine")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(transformer_config, "is_te_min_version", lambda *_, **__: True)  # no TE
+    te_attention = [value if value != "local" else "auto" for value in BASE]
+    line = ("--fp8-format e4m3 --fp8-recipe tensorwise --disable-bias-linear --normalization "
+            "RMSNorm --num-experts 4 --moe-token-dispatcher-type alltoall "
+            "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity "
+            f"--te-precision-config-file {EXPERTS_BF16}").split()
+    args = parse_args(te_attention + line, raise_on_error=True)
+    from megatron.core.quantization.utils import get_quant_config_or_none
+
+    recipe = transformer_config_from_args(args).quant_recipe
+    assert get_quant_config_or_none("decoder.layers.0.mlp.experts.linear_fc1", recipe)
+    assert get_quant_config_or_none("decoder.layers.0.self_attention.linear_qkv", recipe) is None
