@@ -85,7 +85,9 @@ experts top-8 of width 768, TE attention and TE's grouped GEMM: needs Transforme
 ``fp8-tensorwise``, ``fp8-blockwise``, ``fp8-delayed`` (``--fp8-format e4m3 --fp8-recipe
 <recipe>``: the linear layers' GEMMs in FP8 on Transformer Engine, which such a row needs
 installed; ``--attention-backend auto`` is added where the preset names no TE attention
-backend). With more than ``bf16`` every row's label ends in its precision and the table adds
+backend), and for MoE presets ``fp8-tensorwise-bf16-experts`` (tensorwise with the routed
+experts in BF16: ``--te-precision-config-file examples/fp8/moe_experts_bf16.yaml``). With
+more than ``bf16`` every row's label ends in its precision and the table adds
 *vs bf16*, tokens/s against the bf16 row of the same preset and variant (*speedup* stays
 against eager at the row's own precision); below the table, the fastest variant of each
 precision per preset, against the fastest bf16 one. A preset whose positions per rank
@@ -371,7 +373,13 @@ PRECISIONS = {
     "fp8-tensorwise": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
     "fp8-blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
     "fp8-delayed": ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"],
+    # Tensorwise with the routed experts kept in BF16 (Megatron-LM's per-module precision file;
+    # MoE presets only: a dense model has no experts to keep).
+    "fp8-tensorwise-bf16-experts": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+                                    "--te-precision-config-file", os.path.join(
+                                        REPO, "examples", "fp8", "moe_experts_bf16.yaml")],
 }
+BF16_EXPERTS_PRECISION = "fp8-tensorwise-bf16-experts"
 DEFAULT_PRECISION = "bf16"
 TE_ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")  # auto: TE where importable
 
@@ -440,9 +448,12 @@ def variant_applies(preset: str, variant: str) -> bool:
     return not (variant == "full-iteration" and is_moe(preset))
 
 
-def precision_applies(mode: str, precision: str) -> bool:
-    """Whether training takes ``precision`` with MoE ``mode``: dropless graphs' grouped experts
-    run in BF16 only (drop-and-pad and megatron-core's dropless take FP8)."""
+def precision_applies(preset: str, mode: str, precision: str) -> bool:
+    """Whether ``precision`` is a row of ``preset`` with MoE ``mode``: dropless graphs' grouped
+    experts run in BF16 only (drop-and-pad and megatron-core's dropless take FP8), and BF16
+    experts need experts."""
+    if precision == BF16_EXPERTS_PRECISION and not is_moe(preset):
+        return False
     return not (mode == "dropless-graphs" and precision != DEFAULT_PRECISION)
 
 
@@ -1014,7 +1025,7 @@ def main(argv=None) -> int:
             for mode in (args.moe_modes if is_moe(preset) else [DEFAULT_MOE_MODE])
             for variant in variants
             if moe_mode_applies(variant, mode) and variant_applies(preset, variant)
-            and precision_applies(mode, precision)]
+            and precision_applies(preset, mode, precision)]
     check_fp8_shapes(parser, args, runs)
     problem = cuda_problem(args.nproc)
     if problem:  # before any torchrun: one line, not a log tail per row

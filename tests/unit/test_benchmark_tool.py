@@ -1163,7 +1163,28 @@ def test_moe_fp8_rows_leave_out_dropless_graphs_and_full_iteration(monkeypatch, 
     assert "| qwen3-30b-a3b-layers fp8-blockwise | layer-graphs | " in out
     assert "| qwen3-30b-a3b-layers bf16 | layer-graphs dropless-graphs | " in out
     assert benchmark.variant_applies("gpt-small", "full-iteration")
-    assert benchmark.precision_applies("dropless", "fp8-tensorwise")
+    assert benchmark.precision_applies("qwen3-30b-a3b-layers", "dropless", "fp8-tensorwise")
+
+
+def test_the_bf16_experts_precision_runs_moe_presets_with_the_precision_file(
+        te_importable, monkeypatch, capsys):
+    """``fp8-tensorwise-bf16-experts``: tensorwise FP8 with Megatron-LM's per-module precision
+    file keeping the routed experts BF16, through the training parser; MoE presets only."""
+    te_importable(True)
+    cmd = benchmark.launch_command("qwen3-30b-a3b-layers", "layer-graphs", _args(nproc=1),
+                                   "/tmp/m.jsonl", precision=benchmark.BF16_EXPERTS_PRECISION)
+    parsed = _validated(cmd, world_size=1)
+    assert parsed.fp8_recipe == "tensorwise"
+    assert parsed.te_precision_config_file.endswith("examples/fp8/moe_experts_bf16.yaml")
+    assert os.path.isfile(parsed.te_precision_config_file)
+    launched = _launched_runs(monkeypatch, moe=True)
+    assert benchmark.main(["--presets", "qwen3-8b-layers", "qwen3-30b-a3b-layers", "--variants",
+                           "layer-graphs", "--precisions", "bf16",
+                           benchmark.BF16_EXPERTS_PRECISION, "--steps", "10"]) == 0
+    assert [("--te-precision-config-file" in cmd, benchmark.flag_value(cmd, "--num-experts"))
+            for cmd in launched] == [(False, None), (False, "128"), (True, "128")]
+    assert ("| qwen3-30b-a3b-layers fp8-tensorwise-bf16-experts | layer-graphs | "
+            in capsys.readouterr().out)
 
 
 def _refused(argv, capsys, monkeypatch):
@@ -1178,7 +1199,7 @@ def _refused(argv, capsys, monkeypatch):
 def test_an_unknown_precision_is_named_with_the_valid_ones(capsys, monkeypatch):
     err = _refused(["--precisions", "bf16", "fp16"], capsys, monkeypatch)
     assert ("--precisions is wrong: fp16. Choose from bf16, fp8-tensorwise, fp8-blockwise, "
-            "fp8-delayed.") in err
+            "fp8-delayed, fp8-tensorwise-bf16-experts.") in err
 
 
 def test_precisions_do_not_apply_to_finished_runs(capsys, monkeypatch):
