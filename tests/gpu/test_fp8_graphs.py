@@ -25,7 +25,9 @@ chunk and TE layer graphs (MoE has no full-iteration graphs), losses and the loa
 loss within `DLOSS`. Megatron-LM's FP8 options (`FP8_OPTIONS`: the first and last layer in
 BF16, FP8 weights kept by the distributed optimizer, the routed experts in BF16 through a
 per-module precision file) follow eager under graphs too, and each must change eager FP8's
-losses (the option acts). Select with ``-k``, e.g. ``-k "gpt and tensorwise"``.
+losses (the option acts). On two GPUs, tensor parallelism with sequence parallelism (amaxes
+all-reduced over the ranks) under layer and chunk graphs. Select with ``-k``, e.g.
+``-k "gpt and tensorwise"``.
 """
 
 import os
@@ -78,8 +80,8 @@ def fp8(recipe):
     return ["--fp8-format", "e4m3", "--fp8-recipe", recipe]
 
 
-def train_and_validate(tmp_path, script, flags, name):
-    train = run_training(script, flags, tmp_path, name=name)
+def train_and_validate(tmp_path, script, flags, name, nproc=1):
+    train = run_training(script, flags, tmp_path, name=name, nproc=nproc)
     valid = read_metrics(os.path.join(str(tmp_path), f"{name}.jsonl"), split="valid")
     return train, valid
 
@@ -103,12 +105,13 @@ def assert_follows(eager, graphs, *, exact, label):
                               for e, g in zip(train_e, train_g)]
 
 
-def assert_graphs_follow(tmp_path, script, common, eager, kinds, label, exact_kind=None):
+def assert_graphs_follow(tmp_path, script, common, eager, kinds, label, exact_kind=None,
+                         nproc=1):
     """Train ``common`` under each of ``kinds`` (KINDS names) and compare with ``eager``: the
     graphs captured, validation replayed forward-only graphs, losses within `DLOSS` (equal
     under ``exact_kind``)."""
     for kind in kinds:
-        graphs = train_and_validate(tmp_path, script, common + KINDS[kind], kind)
+        graphs = train_and_validate(tmp_path, script, common + KINDS[kind], kind, nproc=nproc)
         assert any(r.get("graph capture (s)") or r.get("iteration graphs")
                    for r in graphs[0]), f"{kind}: nothing was captured"
         assert any(r.get("forward graphs") for r in graphs[1]), f"{kind}: validation eager"
@@ -163,6 +166,20 @@ def test_megatron_fp8_options_act_and_follow_eager_under_graphs(tmp_path, option
     assert losses(eager[0]) != losses(plain), f"{option} changed nothing"
     assert max(abs(a - b) for a, b in zip(losses(eager[0]), losses(plain))) < FP8_VS_BF16
     assert_graphs_follow(tmp_path, script, common + flags, eager, kinds, option)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_graphs_follow_eager_under_tensor_and_sequence_parallelism(tmp_path, recipe):
+    """TP = 2 with --sequence-parallel: each rank quantizes its half of the row's positions
+    (padding included, held at zero) and TE all-reduces the amaxes over the two ranks; the
+    graphs capture that all-reduce, and must follow eager."""
+    script, shape = MODELS["gpt"]
+    common = shape + TRAIN + TE + STEPS + fp8(recipe) + [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    eager = train_and_validate(tmp_path, script, common, "eager", nproc=2)
+    assert_graphs_follow(tmp_path, script, common, eager, ["layer", "chunk"],
+                         f"gpt {recipe} TP = 2", nproc=2)
 
 
 def test_quantized_weights_are_shared_by_the_capacity_ladder(tmp_path):
