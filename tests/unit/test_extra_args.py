@@ -172,6 +172,10 @@ REJECTED = {
     "dcp_mean_loss": ("dynamic_cp", dict(DCP, calculate_per_token_loss=False), True,
                       "--calculate-per-token-loss", "not given",
                       "only the per-token loss weighs them right; add it" + DROP_DCP),
+    "dcp_delayed_fp8": ("dynamic_cp", dict(DCP, fp8="e4m3", fp8_recipe="delayed"), True,
+                        "--fp8-recipe", "delayed", "the data-parallel ranks after every "
+                        "micro-batch, so those collectives would not match; use tensorwise or "
+                        "blockwise" + DROP_DCP),
     "dcp_local_graphs": ("dynamic_cp", dict(DCP, **LOCAL), True, "--cuda-graph-impl", "local",
                          "use transformer_engine, or none" + DROP_DCP),
     "dcp_full_iteration": ("dynamic_cp", dict(DCP, **FULL), True, "--cuda-graph-impl",
