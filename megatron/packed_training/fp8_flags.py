@@ -86,6 +86,7 @@ def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
             f"FP8 ({recipe}) GEMMs take a multiple of {multiple} rows per rank and a "
             f"micro-batch's {positions} positions split over {sharing} rank(s) ({split}) do "
             f"not give one; use --seq-length {fitting_length(args, sharing * multiple)}"))
+    check_delayed_history_under_layer_graphs(args)
     if model == "hybrid":
         width = mamba_in_proj_width(args)
         refuse((width % DEFAULT_ROWS_MULTIPLE != 0, "--mamba-num-heads",
@@ -98,6 +99,24 @@ def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
                              "takes no THD layout)"
                              + (", Mamba's SSD and conv kernels BF16" if model == "hybrid"
                                 else ""))
+
+
+def check_delayed_history_under_layer_graphs(args) -> None:
+    """Refuse a max over a delayed amax history under megatron-core's layer graphs: they update
+    the scales after every layer's backward replay (cuda_graphs.py, the backward replay node),
+    and every update rolls every module's history, so N layers roll the gradients' history N
+    times per micro-batch where eager rolls it once. A max over it then covers fewer
+    micro-batches than eager's; the most recent amax (megatron-core's default) is the same."""
+    layer_graphs = (args.packed_graph_impl == "local"
+                    and getattr(args, "cuda_graph_granularity", "layer") == "layer")
+    refuse((args.fp8_recipe == "delayed" and layer_graphs and args.fp8_amax_history_len > 1
+            and args.fp8_amax_compute_algo == "max", "--fp8-amax-compute-algo", "max",
+            f"Under --cuda-graph-impl local layer graphs megatron-core updates delayed scales "
+            f"after every layer's backward, rolling the gradients' amax history (--fp8-amax-"
+            f"history-len {args.fp8_amax_history_len}) once per layer instead of once per "
+            f"micro-batch, so its max would cover fewer micro-batches than eager's; use "
+            f"--fp8-amax-compute-algo most_recent or --fp8-amax-history-len 1, or --fp8-recipe "
+            f"tensorwise"))
 
 
 def check_router_padding(args) -> None:

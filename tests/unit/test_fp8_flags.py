@@ -300,3 +300,21 @@ def test_a_launch_line_with_the_experts_bf16_file_reaches_the_model_config(monke
     recipe = transformer_config_from_args(args).quant_recipe
     assert get_quant_config_or_none("decoder.layers.0.mlp.experts.linear_fc1", recipe)
     assert get_quant_config_or_none("decoder.layers.0.self_attention.linear_qkv", recipe) is None
+
+
+def test_a_max_over_a_delayed_history_is_refused_under_local_layer_graphs_only(parsed):
+    """megatron-core's layer graphs roll delayed histories once per layer's backward
+    (fp8_flags.check_delayed_history_under_layer_graphs); the most recent amax, a history of
+    one, other recipes and other graph kinds are unaffected."""
+    history = dict(fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    with pytest.raises(ValueError, match=r"--fp8-amax-compute-algo is wrong: max\. Under "
+                                         r"--cuda-graph-impl local layer graphs .* "
+                                         r"\(--fp8-amax-history-len 1024\) once per layer .* use "
+                                         r"--fp8-amax-compute-algo most_recent"):
+        check(fp8(parsed, packed_graph_impl="local", cuda_graph_granularity="layer", **history))
+    for values in (dict(history, fp8_amax_compute_algo="most_recent"),
+                   dict(history, fp8_amax_history_len=1),
+                   dict(history, fp8_recipe="tensorwise"),
+                   dict(history, packed_graph_impl="none"),
+                   dict(history, packed_graph_impl="local", cuda_graph_granularity="chunk")):
+        check(fp8(parsed, **({"packed_graph_impl": "local"} | values)))
