@@ -86,7 +86,7 @@ def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
             f"FP8 ({recipe}) GEMMs take a multiple of {multiple} rows per rank and a "
             f"micro-batch's {positions} positions split over {sharing} rank(s) ({split}) do "
             f"not give one; use --seq-length {fitting_length(args, sharing * multiple)}"))
-    check_delayed_history_under_layer_graphs(args)
+    check_delayed_scaling_under_graphs(args)
     if model == "hybrid":
         width = mamba_in_proj_width(args)
         refuse((width % DEFAULT_ROWS_MULTIPLE != 0, "--mamba-num-heads",
@@ -101,15 +101,27 @@ def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
                                 else ""))
 
 
-def check_delayed_history_under_layer_graphs(args) -> None:
-    """Refuse a max over a delayed amax history under megatron-core's layer graphs: they update
-    the scales after every layer's backward replay (cuda_graphs.py, the backward replay node),
-    and every update rolls every module's history, so N layers roll the gradients' history N
-    times per micro-batch where eager rolls it once. A max over it then covers fewer
-    micro-batches than eager's; the most recent amax (megatron-core's default) is the same."""
+def check_delayed_scaling_under_graphs(args) -> None:
+    """Refuse what delayed scaling's state (amax histories and scales, updated on the host as
+    each FP8 region ends) would make differ from eager under graphs:
+
+    * a max over a longer history under megatron-core's layer graphs: they update the scales
+      after every layer's backward replay (cuda_graphs.py, the backward replay node), and every
+      update rolls every module's history, so N layers roll the gradients' history N times per
+      micro-batch where eager rolls it once (the most recent amax, megatron-core's default,
+      is the same);
+    * the graph health check: its replayed and eager passes would each update the scales,
+      leaving a trace in training and quantizing the second pass with other scales."""
+    if args.fp8_recipe != "delayed":
+        return
     layer_graphs = (args.packed_graph_impl == "local"
                     and getattr(args, "cuda_graph_granularity", "layer") == "layer")
-    refuse((args.fp8_recipe == "delayed" and layer_graphs and args.fp8_amax_history_len > 1
+    refuse((getattr(args, "cuda_graph_check_interval", 0) > 0, "--cuda-graph-check-interval",
+            args.cuda_graph_check_interval, "The health check's replayed and eager passes would "
+            "each update delayed scaling's amax history and scales: a trace in training, and "
+            "the eager pass would quantize with other scales than the replay; drop it, or use "
+            "--fp8-recipe tensorwise or blockwise"),
+           (layer_graphs and args.fp8_amax_history_len > 1
             and args.fp8_amax_compute_algo == "max", "--fp8-amax-compute-algo", "max",
             f"Under --cuda-graph-impl local layer graphs megatron-core updates delayed scales "
             f"after every layer's backward, rolling the gradients' amax history (--fp8-amax-"

@@ -304,8 +304,8 @@ def test_a_launch_line_with_the_experts_bf16_file_reaches_the_model_config(monke
 
 def test_a_max_over_a_delayed_history_is_refused_under_local_layer_graphs_only(parsed):
     """megatron-core's layer graphs roll delayed histories once per layer's backward
-    (fp8_flags.check_delayed_history_under_layer_graphs); the most recent amax, a history of
-    one, other recipes and other graph kinds are unaffected."""
+    (fp8_flags.check_delayed_scaling_under_graphs); the most recent amax, a history of one,
+    other recipes and other graph kinds are unaffected."""
     history = dict(fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
     with pytest.raises(ValueError, match=r"--fp8-amax-compute-algo is wrong: max\. Under "
                                          r"--cuda-graph-impl local layer graphs .* "
@@ -318,3 +318,14 @@ def test_a_max_over_a_delayed_history_is_refused_under_local_layer_graphs_only(p
                    dict(history, packed_graph_impl="none"),
                    dict(history, packed_graph_impl="local", cuda_graph_granularity="chunk")):
         check(fp8(parsed, **({"packed_graph_impl": "local"} | values)))
+
+
+def test_the_graph_health_check_is_refused_with_delayed_scaling(parsed):
+    """Its two passes would each update the delayed scales (no trace in training otherwise)."""
+    with pytest.raises(ValueError, match=r"--cuda-graph-check-interval is wrong: 10\. The "
+                                         r"health check's replayed and eager passes would each "
+                                         r"update delayed scaling's amax history"):
+        check(fp8(parsed, fp8_recipe="delayed", packed_graph_impl="local",
+                  cuda_graph_check_interval=10))
+    check(fp8(parsed, fp8_recipe="tensorwise", packed_graph_impl="local",
+              cuda_graph_check_interval=10))
