@@ -251,10 +251,9 @@ def check_dynamic_cp(args) -> None:
            (args.decrease_batch_size_if_needed, "--decrease-batch-size-if-needed", True, one_size),
            (not args.calculate_per_token_loss, "--calculate-per-token-loss", "not given",
             f"{uneven}, so only the per-token loss weighs them right; add it"),
-           (bool(args.fp8) and args.fp8_recipe == "delayed", "--fp8-recipe", "delayed",
-            f"{uneven}, and delayed scaling all-reduces its amaxes over the data-parallel ranks "
-            "after every micro-batch, so those collectives would not match; use tensorwise or "
-            "blockwise"),
+           (args.fp8 and args.fp8_recipe == "delayed", "--fp8-recipe", "delayed", f"{uneven}, "
+            "and delayed scaling all-reduces amaxes over them after every micro-batch; use "
+            "tensorwise or blockwise"),
            (impl in ("local", "full_iteration"), "--cuda-graph-impl", impl, "Dynamic CP graphs are "
             "banks of TE layer graphs, one per CP size; use transformer_engine, or none"),
            (args.cuda_graph_check_interval > 0, "--cuda-graph-check-interval",

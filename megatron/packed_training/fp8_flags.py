@@ -102,33 +102,23 @@ def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
 
 
 def check_delayed_scaling_under_graphs(args) -> None:
-    """Refuse what delayed scaling's state (amax histories and scales, updated on the host as
-    each FP8 region ends) would make differ from eager under graphs:
-
-    * a max over a longer history under megatron-core's layer graphs: they update the scales
-      after every layer's backward replay (cuda_graphs.py, the backward replay node), and every
-      update rolls every module's history, so N layers roll the gradients' history N times per
-      micro-batch where eager rolls it once (the most recent amax, megatron-core's default,
-      is the same);
-    * the graph health check: its replayed and eager passes would each update the scales,
-      leaving a trace in training and quantizing the second pass with other scales."""
+    """Refuse what delayed scaling's state (amax histories and scales, updated as each FP8
+    region ends) would make differ from eager: the health check's two passes would each update
+    it; megatron-core's layer graphs update after every layer's backward replay, rolling every
+    history once per layer (cuda_graphs.py, the backward replay node), so a max over more than
+    one entry covers fewer micro-batches than eager's (the most recent amax is the same)."""
     if args.fp8_recipe != "delayed":
         return
-    layer_graphs = (args.packed_graph_impl == "local"
-                    and getattr(args, "cuda_graph_granularity", "layer") == "layer")
-    refuse((getattr(args, "cuda_graph_check_interval", 0) > 0, "--cuda-graph-check-interval",
+    layer_graphs = args.packed_graph_impl == "local" and args.cuda_graph_granularity == "layer"
+    refuse((args.cuda_graph_check_interval > 0, "--cuda-graph-check-interval",
             args.cuda_graph_check_interval, "The health check's replayed and eager passes would "
-            "each update delayed scaling's amax history and scales: a trace in training, and "
-            "the eager pass would quantize with other scales than the replay; drop it, or use "
-            "--fp8-recipe tensorwise or blockwise"),
-           (layer_graphs and args.fp8_amax_history_len > 1
-            and args.fp8_amax_compute_algo == "max", "--fp8-amax-compute-algo", "max",
-            f"Under --cuda-graph-impl local layer graphs megatron-core updates delayed scales "
-            f"after every layer's backward, rolling the gradients' amax history (--fp8-amax-"
-            f"history-len {args.fp8_amax_history_len}) once per layer instead of once per "
-            f"micro-batch, so its max would cover fewer micro-batches than eager's; use "
-            f"--fp8-amax-compute-algo most_recent or --fp8-amax-history-len 1, or --fp8-recipe "
-            f"tensorwise"))
+            "each update delayed scaling's amax history and scales: a trace in training; drop "
+            "it, or use --fp8-recipe tensorwise or blockwise"),
+           (layer_graphs and args.fp8_amax_history_len > 1 and args.fp8_amax_compute_algo
+            == "max", "--fp8-amax-compute-algo", "max", f"Under --cuda-graph-impl local layer "
+            f"graphs megatron-core rolls the gradients' amax history (--fp8-amax-history-len "
+            f"{args.fp8_amax_history_len}) once per layer instead of once per micro-batch; use "
+            f"--fp8-amax-compute-algo most_recent or --fp8-amax-history-len 1"))
 
 
 def check_router_padding(args) -> None:

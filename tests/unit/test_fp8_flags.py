@@ -309,7 +309,8 @@ def test_a_max_over_a_delayed_history_is_refused_under_local_layer_graphs_only(p
     history = dict(fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
     with pytest.raises(ValueError, match=r"--fp8-amax-compute-algo is wrong: max\. Under "
                                          r"--cuda-graph-impl local layer graphs .* "
-                                         r"\(--fp8-amax-history-len 1024\) once per layer .* use "
+                                         r"\(--fp8-amax-history-len 1024\) once per layer "
+                                         r"instead of once per micro-batch; use "
                                          r"--fp8-amax-compute-algo most_recent"):
         check(fp8(parsed, packed_graph_impl="local", cuda_graph_granularity="layer", **history))
     for values in (dict(history, fp8_amax_compute_algo="most_recent"),
