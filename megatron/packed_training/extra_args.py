@@ -10,6 +10,7 @@ import math
 
 from megatron.core.transformer.enums import CudaGraphModule
 
+from megatron.packed_model.mamba_shapes import mamba_heads
 from megatron.packed_model.refusals import fail, refuse
 from megatron.packed_training.data_paths import DATA_PATHS, parse_blend
 from megatron.packed_training.datasets.data_flags import add_data_args, check_data_args
@@ -292,12 +293,6 @@ def check_dynamic_cp(args) -> None:
     args.dynamic_cp_sizes, args.dynamic_cp_groups = sizes, largest > 1
     args.dynamic_cp_max_packed_seqs = capacities or [args.cuda_graph_max_packed_seqs] * len(sizes)
     args.dynamic_cp_tokens_per_rank = args.seq_length // largest
-
-
-def mamba_heads(args) -> int:
-    """The hybrid's Mamba heads: --mamba-num-heads, else megatron-core's default
-    (2 x hidden / head dim)."""
-    return args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
 
 
 def _shown(values) -> str:

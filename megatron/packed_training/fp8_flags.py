@@ -10,6 +10,7 @@ FP8 GEMM inputs are checked once here, not per batch.
 import math
 import os
 
+from megatron.packed_model.mamba_shapes import mamba_in_proj_width
 from megatron.packed_model.refusals import refuse
 
 # Recipes whose scales need Blackwell's (sm100) block-scaled GEMMs.
@@ -26,14 +27,6 @@ def ranks_sharing_a_row(args) -> int:
     sequence parallelism (TE quantizes the local share before the all-gather)."""
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
     return args.context_parallel_size * tp
-
-
-def mamba_in_proj_width(args) -> int:
-    """The hybrid's Mamba input projection's output width: 2 x d_inner + 2 x groups x state
-    + heads (megatron-core's MambaMixer)."""
-    heads = args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
-    inner = heads * args.mamba_head_dim
-    return 2 * inner + 2 * args.mamba_num_groups * args.mamba_state_dim + heads
 
 
 def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
