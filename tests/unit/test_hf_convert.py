@@ -779,9 +779,10 @@ def test_import_of_a_damaged_folder_says_what_is_wrong_in_one_line(qwen3_folder,
     ("hugging face folder", "is not a Megatron-LM checkpoint (it has neither "
                             "latest_checkpointed_iteration.txt nor metadata.json): it is a "
                             "Hugging Face folder: convert it with `import`"),
-    ("no folder", "does not exist: pass a training run's --save folder"),
-    ("torch format", "is not a torch_dist checkpoint folder (no metadata.json): export reads "
-                     "checkpoints saved with --ckpt-format torch_dist"),
+    ("no folder", "is not a folder: pass a training run's --save folder"),
+    ("torch format", "holds a checkpoint of --ckpt-format torch (mp_rank_* folders). Model "
+                     "weights are read from torch_dist checkpoints: save with --ckpt-format "
+                     "torch_dist, Megatron-LM's default"),
     ("no config", "has no config.json: name the folder that holds the model's config.json "
                   "(the `import` output) with --hf-config"),
 ])

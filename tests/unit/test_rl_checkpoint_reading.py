@@ -215,14 +215,15 @@ def _tracker(root, text: str):
     ("empty", r"checkpoint path is wrong: .*/empty is not a Megatron-LM checkpoint \(it has "
               r"neither latest_checkpointed_iteration.txt nor metadata.json\): give the folder"),
     ("damaged", r"checkpoint path is wrong: .*/damaged/latest_checkpointed_iteration.txt says "
-                r"'twelve', neither an iteration nor 'release': give the folder"),
-    ("dangling", r"checkpoint path is wrong: .*/dangling/iter_0000012 \(named by .*\) is no "
-                 r"torch_dist checkpoint folder \(no metadata.json\). Model weights are read "
-                 r"from torch_dist checkpoints, Megatron-LM's default ckpt_format: save with "
-                 r"ckpt_format torch_dist."),
+                r"'twelve', neither an iteration nor 'release': the checkpoint is damaged; "
+                r"give the folder"),
+    ("dangling", r"checkpoint path is wrong: .*/dangling/iter_0000012 \(named by .*\) is not "
+                 r"a torch_dist checkpoint folder \(no metadata.json\). Model weights are read "
+                 r"from torch_dist checkpoints: save with --ckpt-format torch_dist, "
+                 r"Megatron-LM's default."),
     ("torch_format", r"checkpoint path is wrong: .*/torch_format/release \(named by .*\) holds "
-                     r"a checkpoint of ckpt_format torch \(mp_rank_\* folders\). .*save with "
-                     r"ckpt_format torch_dist."),
+                     r"a checkpoint of --ckpt-format torch \(mp_rank_\* folders\). .*save with "
+                     r"--ckpt-format torch_dist"),
 ])
 def test_a_path_that_is_no_checkpoint_is_refused(cpu_dist, tmp_path, case, message):
     path = tmp_path / case

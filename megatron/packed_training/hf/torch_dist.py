@@ -216,33 +216,40 @@ def write_release_tracker(root: str | os.PathLike) -> str:
     return os.path.join(root, RELEASE)
 
 
-def checkpoint_folder(root: str | os.PathLike) -> str:
-    """The torch_dist folder of a Megatron-LM checkpoint ``root``: its tracker's iteration
-    (``iter_0001000``) or ``release``; ``root`` itself when it is that folder. A
-    `ConversionError` saying what ``root`` is instead."""
+def checkpoint_folder(root: str | os.PathLike,
+                      fix: str = "pass a training run's --save folder or one of its iter_* "
+                                 "folders") -> str:
+    """The torch_dist folder of the Megatron-LM checkpoint at ``root``: ``root`` itself where
+    it is one (it holds metadata.json), else the folder its tracker names (``iter_0001000`` or
+    ``release``), as Megatron-LM's ``--load`` picks it. Raises `ConversionError` (a ValueError)
+    saying what ``root`` holds instead, ending in ``fix`` where the fix is to name another
+    folder."""
     root = os.fspath(root)
     if os.path.isfile(os.path.join(root, "metadata.json")):
         return root
     if not os.path.isdir(root):
-        raise ConversionError(f"{root} does not exist: pass a training run's --save folder")
+        raise ConversionError(f"{root} is not a folder: {fix}")
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         hint = ("it is a Hugging Face folder: convert it with `import`"
                 if os.path.isfile(os.path.join(root, "config.json"))
-                and any(name.endswith(".safetensors") for name in os.listdir(root))
-                else "pass a training run's --save folder or one of its iter_* folders")
+                and any(name.endswith(".safetensors") for name in os.listdir(root)) else fix)
         raise ConversionError(f"{root} is not a Megatron-LM checkpoint (it has neither "
                               f"{TRACKER} nor metadata.json): {hint}")
     with open(tracker) as f:
         mark = f.read().strip()
     if mark != RELEASE and not mark.isdigit():
-        raise ConversionError(f"{tracker} says {mark!r}, neither an iteration nor "
-                              f"{RELEASE!r}: the checkpoint is damaged")
+        raise ConversionError(f"{tracker} says {mark!r}, neither an iteration nor {RELEASE!r}: "
+                              f"the checkpoint is damaged; {fix}")
     folder = os.path.join(root, RELEASE if mark == RELEASE else f"iter_{int(mark):07d}")
     if not os.path.isfile(os.path.join(folder, "metadata.json")):
-        raise ConversionError(f"{folder} (named by {tracker}) is not a torch_dist checkpoint "
-                              "folder (no metadata.json): export reads checkpoints saved "
-                              "with --ckpt-format torch_dist, Megatron-LM's default")
+        held = os.listdir(folder) if os.path.isdir(folder) else []
+        what = ("holds a checkpoint of --ckpt-format torch (mp_rank_* folders)"
+                if any(name.startswith("mp_rank_") for name in held) else
+                "is not a torch_dist checkpoint folder (no metadata.json)")
+        raise ConversionError(f"{folder} (named by {tracker}) {what}. Model weights are read "
+                              f"from torch_dist checkpoints: save with --ckpt-format "
+                              f"torch_dist, Megatron-LM's default")
     return folder
 
 

@@ -33,6 +33,9 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import unwrap_model
 
+from megatron.packed_training.hf.config import ConversionError
+from megatron.packed_training.hf.torch_dist import checkpoint_folder as torch_dist_folder
+
 
 def policy_weights(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, Tensor]:
     """The model's live floating-point weights by name (module doc); a tensor reachable under
@@ -159,43 +162,18 @@ def _copy(destination: Tensor, source: Tensor) -> None:
 
 # -- checkpoints ---------------------------------------------------------------------------------
 
-TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's: the latest iteration saved
-
-
 def checkpoint_folder(path: Union[str, os.PathLike]) -> str:
-    """The torch_dist folder of the Megatron-LM checkpoint at ``path``: ``path`` itself where
-    it is one (it holds metadata.json), else the folder the tracker of the ``--save`` folder
-    ``path`` names (``iter_0000042`` or ``release``), as ``load`` picks it. Raises ValueError
+    """The torch_dist folder of the Megatron-LM checkpoint at ``path`` (`hf.torch_dist.
+    checkpoint_folder`: ``path`` itself, or the folder its tracker names). Raises ValueError
     naming ``path``, what it holds instead and the fix."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"checkpoint path is wrong: {path!r}. Give the folder of a Megatron-LM "
                          f"checkpoint (str or os.PathLike).")
-    root = os.fspath(path)
-    if os.path.isfile(os.path.join(root, "metadata.json")):
-        return root
-    fix = ("give the folder PackedPolicy.save or a training run's --save wrote (or one of its "
-           "iter_* folders)")
-    if not os.path.isdir(root):
-        raise ValueError(f"checkpoint path is wrong: {root} is not a folder: {fix}.")
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        raise ValueError(f"checkpoint path is wrong: {root} is not a Megatron-LM checkpoint (it "
-                         f"has neither {TRACKER} nor metadata.json): {fix}.")
-    with open(tracker) as f:
-        mark = f.read().strip()
-    if mark != "release" and not mark.isdigit():
-        raise ValueError(f"checkpoint path is wrong: {tracker} says {mark!r}, neither an "
-                         f"iteration nor 'release': {fix}.")
-    folder = os.path.join(root, "release" if mark == "release" else f"iter_{int(mark):07d}")
-    if not os.path.isfile(os.path.join(folder, "metadata.json")):
-        held = os.listdir(folder) if os.path.isdir(folder) else []
-        what = ("holds a checkpoint of ckpt_format torch (mp_rank_* folders)"
-                if any(name.startswith("mp_rank_") for name in held) else
-                "is no torch_dist checkpoint folder (no metadata.json)")
-        raise ValueError(f"checkpoint path is wrong: {folder} (named by {tracker}) {what}. "
-                         f"Model weights are read from torch_dist checkpoints, Megatron-LM's "
-                         f"default ckpt_format: save with ckpt_format torch_dist.")
-    return folder
+    try:
+        return torch_dist_folder(path, fix="give the folder PackedPolicy.save or a training "
+                                           "run's --save wrote (or one of its iter_* folders)")
+    except ConversionError as error:
+        raise ValueError(f"checkpoint path is wrong: {error}.") from None
 
 
 def _chunk_names(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, tuple]:
