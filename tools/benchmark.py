@@ -365,6 +365,7 @@ MOE_MODES = {
 DEFAULT_MOE_MODE = "drop-and-pad"
 MOE_ROUTERS = {"balanced": [], "skewed": ["--moe-router-skew", "0.5"]}
 
+BF16_EXPERTS_PRECISION = "fp8-tensorwise-bf16-experts"
 # Precisions (--precisions): Megatron-LM's FP8 flags for the linear layers' GEMMs (Transformer
 # Engine's; attention and Mamba's scan stay BF16). The first is the default and leaves the row
 # label alone when it is the only one.
@@ -375,11 +376,10 @@ PRECISIONS = {
     "fp8-delayed": ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"],
     # Tensorwise with the routed experts kept in BF16 (Megatron-LM's per-module precision file;
     # MoE presets only: a dense model has no experts to keep).
-    "fp8-tensorwise-bf16-experts": ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
-                                    "--te-precision-config-file", os.path.join(
-                                        REPO, "examples", "fp8", "moe_experts_bf16.yaml")],
+    BF16_EXPERTS_PRECISION: ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+                             "--te-precision-config-file", os.path.join(
+                                 REPO, "examples", "fp8", "moe_experts_bf16.yaml")],
 }
-BF16_EXPERTS_PRECISION = "fp8-tensorwise-bf16-experts"
 DEFAULT_PRECISION = "bf16"
 TE_ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")  # auto: TE where importable
 
