@@ -29,10 +29,12 @@ are switched off by ``packed_upstream.graph_engine.graph_runtime_owns_fp8_weight
 
 Delayed scaling keeps amax histories and scales that TE updates on the host side of an
 autocast's exit. Inside a chunk or full-iteration capture that exit is captured (the update
-would replay with every micro-batch, its amax all-reduce included); TE layer graphs' delayed
-bookkeeping is unverified here. `check_fp8_graphs` refuses those at graph setup; layer graphs
-of ``--cuda-graph-impl local`` (megatron-core's, which re-registers the FP8 state at each replay
-and reduces outside the graphs) run it, with forward-only passes eager.
+would replay with every micro-batch, its amax all-reduce included): `check_fp8_graphs` refuses
+those at graph setup. Layer graphs run it, with forward-only passes eager: megatron-core's
+(``--cuda-graph-impl local``) re-register the FP8 state at each replay and update outside the
+graphs; TE's ``make_graphed_callables`` captures under ``_graph=True`` autocasts (no update
+inside), registers each replayed module in the block's autocast, and updates the backward
+scales once per micro-batch after the first graphed layer's backward, as eager does.
 """
 
 from typing import Callable, Iterable, Optional
@@ -55,7 +57,7 @@ def check_fp8_graphs(impl: str, granularity: str, recipe: Optional[str]) -> None
     ``granularity`` (`settings.GraphSettings` names). Host only."""
     if recipe != DELAYED or impl == "none":
         return
-    if impl == "local" and granularity == "layer":
+    if impl == "transformer_engine" or (impl == "local" and granularity == "layer"):
         return
     kind = (f"--cuda-graph-impl {impl}" if impl != "local"
             else f"--cuda-graph-impl local --cuda-graph-granularity {granularity}")
@@ -63,7 +65,8 @@ def check_fp8_graphs(impl: str, granularity: str, recipe: Optional[str]) -> None
         f"--fp8-recipe is wrong for {kind}: {recipe}. Delayed scaling updates its amax "
         f"history and scales at the exit of TE's autocast, which these graphs would capture "
         f"(or replay unverified). Use --fp8-recipe tensorwise or blockwise (every graph kind), "
-        f"or keep delayed with --cuda-graph-impl local --cuda-graph-granularity layer.")
+        f"or keep delayed with layer graphs (--cuda-graph-impl local --cuda-graph-granularity "
+        f"layer, or --cuda-graph-impl transformer_engine).")
 
 
 def forward_graphs_unavailable(recipe: Optional[str]) -> Optional[str]:

@@ -197,13 +197,14 @@ def test_quantized_weights_are_shared_by_the_capacity_ladder(tmp_path):
     assert_follows(eager, ladder, exact=False, label="gpt tensorwise ladder")
 
 
-def test_delayed_scaling_under_local_layer_graphs(tmp_path):
+@pytest.mark.parametrize("kind", ["layer", "te"])
+def test_delayed_scaling_under_layer_graphs(tmp_path, kind):
     script, shape = MODELS["gpt"]
     common = shape + TRAIN + TE + STEPS + fp8("delayed")
     eager = train_and_validate(tmp_path, script, common, "eager")
-    graphs = train_and_validate(tmp_path, script, common + LAYER_GRAPHS, "layer")
+    graphs = train_and_validate(tmp_path, script, common + KINDS[kind], kind)
     assert all("forward graphs" not in r for r in graphs[1])  # forward passes run eager
-    assert_follows(eager, graphs, exact=False, label="gpt delayed layer")
+    assert_follows(eager, graphs, exact=False, label=f"gpt delayed {kind}")
 
 
 def test_delayed_scaling_is_refused_under_chunk_graphs(tmp_path):
