@@ -15,8 +15,8 @@ graphed runs). Each graphed run is compared with eager FP8:
 Tolerances: GPT under local layer graphs is bitwise eager in BF16 (docs/cuda-graphs.md) and
 FP8 GEMMs are deterministic, so its losses must be equal; other kinds and the hybrid (Mamba's
 kernels are not bitwise run to run) within `DLOSS`. One BF16 run per model checks FP8 stays
-within `FP8_VS_BF16` of it. Delayed scaling runs under local layer graphs only (others are
-refused at start-up: checked here too). Under a capacity ladder the graphs of several
+within `FP8_VS_BF16` of it. Delayed scaling runs under local and TE layer graphs (chunk graphs
+refuse it at start-up: checked here too). Under a capacity ladder the graphs of several
 capacities share one quantized copy of the weights per iteration.
 
 The MoE and MLA models (drop-and-pad experts: TE's grouped GEMM for GPT, sequential TE linears
