@@ -13,11 +13,13 @@ graphed runs). Each graphed run is compared with eager FP8:
   re-quantizing nothing would evaluate the weights it was captured with).
 
 Tolerances: GPT under local layer graphs is bitwise eager in BF16 (docs/cuda-graphs.md) and
-FP8 GEMMs are deterministic, so its losses must be equal; other kinds and the hybrid (Mamba's
-kernels are not bitwise run to run) within `DLOSS`. One BF16 run per model checks FP8 stays
-within `FP8_VS_BF16` of it. Delayed scaling runs under local and TE layer graphs (chunk graphs
-refuse it at start-up: checked here too). Under a capacity ladder the graphs of several
-capacities share one quantized copy of the weights per iteration.
+FP8 GEMMs are deterministic, so its losses must be equal; other kinds within `DLOSS`; the
+hybrids within `DLOSS_MAMBA`, the BF16 graph tests' tolerance (Mamba's backward kernels are
+not bitwise run to run, and at this learning rate their noise has reached 3.5e-3 in six
+steps). A stale weight copy moves the loss by a step's change, 1e-2 or more. One BF16 run per
+model checks FP8 stays within `FP8_VS_BF16` of it. Delayed scaling runs under local and TE
+layer graphs (chunk graphs refuse it at start-up: checked here too). Under a capacity ladder
+the graphs of several capacities share one quantized copy of the weights per iteration.
 
 The MoE and MLA models (drop-and-pad experts: TE's grouped GEMM for GPT, sequential TE linears
 for the hybrid; MLA alone and with Moonlight-style MoE) follow eager FP8 under local layer,
@@ -73,6 +75,7 @@ KINDS = {"layer": LAYER_GRAPHS, "chunk": CHUNK_GRAPHS, "te": TE_GRAPHS,
 STEPS = ["--train-iters", "6", "--global-batch-size", "4", "--lr", "3e-3",
          "--eval-interval", "3", "--eval-iters", "2"]
 DLOSS = 2e-3
+DLOSS_MAMBA = 5e-3
 FP8_VS_BF16 = 0.1
 
 
@@ -86,7 +89,7 @@ def train_and_validate(tmp_path, script, flags, name, nproc=1):
     return train, valid
 
 
-def assert_follows(eager, graphs, *, exact, label):
+def assert_follows(eager, graphs, *, exact, label, tolerance=DLOSS):
     (train_e, valid_e), (train_g, valid_g) = eager, graphs
     assert len(train_g) == len(train_e) and len(valid_g) == len(valid_e) == 3
     dtrain = max(abs(e - g) for e, g in zip(losses(train_e), losses(train_g)))
@@ -95,27 +98,29 @@ def assert_follows(eager, graphs, *, exact, label):
     if exact:
         assert losses(train_g) == losses(train_e), (losses(train_e), losses(train_g))
         assert losses(valid_g) == losses(valid_e), (losses(valid_e), losses(valid_g))
-    assert dtrain < DLOSS, (losses(train_e), losses(train_g))
-    assert dvalid < DLOSS, (losses(valid_e), losses(valid_g))
+    assert dtrain < tolerance, (losses(train_e), losses(train_g))
+    assert dvalid < tolerance, (losses(valid_e), losses(valid_g))
     if "load_balancing_loss" in train_e[0]:  # MoE: the router saw the same scores
         daux = max(abs(e["load_balancing_loss"] - g["load_balancing_loss"])
                    for e, g in zip(train_e, train_g))
         print(f"{label}: max |d load-balancing loss| {daux:.2e}")
-        assert daux < DLOSS, [(e["load_balancing_loss"], g["load_balancing_loss"])
+        assert daux < tolerance, [(e["load_balancing_loss"], g["load_balancing_loss"])
                               for e, g in zip(train_e, train_g)]
 
 
 def assert_graphs_follow(tmp_path, script, common, eager, kinds, label, exact_kind=None,
                          nproc=1):
     """Train ``common`` under each of ``kinds`` (KINDS names) and compare with ``eager``: the
-    graphs captured, validation replayed forward-only graphs, losses within `DLOSS` (equal
-    under ``exact_kind``)."""
+    graphs captured, validation replayed forward-only graphs, losses within `DLOSS` (the
+    hybrids' `DLOSS_MAMBA`; equal under ``exact_kind``)."""
+    tolerance = DLOSS_MAMBA if script == "pretrain_mamba.py" else DLOSS
     for kind in kinds:
         graphs = train_and_validate(tmp_path, script, common + KINDS[kind], kind, nproc=nproc)
         assert any(r.get("graph capture (s)") or r.get("iteration graphs")
                    for r in graphs[0]), f"{kind}: nothing was captured"
         assert any(r.get("forward graphs") for r in graphs[1]), f"{kind}: validation eager"
-        assert_follows(eager, graphs, exact=(kind == exact_kind), label=f"{label} {kind}")
+        assert_follows(eager, graphs, exact=(kind == exact_kind), label=f"{label} {kind}",
+                       tolerance=tolerance)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
