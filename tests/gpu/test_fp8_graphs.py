@@ -26,12 +26,14 @@ for the hybrid; MLA alone and with Moonlight-style MoE) follow eager FP8 under l
 chunk and TE layer graphs (MoE has no full-iteration graphs), losses and the load-balancing
 loss within `DLOSS`. Megatron-LM's FP8 options (`FP8_OPTIONS`: the first and last layer in
 BF16, FP8 weights kept by the distributed optimizer, the routed experts in BF16 through a
-per-module precision file) follow eager under graphs too, and each must change eager FP8's
-losses (the option acts). On two GPUs, tensor parallelism with sequence parallelism (amaxes
+per-module precision file) follow eager under graphs too, and each must act: change eager
+FP8's losses, or for the FP8 weights, hold the linear weights as TE FP8 tensors (a worker,
+fp8_weight_types.py, builds the model). On two GPUs, tensor parallelism with sequence parallelism (amaxes
 all-reduced over the ranks) under layer and chunk graphs. Select with ``-k``, e.g.
 ``-k "gpt and tensorwise"``.
 """
 
+import json
 import os
 
 import pytest
@@ -152,7 +154,9 @@ def test_fp8_moe_and_mla_graphs_follow_eager_fp8(tmp_path, model, recipe):
 # Megatron-LM's FP8 options: (model, flags, graph kinds). ``--first-last-layers-bf16``: one
 # layer at each end in BF16, which every graph kind must capture outside FP8;
 # ``--fp8-param-gather``: the distributed optimizer keeps FP8 weights, which the graphs must
-# read after each step; the per-module precision file that keeps the routed experts in BF16.
+# read after each step (that it acts is `test_fp8_param_gather_holds_the_weights_in_fp8`: its
+# losses may equal the BF16 weights' ones, quantized from the same master values); the
+# per-module precision file that keeps the routed experts in BF16.
 FP8_OPTIONS = {
     "first_last_layers_bf16": ("gpt", ["--first-last-layers-bf16"], list(KINDS)),
     "fp8_param_gather": ("gpt", ["--fp8-param-gather"], ["layer", "chunk", "full_iteration"]),
@@ -168,9 +172,24 @@ def test_megatron_fp8_options_act_and_follow_eager_under_graphs(tmp_path, option
     common = shape + TRAIN + TE + STEPS + fp8("tensorwise") + ["--use-distributed-optimizer"]
     plain = run_training(script, common, tmp_path, name="plain")
     eager = train_and_validate(tmp_path, script, common + flags, "eager")
-    assert losses(eager[0]) != losses(plain), f"{option} changed nothing"
+    if option != "fp8_param_gather":
+        assert losses(eager[0]) != losses(plain), f"{option} changed nothing"
     assert max(abs(a - b) for a, b in zip(losses(eager[0]), losses(plain))) < FP8_VS_BF16
     assert_graphs_follow(tmp_path, script, common + flags, eager, kinds, option)
+
+
+def test_fp8_param_gather_holds_the_weights_in_fp8(tmp_path):
+    """With ``--fp8-param-gather`` the fork's GPT holds its linear weights as TE FP8 tensors
+    (megatron-core builds the layers under TE's quantized-model init), the norms in BF16."""
+    out = os.path.join(str(tmp_path), "weights.json")
+    proc = torchrun("tests/gpu/fp8_weight_types.py", [out], nproc=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        types = json.load(f)
+    linears = {name: kind for name, kind in types.items()
+               if name.endswith(".weight") and ("linear_" in name)}
+    assert linears and all(kind == "Float8Tensor" for kind in linears.values()), types
+    assert all(kind == "Parameter" for name, kind in types.items() if "norm" in name), types
 
 
 @pytest.mark.gpus(2)
@@ -219,3 +238,4 @@ def test_delayed_scaling_is_refused_under_chunk_graphs(tmp_path):
     assert proc.returncode != 0
     assert "--fp8-recipe is wrong for --cuda-graph-impl local --cuda-graph-granularity chunk" \
         in proc.stdout + proc.stderr
+
