@@ -10,6 +10,7 @@ FP8 GEMM inputs are checked once here, not per batch.
 import math
 import os
 
+from megatron.packed_graphs.fp8_state import check_fp8_graphs
 from megatron.packed_model.mamba_shapes import mamba_in_proj_width
 from megatron.packed_model.refusals import refuse
 
@@ -96,12 +97,15 @@ def check_fp8(args, model: str, *, te_attention: bool, cuda_version="torch's",
 
 def check_delayed_scaling_under_graphs(args) -> None:
     """Refuse what delayed scaling's state (amax histories and scales, updated as each FP8
-    region ends) would make differ from eager: the health check's two passes would each update
-    it; megatron-core's layer graphs update after every layer's backward replay, rolling every
-    history once per layer (cuda_graphs.py, the backward replay node), so a max over more than
-    one entry covers fewer micro-batches than eager's (the most recent amax is the same)."""
+    region ends) would make differ from eager, at parse time: the graph kinds that would
+    capture the update (`fp8_state.check_fp8_graphs`, which graph setup calls again for library
+    users); the health check's two passes, which would each update it; megatron-core's layer
+    graphs update after every layer's backward replay, rolling every history once per layer
+    (cuda_graphs.py, the backward replay node), so a max over more than one entry covers fewer
+    micro-batches than eager's (the most recent amax is the same)."""
     if args.fp8_recipe != "delayed":
         return
+    check_fp8_graphs(args.packed_graph_impl, args.cuda_graph_granularity, args.fp8_recipe)
     layer_graphs = args.packed_graph_impl == "local" and args.cuda_graph_granularity == "layer"
     refuse((args.cuda_graph_check_interval > 0, "--cuda-graph-check-interval",
             args.cuda_graph_check_interval, "The health check's replayed and eager passes would "

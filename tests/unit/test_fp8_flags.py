@@ -305,7 +305,7 @@ def test_a_launch_line_with_the_experts_bf16_file_reaches_the_model_config(monke
 def test_a_max_over_a_delayed_history_is_refused_under_local_layer_graphs_only(parsed):
     """megatron-core's layer graphs roll delayed histories once per layer's backward
     (fp8_flags.check_delayed_scaling_under_graphs); the most recent amax, a history of one,
-    other recipes and other graph kinds are unaffected."""
+    other recipes, eager and TE's layer graphs (one update per micro-batch) are unaffected."""
     history = dict(fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
     with pytest.raises(ValueError, match=r"--fp8-amax-compute-algo is wrong: max\. Under "
                                          r"--cuda-graph-impl local layer graphs .* "
@@ -317,7 +317,7 @@ def test_a_max_over_a_delayed_history_is_refused_under_local_layer_graphs_only(p
                    dict(history, fp8_amax_history_len=1),
                    dict(history, fp8_recipe="tensorwise"),
                    dict(history, packed_graph_impl="none"),
-                   dict(history, packed_graph_impl="local", cuda_graph_granularity="chunk")):
+                   dict(history, packed_graph_impl="transformer_engine")):
         check(fp8(parsed, **({"packed_graph_impl": "local"} | values)))
 
 
@@ -330,3 +330,18 @@ def test_the_graph_health_check_is_refused_with_delayed_scaling(parsed):
                   cuda_graph_check_interval=10))
     check(fp8(parsed, fp8_recipe="tensorwise", packed_graph_impl="local",
               cuda_graph_check_interval=10))
+
+
+@pytest.mark.parametrize("impl, granularity", [("local", "chunk"), ("full_iteration", "layer")])
+def test_delayed_scaling_under_graphs_that_would_hold_its_update_is_refused_at_parse_time(
+        parsed, impl, granularity):
+    """The graph setup's rule (fp8_state.check_fp8_graphs) runs at parse time too, before any
+    GPU work; layer graphs of either kind pass."""
+    with pytest.raises(ValueError, match=r"--fp8-recipe is wrong for --cuda-graph-impl "
+                                         r".*: delayed\. .*tensorwise or blockwise"):
+        check(fp8(parsed, fp8_recipe="delayed", packed_graph_impl=impl,
+                  cuda_graph_granularity=granularity))
+    for impl, granularity in (("local", "layer"), ("transformer_engine", "layer"),
+                              ("none", "chunk")):
+        check(fp8(parsed, fp8_recipe="delayed", packed_graph_impl=impl,
+                  cuda_graph_granularity=granularity))
