@@ -30,11 +30,12 @@ are switched off by ``packed_upstream.graph_engine.graph_runtime_owns_fp8_weight
 Delayed scaling keeps amax histories and scales that TE updates on the host side of an
 autocast's exit. Inside a chunk or full-iteration capture that exit is captured (the update
 would replay with every micro-batch, its amax all-reduce included): `check_fp8_graphs` refuses
-those, at parse time (fp8_flags.py) and again at graph setup for library users. Layer graphs run it, with forward-only passes eager: megatron-core's
-(``--cuda-graph-impl local``) re-register the FP8 state at each replay and update outside the
-graphs; TE's ``make_graphed_callables`` captures under ``_graph=True`` autocasts (no update
-inside), registers each replayed module in the block's autocast, and updates the backward
-scales once per micro-batch after the first graphed layer's backward, as eager does.
+those, at parse time (fp8_flags.py) and again at graph setup for library users. Layer graphs
+run it, with forward-only passes eager: megatron-core's (``--cuda-graph-impl local``)
+re-register the FP8 state at each replay and update outside the graphs; TE's
+``make_graphed_callables`` captures under ``_graph=True`` autocasts (no update inside),
+registers each replayed module in the block's autocast, and updates the backward scales once
+per micro-batch after the first graphed layer's backward, as eager does.
 """
 
 from typing import Callable, Iterable, Optional

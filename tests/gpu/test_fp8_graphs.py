@@ -18,7 +18,7 @@ hybrids within `DLOSS_MAMBA`, the BF16 graph tests' tolerance (Mamba's backward 
 not bitwise run to run, and at this learning rate their noise has reached 3.5e-3 in six
 steps). A stale weight copy moves the loss by a step's change, 1e-2 or more. One BF16 run per
 model checks FP8 stays within `FP8_VS_BF16` of it. Delayed scaling runs under local and TE
-layer graphs (chunk graphs refuse it at start-up: checked here too). Under a capacity ladder
+layer graphs (chunk graphs refuse it at parse time: checked here too). Under a capacity ladder
 the graphs of several capacities share one quantized copy of the weights per iteration.
 
 The MoE and MLA models (drop-and-pad experts: TE's grouped GEMM for GPT, sequential TE linears
@@ -28,9 +28,9 @@ loss within `DLOSS`. Megatron-LM's FP8 options (`FP8_OPTIONS`: the first and las
 BF16, FP8 weights kept by the distributed optimizer, the routed experts in BF16 through a
 per-module precision file) follow eager under graphs too, and each must act: change eager
 FP8's losses, or for the FP8 weights, hold the linear weights as TE FP8 tensors (a worker,
-fp8_weight_types.py, builds the model). On two GPUs, tensor parallelism with sequence parallelism (amaxes
-all-reduced over the ranks) under layer and chunk graphs. Select with ``-k``, e.g.
-``-k "gpt and tensorwise"``.
+fp8_weight_types.py, builds the model). On two GPUs, tensor parallelism with sequence
+parallelism (amaxes all-reduced over the ranks) under layer and chunk graphs. Select with
+``-k``, e.g. ``-k "gpt and tensorwise"``.
 """
 
 import json
@@ -107,7 +107,7 @@ def assert_follows(eager, graphs, *, exact, label, tolerance=DLOSS):
                    for e, g in zip(train_e, train_g))
         print(f"{label}: max |d load-balancing loss| {daux:.2e}")
         assert daux < tolerance, [(e["load_balancing_loss"], g["load_balancing_loss"])
-                              for e, g in zip(train_e, train_g)]
+                                  for e, g in zip(train_e, train_g)]
 
 
 def assert_graphs_follow(tmp_path, script, common, eager, kinds, label, exact_kind=None,
@@ -154,9 +154,9 @@ def test_fp8_moe_and_mla_graphs_follow_eager_fp8(tmp_path, model, recipe):
 # Megatron-LM's FP8 options: (model, flags, graph kinds). ``--first-last-layers-bf16``: one
 # layer at each end in BF16, which every graph kind must capture outside FP8;
 # ``--fp8-param-gather``: the distributed optimizer keeps FP8 weights, which the graphs must
-# read after each step (that it acts is `test_fp8_param_gather_holds_the_weights_in_fp8`: its
-# losses may equal the BF16 weights' ones, quantized from the same master values); the
-# per-module precision file that keeps the routed experts in BF16.
+# read after each step (that it acts is `test_fp8_param_gather_holds_the_weights_in_fp8`: on one
+# GPU its losses have equalled those without it); the per-module precision file that keeps
+# the routed experts in BF16.
 FP8_OPTIONS = {
     "first_last_layers_bf16": ("gpt", ["--first-last-layers-bf16"], list(KINDS)),
     "fp8_param_gather": ("gpt", ["--fp8-param-gather"], ["layer", "chunk", "full_iteration"]),
@@ -238,4 +238,3 @@ def test_delayed_scaling_is_refused_under_chunk_graphs(tmp_path):
     assert proc.returncode != 0
     assert "--fp8-recipe is wrong for --cuda-graph-impl local --cuda-graph-granularity chunk" \
         in proc.stdout + proc.stderr
-
