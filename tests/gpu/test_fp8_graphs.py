@@ -52,6 +52,7 @@ from tests.gpu.launch import (
     TINY_HYBRID,
     TINY_HYBRID_MOE,
     TRAIN,
+    assert_succeeded,
     losses,
     run_training,
     torchrun,
@@ -183,7 +184,7 @@ def test_fp8_param_gather_holds_the_weights_in_fp8(tmp_path):
     (megatron-core builds the layers under TE's quantized-model init), the norms in BF16."""
     out = os.path.join(str(tmp_path), "weights.json")
     proc = torchrun("tests/gpu/fp8_weight_types.py", [out], nproc=1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_succeeded("tests/gpu/fp8_weight_types.py", proc.returncode, proc.stdout + proc.stderr)
     with open(out) as f:
         types = json.load(f)
     linears = {name: kind for name, kind in types.items()

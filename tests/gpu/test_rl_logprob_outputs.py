@@ -27,13 +27,13 @@ TOP_K, CHUNK, TOLERANCE = 16, 384, 2e-5
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.gpus(2))])
 def test_entropy_and_top_k_graphed_equal_eager_and_torch(tmp_path, tp):
-    from tests.gpu.launch import torchrun
+    from tests.gpu.launch import assert_succeeded, torchrun
 
     out = str(tmp_path / "result.json")
     proc = torchrun(WORKER, ["--out", out, "--tp", str(tp)], nproc=tp)
     with open(str(tmp_path / "worker.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert_succeeded(WORKER, proc.returncode, proc.stdout + proc.stderr)
     with open(out) as f:
         result = json.load(f)
     print(json.dumps(result, indent=1)[:3000])
